@@ -1,0 +1,40 @@
+"""Paged attention, pure torch: the CPU path and the oracle of the Triton kernel.
+
+Each sequence attends with its query tokens (a prefill chunk, one decode token, or 1 + k verify
+tokens) over every cached position up to its own; query i of a sequence sits at position
+context_len - query_len + i.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from streamsd.model.kv_cache import BatchLayout
+
+
+def paged_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout, scale: float
+) -> torch.Tensor:
+    """q [T, H, D]; caches [NB, BS, KVH, D] -> out [T, H, D]."""
+    out = torch.empty_like(q)
+    kvh, dim = k_cache.shape[2], k_cache.shape[3]
+    for start, qlen, ctx, table in zip(
+        layout.query_starts, layout.query_lens, layout.context_lens, layout.block_tables, strict=True
+    ):
+        if qlen == 0:
+            continue
+        blocks = torch.tensor(table, dtype=torch.int64, device=q.device)
+        k = k_cache.index_select(0, blocks).reshape(-1, kvh, dim)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
+        v = v_cache.index_select(0, blocks).reshape(-1, kvh, dim)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
+        qs = q[start : start + qlen].transpose(0, 1)  # [H, qlen, D]
+        if qlen == ctx:
+            o = F.scaled_dot_product_attention(qs, k.to(qs.dtype), v.to(qs.dtype), is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            q_pos = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(-1)  # [qlen, 1]
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [qlen, ctx]
+            o = F.scaled_dot_product_attention(qs, k.to(qs.dtype), v.to(qs.dtype), attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[start : start + qlen] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,83 @@
+"""Paged KV storage: fixed-size blocks, written at slot indices and read through block tables.
+
+This layer only stores and reads; which request owns which block is the scheduler's business.
+Rolling back rejected tokens is a change of the context length the next step passes in: stale
+entries past it are never read and are overwritten when the positions are written again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from streamsd.model.arch import ModelArgs
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """Where each token of a flat batch goes, and what each sequence attends to.
+
+    Host lists drive the CPU reference path; the tensors feed the GPU kernel.
+    """
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, block * block_size + offset
+    query_starts: list[int]  # per sequence, into the T tokens
+    query_lens: list[int]
+    context_lens: list[int]  # tokens in the cache after this step's writes
+    block_tables: list[list[int]]
+    block_table: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    context_lens_t: torch.Tensor  # [S] int32
+    query_starts_t: torch.Tensor  # [S + 1] int32, prefix sums of query_lens
+
+    @staticmethod
+    def build(
+        starts: list[int], counts: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+    ) -> BatchLayout:
+        """starts[i]: first position this step computes for sequence i; counts[i]: how many."""
+        positions: list[int] = []
+        slots: list[int] = []
+        q_starts: list[int] = []
+        for start, count, table in zip(starts, counts, block_tables, strict=True):
+            q_starts.append(len(positions))
+            for pos in range(start, start + count):
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max((len(t) for t in block_tables), default=1) or 1
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        ctx = [s + c for s, c in zip(starts, counts, strict=True)]
+        return BatchLayout(
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_starts=q_starts,
+            query_lens=list(counts),
+            context_lens=ctx,
+            block_tables=block_tables,
+            block_table=torch.tensor(padded, dtype=torch.int32, device=device),
+            context_lens_t=torch.tensor(ctx, dtype=torch.int32, device=device),
+            query_starts_t=torch.tensor(q_starts + [len(positions)], dtype=torch.int32, device=device),
+        )
+
+
+class PagedKVCache:
+    """K and V for every layer: [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[index, 0], self.data[index, 1]  # each [NB, BS, KVH, D]
+
+    @staticmethod
+    def write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [T, KVH, D] into the flat slots [T]."""
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    @staticmethod
+    def bytes_for(args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:
+        return num_blocks * block_size * args.kv_bytes_per_token(dtype)

@@ -1,0 +1,145 @@
+"""One forward for the Llama family (Llama 2/3/3.1, SmolLM, Mistral, Qwen2) over a paged KV cache.
+
+Input is a flat batch of tokens from many requests, each at its own positions — prefill chunks,
+single decode tokens and 1 + k verify tokens in one call. Logits come out only at the rows asked
+for. Parameter names mirror transformers' so a checkpoint's state dict loads as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamsd.model.arch import ModelArgs, rope_tables
+from streamsd.model.attention import paged_attention_reference
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BatchLayout, float], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like transformers, so bf16 results match it bit for bit where possible.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D] -> [T, H, D] (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos.unsqueeze(1) + rotated.float() * sin.unsqueeze(1)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        self.scale = a.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                layout: BatchLayout, attend: AttentionFn) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)  # [T, KVH, D]
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
+        PagedKVCache.write(kv[0], kv[1], k, v, layout.slot_mapping)
+        out = attend(q, kv[0], kv[1], layout, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [N, V] float32 at the requested rows
+    hidden: list[torch.Tensor] | None  # residual streams at the requested layers, [N, hidden] each
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.attend: AttentionFn = paged_attention_reference
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    @staticmethod
+    def build(args: ModelArgs, state_dict: dict[str, torch.Tensor], device: torch.device,
+              dtype: torch.dtype) -> Transformer:
+        with torch.device("meta"):
+            model = Transformer(args)
+        if args.tie_embeddings or "lm_head.weight" not in state_dict:
+            state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+        state_dict = {k: v for k, v in state_dict.items() if "rotary_emb" not in k}
+        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()},
+                              strict=True, assign=True)
+        model.rope_cos, model.rope_sin = rope_tables(args, device)
+        return model.eval()
+
+    @torch.inference_mode()
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,  # [T]
+        layout: BatchLayout,
+        cache: PagedKVCache,
+        logits_rows: torch.Tensor,  # [N] rows of T whose logits are wanted
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        cos = self.rope_cos.index_select(0, layout.positions)  # [T, D]
+        sin = self.rope_sin.index_select(0, layout.positions)  # [T, D]
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        captured: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            if i in hidden_layers:
+                captured.append(h.index_select(0, logits_rows))
+            attn = layer.self_attn(layer.input_layernorm(h), cos, sin, cache.layer(i), layout, self.attend)
+            h = h + attn
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if self.args.num_layers in hidden_layers:
+            captured.append(h.index_select(0, logits_rows))
+        h = self.model.norm(h.index_select(0, logits_rows))  # [N, hidden]
+        logits = self.lm_head(h).float()  # [N, V]
+        return ForwardOutput(logits=logits, hidden=captured or None)

@@ -1,0 +1,184 @@
+"""Sampling parameters and per-request state. Imports no torch: the scheduler lives on these."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_TOP_LOGPROBS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What to sample and when to stop; shaped like vLLM's so users know it.
+
+    `speculative` (None = the engine's default) switches speculation for this request, and
+    `num_speculative_tokens` caps its k below the engine's maximum.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    speculative: bool | None = None
+    num_speculative_tokens: int | None = None
+    draft_greedy_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
+               "temperature", "must be in [0, 100]")
+        _check(math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 = off)")
+        _check(math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", "must be an integer in [0, max_tokens]")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               "seed", "must be an integer in [0, 2**63)")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+               "logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(self.num_speculative_tokens is None
+               or (isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= 16),
+               "num_speculative_tokens", "must be an integer in [0, 16]")
+        _check(self.draft_greedy_threshold is None or 0.0 <= self.draft_greedy_threshold <= 100.0,
+               "draft_greedy_threshold", "must be in [0, 100]")
+        for s in self.stop_strings:
+            _check(isinstance(s, str) and 0 < len(s) <= 256, "stop", "each stop string must be 1 to 256 characters")
+        _check(len(self.stop_strings) <= 16, "stop", "at most 16 stop strings")
+        for t in self.stop_token_ids or []:
+            _check(isinstance(t, int) and t >= 0, "stop_token_ids", "must be non-negative integers")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class ParamError(ValueError):
+    """An out-of-range request field; `param` names it for the OpenAI-shaped error."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ParamError(param, message)
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "cancelled"
+    ERROR = "error"
+
+
+class Status(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculation counters of one request (or of the whole engine)."""
+
+    steps: int = 0  # verify steps that emitted tokens
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos.extend([0] * (drafted - len(self.accepted_per_pos)))
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step, bonus included (the usual τ)."""
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "accepted_per_position": list(self.accepted_per_pos),
+        }
+
+
+@dataclass(slots=True)
+class Request:
+    """Everything the scheduler and worker know of one request.
+
+    `computed` counts tokens whose KV the target cache holds; `draft_computed` the same for the
+    draft model's cache. `draft_ids` are the drafts proposed after the last verification (their
+    q sits in the worker's q pool at `q_slot`, or they are one-hot); the next step that schedules
+    this request verifies them, however much later that is.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float
+    eos_ids: frozenset[int] = frozenset()
+    spec_k: int = 0  # this request's maximum k (0 = no speculation)
+    greedy_draft: bool = True  # one-hot q (greedy draft) vs dense sampled q
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    computed: int = 0
+    draft_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)
+    q_slot: int | None = None
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+    first_scheduled: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,28 @@
+"""Sampling one token per row from warped probabilities without a host synchronisation."""
+
+from __future__ import annotations
+
+import torch
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(p / E), E ~ Exp(1), draws from p. [N, V], [N, V] -> [N]."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample_rows(probs: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Greedy rows take the raw argmax, others race. probs/logits/noise [N, V], greedy [N] -> [N]."""
+    return torch.where(greedy, logits.argmax(dim=-1), race(probs, noise))
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities under the raw model distribution, as OpenAI reports them.
+
+    logits [N, V], tokens [N] -> chosen [N], top values [N, top_n], top ids [N, top_n].
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    chosen = logp.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [N]
+    top_vals, top_ids = logp.topk(max(top_n, 1), dim=-1)  # [N, top_n]
+    return chosen, top_vals[:, :top_n], top_ids[:, :top_n]

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import build_model, build_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """Tiny random Llama target (2 layers, hidden 64)."""
+    return build_model(tmp_path_factory.mktemp("target"), seed=0, tokenizer=tiny_tokenizer, weight_scale=4.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """Tiny random Llama draft: different weights from the target, same vocabulary."""
+    return build_model(
+        tmp_path_factory.mktemp("draft"), seed=1, tokenizer=tiny_tokenizer, layers=1, hidden=32, heads=2,
+        kv_heads=1, intermediate=64, weight_scale=4.0,
+    )
