@@ -1,0 +1,187 @@
+"""Find a model and read its weights.
+
+`resolve_model` turns what the user typed after `--model` into a local HF directory (config.json,
+safetensors, tokenizer files): the embedded default, a directory, a `.gguf` file (converted once
+and cached) or a hub id. `load_state_dict` reads the safetensors straight into tensors with HF
+names; `load_hf_config` and `check_architecture` read and vet config.json.
+
+Every failure a user can cause is a `ModelLoadError` whose message is one sentence saying what is
+wrong and what to do; the CLI prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+# architectures entry -> model_type; SmolLM and SmolLM2 are plain Llama.
+SUPPORTED_ARCHITECTURES = MappingProxyType({
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+})
+# Enough to run a model; skips .bin/.pt/.onnx/.gguf duplicates a hub repo may also carry.
+_HUB_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelLoadError(Exception):
+    """A model could not be found, fetched, converted or read; the message says what to do."""
+
+
+def streamsd_home(home: Path | None = None) -> Path:
+    """The cache root: `home` if given, else `$STREAMSD_HOME`, else `~/.cache/streamsd`."""
+    if home is not None:
+        return Path(home).expanduser()
+    env = os.environ.get("STREAMSD_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "streamsd"
+
+
+def resolve_model(spec: str, *, home: Path | None = None, progress: bool = True) -> Path:
+    """A local HF model directory for `spec` (default name, directory, .gguf file or hub id)."""
+    from streamsd.model.default_model import DEFAULT_MODEL_NAME, pull_default
+
+    if spec == DEFAULT_MODEL_NAME:
+        return pull_default(home, progress=progress)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return validate_model_dir(path)
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return _converted_gguf(path, home, progress=progress)
+        raise ModelLoadError(
+            f"{spec} is a file, not a model; pass the directory holding config.json and the safetensors, "
+            "or a .gguf file"
+        )
+    if _looks_like_path(spec):
+        raise ModelLoadError(f"no such file or directory: {spec}")
+    return _download_from_hub(spec)
+
+
+def validate_model_dir(model_dir: Path) -> Path:
+    """`model_dir` if it has a config.json and safetensors weights, else a ModelLoadError."""
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir} has no config.json; pass a Hugging Face model directory or a .gguf file")
+    if not _weight_files(model_dir):
+        raise ModelLoadError(
+            f"{model_dir} has no *.safetensors weights (streamsd does not read .bin checkpoints); "
+            "convert them with transformers' save_pretrained"
+        )
+    return model_dir
+
+
+def load_hf_config(model_dir: Path) -> Any:
+    """transformers' config object for `model_dir` (never running remote code)."""
+    from transformers import AutoConfig
+
+    path = Path(model_dir) / "config.json"
+    try:
+        json.loads(path.read_text())
+        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{path} does not exist; pass a Hugging Face model directory") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON ({exc}); restore or re-download it") from exc
+    except (ValueError, KeyError, OSError) as exc:  # unknown model_type, unreadable file
+        raise ModelLoadError(f"transformers cannot read {path}: {exc}") from exc
+
+
+def check_architecture(hf_config: Any) -> str:
+    """The model_type of a supported config ("llama", "mistral" or "qwen2"); else a ModelLoadError."""
+    model_type = getattr(hf_config, "model_type", None)
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    bad = [a for a in archs if SUPPORTED_ARCHITECTURES.get(a) != model_type]
+    if model_type in SUPPORTED_ARCHITECTURES.values() and not bad:
+        return str(model_type)
+    name = ", ".join(bad or archs) or f"model_type {model_type!r}"
+    supported = ", ".join(f"{a} ({t})" for a, t in SUPPORTED_ARCHITECTURES.items())
+    raise ModelLoadError(
+        f"unsupported model architecture {name}; streamsd runs {supported}, SmolLM included"
+    )
+
+
+def load_state_dict(
+    model_dir: Path, *, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """All tensors of `model_dir`'s safetensors (one file or sharded), HF names, floats cast to dtype."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    files = _weight_files(model_dir)
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights; pass a Hugging Face model directory")
+    target = torch.device(device)
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            # Reading straight onto the target device skips a host copy of every tensor on CUDA.
+            with safe_open(str(file), framework="pt", device=str(target)) as reader:
+                for name in reader.keys():
+                    tensor = reader.get_tensor(name)
+                    state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        except FileNotFoundError as exc:
+            raise ModelLoadError(f"weights file {file} is missing; re-download or re-convert the model") from exc
+        except Exception as exc:  # safetensors raises its own SafetensorError, or OSError on short reads
+            raise ModelLoadError(
+                f"cannot read weights file {file} ({exc}); it is corrupt or truncated, re-download or "
+                "re-convert the model"
+            ) from exc
+    return state
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index ({exc}); re-download it") from exc
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    return [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+
+
+def _looks_like_path(spec: str) -> bool:
+    if spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf"):
+        return True
+    seps = {os.sep, os.altsep} - {None}
+    # "org/name" is a hub id even though it contains the separator; anything deeper is a path.
+    return any(s in spec for s in seps) and not _HUB_ID.match(spec)
+
+
+def _converted_gguf(gguf: Path, home: Path | None, *, progress: bool) -> Path:
+    from streamsd.model.gguf_convert import convert_gguf_to_hf
+
+    stat = gguf.stat()
+    # Size + mtime identify the file without hashing gigabytes on every start.
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = streamsd_home(home) / "converted" / f"{gguf.stem}-{key}"
+    return convert_gguf_to_hf(gguf, out, progress=progress)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from streamsd.model.default_model import DEFAULT_MODEL_NAME
+
+    hint = "pass a local model directory or a .gguf file instead"
+    if not _HUB_ID.match(repo_id):
+        raise ModelLoadError(
+            f"no such file or directory, and not a hub id of the form org/name: {repo_id} "
+            f"(the embedded default model is {DEFAULT_MODEL_NAME})"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(repo_id, allow_patterns=list(_HUB_PATTERNS)))
+    except ImportError as exc:
+        raise ModelLoadError(f"model {repo_id} could not be downloaded (huggingface_hub is missing); {hint}") from exc
+    except Exception as exc:  # offline, unknown repo, gated repo, HTTP errors: all the same to the user
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"model {repo_id} could not be downloaded from the hub ({reason}); {hint}") from exc
+    return validate_model_dir(path)
