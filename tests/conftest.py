@@ -4,10 +4,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import build_model, build_tokenizer  # noqa: E402
+from tiny import build_model, build_perturbed, build_tokenizer  # noqa: E402
+
+# Tiny models run fastest single-threaded, and the CI machine has two cores shared with servers.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +32,15 @@ def tiny_draft_dir(tmp_path_factory, tiny_tokenizer) -> Path:
         tmp_path_factory.mktemp("draft"), seed=1, tokenizer=tiny_tokenizer, layers=1, hidden=32, heads=2,
         kv_heads=1, intermediate=64, weight_scale=4.0,
     )
+
+
+@pytest.fixture(scope="session")
+def close_draft_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """A draft that often agrees with the target (its weights plus noise): high, imperfect acceptance."""
+    return build_perturbed(tiny_model_dir, tmp_path_factory.mktemp("close_draft"), noise=0.03)
+
+
+@pytest.fixture(scope="session")
+def qwen_target_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    return build_model(tmp_path_factory.mktemp("qwen"), family="qwen2", seed=5, tokenizer=tiny_tokenizer,
+                       weight_scale=4.0)

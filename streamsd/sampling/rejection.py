@@ -17,7 +17,7 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class VerifyInput:
-    target_probs: torch.Tensor  # [B, K+1, V] warped p at each verified position
+    target_probs: torch.Tensor | None  # [B, K+1, V] warped p at each verified position; None: all greedy
     target_argmax: torch.Tensor  # [B, K+1] argmax of the raw target logits
     draft_ids: torch.Tensor  # [B, K] int64 (padding beyond num_drafts is ignored)
     draft_probs: torch.Tensor | None  # [B, K, V] dense q; rows with dense_q False ignore it
@@ -25,41 +25,47 @@ class VerifyInput:
     num_drafts: torch.Tensor  # [B] int64, 0..K
     greedy: torch.Tensor  # [B] bool
     uniforms: torch.Tensor  # [B, K] U(0,1) for the accept tests
-    noise: torch.Tensor  # [B, K+1, V] Exp(1) for recovered and bonus tokens
+    noise: torch.Tensor | None  # [B, K+1, V] Exp(1) for recovered and bonus tokens; None: all greedy
 
 
 def rejection_sample(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (tokens [B, K+1] with -1 after the last emitted one, num_accepted [B])."""
-    batch, k1, vocab = v.target_probs.shape
+    batch, k1 = v.target_argmax.shape
     k = k1 - 1
     pos = torch.arange(k1, device=v.draft_ids.device)  # [K+1]
     live = pos[:k].unsqueeze(0) < v.num_drafts.unsqueeze(-1)  # [B, K]
     draft = v.draft_ids.clamp(min=0)  # [B, K]
-
-    p_d = v.target_probs[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
-    one_hot = torch.nn.functional.one_hot(draft, vocab).to(v.target_probs.dtype)  # [B, K, V]
-    q = one_hot
-    if v.draft_probs is not None:
-        q = torch.where(v.dense_q.view(batch, 1, 1), v.draft_probs.to(v.target_probs.dtype), one_hot)
-    q_d = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
-
-    random_ok = v.uniforms * q_d <= p_d  # [B, K]
-    greedy_ok = draft == v.target_argmax[:, :k]  # [B, K]
-    ok = torch.where(v.greedy.unsqueeze(-1), greedy_ok, random_ok) & live  # [B, K]
+    ok = draft == v.target_argmax[:, :k]  # [B, K] greedy rows: accept while the argmax agrees
+    corrected = v.target_argmax  # [B, K+1]
+    if v.target_probs is not None and v.noise is not None:
+        random_ok, sampled = _random_rows(v, draft, live)
+        ok = torch.where(v.greedy.unsqueeze(-1), ok, random_ok)
+        corrected = torch.where(v.greedy.unsqueeze(-1), v.target_argmax, sampled)
+    ok = ok & live
     num_accepted = ok.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
 
-    # Residual at each position: q counts only where a live draft was tested; past the last
-    # draft (the bonus position) it is p itself.
-    q_full = torch.cat([q * live.unsqueeze(-1), torch.zeros_like(q[:, :1])], dim=1)  # [B, K+1, V]
-    residual = (v.target_probs - q_full).clamp(min=0)  # [B, K+1, V]
-    # p == q exactly leaves no residual mass; rejection then has probability 0, but keep the
-    # race well defined by falling back to p.
-    empty = residual.sum(dim=-1, keepdim=True) <= 0
-    residual = torch.where(empty, v.target_probs, residual)
-    sampled = (residual / v.noise).argmax(dim=-1)  # [B, K+1]
-    corrected = torch.where(v.greedy.unsqueeze(-1), v.target_argmax, sampled)  # [B, K+1]
-
-    drafts_padded = torch.cat([v.draft_ids, torch.zeros_like(v.draft_ids[:, :1])], dim=1)  # [B, K+1]
+    drafts_padded = torch.nn.functional.pad(v.draft_ids, (0, 1))  # [B, K+1]
     n = num_accepted.unsqueeze(-1)  # [B, 1]
     tokens = torch.where(pos < n, drafts_padded, torch.where(pos == n, corrected, torch.full_like(corrected, -1)))
     return tokens, num_accepted
+
+
+def _random_rows(v: VerifyInput, draft: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept tests [B, K] and recovered/bonus samples [B, K+1] for sampled rows."""
+    assert v.target_probs is not None and v.noise is not None
+    p = v.target_probs  # [B, K+1, V]
+    batch, k1, vocab = p.shape
+    p_d = p[:, : k1 - 1].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
+    q = torch.nn.functional.one_hot(draft, vocab).to(p.dtype)  # [B, K, V]
+    if v.draft_probs is not None:
+        q = torch.where(v.dense_q.view(batch, 1, 1), v.draft_probs.to(p.dtype), q)
+    q_d = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
+    accept = v.uniforms * q_d <= p_d  # [B, K]: u < p/q without dividing by q
+    # Residual at each position: q counts only where a live draft was tested; past the last draft
+    # (the bonus position) it is p itself.
+    q_full = torch.nn.functional.pad(q * live.unsqueeze(-1), (0, 0, 0, 1))  # [B, K+1, V]
+    residual = (p - q_full).clamp(min=0)  # [B, K+1, V]
+    # p == q exactly leaves no residual mass; rejection then has probability 0, but keep the race
+    # well defined by falling back to p.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0, p, residual)
+    return accept, (residual / v.noise).argmax(dim=-1)

@@ -6,8 +6,8 @@ or after preemption — with no per-request generator objects, no Python loop ov
 no host synchronisation. Losslessness holds because the token at position m is decided only by
 numbers keyed at positions <= m; numbers keyed at later positions stay independent of it.
 
-The mixer is a 32-bit integer hash evaluated in int64 with multipliers below 2**31, so no
-product can overflow and CPU and CUDA give bit-identical results.
+The mixer is Chris Wellons' lowbias32 integer hash, evaluated in int64 with each 32-bit product
+split into 16-bit halves so nothing can overflow: CPU and CUDA give bit-identical results.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 _MASK32 = 0xFFFFFFFF
 _M1 = 0x7FEB352D
-_M2 = 0x5BD1E995
+_M2 = 0x846CA68B
 _GOLDEN = 0x61C88647  # 2**32 / phi, below 2**31
 
 ACCEPT = 1
@@ -24,12 +24,17 @@ TARGET = 2
 DRAFT = 3
 
 
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """(x * m) mod 2**32 for x < 2**32, with no intermediate above 2**48."""
+    return (x * (m & 0xFFFF) + (((x * (m >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
 def _mix(x: torch.Tensor) -> torch.Tensor:
     x = x & _MASK32
     x = x ^ (x >> 16)
-    x = (x * _M1) & _MASK32
+    x = _mul32(x, _M1)
     x = x ^ (x >> 15)
-    x = (x * _M2) & _MASK32
+    x = _mul32(x, _M2)
     return x ^ (x >> 16)
 
 
@@ -42,8 +47,9 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
 
 
 def _to_unit(h: torch.Tensor) -> torch.Tensor:
-    # 24 random bits, centred in their cell: uniform on (0, 1), never 0 or 1.
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    # 23 random bits, centred in their cell: uniform on (0, 1), never 0 or 1 — with 24 bits the
+    # top cell's centre rounds to 1.0 in float32, and -log(1) = 0 turns the race into NaN.
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:

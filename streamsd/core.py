@@ -1,0 +1,179 @@
+"""The synchronous engine core: requests in, per-step output deltas out.
+
+`step()` is schedule -> execute -> postprocess. The async engine runs the same three parts with
+`execute` on the worker thread; the offline `LLM` calls `step()` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamsd.config import SpecConfig
+from streamsd.detokenizer import Detokenizer, TokenInfo
+from streamsd.request import FinishReason, ParamError, Request, SamplingParams, SpecStats, Status
+from streamsd.runtime import Runtime
+from streamsd.scheduler import EntryResult, Scheduler, StepPlan
+
+log = logging.getLogger("streamsd")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One step's worth of a request: new tokens and text, and at the end why it stopped."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    tokens: list[TokenInfo]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    step_drafted: int = 0
+    step_accepted: int = 0
+    stats: SpecStats | None = None
+    queue_seconds: float | None = None
+
+
+@dataclass(slots=True)
+class _Tracker:
+    request: Request
+    detok: Detokenizer
+    released_tokens: int = 0
+    timeline: list[float] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, runtime: Runtime, spec: SpecConfig):
+        self.rt = runtime
+        self.spec = spec
+        self.tokenizer = runtime.tokenizer
+        self.scheduler = Scheduler(runtime.scheduler_config, dense_q_slots=runtime.q_slots)
+        self.trackers: dict[str, _Tracker] = {}
+        self.totals = SpecStats()
+        self._rand = random.SystemRandom()
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        if request_id in self.trackers:
+            raise ParamError("id", f"request id {request_id!r} is already running")
+        vocab = self.rt.args.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ParamError("prompt", f"token ids must be in [0, {vocab})")
+        r = Request(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            seed=params.seed if params.seed is not None else self._rand.getrandbits(63),
+            arrival=time.monotonic(),
+            eos_ids=self.rt.eos_ids,
+            spec_k=self._spec_k(params),
+            greedy_draft=params.temperature < (params.draft_greedy_threshold
+                                               if params.draft_greedy_threshold is not None
+                                               else self.spec.draft_greedy_threshold),
+        )
+        self.scheduler.add(r)
+        self.trackers[request_id] = _Tracker(r, Detokenizer.for_prompt(self.tokenizer, r.prompt_ids,
+                                                                        params.stop_strings))
+        return r
+
+    def _spec_k(self, p: SamplingParams) -> int:
+        if not self.spec.enabled or p.speculative is False:
+            return 0
+        k = self.spec.num_tokens
+        return min(k, p.num_speculative_tokens) if p.num_speculative_tokens is not None else k
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.trackers:
+            self.scheduler.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan, aborted = self.scheduler.schedule()
+        results = self.execute(plan)
+        return self.postprocess(plan, results, aborted)
+
+    def execute(self, plan: StepPlan) -> list[EntryResult] | BaseException:
+        """Runs on the worker thread. A failure is returned, not raised, so only its requests fail."""
+        if not plan.entries:
+            return []
+        try:
+            return self.rt.worker.step(plan)
+        except Exception as exc:  # the engine must outlive any one step
+            log.exception("step failed; failing its %d requests", len(plan.entries))
+            return exc
+
+    def postprocess(self, plan: StepPlan, results: list[EntryResult] | BaseException,
+                    aborted: list[Request]) -> list[RequestOutput]:
+        outputs = [self._final(r, FinishReason.ABORT) for r in aborted if r.request_id in self.trackers]
+        if isinstance(results, BaseException):
+            for e in plan.entries:
+                self.scheduler.finish(e.request, FinishReason.ERROR)
+                outputs.append(self._final(e.request, FinishReason.ERROR, error=f"internal error: {results}"))
+            return outputs
+        now = time.monotonic()
+        for e in plan.entries:
+            if e.request.first_scheduled is None:
+                e.request.first_scheduled = now
+        for entry, res, kept in self.scheduler.update(plan, results):
+            self.totals.record(entry.num_drafts, res.num_accepted, len(res.new_tokens))
+            outputs.append(self._emit(entry.request, res, kept, entry.num_drafts))
+        return outputs
+
+    def _emit(self, r: Request, res: EntryResult, kept: list[int], drafted: int) -> RequestOutput:
+        t = self.trackers[r.request_id]
+        for i, tok in enumerate(kept):
+            lp = res.logprobs[i] if res.logprobs else None
+            t.detok.add(TokenInfo(tok, "", res.draft_flags[i] if i < len(res.draft_flags) else False,
+                                  lp[0] if lp else None, lp[1] if lp else None))
+        text, tokens = t.detok.release(final=r.finished)
+        t.released_tokens += len(tokens)
+        if t.detok.stopped and not r.finished:
+            self.scheduler.finish(r, FinishReason.STOP)
+        if t.detok.stopped:
+            del r.output_ids[t.released_tokens :]
+            r.finish_reason = FinishReason.STOP
+        out = RequestOutput(r.request_id, [x.id for x in tokens], text, tokens,
+                            step_drafted=drafted, step_accepted=res.num_accepted)
+        if r.first_scheduled is not None and not t.timeline:
+            out.queue_seconds = r.first_scheduled - r.arrival
+        t.timeline.append(time.monotonic())
+        if r.finished:
+            self._close(r, out)
+        return out
+
+    def _final(self, r: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        t = self.trackers.get(r.request_id)
+        text, tokens = t.detok.release(final=True) if t and reason is not FinishReason.ERROR else ("", [])
+        out = RequestOutput(r.request_id, [x.id for x in tokens], text, tokens, error=error)
+        r.finish_reason = reason
+        self._close(r, out)
+        return out
+
+    def _close(self, r: Request, out: RequestOutput) -> None:
+        out.finished = True
+        out.finish_reason = str(r.finish_reason or FinishReason.STOP)
+        out.prompt_tokens = len(r.prompt_ids)
+        out.completion_tokens = len(r.output_ids)
+        out.stats = r.stats
+        self.trackers.pop(r.request_id, None)
+        assert r.status is Status.FINISHED and not r.blocks, "finished requests hold no KV"
+
+    # -- text -------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ParamError("messages", "this model has no chat template; use the completions API")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,111 @@
+"""The offline batch API, shaped like vLLM's: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamsd.config import EngineConfig, SpecConfig
+from streamsd.core import EngineCore, RequestOutput
+from streamsd.detokenizer import TokenInfo
+from streamsd.request import SamplingParams, SpecStats
+from streamsd.runtime import build_runtime
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    tokens: list[TokenInfo] = field(default_factory=list)
+
+    @property
+    def logprobs(self) -> list[float | None]:
+        return [t.logprob for t in self.tokens]
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    spec_stats: SpecStats
+    error: str | None = None
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        draft_model: str | None = None,
+        speculative_method: str | None = None,
+        num_speculative_tokens: int = 4,
+        draft_greedy_threshold: float = 0.75,
+        device: str | None = None,
+        dtype: str = "auto",
+        kv_cache_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+    ):
+        if speculative_method is None and draft_model is not None:
+            speculative_method = "draft"
+        spec = SpecConfig(method=speculative_method, num_tokens=num_speculative_tokens,  # type: ignore[arg-type]
+                          draft_model=draft_model, draft_greedy_threshold=draft_greedy_threshold)
+        cfg = EngineConfig(model=model, spec=spec, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           max_queue=1 << 40)  # offline: every prompt waits its turn
+        self.core = EngineCore(build_runtime(cfg), spec)
+        self.tokenizer = self.core.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = [self.core.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run(ids, texts, sampling_params)
+
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        ids = [self.core.encode_chat(c) for c in convs]  # type: ignore[arg-type]
+        return self._run(ids, [None] * len(ids), sampling_params)
+
+    def _run(self, ids: list[list[int]], texts: list[str | None],
+             sampling_params: SamplingParams | list[SamplingParams] | None) -> list[GenerationResult]:
+        params = sampling_params or SamplingParams()
+        per = params if isinstance(params, list) else [params] * len(ids)
+        if len(per) != len(ids):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        order: list[str] = []
+        results: dict[str, GenerationResult] = {}
+        for prompt_ids, text, p in zip(ids, texts, per, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            self.core.add_request(rid, prompt_ids, p)
+            order.append(rid)
+            results[rid] = GenerationResult(rid, text, prompt_ids, [CompletionOutput(0, "", [], None)], SpecStats())
+        while self.core.has_work:
+            for out in self.core.step():
+                self._merge(results[out.request_id], out)
+        return [results[r] for r in order]
+
+    @staticmethod
+    def _merge(res: GenerationResult, out: RequestOutput) -> None:
+        c = res.outputs[0]
+        c.text += out.text
+        c.token_ids.extend(out.token_ids)
+        c.tokens.extend(out.tokens)
+        if out.finished:
+            c.finish_reason = out.finish_reason
+            res.spec_stats = out.stats or SpecStats()
+            res.error = out.error

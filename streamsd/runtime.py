@@ -1,0 +1,157 @@
+"""From an EngineConfig to a ready worker: resolve and load the models, size the caches."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig
+from streamsd.model.arch import ModelArgs
+from streamsd.model.kv_cache import PagedKVCache
+from streamsd.model.llama import Transformer
+from streamsd.model.loader import (
+    ModelLoadError,
+    check_architecture,
+    load_hf_config,
+    load_state_dict,
+    resolve_model,
+)
+from streamsd.spec.base import Proposer
+from streamsd.spec.draft_model import DraftModelProposer
+from streamsd.spec.ngram import NgramProposer
+from streamsd.worker import Worker
+
+log = logging.getLogger("streamsd")
+CPU_DEFAULT_KV_TOKENS = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    worker: Worker
+    tokenizer: Any
+    args: ModelArgs
+    scheduler_config: SchedulerConfig
+    model_dir: Path
+    eos_ids: frozenset[int]
+    q_slots: int
+    load_seconds: float
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {name!r}")
+    return table[name]
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, Path]:
+    path = resolve_model(spec)
+    hf_config = load_hf_config(path)
+    check_architecture(hf_config)
+    args = ModelArgs.from_hf(hf_config)
+    weights = load_state_dict(path, dtype=dtype, device=device)
+    try:
+        return Transformer.build(args, weights, device, dtype), path
+    except (RuntimeError, KeyError) as exc:
+        raise ModelLoadError(f"the weights in {path} do not fit its config.json: {exc}") from exc
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many kinds here
+        raise ModelLoadError(f"could not load the tokenizer from {path}: {exc}") from exc
+
+
+def eos_ids_of(path: Path, tokenizer: Any, args: ModelArgs) -> frozenset[int]:
+    ids = set(args.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        import json
+
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+def kv_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device) -> int:
+    if cfg.kv_cache_tokens:
+        tokens = cfg.kv_cache_tokens
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        tokens = int(free * cfg.kv_cache_memory_fraction) // bytes_per_token
+    else:
+        tokens = CPU_DEFAULT_KV_TOKENS
+    return max(tokens // BLOCK_SIZE, 1)
+
+
+def build_runtime(cfg: EngineConfig) -> Runtime:
+    t0 = time.perf_counter()
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    target, path = load_model(cfg.model, device, dtype)
+    tokenizer = load_tokenizer(path)
+    args = target.args
+    draft: Transformer | None = None
+    if cfg.spec.method == "draft":
+        assert cfg.spec.draft_model
+        draft, draft_path = load_model(cfg.spec.draft_model, device, dtype)
+        check_vocab(tokenizer, load_tokenizer(draft_path), args, draft.args)
+    per_token = args.kv_bytes_per_token(dtype) + (draft.args.kv_bytes_per_token(dtype) if draft else 0)
+    num_blocks = kv_blocks(cfg, per_token, device)
+    cache = PagedKVCache(args, num_blocks, BLOCK_SIZE, dtype, device)
+    max_len = min(cfg.max_model_len or args.max_position, args.max_position, num_blocks * BLOCK_SIZE)
+    if draft is not None:
+        max_len = min(max_len, draft.args.max_position)
+    q_slots = cfg.max_num_seqs if draft is not None else 0
+    q_pool = torch.zeros(q_slots, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
+    proposer: Proposer | None = None
+    if draft is not None and q_pool is not None:
+        proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks, BLOCK_SIZE, dtype, device),
+                                      q_pool, args.vocab_size)
+    elif cfg.spec.method == "ngram":
+        proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)
+    elif cfg.spec.method is not None:
+        raise ValueError(f"speculative method {cfg.spec.method!r} is not available here")
+    sched = SchedulerConfig(
+        num_blocks=num_blocks,
+        max_model_len=max_len,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=max(cfg.max_num_batched_tokens, 2 * (cfg.spec.num_tokens + 1)),
+        max_queue=cfg.max_queue,
+    )
+    worker = Worker(target, cache, proposer, q_pool, device)
+    seconds = time.perf_counter() - t0
+    log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d", path, device, dtype, seconds,
+             num_blocks, max_len)
+    return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds)
+
+
+def check_vocab(target_tok: Any, draft_tok: Any, target: ModelArgs, draft: ModelArgs) -> None:
+    """Drafts are token ids: they mean the same only if both tokenizers map text to ids alike."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    mismatched = [t for t, i in tv.items() if dv.get(t) != i]
+    if mismatched:
+        raise ModelLoadError(
+            f"the draft model's vocabulary does not match the target's ({len(mismatched)} of {len(tv)} tokens "
+            f"differ, e.g. {mismatched[:3]}); use a draft from the same model family"
+        )
+    if draft.vocab_size < len(tv):
+        raise ModelLoadError("the draft model's embedding is smaller than the target's vocabulary")

@@ -1,0 +1,266 @@
+"""Continuous batching over a paged KV pool. Knows nothing of torch.
+
+Each step the scheduler plans, per request, which of its tokens the target computes: a prefill
+chunk, or everything still pending plus the drafts cached in the request (verification). The
+target and the draft model share one block table per request: both caches are pools of the same
+block ids, so one accounting covers both (the draft cache never runs ahead of target + k).
+
+Blocks are reserved before a step for the most it can write (pending + drafts + the next
+drafts) and trimmed after it to the tokens actually kept, so the cache holds accepted tokens only.
+When blocks run out, the newest running request is preempted by recompute; its drafts stay.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from streamsd.config import SchedulerConfig
+from streamsd.request import FinishReason, Request, Status
+
+
+class AdmissionError(ValueError):
+    """The request can never run here (too long for the context window)."""
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.total = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        taken = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        return taken
+
+    def give(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+@dataclass(slots=True)
+class Scheduled:
+    request: Request
+    start: int  # first position the target computes
+    num_tokens: int  # real tokens computed (a chunk, or all pending)
+    num_drafts: int  # cached drafts verified after them (0 when this is a mid-prompt chunk)
+    k_next: int  # drafts to propose after this step
+
+    @property
+    def verifies(self) -> bool:
+        """Reaches the end of the known tokens, so this step samples new ones."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    entries: list[Scheduled] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens + e.num_drafts for e in self.entries)
+
+
+@dataclass(slots=True)
+class EntryResult:
+    """What the worker reports for one scheduled entry."""
+
+    new_tokens: list[int]  # emitted this step (accepted drafts then one target token); [] for chunks
+    num_accepted: int
+    draft_ids: list[int]  # proposed for the next step
+    draft_computed: int
+    draft_flags: list[bool] = field(default_factory=list)  # per new token: was it an accepted draft
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, *, dense_q_slots: int = 0):
+        self.cfg = cfg
+        self.blocks = BlockPool(cfg.num_blocks)
+        self.q_slots_free = list(range(dense_q_slots - 1, -1, -1))
+        self.q_slots_total = dense_q_slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._aborts: set[str] = set()
+
+    # -- admission ---------------------------------------------------------------------------
+    def add(self, r: Request) -> None:
+        need = len(r.prompt_ids) + r.params.max_tokens
+        if len(r.prompt_ids) == 0:
+            raise AdmissionError("the prompt is empty")
+        if need > self.cfg.max_model_len:
+            raise AdmissionError(
+                f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) = {need} exceeds "
+                f"the context window of {self.cfg.max_model_len} tokens"
+            )
+        if self._blocks_for(need + r.spec_k + 1) > self.blocks.total:
+            raise AdmissionError(f"the request needs {need} tokens of KV cache, more than the pool holds")
+        if len(self.waiting) >= self.cfg.max_queue:
+            raise QueueFullError("the waiting queue is full; retry later")
+        self.waiting.append(r)
+
+    def abort(self, request_id: str) -> None:
+        """Takes effect at the next step boundary, never under a running step."""
+        self._aborts.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborts)
+
+    # -- planning ----------------------------------------------------------------------------
+    def schedule(self) -> tuple[StepPlan, list[Request]]:
+        """Returns the plan and the requests aborted since the last step (now finished)."""
+        aborted = self._apply_aborts()
+        plan = StepPlan()
+        budget = self.cfg.max_num_batched_tokens
+        for r in list(self.running):
+            if r.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            entry = self._plan_one(r, budget)
+            if entry is None:
+                continue
+            while not self._reserve(r, entry):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is r:
+                    break
+            if r.status is Status.RUNNING:
+                plan.entries.append(entry)
+                budget -= entry.num_tokens + entry.num_drafts
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            r = self.waiting[0]
+            if self._wants_q_slot(r) and r.q_slot is None and not self.q_slots_free:
+                break
+            entry = self._plan_one(r, budget)
+            if entry is None or not self._reserve(r, entry):
+                break
+            self.waiting.popleft()
+            if self._wants_q_slot(r) and r.q_slot is None:
+                r.q_slot = self.q_slots_free.pop()
+            r.status = Status.RUNNING
+            self.running.append(r)
+            plan.entries.append(entry)
+            budget -= entry.num_tokens + entry.num_drafts
+        return plan, aborted
+
+    def _plan_one(self, r: Request, budget: int) -> Scheduled | None:
+        pending = r.num_tokens - r.computed
+        drafts = min(len(r.draft_ids), max(r.remaining_tokens - 1, 0))
+        k_next = min(r.spec_k, max(r.remaining_tokens - 2, 0), self.cfg.max_model_len - r.num_tokens - drafts - 1)
+        k_next = max(k_next, 0)
+        if pending + drafts <= budget:
+            return Scheduled(r, r.computed, pending, drafts, k_next)
+        chunk = min(pending - 1, budget)  # leave the last token so its drafts are verified with it
+        return Scheduled(r, r.computed, chunk, 0, 0) if chunk > 0 else None
+
+    def _wants_q_slot(self, r: Request) -> bool:
+        return self.q_slots_total > 0 and r.spec_k > 0 and not r.greedy_draft
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.cfg.block_size)
+
+    def _reserve(self, r: Request, e: Scheduled) -> bool:
+        end = e.start + e.num_tokens + e.num_drafts
+        if e.verifies:
+            end += 1 + e.k_next  # the next drafts are written by the draft model in this step
+        need = self._blocks_for(min(end, self.cfg.max_model_len + 1)) - len(r.blocks)
+        if need <= 0:
+            return True
+        if need > self.blocks.num_free:
+            return False
+        r.blocks.extend(self.blocks.take(need))
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self.blocks.give(r.blocks)
+        r.blocks = []
+        r.computed = r.draft_computed = 0
+        r.status = Status.WAITING
+        r.num_preemptions += 1
+        self.waiting.appendleft(r)  # drafts and q slot stay with the request
+
+    # -- after the step ----------------------------------------------------------------------
+    def update(self, plan: StepPlan, results: list[EntryResult]) -> list[tuple[Scheduled, EntryResult, list[int]]]:
+        """Apply a step's results; returns (entry, result, tokens appended) for verifying entries."""
+        emitted = []
+        for e, res in zip(plan.entries, results, strict=True):
+            r = e.request
+            if r.finished:
+                continue
+            if not e.verifies:
+                r.computed = e.start + e.num_tokens
+                r.draft_computed = max(r.draft_computed, res.draft_computed)
+                continue
+            r.computed = e.start + e.num_tokens + res.num_accepted
+            r.draft_computed = res.draft_computed
+            r.draft_ids = list(res.draft_ids)
+            kept = self._append(r, res.new_tokens)
+            r.stats.record(e.num_drafts, res.num_accepted, len(res.new_tokens))
+            if r.finished:
+                self.finish(r, r.finish_reason or FinishReason.STOP)
+            else:
+                self._trim(r)
+            emitted.append((e, res, kept))
+        return emitted
+
+    def _append(self, r: Request, tokens: list[int]) -> list[int]:
+        p = r.params
+        kept = []
+        for t in tokens:
+            r.output_ids.append(t)
+            kept.append(t)
+            n = len(r.output_ids)
+            is_eos = t in r.eos_ids and not p.ignore_eos
+            if n >= p.min_tokens and (is_eos or t in (p.stop_token_ids or ())):
+                r.finish_reason = FinishReason.STOP
+            elif n >= p.max_tokens:
+                r.finish_reason = FinishReason.LENGTH
+            if r.finish_reason is not None:
+                r.status = Status.FINISHED
+                break
+        return kept
+
+    def _trim(self, r: Request) -> None:
+        keep = self._blocks_for(max(r.computed, r.draft_computed))
+        if len(r.blocks) > keep:
+            self.blocks.give(r.blocks[keep:])
+            del r.blocks[keep:]
+
+    def finish(self, r: Request, reason: FinishReason) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        self.blocks.give(r.blocks)
+        r.blocks = []
+        if r.q_slot is not None:
+            self.q_slots_free.append(r.q_slot)
+            r.q_slot = None
+        r.draft_ids = []
+        r.status = Status.FINISHED
+        r.finish_reason = r.finish_reason or reason
+
+    def _apply_aborts(self) -> list[Request]:
+        done = []
+        for r in [*self.running, *self.waiting]:
+            if r.request_id in self._aborts:
+                r.finish_reason = FinishReason.ABORT
+                self.finish(r, FinishReason.ABORT)
+                done.append(r)
+        self._aborts.clear()
+        return done
+
+    # -- accounting --------------------------------------------------------------------------
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.blocks.num_free / self.blocks.total

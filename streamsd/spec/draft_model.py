@@ -1,0 +1,105 @@
+"""A small draft model with its own paged KV cache, sharing the target's block tables.
+
+Each call first catches the draft cache up on the tokens it has not seen (the prompt chunks the
+target just prefilled, or the tokens accepted at the last verification), then runs k single-token
+steps. Below the request's greedy threshold a draft is the argmax (one-hot q); above it the draft
+is sampled from the warped draft distribution at the request's own temperature, and that q is
+kept in the q pool for the rejection sampler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.llama import Transformer
+from streamsd.sampling import rng
+from streamsd.sampling.sampler import race
+from streamsd.sampling.warp import WarpParams, warp
+from streamsd.spec.base import Proposal, ProposeItem
+
+
+class DraftModelProposer:
+    dense = True
+    keeps_cache = True
+
+    def __init__(self, model: Transformer, cache: PagedKVCache, q_pool: torch.Tensor, target_vocab: int):
+        self.model = model
+        self.cache = cache
+        self.q_pool = q_pool  # [slots, K, V_target]
+        self.vocab = target_vocab
+        self.device = q_pool.device
+
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        results = [Proposal([], it.draft_computed) for it in items]
+        # Items with nothing to catch up on and nothing to draft cost no forward.
+        work = [(i, it) for i, it in enumerate(items) if it.k > 0 or it.upto > it.draft_computed]
+        if not work:
+            return results
+        starts, counts, tables, ids = [], [], [], []
+        for _, it in work:
+            # Catch up on what the cache lacks; a drafting item re-feeds at least its last token,
+            # whose logits give the first draft.
+            end = len(it.tokens) if it.k > 0 else it.upto
+            start = min(it.draft_computed, end - 1) if it.k > 0 else it.draft_computed
+            starts.append(start)
+            counts.append(end - start)
+            tables.append(it.request.blocks)
+            ids.extend(it.tokens[start:end] if it.k > 0 else it.request.all_ids[start:end])
+        layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
+        ends = torch.tensor(counts, device=self.device).cumsum(0) - 1  # [W] last row of each item
+        drafting = [w for w, (_, it) in enumerate(work) if it.k > 0]
+        out = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), layout, self.cache,
+                         ends[torch.tensor(drafting, dtype=torch.int64, device=self.device)])
+        for w, (i, _) in enumerate(work):
+            results[i] = Proposal([], starts[w] + counts[w])
+        if not drafting:
+            return results
+        draft_items = [work[w][1] for w in drafting]
+        host = self._draft_loop(draft_items, out.logits).tolist()  # [Bd, K]
+        for row, w in enumerate(drafting):
+            i, it = work[w]
+            results[i] = Proposal(host[row][: it.k], len(it.tokens) + it.k - 1)
+        return results
+
+    def _draft_loop(self, items: list[ProposeItem], logits: torch.Tensor) -> torch.Tensor:
+        """logits [Bd, Vd] at each item's last token -> drafts [Bd, max k]."""
+        dev = self.device
+        reqs = [it.request for it in items]
+        wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p) for r in reqs], dev)
+        greedy = torch.tensor([r.greedy_draft for r in reqs], device=dev)  # [Bd]
+        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)  # [Bd]
+        base = torch.tensor([len(it.tokens) for it in items], dtype=torch.int64, device=dev)  # [Bd]
+        slots = [r.q_slot for r in reqs]
+        k_max = max(it.k for it in items)
+        drafts = torch.zeros(len(items), k_max, dtype=torch.int64, device=dev)  # [Bd, K]
+        active = list(range(len(items)))
+        for j in range(k_max):
+            logits = self._fit_vocab(logits)  # [A, V]
+            idx = torch.tensor(active, dtype=torch.int64, device=dev)  # [A]
+            sub = WarpParams(wp.temperature[idx], wp.top_k[idx], wp.top_p[idx], wp.min_p[idx], wp.needs_sort)
+            q = warp(logits, sub)  # [A, V]
+            noise = rng.exponentials(seeds[idx], (base[idx] + j).unsqueeze(-1), rng.DRAFT, self.vocab)[:, 0]
+            tok = torch.where(greedy[idx], logits.argmax(-1), race(q, noise))  # [A]
+            drafts[idx, j] = tok
+            for a, i in enumerate(active):
+                if slots[i] is not None and not reqs[i].greedy_draft:
+                    self.q_pool[slots[i], j] = q[a]
+            active = [i for i in active if items[i].k > j + 1]
+            if not active:
+                break
+            idx = torch.tensor(active, dtype=torch.int64, device=dev)
+            positions = [len(items[i].tokens) + j for i in active]
+            layout = BatchLayout.build(positions, [1] * len(active), [reqs[i].blocks for i in active],
+                                       self.cache.block_size, dev)
+            logits = self.model(drafts[idx, j], layout, self.cache,
+                                torch.arange(len(active), device=dev)).logits
+        return drafts
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary: extra (padding) ids cut, missing ones impossible."""
+        v = logits.shape[-1]
+        if v >= self.vocab:
+            return logits[:, : self.vocab]
+        pad = torch.full((logits.shape[0], self.vocab - v), float("-inf"), device=logits.device)
+        return torch.cat([logits, pad], dim=-1)

@@ -1,0 +1,192 @@
+"""The GPU worker: owns the models, the caches and the q pool; one `step(plan)` per engine step.
+
+verify: one target forward over every scheduled token (prefill chunks, decode tokens, the last
+token + cached drafts of each verifying request) -> rejection sampling -> one host read of the
+emitted tokens -> propose the next drafts. Runs on one dedicated thread; never touches asyncio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.llama import Transformer
+from streamsd.request import Request
+from streamsd.sampling import rng
+from streamsd.sampling.rejection import VerifyInput, rejection_sample
+from streamsd.sampling.sampler import token_logprobs
+from streamsd.sampling.warp import WarpParams, warp
+from streamsd.scheduler import EntryResult, Scheduled, StepPlan
+from streamsd.spec.base import ProposeItem, Proposer
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    tokens: list[list[int]]  # per verifying entry, the emitted tokens
+    accepted: list[int]
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
+
+
+class Worker:
+    def __init__(self, target: Transformer, cache: PagedKVCache, proposer: Proposer | None,
+                 q_pool: torch.Tensor | None, device: torch.device):
+        self.target = target
+        self.cache = cache
+        self.proposer = proposer
+        self.q_pool = q_pool  # [slots, K, V] dense draft distributions, or None
+        self.device = device
+        self.vocab = target.args.vocab_size
+
+    def step(self, plan: StepPlan) -> list[EntryResult]:
+        entries = plan.entries
+        verify_entries = [e for e in entries if e.verifies]
+        logits = self._forward(entries)  # [rows, V]
+        verified = self._verify(verify_entries, logits)
+        return self._propose(entries, verified)
+
+    # -- target forward -------------------------------------------------------------------------
+    def _forward(self, entries: list[Scheduled]) -> torch.Tensor:
+        ids: list[int] = []
+        rows: list[int] = []
+        starts, counts, tables = [], [], []
+        for e in entries:
+            r = e.request
+            toks = [r.token_at(i) for i in range(e.start, e.start + e.num_tokens)] + r.draft_ids[: e.num_drafts]
+            if e.verifies:
+                first = len(ids) + e.num_tokens - 1
+                rows.extend(range(first, first + 1 + e.num_drafts))
+            ids.extend(toks)
+            starts.append(e.start)
+            counts.append(len(toks))
+            tables.append(r.blocks)
+        layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
+        out = self.target(torch.tensor(ids, dtype=torch.int64, device=self.device), layout, self.cache,
+                          torch.tensor(rows, dtype=torch.int64, device=self.device))
+        return out.logits
+
+    # -- verification -------------------------------------------------------------------------
+    def _verify(self, entries: list[Scheduled], logits: torch.Tensor) -> Verified:
+        if not entries:
+            return Verified([], [], [])
+        dev = self.device
+        reqs = [e.request for e in entries]
+        k = max(e.num_drafts for e in entries)
+        # Gather each entry's rows into [B, K+1]; padding repeats its last row and is never used.
+        index, offset = [], 0
+        for e in entries:
+            index.append([offset + min(j, e.num_drafts) for j in range(k + 1)])
+            offset += 1 + e.num_drafts
+        rows = logits[torch.tensor(index, device=dev)]  # [B, K+1, V]
+        rows = self._suppress_early_stops(entries, rows)
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=dev)  # [B]
+        positions = torch.tensor([[r.num_tokens + j for j in range(k + 1)] for r in reqs], device=dev)  # [B, K+1]
+        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)  # [B]
+        draft_ids = torch.tensor([r.draft_ids[: e.num_drafts] + [0] * (k - e.num_drafts)
+                                  for e, r in zip(entries, reqs, strict=True)], dtype=torch.int64, device=dev)
+        probs = None
+        noise = None
+        if not all(r.params.greedy for r in reqs):
+            wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
+                                   for r in reqs], dev)
+            probs = warp(rows.view(-1, self.vocab), wp.repeat(k + 1)).view(len(reqs), k + 1, -1)  # [B, K+1, V]
+            noise = rng.exponentials(seeds, positions, rng.TARGET, self.vocab)  # [B, K+1, V]
+        dense = [r.q_slot is not None and not r.greedy_draft and e.num_drafts > 0
+                 for e, r in zip(entries, reqs, strict=True)]
+        q = None
+        if any(dense) and self.q_pool is not None and k > 0:
+            slots = torch.tensor([r.q_slot if d else 0 for r, d in zip(reqs, dense, strict=True)], device=dev)
+            q = self.q_pool[slots, :k]  # [B, K, V]
+        tokens, accepted = rejection_sample(VerifyInput(
+            target_probs=probs,
+            target_argmax=rows.argmax(dim=-1),
+            draft_ids=draft_ids,
+            draft_probs=q,
+            dense_q=torch.tensor(dense, device=dev),
+            num_drafts=torch.tensor([e.num_drafts for e in entries], dtype=torch.int64, device=dev),
+            greedy=greedy,
+            uniforms=rng.uniforms(seeds, positions[:, :k], rng.ACCEPT),
+            noise=noise,
+        ))
+        lp = self._logprobs(reqs, rows, tokens)
+        host_tokens, host_acc = tokens.tolist(), accepted.tolist()  # the step's one host read
+        emitted = [t[: n + 1] for t, n in zip(host_tokens, host_acc, strict=True)]
+        logprobs = [None if x is None else x[: n + 1] for x, n in zip(lp, host_acc, strict=True)]
+        return Verified(emitted, host_acc, logprobs)
+
+    def _suppress_early_stops(self, entries: list[Scheduled], rows: torch.Tensor) -> torch.Tensor:
+        """Below min_tokens, EOS and stop ids are impossible in the target distribution itself."""
+        cells = []
+        for b, e in enumerate(entries):
+            p, r = e.request.params, e.request
+            if p.min_tokens <= len(r.output_ids):
+                continue
+            banned = ([] if p.ignore_eos else list(r.eos_ids)) + list(p.stop_token_ids or [])
+            for j in range(e.num_drafts + 1):
+                if len(r.output_ids) + j < p.min_tokens:
+                    cells.extend((b, j, t) for t in banned if t < self.vocab)
+        if not cells:
+            return rows
+        rows = rows.clone()
+        b, j, t = zip(*cells, strict=True)
+        rows[list(b), list(j), list(t)] = float("-inf")
+        return rows
+
+    def _logprobs(self, reqs: list[Request], rows: torch.Tensor, tokens: torch.Tensor) -> list:
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        result: list = [None] * len(reqs)
+        if not want:
+            return result
+        top_n = max(reqs[i].params.logprobs or 0 for i in want)
+        sub = rows[want]  # [W, K+1, V]
+        chosen, vals, ids = token_logprobs(sub.view(-1, self.vocab), tokens[want].view(-1), top_n)
+        shape = (len(want), sub.shape[1])
+        chosen, vals, ids = chosen.view(shape).tolist(), vals.view(*shape, -1).tolist(), ids.view(*shape, -1).tolist()
+        for w, i in enumerate(want):
+            n = reqs[i].params.logprobs or 0
+            result[i] = [(chosen[w][j], list(zip(ids[w][j][:n], vals[w][j][:n], strict=True)))
+                         for j in range(shape[1])]
+        return result
+
+    # -- proposing ------------------------------------------------------------------------------
+    def _propose(self, entries: list[Scheduled], verified: Verified) -> list[EntryResult]:
+        results: list[EntryResult] = []
+        items: list[ProposeItem] = []
+        owners: list[int] = []
+        v = 0
+        for i, e in enumerate(entries):
+            r = e.request
+            if not e.verifies:
+                results.append(EntryResult([], 0, list(r.draft_ids), r.draft_computed))
+                items.append(ProposeItem(r, [], 0, e.start + e.num_tokens, r.draft_computed))
+                owners.append(i)
+                continue
+            new, acc = verified.tokens[v], verified.accepted[v]
+            flags = [j < acc for j in range(len(new))]
+            computed = e.start + e.num_tokens + acc
+            results.append(EntryResult(new, acc, [], min(r.draft_computed, computed), flags, verified.logprobs[v]))
+            v += 1
+            if e.k_next > 0 and not _will_stop(r, new):
+                items.append(ProposeItem(r, r.all_ids + new, e.k_next, computed, min(r.draft_computed, computed)))
+                owners.append(i)
+        if self.proposer is None:
+            return results
+        if not self.proposer.keeps_cache:
+            # Host-side proposers (n-gram) have no cache to catch up, only drafts to make.
+            pairs = [(o, it) for o, it in zip(owners, items, strict=True) if it.k > 0]
+            owners, items = [o for o, _ in pairs], [it for _, it in pairs]
+        for owner, proposal in zip(owners, self.proposer.propose(items) if items else [], strict=True):
+            res = results[owner]
+            res.draft_computed = proposal.draft_computed
+            if entries[owner].verifies:
+                res.draft_ids = proposal.draft_ids
+        return results
+
+
+def _will_stop(r: Request, new: list[int]) -> bool:
+    p = r.params
+    if len(r.output_ids) + len(new) >= p.max_tokens:
+        return True
+    stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(r.eos_ids))
+    return any(t in stops for t in new) and len(r.output_ids) + len(new) >= p.min_tokens
