@@ -38,6 +38,7 @@ class RequestOutput:
     step_accepted: int = 0
     stats: SpecStats | None = None
     queue_seconds: float | None = None
+    arrival: float = 0.0  # time.monotonic() at submission, for latency metrics
 
 
 @dataclass(slots=True)
@@ -143,7 +144,7 @@ class EngineCore:
             del r.output_ids[t.released_tokens :]
             r.finish_reason = FinishReason.STOP
         out = RequestOutput(r.request_id, [x.id for x in tokens], text, tokens,
-                            step_drafted=drafted, step_accepted=res.num_accepted)
+                            step_drafted=drafted, step_accepted=res.num_accepted, arrival=r.arrival)
         if r.first_scheduled is not None and not t.timeline:
             out.queue_seconds = r.first_scheduled - r.arrival
         t.timeline.append(time.monotonic())
@@ -154,7 +155,7 @@ class EngineCore:
     def _final(self, r: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         t = self.trackers.get(r.request_id)
         text, tokens = t.detok.release(final=True) if t and reason is not FinishReason.ERROR else ("", [])
-        out = RequestOutput(r.request_id, [x.id for x in tokens], text, tokens, error=error)
+        out = RequestOutput(r.request_id, [x.id for x in tokens], text, tokens, error=error, arrival=r.arrival)
         r.finish_reason = reason
         self._close(r, out)
         return out

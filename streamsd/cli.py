@@ -1,0 +1,165 @@
+"""`streamsd serve | generate | pull | bench` — the command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+
+
+def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -> None:
+    p.add_argument("--model", default=model_default, help=f"{DEFAULT_MODEL}, a local HF directory, a .gguf file or a hub id")
+    p.add_argument("--draft-model", default=None, help="a small draft model with the same tokenizer")
+    p.add_argument("--speculative-method", choices=["draft", "ngram", "none"], default=None,
+                   help="default: draft with --draft-model, ngram for the embedded default model, else none")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, the most drafts verified per step")
+    p.add_argument("--draft-greedy-threshold", type=float, default=0.75,
+                   help="requests below this temperature draft greedily (one-hot q); others sample drafts")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens")
+
+
+def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
+    from streamsd.config import EngineConfig, SpecConfig
+
+    method = a.speculative_method
+    if method is None:
+        method = "draft" if a.draft_model else ("ngram" if a.model == DEFAULT_MODEL else "none")
+    spec = SpecConfig(method=None if method == "none" else method, num_tokens=a.num_speculative_tokens,
+                      draft_model=a.draft_model, draft_greedy_threshold=a.draft_greedy_threshold)
+    return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
+                        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                        max_queue=max_queue)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from streamsd.core import EngineCore
+    from streamsd.runtime import build_runtime
+    from streamsd.server.serve import serve
+    from streamsd.server.state import ServerState
+
+    cfg = _engine_config(a, a.max_queue)
+    name = a.served_model_name or (a.model if a.model == DEFAULT_MODEL else Path(a.model).name or a.model)
+    state = ServerState(served_model_name=name, api_key=a.api_key, max_queue=a.max_queue, drain_timeout=a.drain_timeout)
+    web = Path(a.web_dir) if a.web_dir else WEB_DIR
+    return serve(state, lambda: EngineCore(build_runtime(cfg), cfg.spec), a.host, a.port, web, a.log_level)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from streamsd.core import EngineCore
+    from streamsd.request import SamplingParams
+    from streamsd.runtime import build_runtime
+
+    cfg = _engine_config(a)
+    core = EngineCore(build_runtime(cfg), cfg.spec)
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed)
+    ids = core.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat else core.encode_prompt(a.prompt)
+    core.add_request("cli", ids, params)
+    t0, first, n, stats = time.perf_counter(), None, 0, None
+    while core.has_work:
+        for out in core.step():
+            if out.error:
+                print(f"\nerror: {out.error}", file=sys.stderr)
+                return 1
+            first = first or (time.perf_counter() if out.token_ids else None)
+            n += len(out.token_ids)
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            stats = out.stats or stats
+    dt = time.perf_counter() - t0
+    s = stats
+    print(f"\n[{n} tokens in {dt:.2f}s: {n / dt:.1f} tok/s, TTFT {((first or t0) - t0) * 1e3:.0f} ms"
+          + (f", acceptance {s.acceptance_rate:.1%}, mean accepted length {s.mean_accepted_length:.2f}"
+             if s and s.drafted else ", no speculation") + f" ({cfg.spec.method or 'plain'})]")
+    return 0
+
+
+def cmd_pull(a: argparse.Namespace) -> int:
+    from streamsd.model.loader import resolve_model
+
+    print(resolve_model(a.model))
+    return 0
+
+
+BENCH = {"offline": "streamsd.bench.offline", "serve": "streamsd.bench.serve", "soak": "streamsd.bench.soak"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamsd", description="Streaming LLM server with lossless speculative decoding")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the OpenAI API, the WebSocket protocol and the web UI")
+    _add_engine_args(s, model_default=DEFAULT_MODEL)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this get 429")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get to finish on SIGTERM")
+    s.add_argument("--web-dir", default=None)
+    s.set_defaults(func=cmd_serve)
+
+    g = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
+    _add_engine_args(g, model_default=DEFAULT_MODEL)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("pull", help="fetch and convert a model; prints its directory last")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.set_defaults(func=cmd_pull)
+
+    b = sub.add_parser("bench", help="benchmarks: offline (engine), serve (a server), soak (reliability)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    for name, module in BENCH.items():
+        bp = bsub.add_parser(name)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            bp.set_defaults(func=lambda a, exc=exc: _missing(exc))
+            continue
+        mod.add_arguments(bp)
+        bp.set_defaults(func=mod.run)
+    return parser
+
+
+def _missing(exc: ImportError) -> int:
+    print(f"error: this benchmark needs a package that is not installed: {exc}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError) as exc:  # ModelLoadError and bad flags: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from streamsd.model.loader import ModelLoadError
+
+        if isinstance(exc, ModelLoadError):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

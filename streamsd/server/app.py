@@ -1,0 +1,121 @@
+"""The Starlette app: routes, API-key check, OpenAI-shaped errors, and model loading in the
+background so /health answers 503 "loading" until the engine is ready."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from streamsd.core import EngineCore
+from streamsd.engine import AsyncEngine
+from streamsd.server.metrics import Metrics
+from streamsd.server.openai_routes import chat_completions, completions, models
+from streamsd.server.state import ApiError, ServerState
+from streamsd.server.ws import websocket_endpoint
+
+log = logging.getLogger("streamsd")
+EngineFactory = Callable[[], EngineCore]
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.streamsd
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if state.engine is None:
+        status = "failed" if state.load_error else "loading"
+        return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.served_model_name})
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check on the HTTP API; the WebSocket route checks its own at connect."""
+
+    def __init__(self, app: ASGIApp, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = self.state.api_key
+        if key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
+            if headers.get(b"authorization", b"").decode() != f"Bearer {key}":
+                err = ApiError(401, "a valid API key is required (Authorization: Bearer <key>)")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path | None = None) -> Starlette:
+    metrics = Metrics(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loader = asyncio.create_task(_load(state, engine_factory, metrics))
+        try:
+            yield
+        finally:
+            loader.cancel()
+            with contextlib.suppress(BaseException):
+                await loader
+            if state.engine is not None:
+                await state.engine.close()
+
+    routes: list[Route | WebSocketRoute | Mount] = [
+        Route("/health", health),
+        Route("/metrics", metrics.endpoint),
+        Route("/v1/models", models),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        WebSocketRoute("/v1/ws", websocket_endpoint),
+    ]
+    if web_dir is not None and (web_dir / "index.html").exists():
+        routes.append(Mount("/", StaticFiles(directory=str(web_dir), html=True), name="web"))
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[Middleware(ApiKeyMiddleware, state=state)],
+        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error},
+    )
+    app.state.streamsd = state
+    app.state.metrics = metrics
+    return app
+
+
+async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) -> None:
+    try:
+        core = await asyncio.get_running_loop().run_in_executor(None, factory)
+    except Exception as exc:
+        log.error("loading the model failed: %s", exc)
+        state.load_error = f"loading the model failed: {exc}"
+        return
+    engine = AsyncEngine(core)
+    engine.observers.append(metrics.observe)
+    await engine.start()
+    state.engine = engine
+    log.info("ready: serving %s", state.served_model_name)

@@ -1,0 +1,73 @@
+"""Prometheus metrics under `streamsd:` with vLLM-like names, one registry per app."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+
+from streamsd.core import RequestOutput
+from streamsd.server.state import ServerState
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   10.0, 20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.registry = r = CollectorRegistry()
+        Gauge("streamsd:num_requests_running", "Requests in the running batch", registry=r).set_function(
+            lambda: len(state.engine.core.scheduler.running) if state.engine else 0)
+        Gauge("streamsd:num_requests_waiting", "Requests waiting to be scheduled", registry=r).set_function(
+            lambda: len(state.engine.core.scheduler.waiting) if state.engine else 0)
+        Gauge("streamsd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)", registry=r).set_function(
+            lambda: state.engine.core.scheduler.kv_usage if state.engine else 0.0)
+        self.drafts = Counter("streamsd:spec_decode_num_drafts", "Verify steps with drafts", registry=r)
+        self.draft_tokens = Counter("streamsd:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted = Counter("streamsd:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_pos = Counter("streamsd:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted draft tokens by draft position", ["position"], registry=r)
+        self.prompt_tokens = Counter("streamsd:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("streamsd:generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("streamsd:time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("streamsd:inter_token_latency_seconds", "Time between streamed tokens", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("streamsd:e2e_request_latency_seconds", "End-to-end request latency", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.queue = Histogram("streamsd:request_queue_time_seconds", "Time waiting before first scheduled",
+                               registry=r, buckets=LATENCY_BUCKETS)
+        self._last: dict[str, float] = {}
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.step_drafted:
+            self.drafts.inc()
+            self.draft_tokens.inc(out.step_drafted)
+            self.accepted.inc(out.step_accepted)
+            for pos in range(out.step_accepted):
+                self.accepted_pos.labels(position=str(pos)).inc()
+        if out.queue_seconds is not None:
+            self.queue.observe(out.queue_seconds)
+        if out.token_ids:
+            self.generation_tokens.inc(len(out.token_ids))
+            last = self._last.get(out.request_id)
+            if last is None:
+                self.ttft.observe(now - out.arrival)
+            else:
+                # Tokens of one step arrive together; spread the gap over them.
+                gap = (now - last) / len(out.token_ids)
+                for _ in out.token_ids:
+                    self.itl.observe(gap)
+            self._last[out.request_id] = now
+        if out.finished:
+            self._last.pop(out.request_id, None)
+            self.prompt_tokens.inc(out.prompt_tokens)
+            self.e2e.observe(now - out.arrival)
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

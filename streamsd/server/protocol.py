@@ -1,0 +1,99 @@
+"""Wire types (msgspec) for the OpenAI routes and the WebSocket protocol, with their bounds.
+
+msgspec rejects wrong types and out-of-range values with a message naming the field; the
+remaining cross-field rules live in SamplingParams. Decoders and encoders are built once.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+Prob = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
+StopList = str | Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]], msgspec.Meta(max_length=16)]
+Role = Literal["system", "user", "assistant", "developer", "tool"]
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=False):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class Speculative(msgspec.Struct, forbid_unknown_fields=True):
+    enabled: bool | None = None
+    num_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] | None = None
+    draft_greedy_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """The sampling fields every request kind shares (HTTP bodies and WebSocket frames)."""
+
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=1_000_000)] | None = None
+    min_p: Prob | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: StopList | None = None
+    stop_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=64)] | None = None
+    ignore_eos: bool = False
+    n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
+    logprobs: bool | Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    speculative: Speculative | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # A string, token ids, or a one-element list of strings (n prompts per request is not supported).
+    prompt: str | Annotated[list[int | str], msgspec.Meta(min_length=1)]
+    echo: bool = False
+
+
+class WsGenerate(SamplingFields, tag="generate", tag_field="type", kw_only=True):
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+
+
+class WsCancel(msgspec.Struct, tag="cancel", tag_field="type"):
+    id: str
+
+
+WsClientMessage = WsGenerate | WsCancel
+
+chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+completion_decoder = msgspec.json.Decoder(CompletionRequest)
+ws_decoder = msgspec.json.Decoder(WsClientMessage)
+encoder = msgspec.json.Encoder()

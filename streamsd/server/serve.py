@@ -1,0 +1,70 @@
+"""Run the app under uvicorn (uvloop, httptools, websockets-sansio) with a graceful drain.
+
+SIGTERM: /health turns 503 and new requests get 503 at once; running streams get up to
+`drain_timeout` seconds to finish, then are cancelled with a final event; the process exits 0.
+A second SIGTERM, or SIGINT, exits without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from streamsd.server.app import EngineFactory, create_app
+from streamsd.server.state import ServerState
+
+log = logging.getLogger("streamsd")
+WS_MAX_FRAME = 1 << 20
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.state.draining and self._loop is not None:
+            self.state.draining = True
+            log.info("SIGTERM: draining (up to %.0fs)", self.state.drain_timeout)
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+            return
+        # Not recorded as a captured signal: uvicorn would re-raise it and we would exit non-zero.
+        self.should_exit = True
+
+    async def _drain(self) -> None:
+        engine = self.state.engine
+        deadline = time.monotonic() + self.state.drain_timeout
+        while engine and engine.num_streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine and engine.num_streams:
+            log.info("drain timeout: cancelling %d streams", engine.num_streams)
+            engine.abort_all()
+            flush = time.monotonic() + 5.0
+            while engine.num_streams and time.monotonic() < flush:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # let the final events reach the sockets
+        self.should_exit = True
+
+
+def serve(state: ServerState, factory: EngineFactory, host: str, port: int, web_dir: Path | None,
+          log_level: str = "info") -> int:
+    app = create_app(state, factory, web_dir)
+    config = uvicorn.Config(
+        app, host=host, port=port, loop="uvloop", http="httptools", ws="websockets-sansio",
+        ws_max_size=WS_MAX_FRAME, log_level=log_level, timeout_graceful_shutdown=5, access_log=False,
+        lifespan="on",
+    )
+    server = DrainingServer(config, state)
+    server.run()
+    return 0
