@@ -90,6 +90,7 @@ class EngineCore:
         return min(k, p.num_speculative_tokens) if p.num_speculative_tokens is not None else k
 
     def abort(self, request_id: str) -> None:
+        log.debug("abort %s", request_id)
         if request_id in self.trackers:
             self.scheduler.abort(request_id)
 

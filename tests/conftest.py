@@ -22,7 +22,8 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     """Tiny random Llama target (2 layers, hidden 64)."""
-    return build_model(tmp_path_factory.mktemp("target"), seed=0, tokenizer=tiny_tokenizer, weight_scale=4.0)
+    return build_model(tmp_path_factory.mktemp("target"), seed=0, tokenizer=tiny_tokenizer, weight_scale=4.0,
+                       max_pos=4096)
 
 
 @pytest.fixture(scope="session")

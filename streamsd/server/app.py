@@ -39,6 +39,10 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok", "model": state.served_model_name})
 
 
+async def unknown_route(request: Request) -> Response:
+    raise ApiError(404, f"no route {request.method} {request.url.path}")
+
+
 async def api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return JSONResponse(exc.body(), status_code=exc.status)
@@ -93,6 +97,7 @@ def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path 
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
+        Route("/v1/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     if web_dir is not None and (web_dir / "index.html").exists():
         routes.append(Mount("/", StaticFiles(directory=str(web_dir), html=True), name="web"))

@@ -23,7 +23,8 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code or {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
-                             429: "queue_full", 503: "unavailable"}.get(status, "internal_error")
+                             405: "method_not_allowed", 413: "request_too_large", 429: "queue_full",
+                             503: "unavailable"}.get(status, "internal_error")
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
