@@ -90,7 +90,8 @@ def cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
-BENCH = {"offline": "streamsd.bench.offline", "serve": "streamsd.bench.serve", "soak": "streamsd.bench.soak"}
+BENCH = {"offline": "streamsd.bench.offline", "serve": "streamsd.bench.serve", "soak": "streamsd.bench.soak",
+         "overhead": "streamsd.bench.overhead"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.set_defaults(func=cmd_pull)
 
-    b = sub.add_parser("bench", help="benchmarks: offline (engine), serve (a server), soak (reliability)")
+    b = sub.add_parser("bench", help="benchmarks: offline (engine), serve (a server), soak (reliability), "
+                                     "overhead (HTTP layer)")
     bsub = b.add_subparsers(dest="bench", required=True)
     for name, module in BENCH.items():
         bp = bsub.add_parser(name)

@@ -127,11 +127,12 @@ class EngineCore:
             if e.request.first_scheduled is None:
                 e.request.first_scheduled = now
         for entry, res, kept in self.scheduler.update(plan, results):
-            self.totals.record(entry.num_drafts, res.num_accepted, len(res.new_tokens))
-            outputs.append(self._emit(entry.request, res, kept, entry.num_drafts))
+            accepted = min(res.num_accepted, len(kept))
+            self.totals.record(entry.num_drafts, accepted, len(kept))
+            outputs.append(self._emit(entry.request, res, kept, entry.num_drafts, accepted))
         return outputs
 
-    def _emit(self, r: Request, res: EntryResult, kept: list[int], drafted: int) -> RequestOutput:
+    def _emit(self, r: Request, res: EntryResult, kept: list[int], drafted: int, accepted: int) -> RequestOutput:
         t = self.trackers[r.request_id]
         for i, tok in enumerate(kept):
             lp = res.logprobs[i] if res.logprobs else None
@@ -145,7 +146,7 @@ class EngineCore:
             del r.output_ids[t.released_tokens :]
             r.finish_reason = FinishReason.STOP
         out = RequestOutput(r.request_id, [x.id for x in tokens], text, tokens,
-                            step_drafted=drafted, step_accepted=res.num_accepted, arrival=r.arrival)
+                            step_drafted=drafted, step_accepted=accepted, arrival=r.arrival)
         if r.first_scheduled is not None and not t.timeline:
             out.queue_seconds = r.first_scheduled - r.arrival
         t.timeline.append(time.monotonic())

@@ -205,7 +205,8 @@ class Scheduler:
             r.draft_computed = res.draft_computed
             r.draft_ids = list(res.draft_ids)
             kept = self._append(r, res.new_tokens)
-            r.stats.record(e.num_drafts, res.num_accepted, len(res.new_tokens))
+            # Drafts accepted past a stop are not emitted: count only what the client receives.
+            r.stats.record(e.num_drafts, min(res.num_accepted, len(kept)), len(kept))
             if r.finished:
                 self.finish(r, r.finish_reason or FinishReason.STOP)
             else:

@@ -69,18 +69,19 @@ class Session:
         except ApiError as exc:
             await self.error(msg.id, exc.message, exc.code)
             return
-        self.tasks[msg.id] = asyncio.create_task(self.pump(msg.id, rid, queue))
+        self.tasks[msg.id] = asyncio.create_task(self.pump(msg.id, rid, queue, len(ids)))
 
-    async def pump(self, cid: str, rid: str, queue: Any) -> None:
+    async def pump(self, cid: str, rid: str, queue: Any, prompt_tokens: int) -> None:
         engine = self.state.engine
         assert engine is not None
-        t0, ttft, steps = time.monotonic(), None, 0
+        t0, ttft, steps, emitted = time.monotonic(), None, 0, 0
         try:
             async for out in engine.stream(rid, queue):
                 if out.error:
                     await self.error(cid, out.error, "internal_error")
                     return
                 steps += 1
+                emitted += len(out.tokens)
                 if out.tokens or out.text:
                     ttft = ttft if ttft is not None else time.monotonic() - t0
                     await self.send({"type": "delta", "id": cid, "text": out.text, "tokens": token_entries(out)})
@@ -90,7 +91,9 @@ class Session:
         except asyncio.CancelledError:
             # engine.stream's cleanup aborted the request; tell the client unless it is gone.
             with contextlib.suppress(Exception):
-                await self.send({"type": "done", "id": cid, "finish_reason": "cancelled", "usage": None,
+                partial = {"prompt_tokens": prompt_tokens, "completion_tokens": emitted,
+                           "total_tokens": prompt_tokens + emitted, "speculative": None}
+                await self.send({"type": "done", "id": cid, "finish_reason": "cancelled", "usage": partial,
                                  "timing": {"ttft_s": ttft, "elapsed_s": time.monotonic() - t0, "steps": steps}})
         except (WebSocketDisconnect, RuntimeError):
             pass
