@@ -120,6 +120,8 @@ async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) ->
         state.load_error = f"loading the model failed: {exc}"
         return
     engine = AsyncEngine(core)
+    for pos in range(core.spec.num_tokens if core.spec.enabled else 0):
+        metrics.accepted_pos.labels(position=str(pos))  # every position exported from the start, at 0
     engine.observers.append(metrics.observe)
     await engine.start()
     state.engine = engine

@@ -1,0 +1,206 @@
+"""`streamsd bench serve`: load an OpenAI-compatible server with streamed requests and report
+latency (TTFT, TPOT, ITL, e2e), throughput, errors and speculation figures, like `vllm bench serve`.
+
+Works against any OpenAI-compatible server; the per-request `speculative` switch
+(`--compare-speculation`) and the `streamsd:` metrics are streamsd extensions (vLLM's `vllm:`
+speculation counters are read as well).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+import httpx
+from tqdm import tqdm
+
+from streamsd.bench import report
+from streamsd.bench.client import (
+    BenchError,
+    RequestResult,
+    RequestSpec,
+    auth_headers,
+    first_model,
+    stream_sse,
+)
+from streamsd.bench.datasets import BenchPrompt, load_dataset
+from streamsd.bench.metrics_scrape import scrape, spec_delta
+from streamsd.bench.results import CellPlan, CellResult, build_cell, run_document
+
+DEFAULT_MAX_TOKENS = 128
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    parser.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--dataset", default="random",
+        help="MT-bench JSONL (`turns`), ShareGPT JSON (`conversations`), `random` or `random:<words>`",
+    )
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests per cell")
+    parser.add_argument("--random-input-len", type=int, default=128, help="words per random prompt")
+    parser.add_argument("--random-output-len", type=int, default=128, help="max tokens of random prompts")
+    parser.add_argument(
+        "--request-rate", type=float, default=math.inf,
+        help="Poisson arrival rate in requests/s (default inf: all at once, bounded by concurrency)",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    parser.add_argument(
+        "--sweep-concurrency", default=None, help="comma list, e.g. 1,2,4,8: one cell per concurrency"
+    )
+    parser.add_argument("--max-tokens", type=int, default=None, help="per request (default: dataset's, else 128)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly max tokens (server extension)")
+    parser.add_argument("--seed", type=int, default=0, help="dataset, arrivals and per-request sampling seeds")
+    parser.add_argument(
+        "--compare-speculation", action="store_true",
+        help='run every cell with speculative {"enabled": false} and {"enabled": true}',
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a stream may stall")
+    parser.add_argument("--output-json", default=None, help="write every figure here")
+    parser.add_argument("--plot", default=None, help="write a PNG: latency CDFs, sweep curves")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def parse_sweep(text: str) -> list[int]:
+    values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"--sweep-concurrency needs positive integers, got {text!r}")
+    return values
+
+
+def plan_cells(args: argparse.Namespace) -> list[CellPlan]:
+    """Cells in run order; with --compare-speculation off and on run back to back for each setting
+    so slow drift (thermal, other load) hits both alike."""
+    if args.sweep_concurrency and args.max_concurrency is not None:
+        raise ValueError("--sweep-concurrency and --max-concurrency are alternatives")
+    concurrencies = parse_sweep(args.sweep_concurrency) if args.sweep_concurrency else [args.max_concurrency]
+    switches: list[bool | None] = [False, True] if args.compare_speculation else [None]
+    return [CellPlan(c, args.request_rate, s) for c in concurrencies for s in switches]
+
+
+def request_specs(args: argparse.Namespace, model: str, prompts: Sequence[BenchPrompt], spec: bool | None) -> list[RequestSpec]:
+    return [
+        RequestSpec(
+            endpoint=args.endpoint,
+            model=model,
+            text=p.text,
+            max_tokens=args.max_tokens or p.output_len or DEFAULT_MAX_TOKENS,
+            temperature=args.temperature,
+            seed=args.seed + i,
+            ignore_eos=args.ignore_eos,
+            speculative=spec,
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+async def run_cell(
+    client: httpx.AsyncClient,
+    base_url: str,
+    headers: dict[str, str],
+    specs: Sequence[RequestSpec],
+    plan: CellPlan,
+    *,
+    seed: int,
+    progress: bool,
+) -> tuple[list[RequestResult], float]:
+    """Send every request of one cell; returns the results (in request order) and the wall time."""
+    gate = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
+    arrivals = random.Random(seed)
+    bar = tqdm(total=len(specs), desc=plan.label, disable=None if progress else True, file=sys.stderr, leave=False)
+
+    async def one(spec: RequestSpec) -> RequestResult:
+        if gate is None:
+            result = await stream_sse(client, base_url, spec, headers=headers)
+        else:
+            async with gate:
+                result = await stream_sse(client, base_url, spec, headers=headers)
+        bar.update(1)
+        return result
+
+    start = time.perf_counter()
+    tasks = []
+    for spec in specs:
+        tasks.append(asyncio.create_task(one(spec)))
+        if math.isfinite(plan.request_rate):
+            await asyncio.sleep(arrivals.expovariate(plan.request_rate))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+async def probe(client: httpx.AsyncClient, base_url: str, headers: dict[str, str], spec: RequestSpec) -> None:
+    """One short request before measuring, so a wrong URL, model or endpoint fails fast and clearly."""
+    short = RequestSpec(spec.endpoint, spec.model, spec.text, 2, spec.temperature, spec.seed, False, spec.speculative)
+    result = await stream_sse(client, base_url, short, headers=headers)
+    if not result.ok:
+        raise BenchError(f"probe request failed ({result.error_kind}): {result.message}")
+
+
+async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
+    plans = plan_cells(args)
+    headers = auth_headers(args.api_key)
+    top = max((p.concurrency or args.num_prompts) for p in plans)
+    limits = httpx.Limits(max_connections=top + 4, max_keepalive_connections=top + 4)
+    # trust_env=False: measure the server itself, never through an environment proxy.
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=30.0), limits=limits, trust_env=False) as client:
+        model = args.model or await first_model(client, args.base_url, headers)
+        prompts = load_dataset(
+            args.dataset, args.num_prompts, seed=args.seed,
+            random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        )
+        await probe(client, args.base_url, headers, request_specs(args, model, prompts[:1], plans[-1].speculative)[0])
+        cells = []
+        for i, plan in enumerate(plans):
+            before = await scrape(client, args.base_url, headers)
+            specs = request_specs(args, model, prompts, plan.speculative)
+            results, duration = await run_cell(
+                client, args.base_url, headers, specs, plan, seed=args.seed + i, progress=not args.no_progress
+            )
+            after = await scrape(client, args.base_url, headers)
+            cells.append(build_cell(plan, results, duration, spec_delta(before, after)))
+            done = cells[-1].requests
+            print(f"{plan.label}: {done.completed} ok, {done.failed} failed in {duration:.1f} s", file=sys.stderr)
+    config = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "base_url": args.base_url, "model": model, "endpoint": args.endpoint, "dataset": args.dataset,
+        "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
+        "max_concurrency": args.max_concurrency, "sweep_concurrency": args.sweep_concurrency,
+        "compare_speculation": args.compare_speculation, "ignore_eos": args.ignore_eos, "seed": args.seed,
+    }
+    return config, cells
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config, cells = asyncio.run(benchmark(args))
+    except (BenchError, ValueError, OSError, httpx.HTTPError) as exc:
+        print(f"bench serve: {exc}", file=sys.stderr)
+        return 1
+    report.print_serve(config, cells)
+    if args.output_json:
+        report.write_json(args.output_json, run_document(config, cells))
+    if args.plot:
+        report.plot_serve(args.plot, cells)
+    return 0 if all(c.requests.completed for c in cells) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="streamsd bench serve", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
