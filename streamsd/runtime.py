@@ -23,6 +23,8 @@ from streamsd.model.loader import (
 )
 from streamsd.spec.base import Proposer
 from streamsd.spec.draft_model import DraftModelProposer
+from streamsd.spec.eagle import EagleProposer
+from streamsd.spec.eagle_ckpt import head_dir, load_head
 from streamsd.spec.ngram import NgramProposer
 from streamsd.worker import Worker
 
@@ -58,6 +60,10 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, Path]:
+    from streamsd.model.presets import build_preset, is_preset
+
+    if is_preset(spec):  # random weights of a real shape, made on the device (benchmarks)
+        return build_preset(spec, device, dtype)
     path = resolve_model(spec)
     hf_config = load_hf_config(path)
     check_architecture(hf_config)
@@ -114,18 +120,26 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         assert cfg.spec.draft_model
         draft, draft_path = load_model(cfg.spec.draft_model, device, dtype)
         check_vocab(tokenizer, load_tokenizer(draft_path), args, draft.args)
-    per_token = args.kv_bytes_per_token(dtype) + (draft.args.kv_bytes_per_token(dtype) if draft else 0)
+    head = None
+    if cfg.spec.method == "eagle":
+        head = load_head(head_dir(cfg.spec.draft_model, cfg.model), target, device, dtype)
+    extra = draft.args if draft else head.spec.args if head else None
+    per_token = args.kv_bytes_per_token(dtype) + (extra.kv_bytes_per_token(dtype) if extra else 0)
     num_blocks = kv_blocks(cfg, per_token, device)
-    cache = PagedKVCache(args, num_blocks, BLOCK_SIZE, dtype, device)
+    # One block more than the scheduler counts: the scratch block CUDA-graph padding writes to.
+    cache = PagedKVCache(args, num_blocks + 1, BLOCK_SIZE, dtype, device)
     max_len = min(cfg.max_model_len or args.max_position, args.max_position, num_blocks * BLOCK_SIZE)
     if draft is not None:
         max_len = min(max_len, draft.args.max_position)
-    q_slots = cfg.max_num_seqs if draft is not None else 0
+    q_slots = cfg.max_num_seqs if draft is not None or head is not None else 0
     q_pool = torch.zeros(q_slots, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
     proposer: Proposer | None = None
     if draft is not None and q_pool is not None:
-        proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks, BLOCK_SIZE, dtype, device),
+        proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
                                       q_pool, args.vocab_size)
+    elif head is not None and q_pool is not None:
+        proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks, BLOCK_SIZE, dtype, device),
+                                 q_pool)
     elif cfg.spec.method == "ngram":
         proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)
     elif cfg.spec.method is not None:
@@ -138,9 +152,15 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         max_queue=cfg.max_queue,
     )
     worker = Worker(target, cache, proposer, q_pool, device)
+    if device.type == "cuda":
+        from streamsd.model.graphs import setup_cuda
+
+        setup_cuda(worker, scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs)
     seconds = time.perf_counter() - t0
-    log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d", path, device, dtype, seconds,
-             num_blocks, max_len)
+    q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0
+    log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB",
+             path, device, dtype, seconds, num_blocks, max_len, q_slots, cfg.spec.num_tokens, args.vocab_size,
+             q_bytes / 2**20)
     return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds)
 
 

@@ -260,3 +260,13 @@ def test_end_to_end_sampling_matches_target_distribution(tiny_model_dir, close_d
     e2 = torch.cat([exp[big], exp[~big].sum().view(1)])
     e2 = e2 * o2.sum() / e2.sum()
     assert chisquare(o2.numpy(), e2.numpy()).pvalue > 1e-3
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    from tiny import build_model, build_tokenizer
+
+    from streamsd.model.loader import ModelLoadError
+
+    other = build_model(tmp_path / "other", tokenizer=build_tokenizer(vocab_size=300), seed=2)
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        LLM(str(tiny_model_dir), draft_model=str(other))
