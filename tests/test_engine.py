@@ -214,7 +214,7 @@ def test_out_of_range_params_are_clear_errors():
 def test_prompt_longer_than_context_is_refused(tiny_model_dir):
     llm = LLM(str(tiny_model_dir))
     with pytest.raises(ValueError, match="context window"):
-        llm.generate([[5] * 500], SamplingParams(max_tokens=100))
+        llm.generate([[5] * 4000], SamplingParams(max_tokens=200))
     _assert_free(llm)
 
 
