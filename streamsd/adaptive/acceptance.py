@@ -1,0 +1,205 @@
+"""Acceptance model: per request and per draft position, how likely the next draft is accepted.
+
+Model.  α_j = P(draft j accepted | drafts 0..j−1 accepted).  One verify of k drafts yields the
+accepted prefix plus one target token (the correction, or the bonus when all k pass), so
+
+    E[tokens | k] = 1 + Σ_{j=1..k} Π_{i<j} α_i,
+
+which for a constant α is the familiar (1 − α^(k+1)) / (1 − α).  An observation "a of d drafts
+accepted" is a success at positions 0..a−1 and, when a < d, a failure at position a; positions
+after a are censored (never reached), not failures.
+
+Posterior.  Position j of a request carries Beta(n_j m_j + s_j, n_j (1 − m_j) + f_j), where s_j,
+f_j are the request's own evidence.  For j = 0 the prior mean m_0 is the proposer's *running
+prior*: successes and failures pooled over all its requests, forgotten per scheduler step
+(``tick``), capped so a large batch cannot make it immovable, and weakly anchored to a configured
+default that it drifts back to when starved of data.  For j ≥ 1, m_j is the request's own
+posterior mean at j − 1.  Consecutive positions accept alike, and a deep position is drafted only
+while it is estimated high, so its own data — and the crowd's per-position counts, kept for
+metrics — is adaptively sampled and runs low (≈ −0.1 at position 2 in the simulator); the
+position before it is sampled whenever it is, and more.  Evidence decays per observation (α
+drifts) and faster per step the request does not speculate, so a request left at k = 0 slides back
+to the prior and can be tried again.  After ``probe_after`` such steps ``wants_probe`` says so and
+the planner may grant a probe: without one, a request (or a proposer) whose estimate fell low
+would never produce the data to raise it.
+
+Pessimistic read.  ``estimate`` is the lower ``quantile`` (default 25%) of each posterior, and it
+is what the planner's gate uses: speculation is allowed only if it beats plain decoding with these
+numbers (the means then choose the plan's shape).  The two errors are not symmetric:
+under-estimating α costs a little of the possible gain, over-estimating it is the thing that makes
+speculation slower than plain decoding.  The quantile converges to the mean as evidence
+accumulates and is lowest exactly where little is known (new requests, deep positions), which is
+where over-estimates would come from.  Quantiles come from ``beta.py`` (no scipy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+from streamsd.adaptive.beta import beta_quantile_approx
+from streamsd.adaptive.planner import RequestView
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptanceConfig:
+    max_k: int = 8
+    prior_mean: float = 0.6  # per-position default before a proposer has data
+    prior_anchor: float = 2.0  # pseudo-count pulling a data-starved running prior back to prior_mean
+    prior_decay: float = 0.98  # per tick: the running prior remembers ~50 steps of every request
+    prior_cap: float = 256.0  # ... but at most this many observations per position
+    request_strength: float = 16.0  # pseudo-count a request borrows from the running prior
+    chain_strength: float = 6.0  # pseudo-count position j borrows from the request's position j − 1
+    request_decay: float = 0.99  # per speculative observation: ~100 steps of memory
+    idle_decay: float = 0.97  # per non-speculating step: back to the prior in a few dozen steps
+    quantile: float = 0.25
+    probe_after: int = 64
+    refresh_every: int = 8  # steps a posterior may go unread while only the prior or idle decay moved it
+
+
+@dataclass(slots=True)
+class ProposerPrior:
+    """Running per-position success/failure counts pooled over a proposer's requests."""
+
+    successes: list[float]
+    failures: list[float]
+    means: tuple[float, ...] = ()  # refreshed by ``tick``
+    version: int = 0
+
+    def refresh(self, cfg: AcceptanceConfig) -> None:
+        # Each position is anchored to the one before it (position 0 to the configured default),
+        # so a deep position with little data reads like its predecessor.
+        means, anchor = [], cfg.prior_mean
+        for s, f in zip(self.successes, self.failures, strict=True):
+            anchor = (s + cfg.prior_anchor * anchor) / (s + f + cfg.prior_anchor)
+            means.append(anchor)
+        self.means = tuple(means)
+        self.version += 1
+
+
+@dataclass(slots=True)
+class RequestAcceptance:
+    """Per-request estimator state; lives in the request, freed with it."""
+
+    proposer: str
+    successes: list[float]
+    failures: list[float]
+    idle_steps: int = 0
+    pending_idle: int = 0  # idle decay steps not yet applied (applied lazily, in one power)
+    safe: tuple[float, ...] = ()
+    mean: tuple[float, ...] = ()
+    stale: bool = True
+    prior_version: int = -1
+
+
+@dataclass(slots=True)
+class AcceptanceEstimator:
+    config: AcceptanceConfig = field(default_factory=AcceptanceConfig)
+    priors: dict[str, ProposerPrior] = field(default_factory=dict)
+    z: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.z = NormalDist().inv_cdf(self.config.quantile)
+
+    def prior(self, proposer: str) -> ProposerPrior:
+        p = self.priors.get(proposer)
+        if p is None:
+            k = self.config.max_k
+            p = self.priors[proposer] = ProposerPrior([0.0] * k, [0.0] * k)
+            p.refresh(self.config)
+        return p
+
+    def new_request(self, proposer: str = "default") -> RequestAcceptance:
+        self.prior(proposer)
+        k = self.config.max_k
+        return RequestAcceptance(proposer, [0.0] * k, [0.0] * k)
+
+    def observe(self, state: RequestAcceptance, num_drafted: int, num_accepted: int) -> None:
+        """Record one step; ``num_drafted == 0`` is a step at k = 0 (call it for those too)."""
+        cfg = self.config
+        drafted = min(num_drafted, cfg.max_k)
+        if drafted <= 0:
+            state.idle_steps += 1
+            state.pending_idle += 1
+            # Idle decay is slow; re-reading the posterior every few idle steps is enough.
+            state.stale = state.stale or state.pending_idle >= cfg.refresh_every
+            return
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"accepted {num_accepted} of {num_drafted} drafts")
+        accepted = min(num_accepted, drafted)
+        state.idle_steps = 0
+        # Every position forgets, reached or not: one left undrafted slides back to its prior,
+        # which follows the position before it, so a low old estimate cannot freeze it at k below it.
+        _decay(state, cfg.request_decay * cfg.idle_decay ** state.pending_idle)
+        state.pending_idle = 0
+        prior = self.prior(state.proposer)
+        for j in range(accepted):
+            state.successes[j] += 1.0
+            prior.successes[j] += 1.0
+        if accepted < drafted:
+            state.failures[accepted] += 1.0
+            prior.failures[accepted] += 1.0
+        state.stale = True
+
+    def tick(self) -> None:
+        """Once per scheduler step: forget old evidence in the running priors."""
+        decay, cap = self.config.prior_decay, self.config.prior_cap
+        for p in self.priors.values():
+            for j in range(len(p.successes)):
+                # Capped as well as decayed: a large batch must not make the prior so heavy that,
+                # once speculation stops, the few probe observations could never move it.
+                n = p.successes[j] + p.failures[j]
+                scale = decay * min(1.0, cap / n) if n > 0 else decay
+                p.successes[j] *= scale
+                p.failures[j] *= scale
+            p.refresh(self.config)
+
+    def estimate(self, state: RequestAcceptance) -> tuple[float, ...]:
+        """Pessimistic per-position α_j: the posterior's lower ``quantile``."""
+        self._refresh(state)
+        return state.safe
+
+    def mean(self, state: RequestAcceptance) -> tuple[float, ...]:
+        """Posterior mean per position."""
+        self._refresh(state)
+        return state.mean
+
+    def _refresh(self, state: RequestAcceptance) -> None:
+        prior = self.prior(state.proposer)
+        cfg = self.config
+        if not state.stale and prior.version - state.prior_version < cfg.refresh_every:
+            return
+        if state.pending_idle:
+            _decay(state, cfg.idle_decay ** state.pending_idle)
+            state.pending_idle = 0
+        z = self.z
+        safe, mean = [], []
+        reach, m = 1.0, prior.means[0]
+        for j, (s, f) in enumerate(zip(state.successes, state.failures, strict=True)):
+            n0 = cfg.request_strength if j == 0 else cfg.chain_strength
+            # Position j's prior is this request's own estimate at j − 1 (position 0's is the
+            # proposer's running prior): deep positions are drafted only while estimated high, so
+            # their own data — and the crowd's — is adaptively sampled and biased low; the position
+            # before them is sampled whenever they are, and more.
+            a, b = n0 * m + s, n0 * (1.0 - m) + f
+            m = a / (a + b)
+            mean.append(m)
+            reach *= m
+            # Positions the planner will never draft (survival below 1%) skip the quantile.
+            safe.append(beta_quantile_approx(a, b, z) if reach >= 0.01 else 0.0)
+        state.safe, state.mean = tuple(safe), tuple(mean)
+        state.stale, state.prior_version = False, prior.version
+
+    def wants_probe(self, state: RequestAcceptance) -> bool:
+        return state.idle_steps >= self.config.probe_after
+
+    def view(self, state: RequestAcceptance, request_id: object, max_k: int, catchup_tokens: int = 0) -> RequestView:
+        """The planner's view of a request; ``max_k`` is its cap this step."""
+        return RequestView(request_id, max_k, self.estimate(state), self.wants_probe(state), catchup_tokens,
+                           state.mean)
+
+
+def _decay(state: RequestAcceptance, factor: float) -> None:
+    for j in range(len(state.successes)):
+        state.successes[j] *= factor
+        state.failures[j] *= factor

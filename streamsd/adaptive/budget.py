@@ -1,0 +1,108 @@
+"""Budget search for the planner: the best prefix of the batch's drafts ranked by survival.
+
+See ``planner.py`` for the objective.  ``Search.run`` takes per-request survival lists (expected
+and pessimistic), ranks every (request, depth) draft by expected survival, and for each depth
+limit scores the ends of the cost model's flat segments with prefix sums, so a step over B
+requests and K depths costs O(B·K log(B·K)) for the sort and a few dozen cost lookups per level.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamsd.adaptive.cost import CostTable
+    from streamsd.adaptive.planner import RequestView
+
+
+@dataclass(slots=True)
+class Plan:
+    rate: float  # expected tokens/s from the posterior means
+    ks: list[int]
+
+
+@dataclass(slots=True)
+class Search:
+    requests: Sequence[RequestView]
+    cost: CostTable
+    prefill: int
+    credit: float  # output-token worth of the prefill
+    prefill_s: float  # seconds charged to the prefill rather than to decoding
+    horizon: int
+    lagging: bool = False  # any request with draft catch-up
+
+    def __post_init__(self) -> None:
+        self.lagging = any(r.catchup_tokens for r in self.requests)
+
+    def run(self, mean: Sequence[list[float]], safe: Sequence[list[float]], eligible: Sequence[int],
+            floor: float) -> Plan | None:
+        """Highest expected-rate plan whose pessimistic rate beats ``floor``, if any.
+
+        Draft steps are shared by the batch (the drafter runs max k_i times), so plans are searched
+        per depth limit L; the search stops after two levels in a row that did not improve (one
+        is not enough: a noisy cost key can dent an otherwise rising curve).
+        """
+        ranked = sorted((-m, j, i) for i in eligible for j, m in enumerate(mean[i]))
+        if not ranked:
+            return None
+        deepest = max(j for _, j, _ in ranked) + 1
+        if not self.cost.draft.keys:  # drafting is free (n-gram): depth costs nothing, one level
+            return self._level(ranked, safe, floor)[0]
+        best: Plan | None = None
+        top, misses = 0.0, 0
+        for depth in range(1, deepest + 1):
+            level, rate = self._level([it for it in ranked if it[1] < depth], safe, floor)
+            if level is not None and (best is None or level.rate > best.rate):
+                best = level
+            misses = misses + 1 if rate <= top else 0
+            top = max(top, rate)
+            if misses == 2:
+                break
+        return best
+
+    def _level(self, items: list[tuple[float, int, int]], safe: Sequence[list[float]],
+               floor: float) -> tuple[Plan | None, float]:
+        """Best prefix of ``items`` (ranked drafts); also the best expected rate ignoring ``floor``."""
+        b, n = len(self.requests), len(items)
+        # Prefix sums over the ranking; a request's first item is always its j = 0 (ranking is by
+        # survival, then depth), so drafting requests and their catch-up count at j = 0 items.
+        exp_mean = list(accumulate((-neg for neg, _, _ in items), initial=b + self.credit))
+        exp_safe = list(accumulate((safe[i][j] for _, j, i in items), initial=b + self.credit))
+        depths = [j for _, j, _ in items]
+        n_spec = list(accumulate((j == 0 for j in depths), initial=0))
+        if self.lagging:
+            lags = [self.requests[i].catchup_tokens if j == 0 else 0 for _, j, i in items]
+            catchup = list(accumulate(lags, initial=0))
+        else:
+            catchup = [0] * (n + 1)
+        # Where each depth first appears; the number of draft steps of a prefix counts those before it.
+        firsts = [depths.index(d) for d in range(max(depths) + 1)]
+        base = b + self.prefill
+        budgets = {n, *firsts[1:], *(e - base for e in self.cost.verify.keys if 0 < e - base < n)}
+        budgets.update(1 << p for p in range(n.bit_length()) if 1 << p < n)
+        best_rate, best_s, top = 0.0, 0, 0.0
+        for s_idx in budgets:
+            steps = bisect_left(firsts, s_idx)
+            t = self.step_time(base + s_idx, steps, n_spec[s_idx], catchup[s_idx]) - self.prefill_s
+            rate = exp_mean[s_idx] / t
+            top = max(top, rate)
+            if exp_safe[s_idx] / t > floor and rate > best_rate:
+                best_rate, best_s = rate, s_idx
+        if best_s == 0:
+            return None, top
+        ks = [0] * b
+        for _, j, i in items[:best_s]:
+            ks[i] = max(ks[i], j + 1)
+        return Plan(best_rate, ks), top
+
+    def step_time(self, n: int, kmax: int, n_spec: int, catchup: int) -> float:
+        b = len(self.requests)
+        t = self.cost.predict(b, n, kmax, draft_batch=n_spec)
+        if catchup:
+            full = self.cost.predict(b, n, kmax, draft_batch=n_spec, draft_extra_tokens=catchup)
+            t += (full - t) / self.horizon
+        return t

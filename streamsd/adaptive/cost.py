@@ -1,0 +1,191 @@
+"""Step-time cost model: what one engine step costs for a given batch shape.
+
+A step over B decoding requests that speculate k_i drafts each costs
+
+    t(B, N, k) = verify(N) + B · kv_per_request + [k > 0] · (spec_overhead + draft(B_d + c) + (k − 1) · draft(B_d))
+
+where N = B + Σ k_i (+ prefill chunk tokens) is the number of tokens the target verifies, k the
+number of sequential draft steps (the largest k_i), B_d the number of requests that draft and c
+the draft-KV catch-up tokens of requests resuming speculation (folded into the first draft
+forward, which is where the engine replays them).  A plain step (every k_i = 0) pays only the
+first two terms: it is the engine's genuine plain step, with no drafter and no rejection sampler.
+
+Why a measured table and not acceptance alone: whether speculation pays is a question of where N
+sits on the target's roofline.  While N is memory-bound the extra verify tokens are nearly free;
+past the ridge they cost compute, which is why k must shrink as the batch grows.
+
+``StepTable`` holds measured seconds at bucket edges (the CUDA-graph capture sizes on a GPU, the
+size classes on a CPU).  A pass over n tokens is padded to the next edge, so the table is *flat
+within a bucket* and a lookup returns the value at the smallest edge ≥ n.  Measurements are noisy,
+so the values are made monotone (running maximum): more tokens never predict less time, which
+would otherwise lure the planner into a noisy dip.  Past the largest edge the engine runs eager and
+unpadded; the table extrapolates proportionally to n, a pessimistic choice so that unmeasured
+territory never attracts speculation.
+
+Online correction: the true step time drifts (context lengths grow, clocks change) and the
+start-up table has per-bucket errors.  ``CostTable.observe`` keeps a global EMA of the
+measured/predicted ratio, which carries drift to every bucket at once, and, per (verify bucket,
+draft steps) key, a relative ratio to that global one that fixes the table's shape.  Unseen keys
+use the global ratio alone.
+
+``RooflineModel`` is the analytic fallback (before anything is measured) and the simulator's
+ground truth: t(B, N) = max(weights / bandwidth, flops(N) / peak) + KV bytes / bandwidth + fixed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineModel:
+    """Analytic step time of one model forward over ``num_tokens`` tokens of ``batch_size`` requests."""
+
+    weight_bytes: float
+    flops_per_token: float
+    kv_bytes_per_token: float = 0.0
+    context_len: int = 512
+    bandwidth: float = 4.25e12
+    peak_flops: float = 790e12
+    fixed_s: float = 2e-4
+
+    def step_time(self, batch_size: int, num_tokens: int, context_tokens: int | None = None) -> float:
+        ctx = batch_size * self.context_len if context_tokens is None else context_tokens
+        dense = max(self.weight_bytes / self.bandwidth, self.flops_per_token * num_tokens / self.peak_flops)
+        return dense + self.kv_seconds(ctx) + self.fixed_s
+
+    def kv_seconds(self, context_tokens: int) -> float:
+        return context_tokens * self.kv_bytes_per_token / self.bandwidth
+
+    @classmethod
+    def llama3_8b_h200(cls, context_len: int = 512) -> RooflineModel:
+        # bf16 weights; GQA KV = 32 layers × 8 heads × 128 × (k, v) × 2 B; FLOPs incl. attention.
+        return cls(16.06e9, 2 * 8.03e9 + 4 * 32 * 4096 * context_len, 131072.0, context_len)
+
+    @classmethod
+    def llama32_1b_h200(cls, context_len: int = 512) -> RooflineModel:
+        # The draft: 16 layers × 8 heads × 64 × 2 × 2 B of KV per token; lighter launch overhead.
+        return cls(2.47e9, 2 * 1.24e9 + 4 * 16 * 2048 * context_len, 32768.0, context_len, fixed_s=1e-4)
+
+
+@dataclass(frozen=True, slots=True)
+class StepTable:
+    """Monotone, bucket-flat seconds per forward, keyed by bucket edge (tokens or requests)."""
+
+    keys: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
+
+    @classmethod
+    def from_samples(cls, samples: Mapping[int, float]) -> StepTable:
+        keys = sorted(k for k in samples if k > 0)
+        values: list[float] = []
+        highest = 0.0
+        for k in keys:
+            highest = max(highest, float(samples[k]))
+            values.append(highest)
+        return cls(tuple(keys), tuple(values))
+
+    def bucket(self, n: int) -> int:
+        """Index of the edge a pass over ``n`` pads to; ``len(keys)`` past the last edge."""
+        return bisect.bisect_left(self.keys, n)
+
+    def __call__(self, n: int) -> float:
+        if n <= 0 or not self.keys:
+            return 0.0
+        i = bisect.bisect_left(self.keys, n)
+        if i < len(self.keys):
+            return self.values[i]
+        return self.values[-1] * n / self.keys[-1]
+
+
+@dataclass(slots=True)
+class CostTable:
+    """Predicted step seconds from measured tables, corrected online by measured/predicted."""
+
+    verify: StepTable
+    draft: StepTable = field(default_factory=StepTable)
+    kv_per_request_s: float = 0.0
+    spec_overhead_s: float = 0.0
+    ema: float = 0.05
+    global_ratio: float = 1.0
+    relative: dict[tuple[int, int], float] = field(default_factory=dict)
+    seen: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    @classmethod
+    def from_samples(
+        cls,
+        verify: Mapping[int, float],
+        draft: Mapping[int, float] | None = None,
+        *,
+        kv_per_request_s: float = 0.0,
+        spec_overhead_s: float = 0.0,
+    ) -> CostTable:
+        """``verify``: tokens → seconds per target pass; ``draft``: batch → seconds per draft step
+        (omit for n-gram lookup, whose draft cost is zero)."""
+        return cls(StepTable.from_samples(verify), StepTable.from_samples(draft or {}),
+                   kv_per_request_s, spec_overhead_s)
+
+    @classmethod
+    def from_roofline(
+        cls,
+        target: RooflineModel,
+        draft: RooflineModel | None,
+        buckets: Iterable[int],
+        *,
+        spec_overhead_s: float = 0.0,
+    ) -> CostTable:
+        """The fallback before measurements: sample the roofline at the bucket edges."""
+        edges = sorted(set(buckets))
+        verify = {n: target.step_time(0, n) for n in edges}
+        drafts = {n: draft.step_time(n, n) for n in edges} if draft else {}
+        return cls.from_samples(verify, drafts, kv_per_request_s=target.kv_seconds(target.context_len),
+                                spec_overhead_s=spec_overhead_s)
+
+    def predict_raw(
+        self, batch_size: int, verify_tokens: int, draft_steps_k: int, *,
+        draft_batch: int | None = None, draft_extra_tokens: int = 0,
+    ) -> float:
+        t = self.verify(verify_tokens) + batch_size * self.kv_per_request_s
+        if draft_steps_k > 0:
+            drafting = batch_size if draft_batch is None else draft_batch
+            t += self.spec_overhead_s + self.draft(drafting + draft_extra_tokens)
+            t += (draft_steps_k - 1) * self.draft(drafting)
+        return t
+
+    def predict(
+        self, batch_size: int, verify_tokens: int, draft_steps_k: int, *,
+        draft_batch: int | None = None, draft_extra_tokens: int = 0,
+    ) -> float:
+        """Corrected seconds for a step; ``draft_batch`` defaults to ``batch_size``."""
+        raw = self.predict_raw(batch_size, verify_tokens, draft_steps_k,
+                               draft_batch=draft_batch, draft_extra_tokens=draft_extra_tokens)
+        return raw * self.ratio(verify_tokens, draft_steps_k)
+
+    def ratio(self, verify_tokens: int, draft_steps_k: int = 0) -> float:
+        key = (self.verify.bucket(verify_tokens), draft_steps_k)
+        return self.global_ratio * self.relative.get(key, 1.0)
+
+    def observe(
+        self, predicted: float, measured: float, *, verify_tokens: int | None = None, draft_steps_k: int = 0,
+    ) -> None:
+        """Feed back one step: ``predicted`` is what ``predict`` returned for it.
+
+        Without ``verify_tokens`` only the global ratio moves.
+        """
+        if predicted <= 0.0 or measured <= 0.0:
+            return
+        used = self.global_ratio if verify_tokens is None else self.ratio(verify_tokens, draft_steps_k)
+        # Clamped so one outlier (a GC pause, a recompile) cannot wreck the table.
+        sample = min(max(measured * used / predicted, 0.25), 4.0)
+        self.global_ratio += self.ema * (sample - self.global_ratio)
+        if verify_tokens is None:
+            return
+        key = (self.verify.bucket(verify_tokens), draft_steps_k)
+        n = self.seen.get(key, 0) + 1
+        self.seen[key] = n
+        rel = self.relative.get(key, 1.0)
+        # A running mean for the first observations, then an EMA that follows slow changes.
+        weight = max(1.0 / n, 4.0 * self.ema)
+        self.relative[key] = rel + weight * (sample / self.global_ratio - rel)

@@ -1,0 +1,199 @@
+"""Planner: how many drafts k_i each decoding request verifies this step (torch-free).
+
+Objective: expected tokens per second of the step.  With per-position acceptance estimates
+a_i0, a_i1, … the (j+1)-th draft of request i survives with s_ij = Π_{l≤j} a_il, and a step yields
+Σ_i (1 + Σ_{j<k_i} s_ij) tokens in expectation — (1 − α^(k+1)) / (1 − α) per request for a constant α.
+
+Search.  Inside a request survival falls with depth, so a total draft budget S is best spent on
+the S largest survivals across the batch (ties to the shallower draft); each request then drafts
+a prefix.  The drafter runs max k_i sequential steps for the whole batch, so the ranking is cut
+per depth limit L = 1, 2, … (stopping after two levels without gain; one level when drafting is
+free, as for n-gram lookup).  Within a level only the ends of the cost model's flat segments are
+scored — S that fills a verify bucket, S just before max k_i grows, powers of two, all of it —
+since inside a segment more tokens cost nothing more.  Plain decoding (S = 0) is always a candidate.
+
+Two estimates.  Survivals are computed from the posterior means (the expected rate, which picks
+the plan) and from the lower quantiles (the safe rate, which must beat plain decoding for any
+plan to be allowed).  Over-estimating α only hurts when it makes speculation slower than plain,
+and that is what the gate tests with the pessimistic numbers; choosing depth from the means
+avoids compounding every position's pessimism into needlessly shallow drafts.
+
+Prefill.  Chunks add verify tokens.  Normally prefill is owed either way, so it is charged what
+it adds to a plain step and speculation pays for what it adds on top (past the compute ridge,
+much).  When prompts are queued behind the chunk budget (``prefill_backlog``) admission is the
+bottleneck and every second a step takes delays them, so prefill tokens count as output tokens.
+
+Draft catch-up.  A draft model resuming after plain steps replays what its KV missed
+(``catchup_tokens``).  The replay is paid once and serves later steps, so it is amortised over
+``catchup_horizon`` steps; the plan restricted to requests with little lag is tried too, since
+resuming a long-plain batch at once rarely pays while resuming its newest requests often does.
+
+Hysteresis.  Entering speculation needs a safe rate better than plain by ``hysteresis``; leaving
+happens as soon as plain is predicted better.  The band stops a batch near break-even from
+flapping between the engine's plain and speculative paths; its asymmetry keeps the failure we
+guard against — speculating while slower than plain — outside it.
+
+Probing.  A request flagged ``probe`` (long at k = 0) drafts ``probe_k`` for free when the step
+speculates anyway; in a plain step one probe step per ``probe_every`` steps is spent, only while
+an optimistic α (``probe_alpha``) for the probed requests would make speculation pay at this batch
+— a compute-bound batch never pays for probes it could not use.
+
+KV: a request verifying k_i drafts needs 1 + k_i slots: reserve ``kv_slots_needed(ks)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from streamsd.adaptive.budget import Search
+
+if TYPE_CHECKING:
+    from streamsd.adaptive.cost import CostTable
+
+_MIN_SURVIVAL = 0.01  # a draft this unlikely to be reached is never worth a verify slot
+
+
+@dataclass(slots=True)
+class RequestView:
+    """What the planner needs of one decoding request."""
+
+    request_id: object
+    max_k: int  # cap: per-request setting, remaining max_tokens − 1, n-gram match length, context room
+    alphas: Sequence[float]  # pessimistic α_j per draft position (lower quantile); covers max_k positions
+    probe: bool = False
+    catchup_tokens: int = 0  # draft-model KV to replay before drafting (0 for n-gram / synthetic)
+    mean_alphas: Sequence[float] | None = None  # posterior means; None → ``alphas``
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    probe_every: int = 64
+    max_probes: int = 4
+    probe_alpha: float = 0.9
+    probe_k: int = 1  # drafts a probe verifies: deeper probes see more positions per probe
+    catchup_horizon: int = 4
+    fresh_lag: int = 16  # requests at most this far behind form the "resume the fresh ones" plan
+
+
+@dataclass(slots=True)
+class PlannerState:
+    """Carried from step to step by the scheduler; the last decision is kept for metrics."""
+
+    config: PlannerConfig = field(default_factory=PlannerConfig)
+    speculating: bool = False
+    steps: int = 0
+    switches: int = 0
+    since_probe: int = 0
+    probe_steps: int = 0
+    predicted_s: float = 0.0  # full predicted time of the planned step: feed to CostTable.observe
+    expected_tokens: float = 0.0
+    plain_rate: float = 0.0
+    spec_rate: float = 0.0
+    verify_tokens: int = 0
+    draft_steps: int = 0
+
+
+def kv_slots_needed(ks: Sequence[int]) -> int:
+    """KV slots a step needs: 1 + k_i per request (not 1 + K)."""
+    return sum(1 + k for k in ks)
+
+
+def expected_tokens(alphas: Sequence[float], k: int) -> float:
+    """Expected tokens from verifying k drafts: 1 + Σ_{j≤k} Π_{i<j} α_i."""
+    total = survival = 1.0
+    for j in range(k):
+        survival *= alphas[min(j, len(alphas) - 1)]
+        total += survival
+    return total
+
+
+def plan(
+    requests: Sequence[RequestView],
+    cost: CostTable,
+    max_k: int,
+    hysteresis: float = 0.02,
+    *,
+    state: PlannerState | None = None,
+    prefill_tokens: int = 0,
+    prefill_backlog: bool = False,
+) -> list[int]:
+    """k_i for each request (0..max_k); updates ``state`` in place when given.
+
+    ``prefill_tokens``: prompt tokens this step also verifies.  ``prefill_backlog``: prompts are
+    waiting for prefill beyond this step (admission is limited by prefill, not by the batch cap).
+    """
+    st = state if state is not None else PlannerState()
+    cfg = st.config
+    b = len(requests)
+    st.steps += 1
+    st.since_probe += 1
+    if b == 0:
+        return []
+    plain_t = cost.predict(b, b + prefill_tokens, 0)
+    if prefill_backlog:
+        credit, prefill_s = float(prefill_tokens), 0.0
+    else:
+        credit, prefill_s = 0.0, plain_t - cost.predict(b, b, 0) if prefill_tokens else 0.0
+    plain_rate = (b + credit) / (plain_t - prefill_s)
+    caps = [max(0, min(r.max_k, max_k)) for r in requests]
+    mean, safe = zip(*(_survivals(r, cap) for r, cap in zip(requests, caps, strict=True)), strict=True)
+    floor = plain_rate * (1.0 if st.speculating else 1.0 + hysteresis)
+    search = Search(requests, cost, prefill_tokens, credit, prefill_s, cfg.catchup_horizon)
+    everyone = range(b)
+    fresh = [i for i in everyone if requests[i].catchup_tokens <= cfg.fresh_lag]
+    plans = [search.run(mean, safe, group, floor) for group in ((everyone, fresh) if len(fresh) < b else (everyone,))]
+    best = max((p for p in plans if p is not None), key=lambda p: p.rate, default=None)
+    speculate = best is not None
+    st.switches += speculate != st.speculating
+    st.speculating = speculate
+    st.plain_rate, st.spec_rate = plain_rate, best.rate if best else 0.0
+    ks = best.ks if best else [0] * b
+    flagged = [i for i in everyone if requests[i].probe and ks[i] == 0 and caps[i] >= 1]
+    # The least-behind requests probe first: their draft catch-up is the cheapest.
+    due = sorted(flagged, key=lambda i: requests[i].catchup_tokens)[: cfg.max_probes]
+    if due and (speculate or _probe_pays(search, due, fresh, caps, mean, plain_rate * (1.0 + hysteresis), st)):
+        for i in due:
+            ks[i] = min(caps[i], cfg.probe_k)
+    _record(st, requests, ks, mean, cost, prefill_tokens)
+    return ks
+
+
+def _survivals(r: RequestView, cap: int) -> tuple[list[float], list[float]]:
+    means = r.alphas if r.mean_alphas is None else r.mean_alphas
+    mean_out: list[float] = []
+    safe_out: list[float] = []
+    m = s = 1.0
+    for j in range(min(cap, len(r.alphas), len(means))):
+        m *= means[j]
+        s *= r.alphas[j]
+        if m < _MIN_SURVIVAL:
+            break
+        mean_out.append(m)
+        safe_out.append(s)
+    return mean_out, safe_out
+
+
+def _probe_pays(search: Search, due: list[int], fresh: list[int], caps: list[int],
+                mean: Sequence[list[float]], floor: float, st: PlannerState) -> bool:
+    if st.since_probe < st.config.probe_every:
+        return False
+    hopeful = list(mean)
+    for i in due:
+        hopeful[i] = [st.config.probe_alpha ** (j + 1) for j in range(caps[i])]
+    if search.run(hopeful, hopeful, sorted(set(due) | set(fresh)), floor) is None:
+        return False
+    st.since_probe = 0
+    st.probe_steps += 1
+    return True
+
+
+def _record(st: PlannerState, requests: Sequence[RequestView], ks: list[int], mean: Sequence[list[float]],
+            cost: CostTable, prefill: int) -> None:
+    drafting = [i for i, k in enumerate(ks) if k > 0]
+    st.verify_tokens = len(requests) + sum(ks) + prefill
+    st.draft_steps = max(ks)
+    st.expected_tokens = len(requests) + sum(sum(mean[i][: ks[i]]) for i in drafting)
+    st.predicted_s = cost.predict(len(requests), st.verify_tokens, st.draft_steps, draft_batch=len(drafting),
+                                  draft_extra_tokens=sum(requests[i].catchup_tokens for i in drafting))

@@ -1,0 +1,300 @@
+"""Adaptive speculation (issue 10): cost model, acceptance estimator, planner and the simulator's claims.
+
+Everything here is torch-free and seeded; the simulator figures are for an 8B target on an H200
+(roofline) with a 1B draft, an n-gram proposer or a synthetic-α proposer.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from dataclasses import replace
+from statistics import median
+
+import pytest
+
+from streamsd.adaptive import (
+    AcceptanceConfig,
+    AcceptanceEstimator,
+    CostTable,
+    PlannerState,
+    RequestView,
+    RooflineModel,
+    kv_slots_needed,
+    plan,
+)
+from streamsd.adaptive.beta import beta_quantile, beta_quantile_approx
+from streamsd.adaptive.planner import expected_tokens
+from streamsd.adaptive.simulator import SimConfig, simulate
+from streamsd.adaptive.workload import AlphaDrift, ProposerSpec, default_buckets
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+FIXED = tuple(f"fixed:{k}" for k in range(1, 7))
+DRIFT = AlphaDrift(base=0.55, amplitude=0.3, period_s=4.0)
+
+
+def proposer(kind: str, alpha: AlphaDrift = DRIFT, **kw: object) -> ProposerSpec:
+    if kind == "draft":
+        return ProposerSpec.draft_model(alpha, **kw)
+    return ProposerSpec(kind, alpha, **kw)  # type: ignore[arg-type]
+
+
+def workload(batch: int) -> tuple[float, int]:
+    """(simulated seconds, seeds): a batch of one request is noisy, a batch of 256 slow to simulate."""
+    return (4.0, 2) if batch <= 4 else (2.5, 1) if batch <= 64 else (1.0, 1)
+
+
+def run(cfg: SimConfig, *policies: str, seeds: int = 1) -> dict[str, float]:
+    """Tokens/s per policy, averaged over ``seeds`` workloads (the same ones for every policy)."""
+    rates = {p: 0.0 for p in policies}
+    for seed in range(seeds):
+        for p in policies:
+            rates[p] += simulate(replace(cfg, seed=seed), p).tokens_per_s / seeds
+    return rates
+
+
+def h200_cost(draft: bool = True) -> CostTable:
+    return CostTable.from_roofline(RooflineModel.llama3_8b_h200(), RooflineModel.llama32_1b_h200() if draft else None,
+                                   default_buckets(), spec_overhead_s=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- maths
+
+
+def test_package_imports_no_torch() -> None:
+    code = ("import sys, streamsd.adaptive, streamsd.adaptive.simulator; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_beta_quantile_exact_and_approximation() -> None:
+    assert beta_quantile(0.25, 1.0, 1.0) == pytest.approx(0.25, abs=1e-9)
+    assert beta_quantile(0.25, 1.0, 3.0) == pytest.approx(1.0 - 0.75 ** (1 / 3), abs=1e-9)
+    assert beta_quantile(0.5, 4.0, 4.0) == pytest.approx(0.5, abs=1e-9)
+    z = -0.6744897501960817  # Φ⁻¹(0.25)
+    for a in (1.0, 2.0, 5.0, 16.0, 60.0, 300.0):
+        for b in (1.0, 2.0, 5.0, 16.0, 60.0, 300.0):
+            if a + b >= 4:
+                assert abs(beta_quantile_approx(a, b, z) - beta_quantile(0.25, a, b)) < 0.012, (a, b)
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.7, 0.9])
+def test_expected_tokens_closed_form(alpha: float) -> None:
+    for k in range(8):
+        assert expected_tokens([alpha], k) == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
+
+
+# ------------------------------------------------------------------------------------------ cost model
+
+
+def test_cost_table_is_monotone_and_flat_within_buckets() -> None:
+    table = CostTable.from_samples({1: 2.0, 8: 1.9, 16: 2.5, 32: 2.4, 64: 4.0}, {1: 0.5, 4: 0.6})
+    got = [table.verify(n) for n in range(1, 65)]
+    assert got == sorted(got)  # the noisy dips at 8 and 32 are lifted
+    assert table.verify(9) == table.verify(16) == 2.5  # padded to the 16 bucket
+    assert table.verify(128) == pytest.approx(8.0)  # past the last edge: proportional (pessimistic)
+    # predict = verify(N) + k × draft(B); a plain step pays no draft; no draft table → zero draft cost.
+    assert table.predict(4, 16, 3) == pytest.approx(2.5 + 3 * 0.6)
+    assert table.predict(4, 4, 0) == pytest.approx(2.0)
+    ngram = CostTable.from_samples({1: 2.0, 16: 2.5})
+    assert ngram.predict(4, 16, 3) == ngram.predict(4, 16, 0) == 2.5
+
+
+def test_cost_corrector_learns_drift_and_bucket_errors() -> None:
+    table = h200_cost()
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.choice((64, 128, 192))
+        k = rng.choice((0, 2))
+        truth = table.predict_raw(64, n, k) * 1.15 * (1.1 if n == 192 else 1.0) * rng.gauss(1.0, 0.02)
+        table.observe(table.predict(64, n, k), truth, verify_tokens=n, draft_steps_k=k)
+    assert table.predict(64, 128, 0) / table.predict_raw(64, 128, 0) == pytest.approx(1.15, rel=0.02)
+    assert table.predict(64, 192, 2) / table.predict_raw(64, 192, 2) == pytest.approx(1.265, rel=0.02)
+    # An unseen key follows the global drift only.
+    assert table.predict(64, 512, 4) / table.predict_raw(64, 512, 4) == pytest.approx(table.global_ratio)
+
+
+def test_roofline_ridge_near_200_tokens() -> None:
+    model = RooflineModel.llama3_8b_h200()
+    assert model.step_time(1, 160, 0) == pytest.approx(model.step_time(1, 1, 0))  # memory-bound
+    assert model.step_time(1, 256, 0) > 1.2 * model.step_time(1, 1, 0)  # past the ridge
+
+
+# ------------------------------------------------------------------------------------------- estimator
+
+
+def drive(est: AcceptanceEstimator, states: list, alphas: tuple[float, ...], steps: int, k: int,
+          rng: random.Random) -> None:
+    for _ in range(steps):
+        for st in states:
+            accepted = 0
+            while accepted < k and rng.random() < alphas[accepted]:
+                accepted += 1
+            est.observe(st, k, accepted)
+        est.tick()
+
+
+def test_observe_counts_the_accepted_prefix() -> None:
+    est = AcceptanceEstimator(AcceptanceConfig(max_k=4, request_decay=1.0))
+    st = est.new_request()
+    est.observe(st, 3, 1)
+    assert st.successes == [1.0, 0.0, 0.0, 0.0] and st.failures == [0.0, 1.0, 0.0, 0.0]
+    est.observe(st, 3, 3)  # all accepted: nothing rejected, position 3 never reached
+    assert st.successes == [2.0, 1.0, 1.0, 0.0] and st.failures == [0.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        est.observe(st, 2, 3)
+
+
+def test_estimator_converges_to_true_alpha() -> None:
+    truth = (0.8, 0.6, 0.7)
+    rng = random.Random(7)
+    est = AcceptanceEstimator(AcceptanceConfig(max_k=3))
+    states = [est.new_request() for _ in range(64)]
+    drive(est, states, truth, 300, 3, rng)
+    for j, alpha in enumerate(truth):
+        assert est.prior("default").means[j] == pytest.approx(alpha, abs=0.02)
+        assert sum(est.mean(st)[j] for st in states) / len(states) == pytest.approx(alpha, abs=0.02)
+    # One request, remembering everything it saw.
+    lone = AcceptanceEstimator(AcceptanceConfig(max_k=3, request_decay=1.0))
+    st = lone.new_request()
+    drive(lone, [st], truth, 3000, 3, rng)
+    assert lone.mean(st) == pytest.approx(truth, abs=0.02)
+
+
+def test_estimate_is_pessimistic() -> None:
+    rng = random.Random(3)
+    est = AcceptanceEstimator(AcceptanceConfig(max_k=2))
+    states = [est.new_request() for _ in range(32)]
+    over = total = 0
+    for _ in range(200):
+        drive(est, states, (0.7, 0.7), 1, 2, rng)
+        over += sum(est.estimate(st)[0] > 0.7 for st in states)
+        total += len(states)
+    assert over / total < 0.25  # read at the 25% quantile: over-estimates are the rare side
+    assert all(s < m for st in states for s, m in zip(est.estimate(st), est.mean(st), strict=True))
+
+
+def test_idle_request_decays_to_prior_and_probes() -> None:
+    cfg = AcceptanceConfig(max_k=2, probe_after=20)
+    est = AcceptanceEstimator(cfg)
+    good = [est.new_request() for _ in range(8)]
+    drive(est, good, (0.8, 0.8), 100, 2, random.Random(0))
+    bad = est.new_request()
+    for _ in range(60):
+        est.observe(bad, 2, 0)
+    assert est.mean(bad)[0] < 0.3
+    for step in range(1, 200):
+        est.observe(bad, 0, 0)
+        assert est.wants_probe(bad) == (step >= cfg.probe_after)
+    assert est.mean(bad)[0] == pytest.approx(est.prior("default").means[0], abs=0.02)
+    est.observe(bad, 1, 1)
+    assert not est.wants_probe(bad)
+
+
+# --------------------------------------------------------------------------------------------- planner
+
+
+def test_kv_reserved_is_one_plus_k_per_request() -> None:
+    rng = random.Random(5)
+    cost, st = h200_cost(), PlannerState()
+    for _ in range(50):
+        views = [RequestView(i, rng.randint(0, 8), [rng.uniform(0.1, 0.95)] * 6) for i in range(rng.randint(1, 96))]
+        ks = plan(views, cost, 6, state=st)
+        assert all(0 <= k <= min(v.max_k, 6) for k, v in zip(ks, views, strict=True))
+        assert kv_slots_needed(ks) == sum(1 + k for k in ks) == st.verify_tokens
+        assert st.expected_tokens == pytest.approx(sum(expected_tokens(v.alphas, k) for v, k in zip(views, ks, strict=True)))
+
+
+def test_planner_follows_the_roofline() -> None:
+    cost = h200_cost()
+    small = plan([RequestView(i, 6, [0.8] * 6) for i in range(4)], cost, 6)
+    assert all(k >= 2 for k in small)  # memory-bound: speculate deep
+    large = plan([RequestView(i, 6, [0.6] * 6) for i in range(256)], cost, 6)
+    assert large == [0] * 256  # compute-bound: plain
+
+
+def test_planner_gives_k_per_request() -> None:
+    views = [RequestView(i, 6, [0.9 if i % 2 else 0.2] * 6) for i in range(64)]
+    ks = plan(views, h200_cost(draft=False), 6)
+    assert min(ks[1::2]) > max(ks[0::2])
+
+
+def test_hysteresis_enters_late_and_leaves_only_when_plain_is_better() -> None:
+    cost = h200_cost()
+    views = [RequestView(i, 6, [0.45] * 6) for i in range(96)]
+    probe = PlannerState()
+    plan(views, cost, 6, 0.0, state=probe)
+    gain = probe.spec_rate / probe.plain_rate - 1.0
+    assert 0.0 < gain < 0.2
+    assert plan(views, cost, 6, gain + 0.01) == [0] * 96  # not enough to enter
+    st = PlannerState(speculating=True)
+    assert any(plan(views, cost, 6, gain + 0.01, state=st))  # but enough to stay
+    assert st.switches == 0
+
+
+def test_probes_only_when_speculation_could_pay() -> None:
+    cost = h200_cost()
+    for batch, expect in ((8, True), (256, False)):
+        st = PlannerState()
+        views = [RequestView(i, 6, [0.05] * 6, probe=True, catchup_tokens=80) for i in range(batch)]
+        probed = sum(any(plan(views, cost, 6, state=st)) for _ in range(200))
+        assert (probed > 0) == expect
+        assert probed <= 200 // st.config.probe_every
+
+
+# ------------------------------------------------------------------------------------------- simulator
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram", "synthetic"])
+def test_adaptive_never_slower_than_plain(kind: str) -> None:
+    for batch in SIZES:
+        seconds, seeds = workload(batch)
+        got = run(SimConfig(proposer(kind), concurrency=batch, duration_s=seconds), "plain", "adaptive", seeds=seeds)
+        assert got["adaptive"] / got["plain"] >= 0.99, batch
+
+
+@pytest.mark.parametrize("kind,alpha", [("draft", AlphaDrift(0.7)), ("synthetic", AlphaDrift(0.6)),
+                                        ("draft", AlphaDrift(0.6, 0.15, period_s=20.0))])
+def test_adaptive_within_one_percent_of_best_fixed_k(kind: str, alpha: AlphaDrift) -> None:
+    for batch in SIZES:
+        seconds, seeds = workload(batch)
+        cfg = SimConfig(proposer(kind, alpha), concurrency=batch, duration_s=seconds)
+        got = run(cfg, "plain", "adaptive", *FIXED, seeds=seeds)
+        assert got["adaptive"] >= 0.99 * max(got[p] for p in ("plain", *FIXED)), batch
+
+
+@pytest.mark.parametrize("kind", ["draft", "synthetic"])
+@pytest.mark.parametrize("batch", [64, 128])
+def test_mixed_acceptance_batch_beats_every_single_k(kind: str, batch: int) -> None:
+    cfg = SimConfig(proposer(kind, alpha_choices=(0.9, 0.2)), concurrency=batch, duration_s=1.5)
+    got = run(cfg, "plain", "adaptive", *FIXED)
+    assert got["adaptive"] >= 1.03 * max(got[p] for p in ("plain", *FIXED))
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram", "synthetic"])
+def test_switches_are_bounded(kind: str) -> None:
+    # Without prefill the step conditions only drift: the decision must not flap.  A probe step
+    # (at most one per 64 plain steps) is two switches.
+    for batch in (96, 160, 256):
+        cfg = SimConfig(proposer(kind), concurrency=batch, duration_s=1.0, prompt_len=(0, 0))
+        assert simulate(cfg, "adaptive").switches_per_100 <= 4.0, batch
+    # With prefill chunks a switch may follow each chunk (a compute-bound step drops drafts), no more.
+    for batch in (64, 128):
+        got = simulate(SimConfig(proposer(kind), concurrency=batch, duration_s=1.0), "adaptive")
+        assert got.switches <= got.prefill_toggles + 2 * got.steps / 100, batch
+
+
+def test_poisson_load_sweep() -> None:
+    for rate in (8.0, 32.0, 96.0, 160.0):
+        cfg = SimConfig(proposer("draft"), concurrency=None, arrival_rate=rate, duration_s=3.0, output_len=(64, 512))
+        plain, adaptive = simulate(cfg, "plain"), simulate(cfg, "adaptive")
+        assert adaptive.tokens_per_s >= 0.99 * plain.tokens_per_s, rate
+        assert adaptive.mean_tpot_s <= plain.mean_tpot_s, rate
+
+
+def test_online_correction_tracks_a_wrong_startup_table() -> None:
+    cfg = SimConfig(proposer("draft"), concurrency=32, duration_s=1.5, table_scale=0.85, table_noise=0.03)
+    got = simulate(cfg, "adaptive", keep_records=True)
+    errors = [abs(r.predicted_s / r.measured_s - 1.0) for r in got.records[50:]]
+    assert median(errors) < 0.03
