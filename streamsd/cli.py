@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import sys
 import time
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+
+
+def default_web_dir() -> Path:
+    """The chat UI: shipped as streamsd.web when installed, the top-level web/ in a checkout."""
+    spec = importlib.util.find_spec("streamsd.web")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / "index.html").exists():
+            return Path(location)
+    return Path(__file__).resolve().parent.parent / "web"
 
 
 def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -> None:
     p.add_argument("--model", default=model_default, help=f"{DEFAULT_MODEL}, a local HF directory, a .gguf file or a hub id")
-    p.add_argument("--draft-model", default=None, help="a small draft model with the same tokenizer")
-    p.add_argument("--speculative-method", choices=["draft", "ngram", "none"], default=None,
+    p.add_argument("--draft-model", default=None, help="a small draft model with the same tokenizer, or an EAGLE head")
+    p.add_argument("--speculative-method", choices=["draft", "ngram", "eagle", "none"], default=None,
                    help="default: draft with --draft-model, ngram for the embedded default model, else none")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, the most drafts verified per step")
     p.add_argument("--draft-greedy-threshold", type=float, default=0.75,
@@ -50,7 +59,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = _engine_config(a, a.max_queue)
     name = a.served_model_name or (a.model if a.model == DEFAULT_MODEL else Path(a.model).name or a.model)
     state = ServerState(served_model_name=name, api_key=a.api_key, max_queue=a.max_queue, drain_timeout=a.drain_timeout)
-    web = Path(a.web_dir) if a.web_dir else WEB_DIR
+    web = Path(a.web_dir) if a.web_dir else default_web_dir()
     return serve(state, lambda: EngineCore(build_runtime(cfg), cfg.spec), a.host, a.port, web, a.log_level)
 
 
@@ -123,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="fetch and convert a model; prints its directory last")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.set_defaults(func=cmd_pull)
+
+    from streamsd.spec import train_eagle
+
+    t = sub.add_parser("train-draft", help="train an EAGLE draft head for a model by self-distillation")
+    train_eagle.add_arguments(t)
+    t.set_defaults(func=train_eagle.run)
 
     b = sub.add_parser("bench", help="benchmarks: offline (engine), serve (a server), soak (reliability), "
                                      "overhead (HTTP layer)")

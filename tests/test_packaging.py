@@ -1,0 +1,20 @@
+"""The wheel ships every package and the chat UI."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_package_is_listed_for_the_wheel():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "streamsd").rglob("__init__.py")}
+    assert found | {"streamsd.web"} == listed
+
+
+def test_installed_ui_dir_has_the_page():
+    from streamsd.cli import default_web_dir
+
+    assert (default_web_dir() / "index.html").exists()
