@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.graphs import GraphRunner
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.request import Request
 from streamsd.sampling import rng
@@ -38,16 +39,23 @@ class Worker:
         self.q_pool = q_pool  # [slots, K, V] dense draft distributions, or None
         self.device = device
         self.vocab = target.args.vocab_size
+        # CUDA graphs for decode/verify steps; build_runtime sets them on CUDA.
+        self.graphs: GraphRunner | None = None
+        self.rejection = rejection_sample
+        if device.type == "cuda":
+            from streamsd.kernels.rejection import rejection_sample_triton
+
+            self.rejection = rejection_sample_triton  # same decisions as the reference, one launch
 
     def step(self, plan: StepPlan) -> list[EntryResult]:
         entries = plan.entries
         verify_entries = [e for e in entries if e.verifies]
-        logits = self._forward(entries)  # [rows, V]
+        logits, hidden = self._forward(entries)  # [rows, V], per entry [its tokens, layers * hidden] | None
         verified = self._verify(verify_entries, logits)
-        return self._propose(entries, verified)
+        return self._propose(entries, verified, hidden)
 
     # -- target forward -------------------------------------------------------------------------
-    def _forward(self, entries: list[Scheduled]) -> torch.Tensor:
+    def _forward(self, entries: list[Scheduled]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         ids: list[int] = []
         rows: list[int] = []
         starts, counts, tables = [], [], []
@@ -61,10 +69,19 @@ class Worker:
             starts.append(e.start)
             counts.append(len(toks))
             tables.append(r.blocks)
+        # An EAGLE head reads the target's residual streams at every token this step computes.
+        layers = getattr(self.proposer, "hidden_layers", ())
+        key = self.graphs.key_for(counts, tables) if self.graphs is not None and not layers else None
+        if self.graphs is not None and key is not None:
+            return self.graphs.run(key, ids, starts, counts, tables, rows), None
         layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
-        out = self.target(torch.tensor(ids, dtype=torch.int64, device=self.device), layout, self.cache,
-                          torch.tensor(rows, dtype=torch.int64, device=self.device))
-        return out.logits
+        out = self.target(h2d(ids, torch.int64, self.device), layout, self.cache,
+                          h2d(rows, torch.int64, self.device), hidden_layers=layers,
+                          hidden_rows=torch.arange(len(ids), device=self.device) if layers else None)
+        if not out.hidden:
+            return out.logits, None
+        hidden = torch.cat(out.hidden, dim=-1)  # [T, layers * hidden]
+        return out.logits, list(hidden.split(counts))
 
     # -- verification -------------------------------------------------------------------------
     def _verify(self, entries: list[Scheduled], logits: torch.Tensor) -> Verified:
@@ -78,13 +95,16 @@ class Worker:
         for e in entries:
             index.append([offset + min(j, e.num_drafts) for j in range(k + 1)])
             offset += 1 + e.num_drafts
-        rows = logits[torch.tensor(index, device=dev)]  # [B, K+1, V]
+        if all(e.num_drafts == k for e in entries) and logits.shape[0] == len(entries) * (k + 1):
+            rows = logits.view(len(entries), k + 1, -1)  # [B, K+1, V] uniform steps: no gather copy
+        else:
+            rows = logits[h2d(index, torch.int64, dev)]  # [B, K+1, V]
         rows = self._suppress_early_stops(entries, rows)
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=dev)  # [B]
-        positions = torch.tensor([[r.num_tokens + j for j in range(k + 1)] for r in reqs], device=dev)  # [B, K+1]
-        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)  # [B]
-        draft_ids = torch.tensor([r.draft_ids[: e.num_drafts] + [0] * (k - e.num_drafts)
-                                  for e, r in zip(entries, reqs, strict=True)], dtype=torch.int64, device=dev)
+        greedy = h2d([r.params.greedy for r in reqs], torch.bool, dev)  # [B]
+        positions = h2d([[r.num_tokens + j for j in range(k + 1)] for r in reqs], torch.int64, dev)  # [B, K+1]
+        seeds = h2d([r.seed for r in reqs], torch.int64, dev)  # [B]
+        draft_ids = h2d([r.draft_ids[: e.num_drafts] + [0] * (k - e.num_drafts)
+                         for e, r in zip(entries, reqs, strict=True)], torch.int64, dev)  # [B, K]
         probs = None
         noise = None
         if not all(r.params.greedy for r in reqs):
@@ -96,17 +116,18 @@ class Worker:
                  for e, r in zip(entries, reqs, strict=True)]
         q = None
         if any(dense) and self.q_pool is not None and k > 0:
-            slots = torch.tensor([r.q_slot if d else 0 for r, d in zip(reqs, dense, strict=True)], device=dev)
+            slots = h2d([r.q_slot if d else 0 for r, d in zip(reqs, dense, strict=True)], torch.int64, dev)
             q = self.q_pool[slots, :k]  # [B, K, V]
-        tokens, accepted = rejection_sample(VerifyInput(
+        tokens, accepted = self.rejection(VerifyInput(
             target_probs=probs,
             target_argmax=rows.argmax(dim=-1),
             draft_ids=draft_ids,
             draft_probs=q,
-            dense_q=torch.tensor(dense, device=dev),
-            num_drafts=torch.tensor([e.num_drafts for e in entries], dtype=torch.int64, device=dev),
+            dense_q=h2d(dense, torch.bool, dev),
+            num_drafts=h2d([e.num_drafts for e in entries], torch.int64, dev),
             greedy=greedy,
-            uniforms=rng.uniforms(seeds, positions[:, :k], rng.ACCEPT),
+            # Greedy rows never draw: skip the hashing launches on all-greedy steps.
+            uniforms=rng.uniforms(seeds, positions[:, :k], rng.ACCEPT) if probs is not None else draft_ids,
             noise=noise,
         ))
         lp = self._logprobs(reqs, rows, tokens)
@@ -150,7 +171,8 @@ class Worker:
         return result
 
     # -- proposing ------------------------------------------------------------------------------
-    def _propose(self, entries: list[Scheduled], verified: Verified) -> list[EntryResult]:
+    def _propose(self, entries: list[Scheduled], verified: Verified,
+                 hidden: list[torch.Tensor] | None = None) -> list[EntryResult]:
         results: list[EntryResult] = []
         items: list[ProposeItem] = []
         owners: list[int] = []
@@ -159,7 +181,8 @@ class Worker:
             r = e.request
             if not e.verifies:
                 results.append(EntryResult([], 0, list(r.draft_ids), r.draft_computed))
-                items.append(ProposeItem(r, [], 0, e.start + e.num_tokens, r.draft_computed))
+                items.append(ProposeItem(r, [], 0, e.start + e.num_tokens, r.draft_computed,
+                                         hidden[i] if hidden else None, e.start))
                 owners.append(i)
                 continue
             new, acc = verified.tokens[v], verified.accepted[v]
@@ -168,7 +191,8 @@ class Worker:
             results.append(EntryResult(new, acc, [], min(r.draft_computed, computed), flags, verified.logprobs[v]))
             v += 1
             if e.k_next > 0 and not _will_stop(r, new):
-                items.append(ProposeItem(r, r.all_ids + new, e.k_next, computed, min(r.draft_computed, computed)))
+                items.append(ProposeItem(r, r.all_ids + new, e.k_next, computed, min(r.draft_computed, computed),
+                                         hidden[i] if hidden else None, e.start))
                 owners.append(i)
         if self.proposer is None:
             return results

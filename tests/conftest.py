@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+if not torch.cuda.is_available():
+    # The Triton kernels are tested under the interpreter on CPUs. triton reads this when it
+    # decorates its own helpers, i.e. on first import, which transformers' modeling code
+    # (imported by tiny.py) already triggers: so set it before that.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny import build_model, build_perturbed, build_tokenizer  # noqa: E402
 

@@ -14,6 +14,21 @@ import torch
 from streamsd.model.arch import ModelArgs
 
 
+def h2d(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without a stream synchronisation.
+
+    `torch.tensor(values, device="cuda")` copies with `non_blocking=False`, which waits for the
+    stream, i.e. for all GPU work queued before it. A non-blocking copy from pageable memory is a
+    plain cudaMemcpyAsync: the driver stages the bytes before it returns (so the source may die
+    at once) and the device copy is queued in order. (Temporary pinned buffers would also work,
+    kept safe by the caching host allocator's events; pageable is simpler and just as async.)
+    """
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device=device, dtype=dtype)
+    return t.to(dtype).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True, slots=True)
 class BatchLayout:
     """Where each token of a flat batch goes, and what each sequence attends to.
@@ -48,15 +63,15 @@ class BatchLayout:
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         ctx = [s + c for s, c in zip(starts, counts, strict=True)]
         return BatchLayout(
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            positions=h2d(positions, torch.int64, device),
+            slot_mapping=h2d(slots, torch.int64, device),
             query_starts=q_starts,
             query_lens=list(counts),
             context_lens=ctx,
             block_tables=block_tables,
-            block_table=torch.tensor(padded, dtype=torch.int32, device=device),
-            context_lens_t=torch.tensor(ctx, dtype=torch.int32, device=device),
-            query_starts_t=torch.tensor(q_starts + [len(positions)], dtype=torch.int32, device=device),
+            block_table=h2d(padded, torch.int32, device),
+            context_lens_t=h2d(ctx, torch.int32, device),
+            query_starts_t=h2d(q_starts + [len(positions)], torch.int32, device),
         )
 
 

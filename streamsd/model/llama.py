@@ -103,6 +103,8 @@ class Transformer(nn.Module):
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.attend: AttentionFn = paged_attention_reference
+        # The CUDA fast path (model/fast_forward.py: fused weights and Triton kernels), set on GPUs.
+        self.fast: Callable[..., ForwardOutput] | None = None
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -127,19 +129,23 @@ class Transformer(nn.Module):
         cache: PagedKVCache,
         logits_rows: torch.Tensor,  # [N] rows of T whose logits are wanted
         hidden_layers: tuple[int, ...] = (),
+        hidden_rows: torch.Tensor | None = None,  # [M] rows whose streams are captured (default: logits_rows)
     ) -> ForwardOutput:
+        if self.fast is not None and not hidden_layers:
+            return self.fast(input_ids, layout, cache, logits_rows)
         cos = self.rope_cos.index_select(0, layout.positions)  # [T, D]
         sin = self.rope_sin.index_select(0, layout.positions)  # [T, D]
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         captured: list[torch.Tensor] = []
+        hidden_rows = logits_rows if hidden_rows is None else hidden_rows
         for i, layer in enumerate(self.model.layers):
             if i in hidden_layers:
-                captured.append(h.index_select(0, logits_rows))
+                captured.append(h.index_select(0, hidden_rows))
             attn = layer.self_attn(layer.input_layernorm(h), cos, sin, cache.layer(i), layout, self.attend)
             h = h + attn
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if self.args.num_layers in hidden_layers:
-            captured.append(h.index_select(0, logits_rows))
+            captured.append(h.index_select(0, hidden_rows))
         h = self.model.norm(h.index_select(0, logits_rows))  # [N, hidden]
         logits = self.lm_head(h).float()  # [N, V]
         return ForwardOutput(logits=logits, hidden=captured or None)

@@ -9,9 +9,12 @@ kept in the q pool for the rejection sampler.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.graphs import GraphRunner, forward_logits
+from streamsd.model.kv_cache import PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.sampling import rng
 from streamsd.sampling.sampler import race
@@ -29,6 +32,7 @@ class DraftModelProposer:
         self.q_pool = q_pool  # [slots, K, V_target]
         self.vocab = target_vocab
         self.device = q_pool.device
+        self.graphs: GraphRunner | None = None  # CUDA graphs for catch-up and single-token steps
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         results = [Proposal([], it.draft_computed) for it in items]
@@ -46,17 +50,16 @@ class DraftModelProposer:
             counts.append(end - start)
             tables.append(it.request.blocks)
             ids.extend(it.tokens[start:end] if it.k > 0 else it.request.all_ids[start:end])
-        layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
-        ends = torch.tensor(counts, device=self.device).cumsum(0) - 1  # [W] last row of each item
+        ends = [c - 1 for c in itertools.accumulate(counts)]  # last row of each item
         drafting = [w for w, (_, it) in enumerate(work) if it.k > 0]
-        out = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), layout, self.cache,
-                         ends[torch.tensor(drafting, dtype=torch.int64, device=self.device)])
+        logits = forward_logits(self.model, self.graphs, self.cache, ids, starts, counts, tables,
+                                [ends[w] for w in drafting], self.device)  # [Bd, Vd]
         for w, (i, _) in enumerate(work):
             results[i] = Proposal([], starts[w] + counts[w])
         if not drafting:
             return results
         draft_items = [work[w][1] for w in drafting]
-        host = self._draft_loop(draft_items, out.logits).tolist()  # [Bd, K]
+        host = self._draft_loop(draft_items, logits).tolist()  # [Bd, K]
         for row, w in enumerate(drafting):
             i, it = work[w]
             results[i] = Proposal(host[row][: it.k], len(it.tokens) + it.k - 1)
@@ -66,34 +69,40 @@ class DraftModelProposer:
         """logits [Bd, Vd] at each item's last token -> drafts [Bd, max k]."""
         dev = self.device
         reqs = [it.request for it in items]
-        wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p) for r in reqs], dev)
-        greedy = torch.tensor([r.greedy_draft for r in reqs], device=dev)  # [Bd]
-        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)  # [Bd]
-        base = torch.tensor([len(it.tokens) for it in items], dtype=torch.int64, device=dev)  # [Bd]
+        # Greedy drafts need only the argmax: no warping, no noise over the vocabulary.
+        all_greedy = all(r.greedy_draft for r in reqs)
+        if not all_greedy:
+            wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
+                                   for r in reqs], dev)
+            greedy = h2d([r.greedy_draft for r in reqs], torch.bool, dev)  # [Bd]
+            seeds = h2d([r.seed for r in reqs], torch.int64, dev)  # [Bd]
+            base = h2d([len(it.tokens) for it in items], torch.int64, dev)  # [Bd]
         slots = [r.q_slot for r in reqs]
         k_max = max(it.k for it in items)
         drafts = torch.zeros(len(items), k_max, dtype=torch.int64, device=dev)  # [Bd, K]
         active = list(range(len(items)))
         for j in range(k_max):
             logits = self._fit_vocab(logits)  # [A, V]
-            idx = torch.tensor(active, dtype=torch.int64, device=dev)  # [A]
-            sub = WarpParams(wp.temperature[idx], wp.top_k[idx], wp.top_p[idx], wp.min_p[idx], wp.needs_sort)
-            q = warp(logits, sub)  # [A, V]
-            noise = rng.exponentials(seeds[idx], (base[idx] + j).unsqueeze(-1), rng.DRAFT, self.vocab)[:, 0]
-            tok = torch.where(greedy[idx], logits.argmax(-1), race(q, noise))  # [A]
-            drafts[idx, j] = tok
-            for a, i in enumerate(active):
-                if slots[i] is not None and not reqs[i].greedy_draft:
-                    self.q_pool[slots[i], j] = q[a]
+            everyone = len(active) == len(items)
+            idx = slice(None) if everyone else h2d(active, torch.int64, dev)  # [A]
+            if all_greedy:
+                drafts[idx, j] = logits.argmax(-1)
+            else:
+                sub = WarpParams(wp.temperature[idx], wp.top_k[idx], wp.top_p[idx], wp.min_p[idx], wp.needs_sort)
+                q = warp(logits, sub)  # [A, V]
+                noise = rng.exponentials(seeds[idx], (base[idx] + j).unsqueeze(-1), rng.DRAFT, self.vocab)[:, 0]
+                drafts[idx, j] = torch.where(greedy[idx], logits.argmax(-1), race(q, noise))  # [A]
+                for a, i in enumerate(active):
+                    if slots[i] is not None and not reqs[i].greedy_draft:
+                        self.q_pool[slots[i], j] = q[a]
             active = [i for i in active if items[i].k > j + 1]
             if not active:
                 break
-            idx = torch.tensor(active, dtype=torch.int64, device=dev)
+            idx = slice(None) if len(active) == len(items) else h2d(active, torch.int64, dev)
             positions = [len(items[i].tokens) + j for i in active]
-            layout = BatchLayout.build(positions, [1] * len(active), [reqs[i].blocks for i in active],
-                                       self.cache.block_size, dev)
-            logits = self.model(drafts[idx, j], layout, self.cache,
-                                torch.arange(len(active), device=dev)).logits
+            logits = forward_logits(self.model, self.graphs, self.cache, drafts[idx, j], positions,
+                                    [1] * len(active), [reqs[i].blocks for i in active],
+                                    list(range(len(active))), dev)  # [A, Vd]
         return drafts
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,211 @@
+"""The measuring parts of `streamsd bench offline`: one engine pass, one HF transformers pass, the
+draft cost ratio, and the physical floor. Pure functions over a built runtime; no printing."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamsd.config import SpecConfig
+from streamsd.core import EngineCore
+from streamsd.model.arch import ModelArgs
+from streamsd.model.graphs import forward_logits
+from streamsd.model.llama import Transformer
+from streamsd.request import SamplingParams
+from streamsd.runtime import Runtime
+
+HBM_BYTES_PER_S = 4.25e12  # measured device-to-device copy bandwidth of the lent H200 (GPU.md)
+
+
+@dataclass(frozen=True, slots=True)
+class PassResult:
+    outputs: list[list[int]]  # per prompt, the generated ids
+    wall_s: float
+    tpot_ms: float  # mean over requests of (last - first token time) / (tokens - 1)
+    ttft_ms: float
+    tokens: int
+    steps: int
+    drafted: int
+    accepted: int
+    emitted: int  # tokens emitted by verify steps (the denominator of tau)
+    verify_steps: int
+    tested: int  # drafts whose accept test ran: min(accepted + 1, drafted) per step
+    host_ms: float  # per step: scheduling + postprocessing (detokenize, stream out), GPU idle meanwhile
+    execute_ms: float  # per step: the worker's step, its one wait for the GPU included
+
+    @property
+    def alpha(self) -> float:
+        """Per-draft acceptance given the drafts before it were accepted: the alpha of the
+        i.i.d. model (accepted / drafted is lower, since drafts after a rejection are never tested)."""
+        return self.accepted / self.tested if self.tested else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verify step, the bonus token included."""
+        return self.emitted / self.verify_steps if self.verify_steps else 0.0
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tokens: int, batch: int,
+                speculative: bool) -> PassResult:
+    """All prompts through a fresh EngineCore admitting `batch` at a time; greedy, EOS ignored."""
+    sched = dataclasses.replace(rt.scheduler_config, max_num_seqs=batch)
+    core = EngineCore(dataclasses.replace(rt, scheduler_config=sched), spec)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, speculative=speculative)
+    ids = [f"p{i}" for i in range(len(prompts))]
+    for i, (rid, p) in enumerate(zip(ids, prompts, strict=True)):
+        core.add_request(rid, p, dataclasses.replace(params, seed=i + 1))
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts = dict.fromkeys(ids, 0)
+    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    steps = tested = 0
+    host = execute = 0.0
+    sync(rt.worker.device)
+    t0 = time.perf_counter()
+    while core.has_work:
+        t1 = time.perf_counter()
+        plan, aborted = core.scheduler.schedule()  # core.step(), timed in its three parts
+        t2 = time.perf_counter()
+        results = core.execute(plan) if plan.entries else []
+        t3 = time.perf_counter()
+        outs = core.postprocess(plan, results, aborted)
+        now = time.perf_counter()
+        host += (t2 - t1) + (now - t3)
+        execute += t3 - t2
+        steps += 1
+        for o in outs:
+            if o.error:
+                raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+            if o.step_drafted:
+                tested += min(o.step_accepted + 1, o.step_drafted)
+            if o.token_ids:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
+                counts[o.request_id] += len(o.token_ids)
+                outputs[o.request_id].extend(o.token_ids)
+    wall = time.perf_counter() - t0
+    tpots = [(last[r] - first[r]) / (counts[r] - 1) for r in ids if counts[r] > 1]
+    st = core.totals
+    return PassResult(
+        outputs=[outputs[r] for r in ids], wall_s=wall, tpot_ms=1e3 * sum(tpots) / max(len(tpots), 1),
+        ttft_ms=1e3 * sum(first[r] - t0 for r in first) / max(len(first), 1), tokens=sum(counts.values()),
+        steps=steps, drafted=st.drafted, accepted=st.accepted, emitted=st.emitted, verify_steps=st.steps,
+        tested=tested, host_ms=1e3 * host / max(steps, 1), execute_ms=1e3 * execute / max(steps, 1),
+    )
+
+
+def capture_graphs(rt: Runtime, batch: int) -> None:
+    """Capture every bucket a pass over `batch` requests can use, so no capture lands in a timing."""
+    runners = [rt.worker.graphs, getattr(rt.worker.proposer, "graphs", None),
+               getattr(getattr(rt.worker.proposer, "inner", None), "graphs", None)]
+    for runner in (r for r in runners if r is not None):
+        small = [b for b in runner.cfg.buckets if b < batch]
+        top = [b for b in runner.cfg.buckets if b >= batch][:1]
+        for bucket in small + top:
+            for width in runner.cfg.query_widths:
+                if (bucket, width) not in runner.graphs:
+                    runner._capture(bucket, width)
+
+
+def step_time_ms(model: Transformer, rt: Runtime, cache: Any, graphs: Any, batch: int, repeats: int = 20) -> float:
+    """Time of one single-token forward at `batch` (through its graph when there is one)."""
+    dev = rt.worker.device
+    scratch = cache.num_blocks - 1  # writes only the scratch block
+    args = ([1] * batch, [0] * batch, [1] * batch, [[scratch]] * batch, list(range(batch)), dev)
+    forward_logits(model, graphs, cache, *args)
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        forward_logits(model, graphs, cache, *args)
+    sync(dev)
+    return 1e3 * (time.perf_counter() - t0) / repeats
+
+
+def draft_cost_ratio(rt: Runtime, batch: int) -> float:
+    """c: one draft-model step over one target step at this batch size (0 without a draft model)."""
+    proposer = rt.worker.proposer
+    proposer = getattr(proposer, "inner", None) or proposer
+    draft = getattr(proposer, "model", None)
+    if not isinstance(draft, Transformer):
+        return 0.0
+    t_draft = step_time_ms(draft, rt, proposer.cache, getattr(proposer, "graphs", None), batch)
+    t_target = step_time_ms(rt.worker.target, rt, rt.worker.cache, rt.worker.graphs, batch)
+    return t_draft / t_target
+
+
+def analytic_speedup(alpha: float, k: int, c: float) -> float:
+    """Expected speedup of greedy speculation with i.i.d. acceptance alpha, k drafts, draft cost c."""
+    tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return tokens / (1.0 + k * c)
+
+
+def weight_bytes_read(args: ModelArgs, dtype: torch.dtype) -> int:
+    """Bytes of weights one step reads: everything but an untied embedding (only B rows of it)."""
+    unread = 0 if args.tie_embeddings else args.vocab_size * args.hidden_size
+    return (args.num_params() - unread) * torch.finfo(dtype).bits // 8
+
+
+def floor_step_ms(args: ModelArgs, dtype: torch.dtype, batch: int, mean_ctx: float,
+                  draft: ModelArgs | None = None, k: int = 0) -> float:
+    """HBM floor of one step: target weights + its KV at the mean context, plus k draft steps."""
+    total = weight_bytes_read(args, dtype) + batch * mean_ctx * args.kv_bytes_per_token(dtype)
+    if draft is not None and k:
+        total += k * (weight_bytes_read(draft, dtype) + batch * mean_ctx * draft.kv_bytes_per_token(dtype))
+    return 1e3 * total / HBM_BYTES_PER_S
+
+
+# -- HF transformers, the same model side by side -------------------------------------------------
+def hf_model(model_dir: Path, ours: Transformer, device: torch.device, dtype: torch.dtype) -> Any:
+    """transformers' model of the same checkpoint, sharing our weights' storage (no second copy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {k: v for k, v in ours.state_dict().items() if not k.startswith("rope_")}
+    model.load_state_dict(state, strict=False, assign=True)
+    with torch.device(device):  # its inv_freq buffers were made on meta
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def hf_pass(model: Any, prompts: list[list[int]], max_tokens: int, device: torch.device, pad_id: int,
+            **gen_kwargs: Any) -> tuple[float, float]:
+    """(TPOT ms, tokens/s) of HF `generate` on one left-padded batch; TPOT excludes the prefill."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)  # [B, L]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # [B, L]
+
+    def gen(n: int) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=pad_id, **gen_kwargs)
+        sync(device)
+        return time.perf_counter() - t0
+
+    gen(2)  # warm-up
+    t_one, t_all = gen(1), gen(max_tokens)
+    tpot = (t_all - t_one) / max(max_tokens - 1, 1)
+    return 1e3 * tpot, len(prompts) * max_tokens / t_all

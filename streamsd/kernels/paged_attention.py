@@ -1,0 +1,216 @@
+"""Paged attention for the decode / verify shape, in Triton, plus the CUDA `AttentionFn`.
+
+One program per (sequence, kv head, split): the program holds the 1..QMAX query tokens of its
+sequence times the GROUP query heads that share the kv head as one [BLOCK_M, D] tile, so each K/V
+tile is read once for the whole group (GQA) and multiplied on the tensor cores. It walks only the
+live blocks (context_lens), TILE tokens at a time through the block table, with an online softmax.
+Query i of a sequence sits at position ctx - qlen + i and sees keys up to there (causal inside
+the verify window). With SPLITS > 1 each sequence's tiles are shared among SPLITS programs
+(flash-decoding) and a second kernel merges their partial softmaxes: at batch 1 the grid would
+otherwise hold only num_kv_heads programs for a chip of 132 multiprocessors.
+
+Everything the kernel reads is a device tensor of the BatchLayout, so it can be captured in a
+CUDA graph; the only static bound is the block table's width. Sequences whose query is longer than
+QMAX (prefill chunks) are skipped by the kernel and go through PyTorch SDPA, one chunk each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from streamsd.model.kv_cache import BatchLayout
+
+KERNEL_MAX_QUERY = 16  # longest query (1 + k) the kernel takes; longer chunks go through SDPA
+TILE_TOKENS = 64  # keys per inner iteration (4 pages of 16)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    bt_ptr, ctx_ptr, qs_ptr, scale_log2,
+    sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, s_bt,
+    GROUP: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q0 = tl.load(qs_ptr + seq)
+    qlen = tl.load(qs_ptr + seq + 1) - q0
+    ctx = tl.load(ctx_ptr + seq)
+    ctx = tl.where(qlen <= QMAX, ctx, 0)  # prefill chunks are SDPA's
+    rows = tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = (tok < qlen) & (tok < QMAX)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q0 + tok)[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
+                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+    qpos = ctx - qlen + tok  # [BLOCK_M]
+    n_tiles = tl.cdiv(ctx, TILE)
+    per_split = tl.cdiv(n_tiles, SPLITS)
+    t_lo = split * per_split
+    t_hi = tl.minimum(t_lo + per_split, n_tiles)
+    # A finite floor instead of -inf keeps fully masked rows (possible inside one split) NaN-free.
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    offs = tl.arange(0, TILE)
+    for t in range(t_lo, t_hi):
+        kpos = t * TILE + offs  # [TILE]
+        kv_ok = kpos < ctx
+        page = tl.load(bt_ptr + seq * s_bt + kpos // PAGE, mask=kv_ok, other=0)  # [TILE]
+        slot = kpos % PAGE
+        k = tl.load(k_ptr + page[:, None] * sk_b + slot[:, None] * sk_s + kvh * sk_h + d[None, :],
+                    mask=kv_ok[:, None], other=0.0)  # [TILE, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2  # [BLOCK_M, TILE], log2 units
+        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + page[:, None] * sv_b + slot[:, None] * sv_s + kvh * sv_h + d[None, :],
+                    mask=kv_ok[:, None], other=0.0)  # [TILE, D]
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    if SPLITS == 1:
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(out_ptr + (q0 + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (seq * tl.num_programs(1) + kvh) * SPLITS + split
+        tl.store(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * HEAD_DIM + d[None, :], acc)
+        tl.store(part_ml_ptr + (part * 2) * BLOCK_M + rows, m)
+        tl.store(part_ml_ptr + (part * 2 + 1) * BLOCK_M + rows, l_sum)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, ctx_ptr, qs_ptr, so_t, so_h,
+    GROUP: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    q0 = tl.load(qs_ptr + seq)
+    qlen = tl.load(qs_ptr + seq + 1) - q0
+    rows = tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = (tok < qlen) & (tok < QMAX) & (qlen <= QMAX)
+    d = tl.arange(0, HEAD_DIM)
+    base = (seq * tl.num_programs(1) + kvh) * SPLITS
+    m_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    for s in tl.static_range(SPLITS):
+        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + ((base + s) * 2) * BLOCK_M + rows))
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for s in tl.static_range(SPLITS):
+        w = tl.exp2(tl.load(part_ml_ptr + ((base + s) * 2) * BLOCK_M + rows) - m_max)  # [BLOCK_M]
+        denom += w * tl.load(part_ml_ptr + ((base + s) * 2 + 1) * BLOCK_M + rows)
+        acc += w[:, None] * tl.load(part_acc_ptr + ((base + s) * BLOCK_M + rows)[:, None] * HEAD_DIM + d[None, :])
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + (q0 + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def pick_splits(num_seqs: int, kv_heads: int, max_blocks: int, page: int, sm_count: int) -> int:
+    """Enough programs to cover the chip twice, no more splits than tiles, a power of two <= 16."""
+    want = max(1, -(-2 * sm_count // max(num_seqs * kv_heads, 1)))
+    tiles = max(1, -(-max_blocks * page // TILE_TOKENS))
+    splits = 1
+    while splits * 2 <= min(want, tiles, 16):
+        splits *= 2
+    return splits
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [NB, BS, KVH, D]
+    v_cache: torch.Tensor,  # [NB, BS, KVH, D]
+    block_table: torch.Tensor,  # [S, max_blocks] int32/int64
+    context_lens: torch.Tensor,  # [S]
+    query_starts: torch.Tensor,  # [S + 1]
+    scale: float,
+    max_query: int,
+    out: torch.Tensor | None = None,  # [T, H, D]; rows of skipped (long) sequences are left as they are
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of every sequence whose query length <= max_query (<= 16); returns out [T, H, D]."""
+    t, heads, dim = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    num_seqs = context_lens.shape[0]
+    group = heads // kv_heads
+    qmax = triton.next_power_of_2(max(1, min(max_query, KERNEL_MAX_QUERY)))
+    block_m = max(16, triton.next_power_of_2(qmax * group))
+    out = torch.empty_like(q) if out is None else out
+    if splits is None:
+        sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        splits = pick_splits(num_seqs, kv_heads, block_table.shape[1], page, sm)
+    if splits > 1:
+        part_acc = torch.empty(num_seqs * kv_heads * splits * block_m * dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_seqs * kv_heads * splits * 2 * block_m, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    meta = dict(GROUP=group, QMAX=qmax, BLOCK_M=block_m, HEAD_DIM=dim)
+    _paged_attn_kernel[(num_seqs, kv_heads, splits)](
+        q, k_cache, v_cache, out, part_acc, part_ml, block_table, context_lens, query_starts, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
+        PAGE=page, TILE=TILE_TOKENS, SPLITS=splits, IEEE=q.dtype == torch.float32, **meta,
+        num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_seqs, kv_heads)](
+            part_acc, part_ml, out, context_lens, query_starts, out.stride(0), out.stride(1), SPLITS=splits,
+            **meta, num_warps=4,
+        )
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      start: int, qlen: int, ctx: int, scale: float, seq: int) -> torch.Tensor:
+    """One long chunk through SDPA (flash when the chunk is the whole context). Returns [qlen, H, D]."""
+    page, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    blocks = block_table[seq, : -(-ctx // page)].long()  # [nb] a device slice: no host round trip
+    k = k_cache.index_select(0, blocks).reshape(-1, kv_heads, dim)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
+    v = v_cache.index_select(0, blocks).reshape(-1, kv_heads, dim)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
+    qs = q[start : start + qlen].transpose(0, 1)  # [H, qlen, D]
+    if qlen == ctx:
+        o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(-1)  # [qlen, 1]
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [qlen, ctx]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)  # [qlen, H, D]
+
+
+def cuda_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout,
+                   scale: float) -> torch.Tensor:
+    """The GPU `AttentionFn`: short queries through the kernel in one launch, long chunks via SDPA.
+
+    Routing reads only the host list of query lengths, which a CUDA-graph capture fixes per bucket.
+    """
+    out = torch.empty_like(q)  # [T, H, D]
+    short = [n for n in layout.query_lens if 0 < n <= KERNEL_MAX_QUERY]
+    if short:
+        paged_attention(q, k_cache, v_cache, layout.block_table, layout.context_lens_t, layout.query_starts_t,
+                        scale, max(short), out=out)
+    for i, n in enumerate(layout.query_lens):
+        if n > KERNEL_MAX_QUERY:
+            s = layout.query_starts[i]
+            out[s : s + n] = prefill_attention(q, k_cache, v_cache, layout.block_table, s, n,
+                                               layout.context_lens[i], scale, i)
+    return out

@@ -1,0 +1,116 @@
+"""The rejection sampler in one Triton launch: one program per row, same numbers as the reference.
+
+`streamsd.sampling.rejection.rejection_sample` (torch) is the oracle: given the same VerifyInput
+(the same uniforms and Exp(1) noise) this kernel makes the same accept decisions and emits the same
+tokens. It scans the K accept tests first (scalars), then reads the vocabulary once, and only at
+the one position that needs a sample: the first rejected draft (recovered token from
+norm(max(p - q, 0))) or the bonus position (from p). The reference builds the residual at all
+K + 1 positions; the kernel's single pass computes the residual race and the plain-p race together
+and picks the second only when the residual is empty, the reference's fallback. Divisions are
+round-to-nearest (div_rn) and ties go to the lowest index, as torch's argmax does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from streamsd.sampling.rejection import VerifyInput
+
+
+@triton.jit
+def _rejection_kernel(
+    p_ptr, argmax_ptr, draft_ptr, q_ptr, dense_ptr, ndraft_ptr, greedy_ptr, u_ptr, noise_ptr,
+    tokens_ptr, accepted_ptr, vocab,
+    K: tl.constexpr, HAS_P: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    n_drafts = tl.load(ndraft_ptr + b)
+    greedy = tl.load(greedy_ptr + b) != 0
+    dense = False
+    if HAS_Q:
+        dense = tl.load(dense_ptr + b) != 0
+    # -- accept tests, left to right: n = length of the accepted prefix
+    n = n_drafts * 0
+    going = n_drafts >= 0
+    for j in tl.static_range(K):
+        d = tl.maximum(tl.load(draft_ptr + b * K + j), 0)
+        ok = d == tl.load(argmax_ptr + b * (K + 1) + j)
+        if HAS_P:
+            p_d = tl.load(p_ptr + (b * (K + 1) + j) * vocab + d)
+            q_d = 1.0
+            if HAS_Q:
+                q_d = tl.where(dense, tl.load(q_ptr + (b * K + j) * vocab + d), 1.0)
+            ok_random = tl.load(u_ptr + b * K + j) * q_d <= p_d
+            ok = tl.where(greedy, ok, ok_random)
+        going = going & ok & (j < n_drafts)
+        n += going.to(n.dtype)
+    # -- the token at position n: the target's argmax (greedy), else a race over the vocabulary
+    corrected = tl.load(argmax_ptr + b * (K + 1) + n)
+    if HAS_P:
+        if not greedy:
+            row = b * (K + 1) + n
+            tested = n < n_drafts  # a live draft was rejected here, so q takes part in the residual
+            d_n = tl.maximum(tl.load(draft_ptr + b * K + n, mask=n < K, other=0), 0)
+            best_r = tl.full([], -1.0, tl.float32)
+            best_r_i = n * 0
+            best_p = tl.full([], -1.0, tl.float32)
+            best_p_i = n * 0
+            any_r = n < 0
+            for v0 in range(0, vocab, BLOCK_V):
+                idx = v0 + tl.arange(0, BLOCK_V)
+                m = idx < vocab
+                p = tl.load(p_ptr + row * vocab + idx, mask=m, other=0.0)
+                e = tl.load(noise_ptr + row * vocab + idx, mask=m, other=1.0)
+                q = tl.where((idx == d_n) & tested, 1.0, 0.0)
+                if HAS_Q:
+                    qd = tl.load(q_ptr + (b * K + n) * vocab + idx, mask=m & tested & dense, other=0.0)
+                    q = tl.where(dense, qd, q)
+                r = tl.maximum(p - q, 0.0)
+                any_r = any_r | (tl.max(r, 0) > 0)
+                rr = tl.math.div_rn(r, e)
+                pp = tl.math.div_rn(p, e)
+                c_r = tl.max(rr, 0)
+                c_p = tl.max(pp, 0)
+                i_r = tl.argmax(rr, 0) + v0
+                i_p = tl.argmax(pp, 0) + v0
+                best_r_i = tl.where(c_r > best_r, i_r, best_r_i)
+                best_r = tl.maximum(c_r, best_r)
+                best_p_i = tl.where(c_p > best_p, i_p, best_p_i)
+                best_p = tl.maximum(c_p, best_p)
+            corrected = tl.where(any_r, best_r_i, best_p_i)
+    for j in tl.static_range(K + 1):
+        if j < K:
+            tok = tl.where(j < n, tl.load(draft_ptr + b * K + j), tl.where(j == n, corrected, -1))
+        else:
+            tok = tl.where(j == n, corrected, -1)
+        tl.store(tokens_ptr + b * (K + 1) + j, tok.to(tl.int64))
+    tl.store(accepted_ptr + b, n.to(tl.int64))
+
+
+def rejection_sample_triton(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as the reference: (tokens [B, K+1] with -1 after the last emitted, accepted [B])."""
+    batch, k1 = v.target_argmax.shape
+    k = k1 - 1
+    dev = v.target_argmax.device
+    tokens = torch.empty(batch, k1, dtype=torch.int64, device=dev)  # [B, K+1]
+    accepted = torch.empty(batch, dtype=torch.int64, device=dev)  # [B]
+    if batch == 0:
+        return tokens, accepted
+    has_p = v.target_probs is not None and v.noise is not None
+    has_q = has_p and v.draft_probs is not None and k > 0
+    p = v.target_probs.float().contiguous() if has_p else tokens  # [B, K+1, V]
+    noise = v.noise.float().contiguous() if has_p else tokens  # [B, K+1, V]
+    q = v.draft_probs.float().contiguous() if has_q else tokens  # [B, K, V]
+    vocab = p.shape[-1] if has_p else 1
+    # K == 0 still needs a [B, 1] draft tensor to point at; it is never read.
+    draft = v.draft_ids.contiguous() if k > 0 else torch.zeros(batch, 1, dtype=torch.int64, device=dev)
+    uniforms = v.uniforms.float().contiguous() if k > 0 and has_p else draft  # read by sampled rows only
+    _rejection_kernel[(batch,)](
+        p, v.target_argmax.contiguous(), draft, q, v.dense_q, v.num_drafts, v.greedy, uniforms, noise,
+        tokens, accepted, vocab,
+        K=k, HAS_P=has_p, HAS_Q=has_q, BLOCK_V=min(4096, triton.next_power_of_2(max(vocab, 16))),
+        num_warps=8 if has_p else 1,
+    )
+    return tokens, accepted

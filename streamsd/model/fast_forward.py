@@ -1,0 +1,87 @@
+"""The CUDA forward: the same model as llama.py's, with one GEMM for q/k/v, one for gate/up, and
+Triton kernels for add+RMSNorm, RoPE+KV-cache write and SiLU*mul (streamsd/kernels/fused.py).
+
+`fuse_weights` concatenates each layer's q/k/v and gate/up weights once and re-points the
+original parameters at views of the concatenation, so memory is unchanged and the eager
+reference forward still works on the same tensors. `Transformer.fast` then routes forwards here;
+what it does not cover (captured hidden streams for EAGLE) stays on the reference forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamsd.kernels.fused import add_rmsnorm, rope_and_cache, silu_mul
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.llama import ForwardOutput, Transformer
+
+
+@dataclass(frozen=True, slots=True)
+class FusedLayer:
+    qkv_weight: torch.Tensor  # [(H + 2 KVH) D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2 KVH) D]
+    gate_up_weight: torch.Tensor  # [2 I, hidden]
+
+
+def _concat_params(mods: list[nn.Linear], attr: str) -> torch.Tensor | None:
+    parts = [getattr(m, attr) for m in mods]
+    if parts[0] is None:
+        return None
+    joined = torch.cat([p.data for p in parts], dim=0)
+    offset = 0
+    for m, p in zip(mods, parts, strict=True):
+        n = p.shape[0]
+        setattr(m, attr, nn.Parameter(joined[offset : offset + n], requires_grad=False))
+        offset += n
+    return joined
+
+
+def fuse_weights(model: Transformer) -> list[FusedLayer]:
+    fused = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        qkv_w = _concat_params([a.q_proj, a.k_proj, a.v_proj], "weight")
+        qkv_b = _concat_params([a.q_proj, a.k_proj, a.v_proj], "bias")
+        gate_up = _concat_params([m.gate_proj, m.up_proj], "weight")
+        assert qkv_w is not None and gate_up is not None
+        fused.append(FusedLayer(qkv_w, qkv_b, gate_up))
+    return fused
+
+
+def enable_fast_forward(model: Transformer) -> None:
+    fused = fuse_weights(model)
+
+    def fast(input_ids: torch.Tensor, layout: BatchLayout, cache: PagedKVCache,
+             logits_rows: torch.Tensor) -> ForwardOutput:
+        return fast_forward(model, fused, input_ids, layout, cache, logits_rows)
+
+    model.fast = fast
+
+
+@torch.inference_mode()
+def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.Tensor, layout: BatchLayout,
+                 cache: PagedKVCache, logits_rows: torch.Tensor) -> ForwardOutput:
+    a = model.args
+    t = input_ids.shape[0]
+    h = model.model.embed_tokens(input_ids)  # [T, hidden] the residual stream
+    layers = model.model.layers
+    x, _ = add_rmsnorm(h, None, layers[0].input_layernorm.weight, a.rms_norm_eps)  # [T, hidden]
+    for i, (layer, f) in enumerate(zip(layers, fused, strict=True)):
+        k_cache, v_cache = cache.layer(i)
+        qkv = F.linear(x, f.qkv_weight, f.qkv_bias)  # [T, (H + 2 KVH) D]
+        q = rope_and_cache(qkv, model.rope_cos, model.rope_sin, layout.positions, layout.slot_mapping,
+                           k_cache, v_cache, a.num_heads, a.num_kv_heads, a.head_dim)  # [T, H, D]
+        attn = model.attend(q, k_cache, v_cache, layout, layer.self_attn.scale)  # [T, H, D]
+        attn = layer.self_attn.o_proj(attn.reshape(t, -1))  # [T, hidden]
+        x, h = add_rmsnorm(attn, h, layer.post_attention_layernorm.weight, a.rms_norm_eps)
+        mlp = layer.mlp.down_proj(silu_mul(F.linear(x, f.gate_up_weight)))  # [T, hidden]
+        if i + 1 < len(layers):
+            x, h = add_rmsnorm(mlp, h, layers[i + 1].input_layernorm.weight, a.rms_norm_eps)
+        else:
+            h = h + mlp
+    h = model.model.norm(h.index_select(0, logits_rows))  # [N, hidden]
+    return ForwardOutput(logits=model.lm_head(h).float(), hidden=None)

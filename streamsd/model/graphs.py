@@ -1,0 +1,189 @@
+"""CUDA graphs for decode / verify forwards, one per (batch-size bucket, query width).
+
+A step where every sequence brings at most Q query tokens (Q = 1 for plain decode and draft
+steps, Q = 1 + k for verification and the draft's catch-up) replays a graph captured for the
+smallest bucket >= its batch size. Its tokens are packed flat from the front (query_starts gives
+each sequence's real length, so shorter queries such as n-gram steps with fewer drafts fit the
+same graph); the tail of the T = bucket * Q token slots and the unused sequence rows are padding:
+padding tokens write their K/V into a reserved scratch block no request owns, padding sequences
+have context 0 and attend to nothing. Every value that changes per step lives in static device
+buffers refreshed by two queued host-to-device copies, so a step never waits for the GPU.
+Prefill chunks and steps over the largest bucket run eagerly.
+
+Graphs of one runner share a memory pool: they never run concurrently, and each graph's output
+(its logits) stays allocated because the runner holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
+from streamsd.model.llama import Transformer
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphConfig:
+    max_blocks: int  # static width of the block table: ceil(max_model_len / block_size) + 1
+    query_widths: tuple[int, ...] = (1,)  # Q values captured, e.g. (1, k + 1)
+    buckets: tuple[int, ...] = BUCKETS
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    bucket: int
+    width: int
+    packed: torch.Tensor  # [3T + 2B + 1] int64: ids | positions | slots | context lens | query starts
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    rows: torch.Tensor  # [T] the logits rows, arange; the graph reads it, so it must outlive the capture
+    logits: torch.Tensor  # [T, V] float32, written by each replay
+
+
+class GraphRunner:
+    def __init__(self, model: Transformer, cache: PagedKVCache, scratch_block: int, cfg: GraphConfig,
+                 device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.scratch = scratch_block
+        self.cfg = cfg
+        self.device = device
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.replays = 0
+
+    def key_for(self, counts: list[int], tables: list[list[int]]) -> tuple[int, int] | None:
+        """(bucket, Q) of the graph that can run this step, or None to run it eagerly."""
+        if not counts or min(counts) < 1:
+            return None
+        width = next((q for q in sorted(self.cfg.query_widths) if q >= max(counts)), None)
+        bucket = next((b for b in self.cfg.buckets if b >= len(counts)), None)
+        if width is None or bucket is None or max(len(t) for t in tables) > self.cfg.max_blocks:
+            return None
+        return bucket, width
+
+    def run(self, key: tuple[int, int], ids: list[int] | torch.Tensor, starts: list[int], counts: list[int],
+            tables: list[list[int]], rows: list[int]) -> torch.Tensor:
+        """Logits [len(rows), V] of the rows asked for; a view valid until this graph replays again."""
+        g = self.graphs.get(key) or self._capture(*key)
+        host, table = pack_step(ids if not isinstance(ids, torch.Tensor) else None, starts, counts, tables,
+                                g.bucket, g.width, self.scratch, self.cache.block_size)
+        # Pageable non-blocking copies: staged by the driver at once, queued in stream order (see h2d).
+        g.packed.copy_(torch.from_numpy(host), non_blocking=True)
+        # Only the live columns: the kernel never reads past a sequence's context.
+        g.block_table[: table.shape[0], : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
+        if isinstance(ids, torch.Tensor):
+            g.packed[: ids.shape[0]].copy_(ids)  # device ids (draft steps): queued after the host copy
+        g.graph.replay()
+        self.replays += 1
+        if rows == list(range(len(rows))):
+            return g.logits[: len(rows)]
+        return g.logits.index_select(0, h2d(rows, torch.int64, self.device))
+
+    def _capture(self, bucket: int, width: int) -> _Graph:
+        dev, t_all = self.device, bucket * width
+        packed = torch.from_numpy(pack_step([], [], [], [], bucket, width, self.scratch,
+                                            self.cache.block_size)[0]).to(dev)  # all padding: safe to run
+        block_table = torch.full((bucket, self.cfg.max_blocks), self.scratch, dtype=torch.int32, device=dev)
+        ids, layout = static_layout(packed, block_table, bucket, width, self.scratch)
+        rows = torch.arange(t_all, device=dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels, outside capture
+            self.model(ids, layout, self.cache, rows)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model(ids, layout, self.cache, rows).logits  # [T, V]
+        # Every tensor made outside the capture and read by the graph is kept here: once freed, the
+        # caching allocator hands its memory to eager work and the next replay reads garbage.
+        g = _Graph(graph, bucket, width, packed, block_table, rows, logits)
+        self.graphs[(bucket, width)] = g
+        return g
+
+
+def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], tables: list[list[int]], bucket: int,
+              width: int, scratch: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host values of one step for a (bucket, width) graph.
+
+    Returns packed [3T + 2B + 1] int64 (ids | positions | slots | context lens | query starts, with
+    T = bucket * width, B = bucket) and the live block table [S, max table length] int32.
+    """
+    t_all, n_seq = bucket * width, len(counts)
+    host = np.zeros(3 * t_all + 2 * bucket + 1, dtype=np.int64)
+    ids_h, pos_h, slot_h = host[:t_all], host[t_all : 2 * t_all], host[2 * t_all : 3 * t_all]
+    ctx_h, qs_h = host[3 * t_all : 3 * t_all + bucket], host[3 * t_all + bucket :]
+    table = np.zeros((n_seq, max((len(t) for t in tables), default=1)), dtype=np.int32)  # [S, w]
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+    cnt = np.asarray(counts, dtype=np.int64)
+    n_tok = int(cnt.sum())
+    first = np.cumsum(cnt) - cnt  # [S] first flat token of each sequence
+    pos = np.repeat(np.asarray(starts, dtype=np.int64), cnt) + np.arange(n_tok) - np.repeat(first, cnt)
+    pos_h[:n_tok] = pos
+    if n_tok:
+        slot_h[:n_tok] = table[np.repeat(np.arange(n_seq), cnt), pos // block_size].astype(np.int64) * block_size \
+            + pos % block_size
+    slot_h[n_tok:] = scratch * block_size + np.arange(t_all - n_tok) % block_size
+    ctx_h[:n_seq] = np.asarray(starts, dtype=np.int64) + cnt
+    qs_h[:n_seq] = first
+    qs_h[n_seq:] = n_tok
+    if ids is not None:
+        ids_h[:n_tok] = ids
+    return host, table
+
+
+def static_layout(packed: torch.Tensor, block_table: torch.Tensor, bucket: int, width: int,
+                  scratch: int) -> tuple[torch.Tensor, BatchLayout]:
+    """Views of a packed buffer as (ids [T], BatchLayout). The host lists only steer the attention
+    dispatch (every sequence short: the kernel runs); the kernel reads the device tensors."""
+    t_all = bucket * width
+    layout = BatchLayout(
+        positions=packed[t_all : 2 * t_all], slot_mapping=packed[2 * t_all : 3 * t_all],
+        query_starts=[i * width for i in range(bucket)], query_lens=[width] * bucket,
+        context_lens=[width] * bucket, block_tables=[[scratch]] * bucket, block_table=block_table,
+        context_lens_t=packed[3 * t_all : 3 * t_all + bucket], query_starts_t=packed[3 * t_all + bucket :],
+    )
+    return packed[:t_all], layout
+
+
+def forward_logits(model: Transformer, graphs: GraphRunner | None, cache: PagedKVCache,
+                   ids: list[int] | torch.Tensor, starts: list[int], counts: list[int], tables: list[list[int]],
+                   rows: list[int], device: torch.device) -> torch.Tensor:
+    """Logits [len(rows), V] of one forward, through a graph when one fits, else eagerly."""
+    key = graphs.key_for(counts, tables) if graphs is not None else None
+    if graphs is not None and key is not None:
+        return graphs.run(key, ids, starts, counts, tables, rows)
+    layout = BatchLayout.build(starts, counts, tables, cache.block_size, device)
+    ids_t = ids if isinstance(ids, torch.Tensor) else h2d(ids, torch.int64, device)
+    return model(ids_t, layout, cache, h2d(rows, torch.int64, device)).logits
+
+
+def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool) -> None:
+    """On CUDA: the Triton attention for target and draft model, and CUDA graphs for their steps.
+
+    `scratch_block` is a cache block the scheduler never hands out (both caches have one more
+    block than the scheduler counts): padding tokens of a graph write there.
+    """
+    from streamsd.kernels.paged_attention import cuda_attention
+    from streamsd.model.fast_forward import enable_fast_forward
+
+    proposer = worker.proposer
+    draft = getattr(proposer, "model", None)
+    for model in (worker.target, draft):
+        d = model.args.head_dim if isinstance(model, Transformer) else 0
+        if d and d & (d - 1) == 0:  # the kernels tile the head dimension by powers of two
+            model.attend = cuda_attention
+            enable_fast_forward(model)
+    if not graphs:
+        return
+    bs = worker.cache.block_size
+    cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=(1, k + 1))
+    worker.graphs = GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device)
+    if isinstance(draft, Transformer) and hasattr(proposer, "graphs"):
+        proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, cfg, worker.device)

@@ -1,0 +1,255 @@
+"""Triton kernels against their torch oracles: paged attention and the rejection sampler.
+
+On CUDA the kernels run natively (bf16/fp16 within METHOD.md's relative errors, fp32 tighter). On
+a CPU they run under TRITON_INTERPRET=1 on tiny float32 shapes; without triton the module skips.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the imports below
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+
+def _interpreter_shim() -> None:
+    """triton 3.6's interpreter loads scalars as 1-element arrays and int()s them for loop bounds,
+    which NumPy 2 refuses; give its module an int() that accepts them. Test-only, CPU-only."""
+    import builtins
+
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    class _Meta(type):
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, builtins.int)
+
+    class _Int(builtins.int, metaclass=_Meta):
+        def __new__(cls, x=0, *base):
+            if isinstance(x, np.ndarray) and x.size == 1:
+                x = x.reshape(())
+            return builtins.int(x, *base)
+
+    interp.int = _Int
+
+
+if not CUDA:
+    _interpreter_shim()
+
+# Nothing on the CPU path imports the kernels, so this is their first import, under the interpreter.
+import streamsd.kernels.paged_attention as pa  # noqa: E402
+import streamsd.kernels.rejection as rj  # noqa: E402
+from streamsd.model.attention import paged_attention_reference  # noqa: E402
+from streamsd.model.kv_cache import BatchLayout  # noqa: E402
+from streamsd.sampling import rng  # noqa: E402
+from streamsd.sampling.rejection import VerifyInput, rejection_sample  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32]
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "NaN/inf in the kernel output"
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _random_batch(counts: list[int], ctx_extra: list[int], kv_heads: int, heads: int, dim: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    bs = 16
+    need = sum(-(-(c + e) // bs) for c, e in zip(counts, ctx_extra, strict=True))
+    nb = need + 3
+    k_cache = torch.randn(nb, bs, kv_heads, dim, generator=g).to(DEV, dtype)  # [NB, BS, KVH, D]
+    v_cache = torch.randn(nb, bs, kv_heads, dim, generator=g).to(DEV, dtype)
+    perm = torch.randperm(nb, generator=g).tolist()  # scattered blocks, as the pool hands them out
+    tables, used = [], 0
+    for c, e in zip(counts, ctx_extra, strict=True):
+        n = -(-(c + e) // bs)
+        tables.append(perm[used : used + n])
+        used += n
+    layout = BatchLayout.build(ctx_extra, counts, tables, bs, DEV)
+    q = torch.randn(sum(counts), heads, dim, generator=g).to(DEV, dtype)  # [T, H, D]
+    return q, k_cache, v_cache, layout
+
+
+CASES = [  # (query lens, cached tokens before them, kv heads, heads, head dim)
+    ([1], [0], 1, 1, 32),
+    ([1, 5, 3, 16], [0, 37, 100, 5], 2, 8, 32),  # GQA 4, verify windows, one at the kernel's limit
+    ([5, 5, 5], [200, 17, 64], 3, 9, 64),  # SmolLM2-like GQA 3
+    ([2, 1], [1, 300], 2, 2, 16),  # no grouping
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_attention_matches_reference(dtype, case, splits):
+    counts, extra, kvh, heads, dim = CASES[case]
+    for seed in range(2 if CUDA else 1):  # fresh inputs per check
+        q, kc, vc, layout = _random_batch(counts, extra, kvh, heads, dim, dtype, seed + 10 * case)
+        ref = paged_attention_reference(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
+        out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
+        pa.paged_attention(q, kc, vc, layout.block_table, layout.context_lens_t, layout.query_starts_t,
+                           dim**-0.5, max(counts), out=out, splits=splits)
+        assert _rel(out, ref) < TOL[dtype]
+
+
+def test_dispatch_sends_long_chunks_to_sdpa():
+    """A prefill chunk (> 16 tokens, both whole-prompt and continued) beside verify windows."""
+    counts, extra = [40, 3, 20, 1], [0, 50, 33, 7]
+    q, kc, vc, layout = _random_batch(counts, extra, 2, 4, 32, DTYPES[0], 3)
+    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), layout, 32**-0.5)
+    assert _rel(pa.cuda_attention(q, kc, vc, layout, 32**-0.5), ref) < TOL[DTYPES[0]]
+
+
+def test_pick_splits_fills_the_chip_and_stays_a_power_of_two():
+    assert pa.pick_splits(1, 8, 256, 16, 132) == 16
+    assert pa.pick_splits(64, 8, 256, 16, 132) == 1
+    assert pa.pick_splits(1, 8, 2, 16, 132) == 1  # one tile of keys: nothing to split
+    assert pa.pick_splits(4, 8, 32, 16, 132) == 8
+
+
+# -- rejection sampler ---------------------------------------------------------------------------
+def _verify_input(b: int, k: int, v: int, greedy_frac: float, dense_frac: float, seed: int, *,
+                  sampled: bool = True, with_q: bool = True, peaked: bool = False, equal_pq: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, k + 1, v, generator=g) * (6.0 if peaked else 2.0)  # [B, K+1, V]
+    p = torch.softmax(logits, -1)
+    q = p[:, :k].clone() if equal_pq else torch.softmax(logits[:, :k] + torch.randn(b, k, v, generator=g), -1)
+    argmax = logits.argmax(-1)  # [B, K+1]
+    drafts = torch.where(torch.rand(b, k, generator=g) < 0.6, argmax[:, :k], torch.randint(0, v, (b, k), generator=g))
+    seeds = torch.randint(0, 2**62, (b,), generator=g)
+    pos = torch.arange(k + 1).expand(b, k + 1) + torch.randint(0, 100, (b, 1), generator=g)  # [B, K+1]
+    vi = VerifyInput(
+        target_probs=p if sampled else None, target_argmax=argmax, draft_ids=drafts,
+        draft_probs=q if with_q else None, dense_q=torch.rand(b, generator=g) < dense_frac,
+        num_drafts=torch.randint(0, k + 1, (b,), generator=g), greedy=torch.rand(b, generator=g) < greedy_frac,
+        uniforms=rng.uniforms(seeds, pos[:, :k], rng.ACCEPT),
+        noise=rng.exponentials(seeds, pos, rng.TARGET, v) if sampled else None,
+    )
+    return VerifyInput(*(t.to(DEV) if isinstance(t, torch.Tensor) else t for t in (
+        vi.target_probs, vi.target_argmax, vi.draft_ids, vi.draft_probs, vi.dense_q, vi.num_drafts, vi.greedy,
+        vi.uniforms, vi.noise)))
+
+
+REJECTION_CASES = [  # (B, K, V, greedy fraction, dense fraction, options)
+    (16, 4, 50, 0.3, 0.5, {}),
+    (16, 4, 50, 0.0, 1.0, {"peaked": True}),
+    (8, 3, 37, 1.0, 0.0, {"sampled": False, "with_q": False}),  # all greedy: no p, no noise
+    (12, 2, 300, 0.2, 0.0, {"with_q": False}),  # one-hot q only
+    (8, 1, 20, 0.0, 1.0, {"equal_pq": True}),  # p == q: empty residual, the fallback to p
+    (5, 0, 20, 0.5, 0.5, {}),  # k = 0: plain sampling through the same path
+]
+
+
+@pytest.mark.parametrize("case", range(len(REJECTION_CASES)))
+def test_rejection_kernel_matches_reference(case):
+    b, k, v, greedy, dense, opts = REJECTION_CASES[case]
+    if CUDA:
+        b, v = b * 8, v * 400  # a vocabulary of several kernel chunks on the GPU
+    for seed in range(3):
+        vi = _verify_input(b, k, v, greedy, dense, seed + 100 * case, **opts)
+        tokens_ref, acc_ref = rejection_sample(vi)
+        tokens, acc = rj.rejection_sample_triton(vi)
+        assert torch.equal(acc, acc_ref)
+        assert torch.equal(tokens, tokens_ref)
+
+
+# -- the CUDA-graph step layout ------------------------------------------------------------------
+def test_padded_graph_step_matches_eager_forward(tiny_model_dir):
+    """A verify-shaped step packed for a (bucket 4, width 4) graph: real rows equal the eager
+    forward's, padding writes only the scratch block. On CUDA through a captured graph; on a CPU
+    the same packed buffers run through the interpreted kernel, without capture."""
+    from streamsd.model.graphs import GraphConfig, GraphRunner, pack_step, static_layout
+    from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.runtime import load_model
+
+    model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
+    scratch, bs = 12, 16
+    cache = PagedKVCache(model.args, scratch + 1, bs, torch.float32, DEV)
+    lens, tables = [20, 40, 9], [[3, 0], [5, 1, 7], [2]]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, model.args.vocab_size, (n,), generator=g).tolist() for n in lens]
+    flat = [t for p in prompts for t in p]
+    model(torch.tensor(flat, device=DEV), BatchLayout.build([0, 0, 0], lens, tables, bs, DEV), cache,
+          torch.arange(len(flat), device=DEV))  # prefill through the reference attention
+    counts = [1, 3, 2]  # a decode token and two verify windows of different lengths
+    ids = torch.randint(3, model.args.vocab_size, (sum(counts),), generator=g).tolist()
+    rows = list(range(sum(counts)))
+    before = cache.data.clone()
+    ref = model(torch.tensor(ids, device=DEV), BatchLayout.build(lens, counts, tables, bs, DEV), cache,
+                torch.tensor(rows, device=DEV)).logits  # [T, V]
+    written = cache.data.clone()
+    cache.data.copy_(before)
+    model.attend = pa.cuda_attention
+    if CUDA:
+        runner = GraphRunner(model, cache, scratch, GraphConfig(max_blocks=8, query_widths=(1, 4)), DEV)
+        key = runner.key_for(counts, tables)
+        assert key == (4, 4)
+        out = runner.run(key, ids, lens, counts, tables, rows).clone()
+        assert runner.replays == 1
+    else:
+        host, table = pack_step(ids, lens, counts, tables, 4, 4, scratch, bs)
+        block_table = torch.full((4, 8), scratch, dtype=torch.int32)
+        block_table[: table.shape[0], : table.shape[1]] = torch.from_numpy(table)
+        ids_t, layout = static_layout(torch.from_numpy(host), block_table, 4, 4, scratch)
+        out = model(ids_t, layout, cache, torch.arange(16)).logits[: len(rows)]
+    assert _rel(out, ref) < 1e-4
+    assert torch.allclose(cache.data[:, :, :scratch], written[:, :, :scratch], atol=1e-5)
+
+
+# -- the whole engine on CUDA: graphs + kernels keep greedy speculation exact ----------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("n", [6, 16])  # a padded bucket (8) and a full one (16)
+def test_cuda_engine_greedy_spec_equals_plain_through_graphs(tiny_model_dir, close_draft_dir, n):
+    from streamsd.llm import LLM
+    from streamsd.request import SamplingParams
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11][: 2 + i % 6] * (i % 5 + 1) + [20 + i] for i in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=8192)
+    spec = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), device="cuda", dtype="float32",
+               kv_cache_tokens=8192)
+    a = [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
+    b = [r.outputs[0].token_ids for r in spec.generate(prompts, params)]
+    assert a == b
+    worker = spec.core.rt.worker
+    assert worker.graphs.replays > 0 and worker.proposer.graphs.replays > 0
+    assert plain.core.rt.worker.graphs.replays > 0
+    assert sum(r.spec_stats.accepted for r in spec.generate(prompts[:2], params)) > 0
+
+
+def test_fast_forward_matches_reference_forward(tiny_model_dir):
+    """Fused weights + Triton add-RMSNorm, RoPE/KV write and SiLU*mul give the eager forward's
+    logits and cache contents, over a prefill (SDPA) and a verify-shaped step (the kernel)."""
+    from streamsd.model.fast_forward import enable_fast_forward
+    from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.runtime import load_model
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    model, _ = load_model(str(tiny_model_dir), DEV, dtype)
+    bs = 16
+    lens, tables = [20, 9], [[3, 0], [2]]
+    g = torch.Generator().manual_seed(1)
+    steps = [([0, 0], lens), (lens, [3, 1])]  # (starts, counts): a prefill, then a verify-shaped step
+    ids = [torch.randint(3, model.args.vocab_size, (sum(c),), generator=g).to(DEV) for _, c in steps]
+    results = []
+    for fast in (False, True):
+        cache = PagedKVCache(model.args, 5, bs, dtype, DEV)
+        if fast:
+            model.attend = pa.cuda_attention
+            enable_fast_forward(model)
+        outs = [model(i, BatchLayout.build(s, c, tables, bs, DEV), cache, torch.arange(sum(c), device=DEV)).logits
+                for (s, c), i in zip(steps, ids, strict=True)]
+        results.append((outs, cache.data.clone()))
+    (ref, ref_cache), (out, out_cache) = results
+    tol = 2e-2 if CUDA else 1e-5
+    for a, b in zip(out, ref, strict=True):
+        assert _rel(a, b) < tol
+    assert _rel(out_cache, ref_cache) < tol
