@@ -1,0 +1,129 @@
+"""The EAGLE proposer: a one-layer head over the target's hidden states, with its own paged KV.
+
+The head's cache slot t holds its layer's K/V for (target h_t, token t + 1) at position t, in
+the request's own blocks (one table for target, draft model or head). Each call first catches the
+head up on the slots the verify pass (or a prefill chunk) made possible: positions up to
+`upto - 1`, whose hidden states the worker hands over in `ProposeItem.hidden`. The last of them
+gives the first draft; drafts 2..k feed the head's own output back as h. Those draft slots hold
+the head's guesses, not the target's states, so they are never kept: `draft_computed` reports
+only the caught-up slots and the next call recomputes the accepted ones from the target's states.
+
+Drafts follow the draft policy: below the request's greedy threshold the argmax (one-hot q);
+above it a sample from the warped q at the request's own parameters, noise keyed by (seed,
+position, DRAFT), and that q goes to the q pool for the rejection sampler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamsd.model.attention import paged_attention_reference
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.llama import Transformer
+from streamsd.sampling import rng
+from streamsd.sampling.sampler import race
+from streamsd.sampling.warp import WarpParams, warp
+from streamsd.spec.base import Proposal, ProposeItem
+from streamsd.spec.eagle_head import EagleHead, HeadAttention
+
+
+class EagleProposer:
+    dense = True
+    keeps_cache = True
+
+    def __init__(self, head: EagleHead, target: Transformer, cache: PagedKVCache, q_pool: torch.Tensor):
+        self.head = head
+        self.cache = cache  # one layer: [1, 2, NB, BS, KVH, D]
+        self.q_pool = q_pool  # [slots, K, V]
+        self.vocab = target.args.vocab_size
+        self.device = q_pool.device
+        self.scale = head.spec.args.head_dim ** -0.5
+        #: residual streams the worker must return for every computed token row
+        self.hidden_layers: tuple[int, ...] = head.input_layers
+
+    def _attend(self, layout: BatchLayout) -> HeadAttention:
+        kc, vc = self.cache.layer(0)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            PagedKVCache.write(kc, vc, k, v, layout.slot_mapping)
+            return paged_attention_reference(q, kc, vc, layout, self.scale)
+
+        return attend
+
+    def _run(self, ids: torch.Tensor, feats: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        return self.head.run_layer(ids, feats, layout.positions, self._attend(layout))  # [T, H]
+
+    @torch.inference_mode()
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        results = [Proposal([], it.draft_computed) for it in items]
+        work, starts, counts, ids, feats = [], [], [], [], []
+        for i, it in enumerate(items):
+            if it.hidden is None:
+                continue
+            # Slots before the hidden rows handed over (a step that drafted nothing) stay stale:
+            # that costs acceptance, never correctness.
+            start = max(it.draft_computed, it.hidden_start)
+            end = min(it.upto, it.hidden_start + it.hidden.shape[0])
+            if end <= start:
+                continue
+            tokens = it.tokens if it.tokens else it.request.all_ids
+            work.append((i, it))
+            starts.append(start)
+            counts.append(end - start)
+            ids.extend(tokens[start + 1 : end + 1])
+            feats.append(it.hidden[start - it.hidden_start : end - it.hidden_start])
+        if not work:
+            return results
+        dev = self.device
+        layout = BatchLayout.build(starts, counts, [it.request.blocks for _, it in work], self.cache.block_size, dev)
+        out = self._run(torch.tensor(ids, dtype=torch.int64, device=dev), self.head.features(torch.cat(feats)), layout)
+        for w, (i, _) in enumerate(work):
+            results[i] = Proposal([], starts[w] + counts[w])
+        drafting = [w for w, (_, it) in enumerate(work) if it.k > 0 and starts[w] + counts[w] == it.upto]
+        if not drafting:
+            return results
+        last = torch.tensor(counts, device=dev).cumsum(0) - 1  # [W] last row of each item
+        rows = last[torch.tensor(drafting, dtype=torch.int64, device=dev)]  # [Bd]
+        draft_items = [work[w][1] for w in drafting]
+        host = self._draft_loop(draft_items, out.index_select(0, rows)).tolist()  # [Bd, K]
+        for row, w in enumerate(drafting):
+            i, it = work[w]
+            results[i] = Proposal(host[row][: it.k], it.upto)
+        return results
+
+    def _draft_loop(self, items: list[ProposeItem], h: torch.Tensor) -> torch.Tensor:
+        """h [Bd, H]: the head's output at each item's last caught-up slot -> drafts [Bd, max k]."""
+        dev = self.device
+        reqs = [it.request for it in items]
+        wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p) for r in reqs], dev)
+        greedy = torch.tensor([r.greedy_draft for r in reqs], device=dev)  # [Bd]
+        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)  # [Bd]
+        base = torch.tensor([len(it.tokens) for it in items], dtype=torch.int64, device=dev)  # [Bd]
+        k_max = max(it.k for it in items)
+        drafts = torch.zeros(len(items), k_max, dtype=torch.int64, device=dev)  # [Bd, K]
+        active = list(range(len(items)))
+        for j in range(k_max):
+            idx = torch.tensor(active, dtype=torch.int64, device=dev)  # [A]
+            logits = self.head.target_logits(h)  # [A, V]
+            if greedy[idx].all():
+                tok = logits.argmax(-1)  # [A]
+            else:
+                sub = WarpParams(wp.temperature[idx], wp.top_k[idx], wp.top_p[idx], wp.min_p[idx], wp.needs_sort)
+                q = warp(logits, sub)  # [A, V]
+                noise = rng.exponentials(seeds[idx], (base[idx] + j).unsqueeze(-1), rng.DRAFT, self.vocab)[:, 0]
+                tok = torch.where(greedy[idx], logits.argmax(-1), race(q, noise))  # [A]
+                for a, i in enumerate(active):
+                    if reqs[i].q_slot is not None and not reqs[i].greedy_draft:
+                        self.q_pool[reqs[i].q_slot, j] = q[a]
+            drafts[idx, j] = tok
+            keep = [a for a, i in enumerate(active) if items[i].k > j + 1]
+            if not keep:
+                break
+            active = [active[a] for a in keep]
+            sel = torch.tensor(keep, dtype=torch.int64, device=dev)
+            # Draft j sits at position len(tokens) + j; the head's slot for it is one before.
+            positions = [len(items[i].tokens) - 1 + j for i in active]
+            layout = BatchLayout.build(positions, [1] * len(active), [reqs[i].blocks for i in active],
+                                       self.cache.block_size, dev)
+            h = self._run(tok.index_select(0, sel), h.index_select(0, sel), layout)  # [A, H]
+        return drafts

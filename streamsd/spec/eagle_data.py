@@ -1,0 +1,191 @@
+"""Self-distillation data for an EAGLE head: prompts, the target's own answers, its hidden states.
+
+No dataset is needed: prompts come from a user file or are written by the target itself (sampled
+after its chat template's user prefix), the target answers them with our engine (batched), and
+one prefill pass per answer gives the residual streams the head reads and the final stream whose
+logits are the labels. Everything stays in memory (half precision) for the epochs that follow.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.llama import Transformer
+from streamsd.request import SamplingParams
+
+_SENTINEL = "\u2063PROMPT\u2063"
+
+
+@dataclass(slots=True)
+class Sample:
+    ids: list[int]  # chat-formatted prompt + the target's answer
+    prompt_len: int
+    streams: torch.Tensor | None = None  # [T, n * Ht] the head's input streams (bf16: SmolLM's reach 2e4)
+    final: torch.Tensor | None = None  # [T, Ht] the target's final pre-norm stream (labels)
+
+
+def read_prompts(path: Path) -> list[str]:
+    """First user turns of a JSONL file (`turns`, `prompt`, `question`, `text` or `instruction`),
+    or one prompt per non-empty line of a text file."""
+    out: list[str] = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            row = json.loads(line)
+            turns = row.get("turns")
+            text = turns[0] if turns else next((row[k] for k in ("prompt", "question", "text", "instruction")
+                                                if row.get(k)), None)
+            if isinstance(text, str) and text.strip():
+                out.append(text.strip())
+        else:
+            out.append(line)
+    return out
+
+
+def user_prefix(tokenizer: Any) -> str:
+    """The chat template's text up to where a user turn's content starts (system prompt included)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+    return text[: text.index(_SENTINEL)]
+
+
+def is_degenerate(text: str) -> bool:
+    words = text.split()
+    if not 3 <= len(words) <= 120 or "<|" in text or "\ufffd" in text:
+        return True
+    if len(set(words)) < 0.5 * len(words):  # loops like "the the the"
+        return True
+    return not re.search(r"[A-Za-z]{3}", text)
+
+
+def self_prompts(llm: Any, n: int, seed: int, avoid: set[str], max_tokens: int = 96) -> list[str]:
+    """Up to n distinct user turns written by the target (sampled after the user prefix)."""
+    prefix = list(llm.tokenizer.encode(user_prefix(llm.tokenizer), add_special_tokens=False))
+    seen = {_norm(p) for p in avoid}
+    out: list[str] = []
+    for attempt in range(4):
+        want = 2 * (n - len(out)) + 8  # some are filtered away
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=seed + attempt * 100003 + i)
+                  for i in range(want)]
+        for res in llm.generate([prefix] * want, params):
+            text = res.outputs[0].text.strip()
+            if res.outputs[0].finish_reason != "stop" or is_degenerate(text) or _norm(text) in seen:
+                continue
+            seen.add(_norm(text))
+            out.append(text)
+            if len(out) >= n:
+                return out
+    return out
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+class _Recorder:
+    """Stands in for a proposer so the worker returns the streams of every computed token; drafts nothing."""
+
+    dense = False
+    keeps_cache = False
+
+    def __init__(self, layers: tuple[int, ...]):
+        self.hidden_layers = layers
+
+    def propose(self, items: list[Any]) -> list[Any]:
+        return []
+
+
+def answer(llm: Any, prompts: list[str], max_new_tokens: int, seed: int, temperatures: tuple[float, ...],
+           input_layers: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> list[Sample]:
+    """The target's answers (temperatures alternate over the prompts), batched through the engine, with
+    the streams its forward passes computed on the way: no second pass over the answers."""
+    worker = llm.core.rt.worker
+    num_layers = worker.target.args.num_layers
+    layers = tuple(sorted(set(input_layers) | {num_layers}))
+    cols, last = [layers.index(i) for i in input_layers], layers.index(num_layers)
+    chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    forward, proposer = worker._forward, worker.proposer
+
+    def recording(entries: list[Any]) -> tuple[torch.Tensor, Any]:
+        logits, hidden = forward(entries)
+        for e, h in zip(entries, hidden, strict=True):  # h [tokens, layers * Ht], from position e.start
+            chunks.setdefault(e.request.request_id, []).append((e.start, h[: e.num_tokens].to(dtype)))
+        return logits, hidden
+
+    worker._forward, worker.proposer = recording, _Recorder(layers)
+    try:
+        convs = [[{"role": "user", "content": p}] for p in prompts]
+        params = [SamplingParams(temperature=temperatures[i % len(temperatures)], max_tokens=max_new_tokens,
+                                 seed=seed + i) for i in range(len(prompts))]
+        results = llm.chat(convs, params)
+    finally:
+        worker._forward, worker.proposer = forward, proposer
+    out = []
+    for res in results:
+        parts = chunks.pop(res.request_id, [])
+        if not res.outputs[0].token_ids or not parts:
+            continue
+        n = max(s + h.shape[0] for s, h in parts)  # the last token is sampled, never computed
+        rows = torch.zeros(n, parts[0][1].shape[-1], dtype=dtype)
+        for s, h in parts:  # in step order: a recompute after preemption overwrites
+            rows[s : s + h.shape[0]] = h
+        ht = rows.shape[-1] // len(layers)
+        per = rows.view(n, len(layers), ht)
+        ids = (res.prompt_token_ids + res.outputs[0].token_ids)[:n]
+        out.append(Sample(ids, len(res.prompt_token_ids), per[:, cols].reshape(n, -1).clone(), per[:, last].clone()))
+    return out
+
+
+@torch.inference_mode()
+def attach_streams(target: Transformer, samples: list[Sample], input_layers: tuple[int, ...],
+                   batch_tokens: int = 4096, progress: Any = None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """One prefill pass per sample: the head's input streams and the final stream (labels)."""
+    layers = tuple(sorted(set(input_layers) | {target.args.num_layers}))
+    cols = [layers.index(i) for i in input_layers]
+    dev = target.rope_cos.device
+    bs = 16
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
+    i = 0
+    while i < len(order):
+        group = [order[i]]
+        while i + len(group) < len(order) and sum(len(samples[g].ids) for g in group) + len(
+                samples[order[i + len(group)]].ids) <= batch_tokens:
+            group.append(order[i + len(group)])
+        i += len(group)
+        seqs = [samples[g].ids for g in group]
+        blocks = [-(-len(s) // bs) for s in seqs]
+        cache = PagedKVCache(target.args, sum(blocks), bs, target.model.embed_tokens.weight.dtype, dev)
+        tables, nxt = [], 0
+        for b in blocks:
+            tables.append(list(range(nxt, nxt + b)))
+            nxt += b
+        layout = BatchLayout.build([0] * len(seqs), [len(s) for s in seqs], tables, bs, dev)
+        flat = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=dev)
+        rows = torch.arange(flat.numel(), device=dev)
+        out = target(flat, layout, cache, rows[:1], hidden_layers=layers, hidden_rows=rows)
+        hidden = torch.stack(out.hidden, dim=1)  # [T, n, Ht]
+        for g, part in zip(group, hidden.split([len(s) for s in seqs]), strict=True):
+            samples[g].streams = part[:, cols].reshape(part.shape[0], -1).to(dtype).clone()
+            samples[g].final = part[:, layers.index(target.args.num_layers)].to(dtype).clone()
+        if progress is not None:
+            progress.update(len(group))
+
+
+def draft_vocabulary(samples: list[Sample], size: int, vocab: int, always: set[int]) -> list[int]:
+    """The `size` target ids most frequent in the answers (then prompts, then lowest ids) — sorted."""
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for s in samples:
+        counts += torch.bincount(torch.tensor(s.ids[s.prompt_len:]), minlength=vocab).double()
+        counts += 1e-3 * torch.bincount(torch.tensor(s.ids[: s.prompt_len]), minlength=vocab).double()
+    counts -= 1e-9 * torch.arange(vocab, dtype=torch.float64)  # ties: lower ids, the more common merges
+    for t in always:
+        counts[t] = float("inf")
+    return sorted(counts.topk(min(size, vocab)).indices.tolist())

@@ -1,0 +1,166 @@
+"""`streamsd train-draft`: an EAGLE head for a target by self-distillation, with no dataset.
+
+1. prompts: a user file (JSONL with `turns`, or text lines) and/or user turns the target writes
+   itself; a held-out split is kept for the evaluation;
+2. the target answers them with our engine (batched); one prefill pass per answer records the
+   residual streams the head reads and the final stream whose logits are the soft labels;
+3. training-time-test training (streamsd/spec/eagle_train.py), AdamW, warm-up + cosine decay;
+4. the head is saved in the community's EAGLE-3 (or EAGLE-1) layout, with `training.json` (the
+   command, the data, the loss curve) and `eval_report.json`: per-depth acceptance and tau
+   (tokens per verify step, bonus included) on the held-out prompts, greedy and at T = 0.7.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="the target: smollm2-135m-instruct, an HF directory, .gguf or hub id")
+    p.add_argument("--out", required=True, help="directory for the head (config.json + model.safetensors)")
+    p.add_argument("--prompts", default=None, help="JSONL (first of `turns`, or prompt/question/text) or text lines")
+    p.add_argument("--num-prompts", type=int, default=256, help="training prompts (self-written ones fill up)")
+    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the evaluation")
+    p.add_argument("--no-self-prompts", action="store_true", help="use only the prompts of --prompts")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperatures", default="0,0.7", help="answers alternate over these temperatures")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--draft-vocab-size", type=int, default=0, help="0: the target's lm_head over its full vocabulary")
+    p.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
+    p.add_argument("--head-intermediate-size", type=int, default=None, help="default: the target's")
+    p.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft steps per training example")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--time-budget", type=float, default=None, help="minutes of training at most")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k for the evaluation")
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
+    p.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from streamsd import LLM
+    from streamsd.spec.eagle_ckpt import new_head, save_head
+    from streamsd.spec.eagle_data import answer, draft_vocabulary, read_prompts, self_prompts
+    from streamsd.spec.eagle_head import default_aux_layers
+    from streamsd.spec.eagle_train import TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.monotonic()
+    out = Path(args.out)
+    temps = tuple(float(x) for x in args.temperatures.split(","))
+    llm = LLM(args.model, device=args.device, max_num_seqs=64, kv_cache_tokens=64 * (args.max_new_tokens + 320))
+    target = llm.core.rt.worker.target
+    rng = random.Random(args.seed)
+    given = read_prompts(Path(args.prompts)) if args.prompts else []
+    rng.shuffle(given)
+    held, train_prompts = given[: args.eval_prompts], given[args.eval_prompts :][: args.num_prompts]
+    wanted = args.num_prompts - len(train_prompts) + (args.eval_prompts - len(held))
+    written: list[str] = []
+    if wanted > 0 and not args.no_self_prompts:
+        print(f"writing {wanted} prompts with the target itself", file=sys.stderr)
+        written = self_prompts(llm, wanted, args.seed, set(given))
+        take = args.eval_prompts - len(held)
+        held, train_prompts = held + written[:take], train_prompts + written[take:]
+    if not train_prompts or not held:
+        print("error: no training or no held-out prompts; give --prompts or allow self-written ones", file=sys.stderr)
+        return 2
+    t_gen = time.monotonic()
+    print(f"answering {len(train_prompts)} prompts (temperatures {temps})", file=sys.stderr)
+    aux = default_aux_layers(target.args.num_layers) if args.kind == "eagle3" else (target.args.num_layers,)
+    samples = answer(llm, train_prompts, args.max_new_tokens, args.seed, temps, tuple(sorted(set(aux))))
+    gen_s = time.monotonic() - t_gen
+    tokenizer = llm.tokenizer
+    del llm  # frees the engine's KV cache; the target stays for the labels
+    vocab = target.args.vocab_size
+    draft_ids = None
+    if args.kind == "eagle3" and 0 < args.draft_vocab_size < vocab:
+        special = {t for t in tokenizer.all_special_ids if t < vocab}
+        draft_ids = draft_vocabulary(samples, args.draft_vocab_size, vocab, special)
+    head = new_head(target, kind=args.kind, draft_ids=draft_ids, aux_layers=aux,
+                    intermediate_size=args.head_intermediate_size)
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens,
+                      time_budget_s=args.time_budget * 60 if args.time_budget else None, seed=args.seed)
+    t_train = time.monotonic()
+    history = train(head, target, samples, draft_ids or list(range(vocab)), cfg,
+                    lambda n: tqdm(total=n, desc="training", unit="step"))
+    train_s = time.monotonic() - t_train
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.save_dtype]
+    target_cfg = json.loads((Path(_model_dir(args.model)) / "config.json").read_text())
+    save_head(head, out, target_cfg, dtype)
+    answered = sum(len(s.ids) - s.prompt_len for s in samples)
+    meta = {
+        "command": "streamsd " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "args": {k: v for k, v in vars(args).items() if not callable(v)},
+        "target": args.model, "kind": args.kind, "aux_layers": list(aux),
+        "draft_vocab_size": len(draft_ids) if draft_ids else vocab,
+        "data": {"prompts_file": args.prompts, "train_prompts": len(train_prompts), "self_written": len(written),
+                 "held_out_prompts": len(held), "answers": len(samples), "answer_tokens": answered,
+                 "temperatures": list(temps), "max_new_tokens": args.max_new_tokens},
+        "train": {"epochs": args.epochs, "steps": len(history), "ttt_steps": args.ttt_steps, "lr": args.lr,
+                  "batch_tokens": args.batch_tokens, "first": history[:3], "last": history[-3:],
+                  "curve": history[:: max(1, len(history) // 50)]},
+        "seconds": {"generate": round(gen_s, 1), "train": round(train_s, 1)},
+        "held_out": held,
+    }
+    (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    del target, head
+    report = evaluate(args.model, out, held, args.max_new_tokens, args.num_speculative_tokens, args.device, args.seed)
+    report["seconds_total"] = round(time.monotonic() - t_start, 1)
+    (out / "eval_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    for name, r in report["results"].items():
+        print(f"{name}: tau {r['tau']:.3f}, acceptance {r['acceptance_rate']:.3f}, "
+              f"per depth {[round(x, 3) for x in r['accept_rate_at_depth']]}")
+    print(f"head saved to {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _model_dir(model: str) -> Path:
+    from streamsd.model.loader import resolve_model
+
+    return resolve_model(model)
+
+
+def evaluate(model: str, head_dir: Path, prompts: list[str], max_new_tokens: int, k: int, device: str | None,
+             seed: int, temperatures: tuple[float, ...] = (0.0, 0.7), method: str = "eagle") -> dict[str, Any]:
+    """tau and per-depth acceptance of a proposer on chat prompts, greedy and sampled."""
+    from streamsd import LLM, SamplingParams
+
+    llm = LLM(model, speculative_method=method, draft_model=str(head_dir) if method == "eagle" else None,
+              num_speculative_tokens=k, device=device, max_num_seqs=64,
+              kv_cache_tokens=len(prompts) * (max_new_tokens + 640))
+    convs = [[{"role": "user", "content": p}] for p in prompts]
+    results = {}
+    for temp in temperatures:
+        params = [SamplingParams(temperature=temp, max_tokens=max_new_tokens, seed=seed + i) for i in range(len(prompts))]
+        res = llm.chat(convs, params)
+        steps = sum(r.spec_stats.steps for r in res)
+        emitted = sum(r.spec_stats.emitted for r in res)
+        drafted = sum(r.spec_stats.drafted for r in res)
+        accepted = sum(r.spec_stats.accepted for r in res)
+        depth = [0] * k
+        for r in res:
+            for d, n in enumerate(r.spec_stats.accepted_per_pos[:k]):
+                depth[d] += n
+        draft_steps = max(1, steps - len(res))  # each answer's first token comes from a step with no drafts
+        results[f"T={temp:g}"] = {
+            "tau": emitted / max(1, steps), "acceptance_rate": accepted / max(1, drafted),
+            "accept_rate_at_depth": [n / draft_steps for n in depth],
+            "conditional_acceptance": [depth[d] / max(1, depth[d - 1] if d else draft_steps) for d in range(k)],
+            "steps": steps, "emitted": emitted, "drafted": drafted, "accepted": accepted,
+        }
+    return {"method": method, "head": str(head_dir), "k": k, "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "draft_policy": "greedy (one-hot q) below T=0.75, sampled above",
+            "results": results}

@@ -1,0 +1,207 @@
+"""EAGLE heads on tiny random targets: layouts, exactness, the output distribution, training, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import MAX_TOKENS, PROMPTS, _assert_free, _target_next_token_probs, greedy_params, hf_greedy
+from tiny import CORPUS, build_model
+from transformers import AutoModelForCausalLM
+
+from streamsd import LLM, SamplingParams
+from streamsd.model.loader import ModelLoadError
+from streamsd.runtime import load_model
+from streamsd.spec.eagle_ckpt import load_head, new_head, save_head
+from streamsd.spec.eagle_data import Sample, attach_streams, is_degenerate, read_prompts, user_prefix
+from streamsd.spec.eagle_train import TrainConfig, train, ttt_outputs
+
+CPU = torch.device("cpu")
+
+
+def _target(model_dir):
+    return load_model(str(model_dir), CPU, torch.float32)[0]
+
+
+def _config(model_dir) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def _train_head(model_dir, out: Path, kind: str, epochs: float = 30) -> Path:
+    """A head that has seen the target's continuations of the test prompts: some drafts pass, some fail."""
+    llm = LLM(str(model_dir))
+    prompts = PROMPTS + CORPUS[:6]
+    params = [SamplingParams(temperature=t, max_tokens=32, seed=i, ignore_eos=True)
+              for i, t in enumerate([0.0] * len(prompts) + [1.0] * len(prompts))]
+    res = llm.generate(prompts * 2, params)
+    samples = [Sample(r.prompt_token_ids + r.outputs[0].token_ids, len(r.prompt_token_ids)) for r in res]
+    target = llm.core.rt.worker.target
+    draft_ids = sorted({t for s in samples for t in s.ids} | {0, 1, 2}) if kind == "eagle3" else None
+    head = new_head(target, kind=kind, draft_ids=draft_ids)
+    attach_streams(target, samples, head.input_layers)
+    train(head, target, samples, draft_ids or list(range(target.args.vocab_size)),
+          TrainConfig(epochs=epochs, lr=1e-2, batch_tokens=1024))
+    return save_head(head, out, _config(model_dir), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_model_dir, tmp_path_factory):
+    return {kind: _train_head(tiny_model_dir, tmp_path_factory.mktemp(kind), kind) for kind in ("eagle3", "eagle1")}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return hf_greedy(tiny_model_dir, PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_layouts_round_trip(tiny_model_dir, tmp_path, kind):
+    target = _target(tiny_model_dir)
+    head = new_head(target, kind=kind, draft_ids=list(range(0, 384, 2)) if kind == "eagle3" else None)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    save_head(head, tmp_path, _config(tiny_model_dir), torch.float32)
+    cfg = _config(tmp_path)
+    assert cfg["num_hidden_layers"] == 1 and cfg["target_hidden_size"] == 64 and cfg["vocab_size"] == 384
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    if kind == "eagle3":
+        assert cfg["draft_vocab_size"] == 192 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+        assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
+        assert any(n.startswith("midlayer.self_attn.") for n in names) and "midlayer.hidden_norm.weight" in names
+    else:
+        assert "fc.weight" in names and any(n.startswith("layers.0.self_attn.") for n in names)
+        assert not any(n.startswith(("midlayer.", "lm_head", "norm.")) for n in names)
+    loaded = load_head(tmp_path, target, CPU, torch.float32)
+    a, b = head.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # Same drafts from the same states: the training unroll and the paged proposer agree too.
+    ids = torch.randint(3, 300, (1, 24))
+    s = Sample(ids[0].tolist(), 4)
+    attach_streams(target, [s], head.input_layers, dtype=torch.float32)
+    with torch.no_grad():
+        x, y = ttt_outputs(head, ids, s.streams[None], 2), ttt_outputs(loaded, ids, s.streams[None], 2)
+        assert all(torch.allclose(p, q) for p, q in zip(x, y, strict=True))
+        logits = loaded.target_logits(y[0][0])
+    if kind == "eagle3":  # ids outside the draft vocabulary can never be drafted
+        assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()
+
+
+@pytest.mark.parametrize("kind,k", [("eagle3", 1), ("eagle3", 4), ("eagle1", 4)])
+def test_greedy_eagle_is_token_identical(tiny_model_dir, heads, reference, kind, k):
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]), num_speculative_tokens=k)
+    res = llm.generate(PROMPTS, greedy_params())
+    assert [r.outputs[0].token_ids for r in res] == reference
+    stats = [r.spec_stats for r in res]
+    assert sum(s.accepted for s in stats) > 0 and sum(s.drafted - s.accepted for s in stats) > 0
+    _assert_free(llm)
+
+
+def test_eagle_under_preemption_and_mixed_batch(tiny_model_dir, heads, reference):
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]), kv_cache_tokens=96)
+    sampled = [SamplingParams(temperature=1.0, max_tokens=20, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+    res = llm.generate(PROMPTS * 2, greedy_params() + sampled)
+    assert [r.outputs[0].token_ids for r in res[: len(PROMPTS)]] == reference
+    assert sum(r.spec_stats.accepted for r in res) > 0
+    _assert_free(llm)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])  # dense q above the greedy threshold, one-hot below
+def test_end_to_end_eagle_sampling_matches_target_distribution(tiny_model_dir, heads, temperature):
+    n = 3000
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]),
+              num_speculative_tokens=3, max_num_seqs=n, kv_cache_tokens=n * 48, max_num_batched_tokens=16384)
+    prompt = llm.core.encode_prompt("Once upon a time")
+    params = [SamplingParams(temperature=temperature, max_tokens=4, seed=s, ignore_eos=True) for s in range(n)]
+    res = llm.generate([prompt] * n, params)
+    pairs = [tuple(r.outputs[0].token_ids[:2]) for r in res]
+    assert sum(r.spec_stats.accepted for r in res) > 0 and sum(r.spec_stats.drafted for r in res) > 0
+    p1 = _target_next_token_probs(tiny_model_dir, prompt, temperature, 0, 1.0, 0.0)
+    firsts = sorted({a for a, _ in pairs} | set((p1 > 0.01).nonzero().flatten().tolist()))
+    observed, expected = [], []
+    for a in firsts:
+        p2 = _target_next_token_probs(tiny_model_dir, prompt + [a], temperature, 0, 1.0, 0.0)
+        for b in range(p2.numel()):
+            o = sum(1 for x in pairs if x == (a, b))
+            assert p1[a] * p2[b] > 0 or o == 0, "emitted a pair the target forbids"
+            observed.append(o)
+            expected.append(n * p1[a].item() * p2[b].item())
+    from scipy.stats import chisquare
+
+    obs, exp = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    big = exp >= 5
+    o2 = torch.cat([obs[big], obs[~big].sum().view(1)])
+    e2 = torch.cat([exp[big], exp[~big].sum().view(1)])
+    assert chisquare(o2.numpy(), (e2 * o2.sum() / e2.sum()).numpy()).pvalue > 1e-3
+    _assert_free(llm)
+
+
+@pytest.fixture(scope="module")
+def bigram_target(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A target whose next token depends on the current one only (attention off): learnable by a tiny head."""
+    path = build_model(tmp_path_factory.mktemp("bigram"), seed=0, tokenizer=tiny_tokenizer, weight_scale=8.0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model.save_pretrained(path)
+    return path
+
+
+def test_training_lowers_loss_and_raises_tau(bigram_target, tmp_path):
+    from streamsd.cli import build_parser
+    from streamsd.spec import train_eagle
+
+    prompts = tmp_path / "prompts.jsonl"
+    words = " ".join(CORPUS[:6]).split()
+    prompts.write_text("\n".join(json.dumps({"turns": [" ".join(words[i : i + 5 + i % 4]), "x"]})
+                                 for i in range(0, 2 * 40, 2)))
+    out = tmp_path / "head"
+    args = build_parser().parse_args(["train-draft", "--model", str(bigram_target), "--out", str(out), "--prompts",
+                                      str(prompts), "--num-prompts", "32", "--eval-prompts", "8", "--max-new-tokens",
+                                      "40", "--epochs", "15", "--lr", "1e-2", "--no-self-prompts", "--threads", "1"])
+    assert args.func is train_eagle.run and args.func(args) == 0
+    meta = json.loads((out / "training.json").read_text())
+    report = json.loads((out / "eval_report.json").read_text())
+    first, last = meta["train"]["first"][0]["loss"], meta["train"]["last"][-1]["loss"]
+    assert last < 0.5 * first
+    untrained = save_head(new_head(_target(bigram_target)), tmp_path / "untrained", _config(bigram_target))
+    before = train_eagle.evaluate(str(bigram_target), untrained, meta["held_out"], 40, 4, None, 0)
+    tau_before, tau_after = before["results"]["T=0"]["tau"], report["results"]["T=0"]["tau"]
+    assert tau_after > tau_before + 0.5, (tau_before, tau_after)
+    assert report["results"]["T=0.7"]["tau"] > before["results"]["T=0.7"]["tau"]
+    assert len(report["results"]["T=0"]["accept_rate_at_depth"]) == 4
+
+
+def test_mismatched_heads_are_refused(tiny_model_dir, tiny_draft_dir, heads, tmp_path):
+    import shutil
+
+    with pytest.raises(ModelLoadError, match="hidden states of size 64, the target's are 32"):
+        LLM(str(tiny_draft_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]))
+    target = _target(tiny_model_dir)
+    for change, message in [({"vocab_size": 500}, "vocabulary of 500 tokens"),
+                            ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 9]}}, "layers \\[0, 1, 9\\]"),
+                            ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]}}, "fc takes 192 inputs")]:
+        bad = tmp_path / message[:6].replace(" ", "_")
+        shutil.copytree(heads["eagle3"], bad)
+        (bad / "config.json").write_text(json.dumps({**_config(heads["eagle3"]), **change}))
+        with pytest.raises(ModelLoadError, match=message):
+            load_head(bad, target, CPU, torch.float32)
+    with pytest.raises(ModelLoadError, match="no EAGLE head is shipped"):
+        LLM(str(tiny_model_dir), speculative_method="eagle")
+
+
+def test_prompt_sources(tmp_path, tiny_tokenizer):
+    jsonl = tmp_path / "q.jsonl"
+    jsonl.write_text('{"turns": ["first turn", "second"]}\n\n{"prompt": "a prompt"}\n')
+    text = tmp_path / "q.txt"
+    text.write_text("one line\n\nanother line\n")
+    assert read_prompts(jsonl) == ["first turn", "a prompt"] and read_prompts(text) == ["one line", "another line"]
+    assert user_prefix(tiny_tokenizer) == "<|im_start|>user\n"
+    assert is_degenerate("the the the the the the") and is_degenerate("hi") and is_degenerate("<|im_end|> x y z")
+    assert not is_degenerate("Write a short poem about the sea and its colours.")
