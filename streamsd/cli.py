@@ -27,7 +27,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--draft-model", default=None, help="a small draft model with the same tokenizer, or an EAGLE head")
     p.add_argument("--speculative-method", choices=["draft", "ngram", "eagle", "none"], default=None,
                    help="default: draft with --draft-model, ngram for the embedded default model, else none")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, the most drafts verified per step")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="K, the most drafts verified per step")
+    p.add_argument("--speculation-policy", choices=["adaptive", "fixed"], default="adaptive",
+                   help="adaptive: k per request and step from measured costs and acceptance; fixed: always K")
     p.add_argument("--draft-greedy-threshold", type=float, default=0.75,
                    help="requests below this temperature draft greedily (one-hot q); others sample drafts")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -35,6 +37,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens")
+    p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
 
 
 def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
@@ -44,10 +47,11 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     if method is None:
         method = "draft" if a.draft_model else ("ngram" if a.model == DEFAULT_MODEL else "none")
     spec = SpecConfig(method=None if method == "none" else method, num_tokens=a.num_speculative_tokens,
-                      draft_model=a.draft_model, draft_greedy_threshold=a.draft_greedy_threshold)
+                      draft_model=a.draft_model, draft_greedy_threshold=a.draft_greedy_threshold,
+                      policy=a.speculation_policy)
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                        max_queue=max_queue)
+                        max_queue=max_queue, cpu_threads=a.cpu_threads)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ class SpecConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     synthetic_acceptance: float = 0.8  # only for the labelled synthetic proposer
+    policy: Literal["adaptive", "fixed"] = "fixed"  # adaptive: k per request and step from measured costs
 
     def __post_init__(self) -> None:
         if self.method is not None and not 1 <= self.num_tokens <= 16:
@@ -59,3 +60,4 @@ class EngineConfig:
     max_model_len: int | None = None
     max_queue: int = 1024
     cuda_graphs: bool = True
+    cpu_threads: int | None = None  # CPU only; default: all cores but one, left for the event loop

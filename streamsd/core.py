@@ -54,7 +54,8 @@ class EngineCore:
         self.rt = runtime
         self.spec = spec
         self.tokenizer = runtime.tokenizer
-        self.scheduler = Scheduler(runtime.scheduler_config, dense_q_slots=runtime.q_slots)
+        self.scheduler = Scheduler(runtime.scheduler_config, dense_q_slots=runtime.q_slots, policy=runtime.policy)
+        self.last_step_seconds = 0.0
         self.trackers: dict[str, _Tracker] = {}
         self.totals = SpecStats()
         self._rand = random.SystemRandom()
@@ -109,7 +110,10 @@ class EngineCore:
         if not plan.entries:
             return []
         try:
-            return self.rt.worker.step(plan)
+            t0 = time.perf_counter()
+            results = self.rt.worker.step(plan)
+            self.last_step_seconds = time.perf_counter() - t0  # the step ends with a host read: complete
+            return results
         except Exception as exc:  # the engine must outlive any one step
             log.exception("step failed; failing its %d requests", len(plan.entries))
             return exc
@@ -126,10 +130,13 @@ class EngineCore:
         for e in plan.entries:
             if e.request.first_scheduled is None:
                 e.request.first_scheduled = now
+        verified = []
         for entry, res, kept in self.scheduler.update(plan, results):
             accepted = min(res.num_accepted, len(kept))
             self.totals.record(entry.num_drafts, accepted, len(kept))
+            verified.append((entry.request, entry.num_drafts, res.num_accepted))
             outputs.append(self._emit(entry.request, res, kept, entry.num_drafts, accepted))
+        self.scheduler.policy.observe(verified, self.last_step_seconds)
         return outputs
 
     def _emit(self, r: Request, res: EntryResult, kept: list[int], drafted: int, accepted: int) -> RequestOutput:

@@ -49,11 +49,13 @@ class LLM:
         kv_cache_tokens: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
+        speculation_policy: str = "fixed",
     ):
         if speculative_method is None and draft_model is not None:
             speculative_method = "draft"
         spec = SpecConfig(method=speculative_method, num_tokens=num_speculative_tokens,  # type: ignore[arg-type]
-                          draft_model=draft_model, draft_greedy_threshold=draft_greedy_threshold)
+                          draft_model=draft_model, draft_greedy_threshold=draft_greedy_threshold,
+                          policy=speculation_policy)  # type: ignore[arg-type]
         cfg = EngineConfig(model=model, spec=spec, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_queue=1 << 40)  # offline: every prompt waits its turn

@@ -162,6 +162,7 @@ class Request:
     num_preemptions: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     first_scheduled: float | None = None
+    acceptance: Any = None  # the adaptive policy's per-request estimator state
 
     @property
     def num_tokens(self) -> int:

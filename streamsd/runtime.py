@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from streamsd.model.loader import (
     load_state_dict,
     resolve_model,
 )
+from streamsd.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
 from streamsd.spec.base import Proposer
 from streamsd.spec.draft_model import DraftModelProposer
 from streamsd.spec.eagle import EagleProposer
@@ -42,6 +44,7 @@ class Runtime:
     eos_ids: frozenset[int]
     q_slots: int
     load_seconds: float
+    policy: SpeculationPolicy
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -112,6 +115,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     t0 = time.perf_counter()
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
+    if device.type == "cpu":
+        # OpenMP threads spin while they wait: on a busy machine (the event loop, HTTP clients, a
+        # load generator on the same box) one spinning thread too many makes every matmul crawl.
+        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
     target, path = load_model(cfg.model, device, dtype)
     tokenizer = load_tokenizer(path)
     args = target.args
@@ -156,12 +163,28 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         from streamsd.model.graphs import setup_cuda
 
         setup_cuda(worker, scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs)
+    policy = build_policy(cfg, worker, sched)
     seconds = time.perf_counter() - t0
     q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0
     log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB",
              path, device, dtype, seconds, num_blocks, max_len, q_slots, cfg.spec.num_tokens, args.vocab_size,
              q_bytes / 2**20)
-    return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds)
+    return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy)
+
+
+def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> SpeculationPolicy:
+    """Fixed k, or the adaptive planner over a cost table profiled now, before any request."""
+    if cfg.spec.policy != "adaptive" or not cfg.spec.enabled or worker.proposer is None:
+        return FixedPolicy()
+    from streamsd.profiling import profile_costs
+
+    proposer = worker.proposer
+    draft = proposer.model if isinstance(proposer, DraftModelProposer) else None
+    draft_cache = proposer.cache if isinstance(proposer, DraftModelProposer) else None
+    cost = profile_costs(worker.target, worker.cache, draft, draft_cache, sched.max_num_batched_tokens)
+    log.info("adaptive speculation, profiled ms per target pass: %s",
+             {n: round(t * 1e3, 2) for n, t in zip(cost.verify.keys, cost.verify.values, strict=True)})
+    return AdaptivePolicy(cfg.spec.num_tokens, cost, draft_has_cache=proposer.keeps_cache)
 
 
 def check_vocab(target_tok: Any, draft_tok: Any, target: ModelArgs, draft: ModelArgs) -> None:

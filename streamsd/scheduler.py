@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from streamsd.config import SchedulerConfig
+from streamsd.policy import FixedPolicy, SpeculationPolicy
 from streamsd.request import FinishReason, Request, Status
 
 
@@ -82,8 +83,9 @@ class EntryResult:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, *, dense_q_slots: int = 0):
+    def __init__(self, cfg: SchedulerConfig, *, dense_q_slots: int = 0, policy: SpeculationPolicy | None = None):
         self.cfg = cfg
+        self.policy: SpeculationPolicy = policy or FixedPolicy()
         self.blocks = BlockPool(cfg.num_blocks)
         self.q_slots_free = list(range(dense_q_slots - 1, -1, -1))
         self.q_slots_total = dense_q_slots
@@ -121,10 +123,11 @@ class Scheduler:
         aborted = self._apply_aborts()
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
+        ks = self._choose_k()
         for r in list(self.running):
             if r.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            entry = self._plan_one(r, budget)
+            entry = self._plan_one(r, budget, ks.get(r.request_id))
             if entry is None:
                 continue
             while not self._reserve(r, entry):
@@ -140,7 +143,7 @@ class Scheduler:
             r = self.waiting[0]
             if self._wants_q_slot(r) and r.q_slot is None and not self.q_slots_free:
                 break
-            entry = self._plan_one(r, budget)
+            entry = self._plan_one(r, budget, None)
             if entry is None or not self._reserve(r, entry):
                 break
             self.waiting.popleft()
@@ -152,11 +155,20 @@ class Scheduler:
             budget -= entry.num_tokens + entry.num_drafts
         return plan, aborted
 
-    def _plan_one(self, r: Request, budget: int) -> Scheduled | None:
+    def _choose_k(self) -> dict[str, int]:
+        """The policy's k for every decoding request (one token pending, drafts maybe cached)."""
+        decoding = [r for r in self.running if r.num_tokens - r.computed == 1]
+        prefill = sum(r.num_tokens - r.computed for r in self.running if r.num_tokens - r.computed > 1)
+        prefill += sum(len(r.prompt_ids) for r in list(self.waiting)[:4])
+        ks = self.policy.choose(decoding, min(prefill, self.cfg.max_num_batched_tokens), bool(self.waiting))
+        return {r.request_id: k for r, k in zip(decoding, ks, strict=True)}
+
+    def _plan_one(self, r: Request, budget: int, k: int | None) -> Scheduled | None:
+        """k: drafts to verify now and to propose next (None: the policy's default for this request)."""
+        k = self.policy.default_k(r) if k is None else k
         pending = r.num_tokens - r.computed
-        drafts = min(len(r.draft_ids), max(r.remaining_tokens - 1, 0))
-        k_next = min(r.spec_k, max(r.remaining_tokens - 2, 0), self.cfg.max_model_len - r.num_tokens - drafts - 1)
-        k_next = max(k_next, 0)
+        drafts = min(len(r.draft_ids), k, max(r.remaining_tokens - 1, 0))
+        k_next = max(min(k, r.remaining_tokens - 2, self.cfg.max_model_len - r.num_tokens - drafts - 1), 0)
         if pending + drafts <= budget:
             return Scheduled(r, r.computed, pending, drafts, k_next)
         chunk = min(pending - 1, budget)  # leave the last token so its drafts are verified with it

@@ -255,7 +255,7 @@ def server_url(tiny_model_dir: Path, tiny_draft_dir: Path, tmp_path_factory: pyt
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "streamsd.cli", "serve", "--model", str(tiny_model_dir),
-           "--draft-model", str(tiny_draft_dir), "--speculative-method", "draft",
+           "--draft-model", str(tiny_draft_dir), "--speculative-method", "draft", "--speculation-policy", "fixed",
            "--port", str(port), "--device", "cpu"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_PROXY": "*"})

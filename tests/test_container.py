@@ -342,7 +342,8 @@ def serving(image: str, container: str, flags: list[str], log_path: Path,
 
 def test_server_in_image_serves_health_and_sse(image, working_container, tiny_models, tmp_path):
     flags = ["--model", "/srv/models/target", "--draft-model", "/srv/models/draft",
-             "--speculative-method", "draft", "--device", "cpu", "--drain-timeout", "5"]
+             "--speculative-method", "draft", "--speculation-policy", "fixed", "--device", "cpu",
+             "--drain-timeout", "5"]
     with serving(image, working_container, flags, tmp_path / "server.log",
                  mounts=(f"{tiny_models}:/srv/models:ro",)) as client:
         # The web UI ships in the image and is served at /.

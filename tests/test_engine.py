@@ -270,3 +270,15 @@ def test_draft_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
     other = build_model(tmp_path / "other", tokenizer=build_tokenizer(vocab_size=300), seed=2)
     with pytest.raises(ModelLoadError, match="vocabulary"):
         LLM(str(tiny_model_dir), draft_model=str(other))
+
+
+@pytest.mark.parametrize("kw", [{"speculative_method": "ngram"}, {"draft_model": "close"}], ids=["ngram", "draft"])
+def test_adaptive_policy_keeps_greedy_output_identical(tiny_model_dir, close_draft_dir, reference, kw):
+    kw = {k: str(close_draft_dir) if v == "close" else v for k, v in kw.items()}
+    llm = LLM(str(tiny_model_dir), speculation_policy="adaptive", **kw)
+    res = llm.generate(PROMPTS * 2, greedy_params() * 2)
+    assert [r.outputs[0].token_ids for r in res] == reference * 2
+    policy = llm.core.scheduler.policy
+    assert policy.steps > 0 and sum(policy.chosen_k.values()) > 0
+    assert policy.last_measured > 0 and policy.cost.verify.keys  # profiled at start, corrected online
+    _assert_free(llm)

@@ -21,7 +21,7 @@ CHAT = [{"role": "user", "content": "Tell me about Paris."}]
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, close_draft_dir, tmp_path_factory):
     s = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), "--draft-model", str(close_draft_dir),
-                     "--num-speculative-tokens", "3")
+                     "--num-speculative-tokens", "3", "--speculation-policy", "fixed")
     yield s
     s.stop()
 

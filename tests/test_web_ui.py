@@ -116,7 +116,7 @@ def live_server(tiny_model_dir, close_draft_dir, tmp_path_factory):
     none of its drafts (0 of 786 at temperature 0.6 when measured) and there would be nothing
     for the provenance tint or the acceptance figures to show."""
     args = ["--model", str(tiny_model_dir), "--draft-model", str(close_draft_dir)]
-    args += ["--speculative-method", "draft", "--device", "cpu"]
+    args += ["--speculative-method", "draft", "--speculation-policy", "fixed", "--device", "cpu"]
     with _serve(args, tmp_path_factory.mktemp("serve") / "serve.log") as base:
         yield base
 

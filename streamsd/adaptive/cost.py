@@ -112,6 +112,7 @@ class CostTable:
     global_ratio: float = 1.0
     relative: dict[tuple[int, int], float] = field(default_factory=dict)
     seen: dict[tuple[int, int], int] = field(default_factory=dict)
+    observations: int = 0
 
     @classmethod
     def from_samples(
@@ -179,7 +180,10 @@ class CostTable:
         used = self.global_ratio if verify_tokens is None else self.ratio(verify_tokens, draft_steps_k)
         # Clamped so one outlier (a GC pause, a recompile) cannot wreck the table.
         sample = min(max(measured * used / predicted, 0.25), 4.0)
-        self.global_ratio += self.ema * (sample - self.global_ratio)
+        self.observations += 1
+        # A running mean while young: a start-up table that is off (host overhead the profile
+        # does not see) is corrected within a few steps, then an EMA follows slow drift.
+        self.global_ratio += max(1.0 / self.observations, self.ema) * (sample - self.global_ratio)
         if verify_tokens is None:
             return
         key = (self.verify.bucket(verify_tokens), draft_steps_k)

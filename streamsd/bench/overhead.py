@@ -1,8 +1,8 @@
 """`streamsd bench overhead`: what the HTTP/SSE layer costs, measured side by side in one run.
 
-The same model, the same greedy requests at batch 1: first through the engine core in this
-process (no server), then through `streamsd serve` (a subprocess on 127.0.0.1) over SSE.
-Reports TTFT and TPOT for both and the differences.
+The same model, the same greedy requests at batch 1, alternating: one through the engine core in
+this process (no server), the same one through `streamsd serve` (a subprocess on 127.0.0.1) over
+SSE, so both see the same machine load. Reports median TTFT and TPOT for both and the difference.
 """
 
 from __future__ import annotations
@@ -26,82 +26,91 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", default="ngram", choices=["ngram", "none"])
     p.add_argument("--device", default=None)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2, help="passes over the prompt set")
+    p.add_argument("--repeats", type=int, default=2, help="measured passes over the prompt set (after one warm-up)")
     p.add_argument("--port", type=int, default=8787)
     p.add_argument("--output-json", default=None)
 
 
-def _offline(args: argparse.Namespace) -> list[tuple[float, float]]:
+def _offline_core(args: argparse.Namespace):
     from streamsd.config import EngineConfig, SpecConfig
     from streamsd.core import EngineCore
-    from streamsd.request import SamplingParams
     from streamsd.runtime import build_runtime
 
     spec = SpecConfig(method=None if args.speculative_method == "none" else args.speculative_method)
-    core = EngineCore(build_runtime(EngineConfig(model=args.model, spec=spec, device=args.device)), spec)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    samples = []
-    for i, prompt in enumerate(PROMPTS * args.repeats):
-        t0 = time.perf_counter()
-        core.add_request(f"o{i}", core.encode_chat([{"role": "user", "content": prompt}]), params)
-        first = last = None
-        n = 0
-        while core.has_work:
-            for out in core.step():
-                if out.token_ids:
-                    first = first or time.perf_counter()
-                    last = time.perf_counter()
-                    n += len(out.token_ids)
-        assert first is not None and last is not None
-        samples.append((first - t0, (last - first) / max(n - 1, 1)))
-    return samples
+    return EngineCore(build_runtime(EngineConfig(model=args.model, spec=spec, device=args.device)), spec)
 
 
-def _served(args: argparse.Namespace) -> list[tuple[float, float]]:
+def _offline_one(core, prompt: str, max_tokens: int, rid: str) -> tuple[float, float]:
+    from streamsd.request import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    core.add_request(rid, core.encode_chat([{"role": "user", "content": prompt}]), params)
+    first = last = None
+    n = 0
+    while core.has_work:
+        for out in core.step():
+            if out.token_ids:
+                first = first or time.perf_counter()
+                last = time.perf_counter()
+                n += len(out.token_ids)
+    assert first is not None and last is not None
+    return first - t0, (last - first) / max(n - 1, 1)
+
+
+def _start_server(args: argparse.Namespace) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "streamsd.cli", "--log-level", "warning", "serve", "--model", args.model,
            "--speculative-method", args.speculative_method, "--port", str(args.port)]
     if args.device:
         cmd += ["--device", args.device]
     proc = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        samples = []
-        with httpx.Client(base_url=url, timeout=300) as client:
-            for prompt in PROMPTS * args.repeats:
-                body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
-                        "temperature": 0, "ignore_eos": True, "stream": True}
-                t0 = time.perf_counter()
-                first = last = None
-                n = 0
-                with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                    for line in r.iter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        chunk = json.loads(line[6:])
-                        k = len(chunk["choices"][0]["streamsd"]["tokens"]) if chunk["choices"] else 0
-                        if k:
-                            first = first or time.perf_counter()
-                            last = time.perf_counter()
-                            n += k
-                assert first is not None and last is not None
-                samples.append((first - t0, (last - first) / max(n - 1, 1)))
-        return samples
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not become healthy")
+
+
+def _served_one(client: httpx.Client, prompt: str, max_tokens: int) -> tuple[float, float]:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            k = len(chunk["choices"][0]["streamsd"]["tokens"]) if chunk["choices"] else 0
+            if k:
+                first = first or time.perf_counter()
+                last = time.perf_counter()
+                n += k
+    assert first is not None and last is not None
+    return first - t0, (last - first) / max(n - 1, 1)
 
 
 def run(args: argparse.Namespace) -> int:
-    offline = _offline(args)[len(PROMPTS):] if args.repeats > 1 else _offline(args)  # first pass warms up
-    served = _served(args)[len(PROMPTS):] if args.repeats > 1 else _served(args)
+    proc = _start_server(args)
+    offline, served = [], []
+    try:
+        core = _offline_core(args)
+        with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=300) as client:
+            for i, prompt in enumerate(PROMPTS * (args.repeats + 1)):
+                o = _offline_one(core, prompt, args.max_tokens, f"o{i}")
+                s = _served_one(client, prompt, args.max_tokens)
+                if i >= len(PROMPTS):  # the first pass warms both up
+                    offline.append(o)
+                    served.append(s)
+    finally:
+        proc.terminate()
+        proc.wait(60)
     rows = {}
     for name, s in (("offline engine", offline), ("SSE server", served)):
         rows[name] = {"ttft_ms": 1e3 * statistics.median(x for x, _ in s), "tpot_ms": 1e3 * statistics.median(y for _, y in s)}

@@ -1,0 +1,112 @@
+"""How many drafts each request verifies this step: a fixed k, or the adaptive planner.
+
+Torch-free: the scheduler asks `choose` once per step for its decoding requests and feeds every
+step back through `observe`. The adaptive policy (streamsd.adaptive) maximises expected tokens
+per second from a measured cost table and per-request acceptance estimates, with plain decoding
+(k = 0 for everyone) always a candidate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from streamsd.adaptive import AcceptanceConfig, AcceptanceEstimator, CostTable, PlannerState, plan
+from streamsd.request import Request
+
+
+REPLAN_EVERY = 8
+
+
+class SpeculationPolicy(Protocol):
+    def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> list[int]: ...
+
+    def default_k(self, r: Request) -> int: ...
+
+    def observe(self, verified: list[tuple[Request, int, int]], seconds: float) -> None: ...
+
+
+def cap_k(r: Request) -> int:
+    """The most drafts worth verifying: the request's own k, and no more than it can still emit."""
+    return max(0, min(r.spec_k, r.remaining_tokens - 1))
+
+
+class FixedPolicy:
+    def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> list[int]:
+        return [cap_k(r) for r in decoding]
+
+    def default_k(self, r: Request) -> int:
+        return cap_k(r)
+
+    def observe(self, verified: list[tuple[Request, int, int]], seconds: float) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class AdaptivePolicy:
+    max_k: int
+    cost: CostTable
+    draft_has_cache: bool  # a draft model must replay what it missed while at k = 0
+    estimator: AcceptanceEstimator = field(init=False)
+    planner: PlannerState = field(default_factory=PlannerState)
+    chosen_k: dict[int, int] = field(default_factory=dict)  # histogram, for metrics
+    plain_steps: int = 0
+    steps: int = 0
+    idle_steps: int = 0
+    last_predicted: float = 0.0
+    last_measured: float = 0.0
+    abs_error_sum: float = 0.0  # Σ |predicted / measured − 1| over observed steps
+    observed_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1)))
+
+    def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> list[int]:
+        self.steps += 1
+        # While plain decoding wins, re-plan every few steps only: the planner's Python time is
+        # then off the plain path, which must stay as fast as a server without speculation.
+        self.idle_steps = self.idle_steps + 1 if not self.planner.speculating else 0
+        if not self.planner.speculating and self.idle_steps % REPLAN_EVERY:
+            self.plain_steps += 1
+            self.chosen_k[0] = self.chosen_k.get(0, 0) + len(decoding)
+            return [0] * len(decoding)
+        views = []
+        for r in decoding:
+            if r.acceptance is None:
+                r.acceptance = self.estimator.new_request()
+            lag = r.num_tokens - r.draft_computed if self.draft_has_cache else 0
+            views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag))
+        ks = plan(views, self.cost, self.max_k, state=self.planner, prefill_tokens=prefill_tokens,
+                  prefill_backlog=backlog)
+        self.plain_steps += not any(ks)
+        for k in ks:
+            self.chosen_k[k] = self.chosen_k.get(k, 0) + 1
+        return ks
+
+    def default_k(self, r: Request) -> int:
+        """Drafts for a request finishing its prompt: follow the batch's current mode."""
+        return cap_k(r) if self.planner.speculating else 0
+
+    def observe(self, verified: list[tuple[Request, int, int]], seconds: float) -> None:
+        if not self.planner.speculating and self.idle_steps % REPLAN_EVERY:
+            return  # a plain step between re-plans: nothing was drafted, the idle decay can wait
+        for r, drafted, accepted in verified:
+            if r.acceptance is not None:
+                self.estimator.observe(r.acceptance, drafted, accepted)
+        self.estimator.tick()
+        if self.planner.predicted_s > 0 and seconds > 0:
+            self.cost.observe(self.planner.predicted_s, seconds, verify_tokens=self.planner.verify_tokens,
+                              draft_steps_k=self.planner.draft_steps)
+            self.last_predicted, self.last_measured = self.planner.predicted_s, seconds
+            self.abs_error_sum += abs(self.planner.predicted_s / seconds - 1.0)
+            self.observed_steps += 1
+
+    def summary(self) -> dict[str, object]:
+        """For benchmarks and metrics: how the policy decided and how well it predicted."""
+        return {
+            "steps": self.steps,
+            "plain_step_share": self.plain_steps / self.steps if self.steps else 0.0,
+            "chosen_k": dict(sorted(self.chosen_k.items())),
+            "mean_abs_prediction_error": self.abs_error_sum / self.observed_steps if self.observed_steps else None,
+            "switches": self.planner.switches,
+        }
