@@ -14,7 +14,6 @@ from typing import Protocol
 from streamsd.adaptive import AcceptanceConfig, AcceptanceEstimator, CostTable, PlannerState, plan
 from streamsd.request import Request
 
-
 REPLAN_EVERY = 8
 
 

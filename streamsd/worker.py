@@ -190,7 +190,9 @@ class Worker:
             computed = e.start + e.num_tokens + acc
             results.append(EntryResult(new, acc, [], min(r.draft_computed, computed), flags, verified.logprobs[v]))
             v += 1
-            if e.k_next > 0 and not _will_stop(r, new):
+            # A head that reads hidden states catches up even when it drafts nothing this step (k
+            # chosen per step): those states exist only now.
+            if (e.k_next > 0 or (hidden and r.spec_k > 0)) and not _will_stop(r, new):
                 items.append(ProposeItem(r, r.all_ids + new, e.k_next, computed, min(r.draft_computed, computed),
                                          hidden[i] if hidden else None, e.start))
                 owners.append(i)

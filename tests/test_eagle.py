@@ -205,3 +205,12 @@ def test_prompt_sources(tmp_path, tiny_tokenizer):
     assert user_prefix(tiny_tokenizer) == "<|im_start|>user\n"
     assert is_degenerate("the the the the the the") and is_degenerate("hi") and is_degenerate("<|im_end|> x y z")
     assert not is_degenerate("Write a short poem about the sea and its colours.")
+
+
+def test_adaptive_k_keeps_eagle_exact(tiny_model_dir, heads, reference):
+    # k changes per step (0 included): the head still catches up on every verified token.
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]),
+              speculation_policy="adaptive")
+    res = llm.generate(PROMPTS, greedy_params())
+    assert [r.outputs[0].token_ids for r in res] == reference
+    _assert_free(llm)

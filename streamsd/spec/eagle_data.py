@@ -66,7 +66,7 @@ def is_degenerate(text: str) -> bool:
     return not re.search(r"[A-Za-z]{3}", text)
 
 
-def self_prompts(llm: Any, n: int, seed: int, avoid: set[str], max_tokens: int = 96) -> list[str]:
+def self_prompts(llm: Any, n: int, seed: int, avoid: set[str], max_tokens: int = 64) -> list[str]:
     """Up to n distinct user turns written by the target (sampled after the user prefix)."""
     prefix = list(llm.tokenizer.encode(user_prefix(llm.tokenizer), add_special_tokens=False))
     seen = {_norm(p) for p in avoid}

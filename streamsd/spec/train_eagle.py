@@ -78,10 +78,12 @@ def run(args: argparse.Namespace) -> int:
         print("error: no training or no held-out prompts; give --prompts or allow self-written ones", file=sys.stderr)
         return 2
     t_gen = time.monotonic()
-    print(f"answering {len(train_prompts)} prompts (temperatures {temps})", file=sys.stderr)
+    print(f"answering {len(train_prompts)} prompts (temperatures {temps}); self-written: {len(written)}",
+          file=sys.stderr)
     aux = default_aux_layers(target.args.num_layers) if args.kind == "eagle3" else (target.args.num_layers,)
     samples = answer(llm, train_prompts, args.max_new_tokens, args.seed, temps, tuple(sorted(set(aux))))
     gen_s = time.monotonic() - t_gen
+    print(f"{sum(len(s.ids) - s.prompt_len for s in samples)} answer tokens in {gen_s:.0f}s", file=sys.stderr)
     tokenizer = llm.tokenizer
     del llm  # frees the engine's KV cache; the target stays for the labels
     vocab = target.args.vocab_size
@@ -114,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                   "curve": history[:: max(1, len(history) // 50)]},
         "seconds": {"generate": round(gen_s, 1), "train": round(train_s, 1)},
         "held_out": held,
+        "self_written_prompts": written,
     }
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     del target, head
