@@ -7,16 +7,12 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from server_util import start_server
 
 from streamsd.bench import serve, soak
 from streamsd.bench.client import RequestResult, RequestSpec, chunk_text, parse_sse_line, stream_sse
@@ -244,43 +240,15 @@ def test_soak_refuses_unbounded_runs() -> None:
 # ---------------------------------------------------------------- against a real server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir: Path, tiny_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "streamsd.cli", "serve", "--model", str(tiny_model_dir),
-           "--draft-model", str(tiny_draft_dir), "--speculative-method", "draft", "--speculation-policy", "fixed",
-           "--port", str(port), "--device", "cpu"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_PROXY": "*"})
-    url = f"http://127.0.0.1:{port}"
+    server = start_server(tiny_model_dir, tmp_path_factory.mktemp("server"), "--draft-model", str(tiny_draft_dir),
+                          "--speculative-method", "draft", "--speculation-policy", "fixed",
+                          env={"NO_PROXY": "*"}, timeout=180)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after 180 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def test_serve_json_has_every_figure_group(server_url: str, tmp_path: Path) -> None:
