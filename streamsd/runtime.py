@@ -145,7 +145,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
                                       q_pool, args.vocab_size)
     elif head is not None and q_pool is not None:
-        proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks, BLOCK_SIZE, dtype, device),
+        proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
                                  q_pool)
     elif cfg.spec.method == "ngram":
         proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)

@@ -33,6 +33,7 @@ class EagleProposer:
 
     def __init__(self, head: EagleHead, target: Transformer, cache: PagedKVCache, q_pool: torch.Tensor):
         self.head = head
+        self.target = target
         self.cache = cache  # one layer: [1, 2, NB, BS, KVH, D]
         self.q_pool = q_pool  # [slots, K, V]
         self.vocab = target.args.vocab_size
@@ -43,10 +44,13 @@ class EagleProposer:
 
     def _attend(self, layout: BatchLayout) -> HeadAttention:
         kc, vc = self.cache.layer(0)
+        # The target's attention (the Triton kernel once CUDA is set up) fits a head of its shape.
+        same = self.head.spec.args.head_dim == self.target.args.head_dim
+        paged = self.target.attend if same else paged_attention_reference
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             PagedKVCache.write(kc, vc, k, v, layout.slot_mapping)
-            return paged_attention_reference(q, kc, vc, layout, self.scale)
+            return paged(q, kc, vc, layout, self.scale)
 
         return attend
 
@@ -60,8 +64,8 @@ class EagleProposer:
         for i, it in enumerate(items):
             if it.hidden is None:
                 continue
-            # Slots before the hidden rows handed over (a step that drafted nothing) stay stale:
-            # that costs acceptance, never correctness.
+            # The worker hands over every verified step's states, so a gap before `hidden_start`
+            # should not occur; if it did, those slots stay stale: acceptance suffers, never exactness.
             start = max(it.draft_computed, it.hidden_start)
             end = min(it.upto, it.hidden_start + it.hidden.shape[0])
             if end <= start:
