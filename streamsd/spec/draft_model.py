@@ -16,6 +16,7 @@ import torch
 from streamsd.model.graphs import GraphRunner, forward_logits
 from streamsd.model.kv_cache import PagedKVCache, h2d
 from streamsd.model.llama import Transformer
+from streamsd.request import Request
 from streamsd.sampling import rng
 from streamsd.sampling.sampler import race
 from streamsd.sampling.warp import WarpParams, warp
@@ -77,7 +78,6 @@ class DraftModelProposer:
             greedy = h2d([r.greedy_draft for r in reqs], torch.bool, dev)  # [Bd]
             seeds = h2d([r.seed for r in reqs], torch.int64, dev)  # [Bd]
             base = h2d([len(it.tokens) for it in items], torch.int64, dev)  # [Bd]
-        slots = [r.q_slot for r in reqs]
         k_max = max(it.k for it in items)
         drafts = torch.zeros(len(items), k_max, dtype=torch.int64, device=dev)  # [Bd, K]
         active = list(range(len(items)))
@@ -92,9 +92,7 @@ class DraftModelProposer:
                 q = warp(logits, sub)  # [A, V]
                 noise = rng.exponentials(seeds[idx], (base[idx] + j).unsqueeze(-1), rng.DRAFT, self.vocab)[:, 0]
                 drafts[idx, j] = torch.where(greedy[idx], logits.argmax(-1), race(q, noise))  # [A]
-                for a, i in enumerate(active):
-                    if slots[i] is not None and not reqs[i].greedy_draft:
-                        self.q_pool[slots[i], j] = q[a]
+                store_dense_q(self.q_pool, [reqs[i] for i in active], j, q)
             active = [i for i in active if items[i].k > j + 1]
             if not active:
                 break
@@ -112,3 +110,11 @@ class DraftModelProposer:
             return logits[:, : self.vocab]
         pad = torch.full((logits.shape[0], self.vocab - v), float("-inf"), device=logits.device)
         return torch.cat([logits, pad], dim=-1)
+
+
+def store_dense_q(q_pool: torch.Tensor, reqs: list[Request], j: int, q: torch.Tensor) -> None:
+    """Keep draft position j's q [A, V] of the sampling requests in the pool, in one indexed write."""
+    rows = [a for a, r in enumerate(reqs) if r.q_slot is not None and not r.greedy_draft]
+    if rows:
+        slots = h2d([reqs[a].q_slot for a in rows], torch.int64, q.device)  # [D]
+        q_pool[slots, j] = q[h2d(rows, torch.int64, q.device)]

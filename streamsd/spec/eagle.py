@@ -24,6 +24,7 @@ from streamsd.sampling import rng
 from streamsd.sampling.sampler import race
 from streamsd.sampling.warp import WarpParams, warp
 from streamsd.spec.base import Proposal, ProposeItem
+from streamsd.spec.draft_model import store_dense_q
 from streamsd.spec.eagle_head import EagleHead, HeadAttention
 
 
@@ -109,16 +110,14 @@ class EagleProposer:
         for j in range(k_max):
             idx = torch.tensor(active, dtype=torch.int64, device=dev)  # [A]
             logits = self.head.target_logits(h)  # [A, V]
-            if greedy[idx].all():
+            if all(reqs[i].greedy_draft for i in active):  # host-side: no sync on the device mask
                 tok = logits.argmax(-1)  # [A]
             else:
                 sub = WarpParams(wp.temperature[idx], wp.top_k[idx], wp.top_p[idx], wp.min_p[idx], wp.needs_sort)
                 q = warp(logits, sub)  # [A, V]
                 noise = rng.exponentials(seeds[idx], (base[idx] + j).unsqueeze(-1), rng.DRAFT, self.vocab)[:, 0]
                 tok = torch.where(greedy[idx], logits.argmax(-1), race(q, noise))  # [A]
-                for a, i in enumerate(active):
-                    if reqs[i].q_slot is not None and not reqs[i].greedy_draft:
-                        self.q_pool[reqs[i].q_slot, j] = q[a]
+                store_dense_q(self.q_pool, [reqs[i] for i in active], j, q)
             drafts[idx, j] = tok
             keep = [a for a, i in enumerate(active) if items[i].k > j + 1]
             if not keep:
