@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,14 @@ class _Tracker:
     timeline: list[float] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class Emission:
+    """A step whose tokens are applied and whose text is still to be made."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)  # aborted and failed requests' finals
+    pending: list[tuple[Request, EntryResult, list[int], int, int]] = field(default_factory=list)
+
+
 class EngineCore:
     def __init__(self, runtime: Runtime, spec: SpecConfig):
         self.rt = runtime
@@ -59,6 +69,7 @@ class EngineCore:
         self.trackers: dict[str, _Tracker] = {}
         self.totals = SpecStats()
         self._rand = random.SystemRandom()
+        self._stopped: list[tuple[Request, RequestOutput]] = []  # stop strings found under a running step
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -117,15 +128,22 @@ class EngineCore:
         except Exception as exc:  # the engine must outlive any one step
             log.exception("step failed; failing its %d requests", len(plan.entries))
             return exc
+        finally:
+            self.rt.worker.launched.set()
 
     def postprocess(self, plan: StepPlan, results: list[EntryResult] | BaseException,
                     aborted: list[Request]) -> list[RequestOutput]:
-        outputs = [self._final(r, FinishReason.ABORT) for r in aborted if r.request_id in self.trackers]
+        return self.emit(self.finish_step(plan, results, aborted), defer_stops=False)
+
+    def finish_step(self, plan: StepPlan, results: list[EntryResult] | BaseException,
+                    aborted: list[Request]) -> Emission | None:
+        """Applies a step's tokens to its requests (cheap); the text work is `emit`'s."""
+        em = Emission(outputs=[self._final(r, FinishReason.ABORT) for r in aborted if r.request_id in self.trackers])
         if isinstance(results, BaseException):
             for e in plan.entries:
                 self.scheduler.finish(e.request, FinishReason.ERROR)
-                outputs.append(self._final(e.request, FinishReason.ERROR, error=f"internal error: {results}"))
-            return outputs
+                em.outputs.append(self._final(e.request, FinishReason.ERROR, error=f"internal error: {results}"))
+            return em
         now = time.monotonic()
         for e in plan.entries:
             if e.request.first_scheduled is None:
@@ -135,11 +153,65 @@ class EngineCore:
             accepted = min(res.num_accepted, len(kept))
             self.totals.record(entry.num_drafts, accepted, len(kept))
             verified.append((entry.request, entry.num_drafts, res.num_accepted))
-            outputs.append(self._emit(entry.request, res, kept, entry.num_drafts, accepted))
+            em.pending.append((entry.request, res, kept, entry.num_drafts, accepted))
         self.scheduler.policy.observe(verified, self.last_step_seconds)
+        return em if em.outputs or em.pending else None
+
+    def emit(self, em: Emission | None, *, defer_stops: bool) -> list[RequestOutput]:
+        """Detokenises a finished step. With `defer_stops` the next step is already running and may
+        hold a request that just hit a stop string: it is finished by `settle` once that step is
+        back, never under it, and its last output waits until then."""
+        if em is None:
+            return []
+        outputs = list(em.outputs)
+        for r, res, kept, drafted, accepted in em.pending:
+            out = self._emit(r, res, kept, drafted, accepted, defer_stops)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
-    def _emit(self, r: Request, res: EntryResult, kept: list[int], drafted: int, accepted: int) -> RequestOutput:
+    def settle(self) -> list[RequestOutput]:
+        """Finishes the requests whose stop strings `emit` found while a step was running."""
+        outputs = []
+        for r, out in self._stopped:
+            if not r.finished:
+                self.scheduler.finish(r, FinishReason.STOP)
+            self._stop(r)
+            self._close(r, out)
+            outputs.append(out)
+        self._stopped.clear()
+        return outputs
+
+    def run(self) -> Iterator[list[RequestOutput]]:
+        """Steps until idle, each step's text work overlapping the next step's execution (the
+        offline counterpart of AsyncEngine's loop); yields each step's outputs."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamsd-worker") as pool:
+            em: Emission | None = None
+            while em is not None or self.has_work:
+                plan, aborted = self.begin()
+                running = pool.submit(self.execute, plan) if plan.entries else None
+                if running is not None:
+                    self.wait_launched()
+                outputs = self.emit(em, defer_stops=running is not None)
+                results = running.result() if running is not None else []
+                outputs += self.settle()
+                em = self.finish_step(plan, results, aborted)
+                yield outputs
+
+    def begin(self) -> tuple[StepPlan, list[Request]]:
+        """The next step's plan (empty when only emissions are left), before it is submitted."""
+        self.rt.worker.launched.clear()
+        return self.scheduler.schedule() if self.has_work else (StepPlan(), [])
+
+    def wait_launched(self) -> None:
+        """Until the running step has queued its GPU work: its launches need the GIL that `emit`
+        would otherwise hold. On the CPU the forward itself is the work, and torch releases the GIL
+        inside it: nothing to wait for."""
+        if self.rt.worker.device.type == "cuda":
+            self.rt.worker.launched.wait(0.005)
+
+    def _emit(self, r: Request, res: EntryResult, kept: list[int], drafted: int, accepted: int,
+              defer_stops: bool) -> RequestOutput | None:
         t = self.trackers[r.request_id]
         for i, tok in enumerate(kept):
             lp = res.logprobs[i] if res.logprobs else None
@@ -147,19 +219,26 @@ class EngineCore:
                                   lp[0] if lp else None, lp[1] if lp else None))
         text, tokens = t.detok.release(final=r.finished)
         t.released_tokens += len(tokens)
-        if t.detok.stopped and not r.finished:
-            self.scheduler.finish(r, FinishReason.STOP)
-        if t.detok.stopped:
-            del r.output_ids[t.released_tokens :]
-            r.finish_reason = FinishReason.STOP
         out = RequestOutput(r.request_id, [x.id for x in tokens], text, tokens,
                             step_drafted=drafted, step_accepted=accepted, arrival=r.arrival)
         if r.first_scheduled is not None and not t.timeline:
             out.queue_seconds = r.first_scheduled - r.arrival
         t.timeline.append(time.monotonic())
+        if t.detok.stopped and not r.finished and defer_stops:
+            self._stopped.append((r, out))
+            return None
+        if t.detok.stopped and not r.finished:
+            self.scheduler.finish(r, FinishReason.STOP)
+        if t.detok.stopped:
+            self._stop(r)
         if r.finished:
             self._close(r, out)
         return out
+
+    def _stop(self, r: Request) -> None:
+        """Tokens past a stop string were never released: they are not part of the output."""
+        del r.output_ids[self.trackers[r.request_id].released_tokens :]
+        r.finish_reason = FinishReason.STOP
 
     def _final(self, r: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         t = self.trackers.get(r.request_id)

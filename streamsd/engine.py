@@ -12,7 +12,7 @@ import itertools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from streamsd.core import EngineCore, RequestOutput
+from streamsd.core import Emission, EngineCore, RequestOutput
 from streamsd.request import SamplingParams
 
 OutputObserver = Callable[[RequestOutput], None]
@@ -80,20 +80,28 @@ class AsyncEngine:
             self.abort(rid)
 
     async def _run(self) -> None:
+        """One step per turn: the worker thread runs step N+1 while this loop detokenises and
+        streams step N (the same pipeline as EngineCore.run)."""
         loop = asyncio.get_running_loop()
         core = self.core
+        em: Emission | None = None
         while True:
-            if not core.has_work:
+            if em is None and not core.has_work:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            plan, aborted = core.scheduler.schedule()
-            results = await loop.run_in_executor(self._executor, core.execute, plan) if plan.entries else []
-            outputs = core.postprocess(plan, results, aborted)
-            self.steps += 1
-            for out in outputs:
+            plan, aborted = core.begin()
+            running = loop.run_in_executor(self._executor, core.execute, plan) if plan.entries else None
+            if running is not None:
+                core.wait_launched()
+            for out in core.emit(em, defer_stops=running is not None):
                 self._dispatch(out)
-            if not plan.entries:
+            results = await running if running is not None else []
+            for out in core.settle():
+                self._dispatch(out)
+            em = core.finish_step(plan, results, aborted)
+            self.steps += 1
+            if running is None and em is None:
                 await asyncio.sleep(0.001)  # only aborts were processed; let the loop breathe
 
     def _dispatch(self, out: RequestOutput) -> None:

@@ -7,6 +7,7 @@ emitted tokens -> propose the next drafts. Runs on one dedicated thread; never t
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from streamsd.model.llama import Transformer
 from streamsd.request import Request
 from streamsd.sampling import rng
 from streamsd.sampling.rejection import VerifyInput, rejection_sample
-from streamsd.sampling.sampler import token_logprobs
+from streamsd.sampling.sampler import sample_rows, token_logprobs
 from streamsd.sampling.warp import WarpParams, warp
 from streamsd.scheduler import EntryResult, Scheduled, StepPlan
 from streamsd.spec.base import ProposeItem, Proposer
@@ -42,6 +43,9 @@ class Worker:
         # CUDA graphs for decode/verify steps; build_runtime sets them on CUDA.
         self.graphs: GraphRunner | None = None
         self.rejection = rejection_sample
+        # Set once a step's GPU work is queued, just before its host read: the engine then does the
+        # previous step's text work while the GPU runs (see EngineCore.run).
+        self.launched = threading.Event()
         if device.type == "cuda":
             from streamsd.kernels.rejection import rejection_sample_triton
 
@@ -100,6 +104,8 @@ class Worker:
         else:
             rows = logits[h2d(index, torch.int64, dev)]  # [B, K+1, V]
         rows = self._suppress_early_stops(entries, rows)
+        if k == 0:
+            return self._sample_plain(reqs, rows)
         greedy = h2d([r.params.greedy for r in reqs], torch.bool, dev)  # [B]
         positions = h2d([[r.num_tokens + j for j in range(k + 1)] for r in reqs], torch.int64, dev)  # [B, K+1]
         seeds = h2d([r.seed for r in reqs], torch.int64, dev)  # [B]
@@ -131,10 +137,34 @@ class Worker:
             noise=noise,
         ))
         lp = self._logprobs(reqs, rows, tokens)
+        self.launched.set()
         host_tokens, host_acc = tokens.tolist(), accepted.tolist()  # the step's one host read
         emitted = [t[: n + 1] for t, n in zip(host_tokens, host_acc, strict=True)]
         logprobs = [None if x is None else x[: n + 1] for x, n in zip(lp, host_acc, strict=True)]
         return Verified(emitted, host_acc, logprobs)
+
+    def _sample_plain(self, reqs: list[Request], rows: torch.Tensor) -> Verified:
+        """A step with no drafts is plain decoding: no rejection sampler, and on all-greedy steps
+        nothing but an argmax. Sampled rows race with the noise the rejection sampler would use for
+        a bonus token at the same position, so a seeded request's output does not depend on which
+        of the two paths a step took."""
+        logits = rows[:, 0]  # [B, V]
+        if all(r.params.greedy for r in reqs):
+            tokens = logits.argmax(dim=-1)  # [B]
+        else:
+            dev = self.device
+            wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
+                                   for r in reqs], dev)
+            seeds = h2d([r.seed for r in reqs], torch.int64, dev)  # [B]
+            positions = h2d([[r.num_tokens] for r in reqs], torch.int64, dev)  # [B, 1]
+            noise = rng.exponentials(seeds, positions, rng.TARGET, self.vocab)[:, 0]  # [B, V]
+            greedy = h2d([r.params.greedy for r in reqs], torch.bool, dev)  # [B]
+            tokens = sample_rows(warp(logits, wp), logits, greedy, noise)  # [B]
+        lp = self._logprobs(reqs, rows, tokens.unsqueeze(-1))
+        self.launched.set()
+        host_tokens = tokens.tolist()  # the step's one host read
+        logprobs = [None if x is None else x[:1] for x in lp]
+        return Verified([[t] for t in host_tokens], [0] * len(reqs), logprobs)
 
     def _suppress_early_stops(self, entries: list[Scheduled], rows: torch.Tensor) -> torch.Tensor:
         """Below min_tokens, EOS and stop ids are impossible in the target distribution itself."""

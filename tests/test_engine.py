@@ -282,3 +282,61 @@ def test_adaptive_policy_keeps_greedy_output_identical(tiny_model_dir, close_dra
     assert policy.steps > 0 and sum(policy.chosen_k.values()) > 0
     assert policy.last_measured > 0 and policy.cost.verify.keys  # profiled at start, corrected online
     _assert_free(llm)
+
+
+def test_pipelined_steps_match_sequential_steps_with_stop_strings(tiny_model_dir, close_draft_dir):
+    """EngineCore.run detokenises step N while step N+1 runs: a request that hits a stop string is
+    then still in the running step. Its extra tokens must vanish and every output must equal what
+    one-step-at-a-time gives, with nothing leaked."""
+    llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3)
+    bases = llm.generate(PROMPTS, greedy_params())
+    params = []
+    for base, p in zip(bases, greedy_params(), strict=True):
+        text = base.outputs[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 2] if len(text) > 6 else None
+        params.append(SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True,
+                                     stop=[stop] if stop and stop.strip() else None))
+    assert sum(p.stop is not None for p in params) >= 3
+
+    def collect(step_outputs) -> dict:
+        got: dict[str, list] = {}
+        for outputs in step_outputs:
+            for o in outputs:
+                g = got.setdefault(o.request_id, ["", [], None, 0])
+                g[0] += o.text
+                g[1] += o.token_ids
+                if o.finished:
+                    g[2], g[3] = o.finish_reason, o.completion_tokens
+                    g.append("finished")
+        return got
+
+    def submit(tag: str) -> None:
+        for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+            llm.core.add_request(f"{tag}{i}", llm.core.encode_prompt(prompt), p)
+
+    submit("s")
+    sequential = []
+    while llm.core.has_work:
+        sequential.append(llm.core.step())
+    _assert_free(llm)
+    submit("p")
+    settled: list = []
+    real_settle = llm.core.settle
+
+    def counting_settle() -> list:
+        outs = real_settle()
+        settled.extend(outs)
+        return outs
+
+    llm.core.settle = counting_settle
+    pipelined = collect(llm.core.run())
+    assert settled, "no stop string was found under a running step: the deferred path went untested"
+    _assert_free(llm)
+    sequential = collect(sequential)
+    stopped = 0
+    for i in range(len(PROMPTS)):
+        s, p = sequential[f"s{i}"], pipelined[f"p{i}"]
+        assert p == s and s[-1] == "finished"  # one finished output each, same text, ids and counts
+        assert s[3] == len(s[1])
+        stopped += s[2] == "stop"
+    assert stopped >= 3

@@ -128,3 +128,26 @@ def test_counter_rng_is_uniform_and_keyed():
     assert torch.equal(same, u[:5])  # a row's numbers do not depend on the rest of the batch
     other = rng.uniforms(seeds[:5], torch.ones(5, 1, dtype=torch.int64), rng.ACCEPT)[:, 0]
     assert not torch.equal(same, other)
+
+
+def test_plain_sampling_draws_the_token_a_zero_draft_verify_would():
+    """The worker's k = 0 step skips the rejection sampler; a seeded request must not notice."""
+    from streamsd.sampling.sampler import sample_rows
+
+    b, vocab = 64, 50
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(b, 1, vocab, generator=g) * 3  # [B, 1, V]
+    greedy = torch.arange(b) % 4 == 0  # [B]
+    wp = WarpParams.build([(0.8, 0, 0.95, 0.0)] * b, torch.device("cpu"))
+    probs = warp(logits.view(b, vocab), wp)  # [B, V]
+    seeds = torch.arange(b, dtype=torch.int64) * 7919 + 1  # [B]
+    positions = torch.full((b, 1), 17, dtype=torch.int64)  # [B, 1]
+    noise = rng.exponentials(seeds, positions, rng.TARGET, vocab)  # [B, 1, V]
+    tokens, accepted = rejection_sample(VerifyInput(
+        target_probs=probs.view(b, 1, vocab), target_argmax=logits.argmax(-1),
+        draft_ids=torch.zeros(b, 0, dtype=torch.int64), draft_probs=None, dense_q=torch.zeros(b, dtype=torch.bool),
+        num_drafts=torch.zeros(b, dtype=torch.int64), greedy=greedy, uniforms=torch.zeros(b, 0), noise=noise))
+    plain = sample_rows(probs, logits[:, 0], greedy, noise[:, 0])  # [B]
+    assert (accepted == 0).all()
+    assert torch.equal(tokens[:, 0], plain)
+    assert len(set(plain[~greedy].tolist())) > 3  # the sampled rows really sampled
