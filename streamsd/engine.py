@@ -1,7 +1,8 @@
 """The asyncio engine: continuous batching on the event loop, model work on one worker thread.
 
-Each step: schedule on the loop, one hop to the worker thread for `execute`, postprocess on the
-loop and hand every request its delta. One hop per step each way, never one per token.
+Each step: schedule on the loop, one hop to the worker thread for `execute`; while it runs, the
+loop detokenises the previous step and hands every request its delta. One hop per step each way,
+never one per token, and the text work hides behind the GPU's.
 """
 
 from __future__ import annotations
