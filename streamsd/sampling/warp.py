@@ -23,13 +23,13 @@ class WarpParams:
 
     @staticmethod
     def build(rows: list[tuple[float, int, float, float]], device: torch.device) -> WarpParams:
-        temps, ks, ps, mins = zip(*rows, strict=True) if rows else ((), (), (), ())
+        # One queued copy of all four columns: torch.tensor(..., device="cuda") would wait for the
+        # GPU to finish everything queued before it.
+        host = torch.tensor(rows, dtype=torch.float64).view(-1, 4)  # [N, 4] exact for these ints
+        dev = host.to(device, non_blocking=device.type == "cuda")
         return WarpParams(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(ks, dtype=torch.int64, device=device),
-            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
-            min_p=torch.tensor(mins, dtype=torch.float32, device=device),
-            needs_sort=any(k > 0 for k in ks) or any(p < 1.0 for p in ps),
+            temperature=dev[:, 0].float(), top_k=dev[:, 1].long(), top_p=dev[:, 2].float(), min_p=dev[:, 3].float(),
+            needs_sort=any(k > 0 for _, k, _, _ in rows) or any(p < 1.0 for _, _, p, _ in rows),
         )
 
     def repeat(self, n: int) -> WarpParams:
