@@ -74,10 +74,15 @@ class Worker:
             counts.append(len(toks))
             tables.append(r.blocks)
         # An EAGLE head reads the target's residual streams at every token this step computes.
-        layers = getattr(self.proposer, "hidden_layers", ())
-        key = self.graphs.key_for(counts, tables) if self.graphs is not None and not layers else None
+        layers = tuple(getattr(self.proposer, "hidden_layers", ()))
+        # A graph serves the step only if it captures exactly these streams (none, or the head's).
+        fits = self.graphs is not None and self.graphs.hidden_layers == layers
+        key = self.graphs.key_for(counts, tables) if self.graphs is not None and fits else None
         if self.graphs is not None and key is not None:
-            return self.graphs.run(key, ids, starts, counts, tables, rows), None
+            if not layers:
+                return self.graphs.run(key, ids, starts, counts, tables, rows), None
+            logits, streams = self.graphs.run_hidden(key, ids, starts, counts, tables, rows)
+            return logits, list(streams.split(counts))  # views: read before the next replay
         layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
         out = self.target(h2d(ids, torch.int64, self.device), layout, self.cache,
                           h2d(rows, torch.int64, self.device), hidden_layers=layers,

@@ -215,3 +215,49 @@ def test_adaptive_k_keeps_eagle_exact(tiny_model_dir, heads, reference):
     res = llm.generate(PROMPTS, greedy_params())
     assert [r.outputs[0].token_ids for r in res] == reference
     _assert_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_eagle_greedy_is_exact_through_graphs(tiny_model_dir, heads):
+    """On CUDA the target's verify steps replay graphs that also return the head's streams (and the
+    fast forward computes them in eager steps): greedy eagle still equals plain decoding."""
+    plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32")
+    want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS, greedy_params())]
+    for kind in ("eagle3", "eagle1"):
+        llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]), device="cuda",
+                  dtype="float32")
+        assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, greedy_params())] == want
+        worker = llm.core.rt.worker
+        assert worker.graphs.hidden_layers == worker.proposer.hidden_layers and worker.graphs.replays > 0
+        assert worker.target.fast is not None
+        _assert_free(llm)
+
+
+def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadline(tiny_model_dir):
+    """`answer` keeps the streams its generating forwards computed: they equal a separate prefill pass
+    over each answer, with preemption by recompute in between (a small KV pool), and when a deadline
+    cuts the answers short (partial answers are kept, every request is freed)."""
+    import time
+
+    from streamsd.spec.eagle_data import answer
+
+    prompts = [" ".join(CORPUS[i].split()[:6]) for i in range(6)]
+    llm = LLM(str(tiny_model_dir), max_num_seqs=4, kv_cache_tokens=160)
+    target, sched = llm.core.rt.worker.target, llm.core.scheduler
+    preempted = []
+    preempt = sched._preempt
+    sched._preempt = lambda r: (preempted.append(r.request_id), preempt(r))[1]  # counts, then preempts
+    t0 = time.monotonic()
+    full = answer(llm, prompts, 40, 0, (0.0, 1.0), (0, 1), dtype=torch.float32)
+    elapsed = time.monotonic() - t0
+    assert preempted and len(full) == len(prompts)
+    cut = answer(llm, prompts, 40, 0, (0.0, 1.0), (0, 1), dtype=torch.float32,
+                 deadline=time.monotonic() + elapsed / 8)
+    _assert_free(llm)
+    assert 0 < sum(len(s.ids) for s in cut) < sum(len(s.ids) for s in full)
+    for got in full + cut:
+        ref = Sample(got.ids, got.prompt_len)
+        attach_streams(target, [ref], (0, 1), dtype=torch.float32)  # the final stream: layer 2's output
+        assert got.streams.shape == (len(got.ids), 2 * 64) and got.final.shape == (len(got.ids), 64)
+        assert torch.allclose(got.streams, ref.streams, atol=1e-4) and torch.allclose(got.final, ref.final, atol=1e-4)

@@ -227,7 +227,9 @@ def test_cuda_engine_greedy_spec_equals_plain_through_graphs(tiny_model_dir, clo
 
 def test_fast_forward_matches_reference_forward(tiny_model_dir):
     """Fused weights + Triton add-RMSNorm, RoPE/KV write and SiLU*mul give the eager forward's
-    logits and cache contents, over a prefill (SDPA) and a verify-shaped step (the kernel)."""
+    logits, captured residual streams (what an EAGLE head reads: the embedding, a middle layer's
+    input, the final pre-norm stream) and cache contents, over a prefill (SDPA) and a
+    verify-shaped step (the kernel)."""
     from streamsd.model.fast_forward import enable_fast_forward
     from streamsd.model.kv_cache import PagedKVCache
     from streamsd.runtime import load_model
@@ -245,11 +247,56 @@ def test_fast_forward_matches_reference_forward(tiny_model_dir):
         if fast:
             model.attend = pa.cuda_attention
             enable_fast_forward(model)
-        outs = [model(i, BatchLayout.build(s, c, tables, bs, DEV), cache, torch.arange(sum(c), device=DEV)).logits
-                for (s, c), i in zip(steps, ids, strict=True)]
+        outs = []
+        for (s, c), i in zip(steps, ids, strict=True):
+            rows = torch.arange(sum(c), device=DEV)
+            o = model(i, BatchLayout.build(s, c, tables, bs, DEV), cache, rows[-2:], hidden_layers=(0, 1, 2),
+                      hidden_rows=rows.flip(0))  # streams at every row (reversed), logits at two
+            assert o.hidden is not None and len(o.hidden) == 3
+            outs.extend([o.logits, *o.hidden])
         results.append((outs, cache.data.clone()))
     (ref, ref_cache), (out, out_cache) = results
     tol = 2e-2 if CUDA else 1e-5
     for a, b in zip(out, ref, strict=True):
-        assert _rel(a, b) < tol
+        assert a.shape == b.shape and _rel(a, b) < tol
     assert _rel(out_cache, ref_cache) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_graph_replay_returns_the_eager_hidden_streams(tiny_model_dir):
+    """A runner that captures an EAGLE head's streams: its replay's logits and streams equal the
+    eager (fast) forward's, for a verify-shaped step padded into a (bucket 4, width 4) graph."""
+    from streamsd.model.fast_forward import enable_fast_forward
+    from streamsd.model.graphs import GraphConfig, GraphRunner
+    from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.runtime import load_model
+
+    model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
+    model.attend = pa.cuda_attention
+    enable_fast_forward(model)
+    scratch, bs, layers = 12, 16, (0, 1, 2)
+    cache = PagedKVCache(model.args, scratch + 1, bs, torch.float32, DEV)
+    lens, tables = [20, 40, 9], [[3, 0], [5, 1, 7], [2]]
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randint(3, model.args.vocab_size, (sum(lens),), generator=g).to(DEV)
+    model(flat, BatchLayout.build([0, 0, 0], lens, tables, bs, DEV), cache, torch.arange(flat.numel(), device=DEV))
+    counts = [1, 3, 2]
+    ids = torch.randint(3, model.args.vocab_size, (sum(counts),), generator=g).tolist()
+    rows = [0, 3, 5]  # the verify rows the worker asks for: not an arange, so the gather path runs too
+    before = cache.data.clone()
+    all_rows = torch.arange(sum(counts), device=DEV)
+    ref = model(torch.tensor(ids, device=DEV), BatchLayout.build(lens, counts, tables, bs, DEV), cache,
+                torch.tensor(rows, device=DEV), hidden_layers=layers, hidden_rows=all_rows)
+    ref_hidden = torch.cat(ref.hidden, dim=-1)  # [T, 3 * hidden], as Worker._forward builds it
+    cache.data.copy_(before)
+    runner = GraphRunner(model, cache, scratch, GraphConfig(max_blocks=8, query_widths=(1, 4)), DEV,
+                         hidden_layers=layers)
+    key = runner.key_for(counts, tables)
+    assert key == (4, 4)
+    for _ in range(2):  # the capture's first replay, then a replay of the stored graph
+        cache.data.copy_(before)
+        logits, hidden = runner.run_hidden(key, ids, lens, counts, tables, rows)
+        assert hidden.shape == ref_hidden.shape
+        assert _rel(logits, ref.logits) < 1e-4 and _rel(hidden, ref_hidden) < 1e-4
+    assert runner.replays == 2 and len(runner.graphs) == 1

@@ -3,8 +3,10 @@ Triton kernels for add+RMSNorm, RoPE+KV-cache write and SiLU*mul (streamsd/kerne
 
 `fuse_weights` concatenates each layer's q/k/v and gate/up weights once and re-points the
 original parameters at views of the concatenation, so memory is unchanged and the eager
-reference forward still works on the same tensors. `Transformer.fast` then routes forwards here;
-what it does not cover (captured hidden streams for EAGLE) stays on the reference forward.
+reference forward still works on the same tensors. `Transformer.fast` then routes every forward
+here, those that capture residual streams for an EAGLE head included: the kernels write the new
+residual out of place, so the stream entering layer i is the tensor `h` at the top of its
+iteration, captured exactly where the reference forward captures it.
 """
 
 from __future__ import annotations
@@ -55,22 +57,27 @@ def fuse_weights(model: Transformer) -> list[FusedLayer]:
 def enable_fast_forward(model: Transformer) -> None:
     fused = fuse_weights(model)
 
-    def fast(input_ids: torch.Tensor, layout: BatchLayout, cache: PagedKVCache,
-             logits_rows: torch.Tensor) -> ForwardOutput:
-        return fast_forward(model, fused, input_ids, layout, cache, logits_rows)
+    def fast(input_ids: torch.Tensor, layout: BatchLayout, cache: PagedKVCache, logits_rows: torch.Tensor,
+             hidden_layers: tuple[int, ...] = (), hidden_rows: torch.Tensor | None = None) -> ForwardOutput:
+        return fast_forward(model, fused, input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows)
 
     model.fast = fast
 
 
 @torch.inference_mode()
 def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.Tensor, layout: BatchLayout,
-                 cache: PagedKVCache, logits_rows: torch.Tensor) -> ForwardOutput:
+                 cache: PagedKVCache, logits_rows: torch.Tensor, hidden_layers: tuple[int, ...] = (),
+                 hidden_rows: torch.Tensor | None = None) -> ForwardOutput:
     a = model.args
     t = input_ids.shape[0]
     h = model.model.embed_tokens(input_ids)  # [T, hidden] the residual stream
     layers = model.model.layers
+    captured: list[torch.Tensor] = []  # [M, hidden] per requested layer, ascending like the reference
+    hidden_rows = logits_rows if hidden_rows is None else hidden_rows
     x, _ = add_rmsnorm(h, None, layers[0].input_layernorm.weight, a.rms_norm_eps)  # [T, hidden]
     for i, (layer, f) in enumerate(zip(layers, fused, strict=True)):
+        if i in hidden_layers:  # h is the input of layer i (add_rmsnorm never overwrites it)
+            captured.append(h.index_select(0, hidden_rows))
         k_cache, v_cache = cache.layer(i)
         qkv = F.linear(x, f.qkv_weight, f.qkv_bias)  # [T, (H + 2 KVH) D]
         q = rope_and_cache(qkv, model.rope_cos, model.rope_sin, layout.positions, layout.slot_mapping,
@@ -83,5 +90,7 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
             x, h = add_rmsnorm(mlp, h, layers[i + 1].input_layernorm.weight, a.rms_norm_eps)
         else:
             h = h + mlp
+    if a.num_layers in hidden_layers:  # the final pre-norm stream
+        captured.append(h.index_select(0, hidden_rows))
     h = model.model.norm(h.index_select(0, logits_rows))  # [N, hidden]
-    return ForwardOutput(logits=model.lm_head(h).float(), hidden=None)
+    return ForwardOutput(logits=model.lm_head(h).float(), hidden=captured or None)

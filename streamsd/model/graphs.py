@@ -12,6 +12,10 @@ Prefill chunks and steps over the largest bucket run eagerly.
 
 Graphs of one runner share a memory pool: they never run concurrently, and each graph's output
 (its logits) stays allocated because the runner holds it.
+
+A runner made with `hidden_layers` (the streams an EAGLE head reads) captures them too: each
+graph's static output then also holds the residual streams entering those layers at every token
+slot, [T, layers * hidden], concatenated inside the graph exactly as the eager worker does.
 """
 
 from __future__ import annotations
@@ -43,12 +47,14 @@ class _Graph:
     block_table: torch.Tensor  # [B, max_blocks] int32
     rows: torch.Tensor  # [T] the logits rows, arange; the graph reads it, so it must outlive the capture
     logits: torch.Tensor  # [T, V] float32, written by each replay
+    hidden: torch.Tensor | None = None  # [T, layers * hidden] the captured streams, when the runner has layers
 
 
 class GraphRunner:
     def __init__(self, model: Transformer, cache: PagedKVCache, scratch_block: int, cfg: GraphConfig,
-                 device: torch.device):
+                 device: torch.device, hidden_layers: tuple[int, ...] = ()):
         self.model = model
+        self.hidden_layers = hidden_layers  # streams every graph of this runner captures (ascending)
         self.cache = cache
         self.scratch = scratch_block
         self.cfg = cfg
@@ -70,6 +76,18 @@ class GraphRunner:
     def run(self, key: tuple[int, int], ids: list[int] | torch.Tensor, starts: list[int], counts: list[int],
             tables: list[list[int]], rows: list[int]) -> torch.Tensor:
         """Logits [len(rows), V] of the rows asked for; a view valid until this graph replays again."""
+        return self._rows(self._replay(key, ids, starts, counts, tables), rows)
+
+    def run_hidden(self, key: tuple[int, int], ids: list[int], starts: list[int], counts: list[int],
+                   tables: list[list[int]], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [len(rows), V], streams [sum(counts), layers * hidden] of every real token): views
+        valid until this graph replays again."""
+        g = self._replay(key, ids, starts, counts, tables)
+        assert g.hidden is not None, "this runner captures no hidden streams"
+        return self._rows(g, rows), g.hidden[: sum(counts)]  # real tokens are packed from the front
+
+    def _replay(self, key: tuple[int, int], ids: list[int] | torch.Tensor, starts: list[int], counts: list[int],
+                tables: list[list[int]]) -> _Graph:
         g = self.graphs.get(key) or self._capture(*key)
         host, table = pack_step(ids if not isinstance(ids, torch.Tensor) else None, starts, counts, tables,
                                 g.bucket, g.width, self.scratch, self.cache.block_size)
@@ -81,6 +99,9 @@ class GraphRunner:
             g.packed[: ids.shape[0]].copy_(ids)  # device ids (draft steps): queued after the host copy
         g.graph.replay()
         self.replays += 1
+        return g
+
+    def _rows(self, g: _Graph, rows: list[int]) -> torch.Tensor:
         if rows == list(range(len(rows))):
             return g.logits[: len(rows)]
         return g.logits.index_select(0, h2d(rows, torch.int64, self.device))
@@ -94,15 +115,18 @@ class GraphRunner:
         rows = torch.arange(t_all, device=dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
+        layers = self.hidden_layers
         with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels, outside capture
-            self.model(ids, layout, self.cache, rows)
+            self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model(ids, layout, self.cache, rows).logits  # [T, V]
+            out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
+            logits = out.logits  # [T, V]
+            hidden = torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
         # Every tensor made outside the capture and read by the graph is kept here: once freed, the
         # caching allocator hands its memory to eager work and the next replay reads garbage.
-        g = _Graph(graph, bucket, width, packed, block_table, rows, logits)
+        g = _Graph(graph, bucket, width, packed, block_table, rows, logits, hidden)
         self.graphs[(bucket, width)] = g
         return g
 
@@ -184,6 +208,8 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
         return
     bs = worker.cache.block_size
     cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=(1, k + 1))
-    worker.graphs = GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device)
+    # An EAGLE head reads the target's streams at every verified token: its graphs return them too.
+    worker.graphs = GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device,
+                                hidden_layers=tuple(getattr(proposer, "hidden_layers", ())))
     if isinstance(draft, Transformer) and hasattr(proposer, "graphs"):
         proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, cfg, worker.device)

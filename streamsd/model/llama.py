@@ -131,8 +131,8 @@ class Transformer(nn.Module):
         hidden_layers: tuple[int, ...] = (),
         hidden_rows: torch.Tensor | None = None,  # [M] rows whose streams are captured (default: logits_rows)
     ) -> ForwardOutput:
-        if self.fast is not None and not hidden_layers:
-            return self.fast(input_ids, layout, cache, logits_rows)
+        if self.fast is not None:  # the CUDA path: fused weights and Triton kernels, streams included
+            return self.fast(input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows)
         cos = self.rope_cos.index_select(0, layout.positions)  # [T, D]
         sin = self.rope_sin.index_select(0, layout.positions)  # [T, D]
         h = self.model.embed_tokens(input_ids)  # [T, hidden]

@@ -15,10 +15,12 @@ position, DRAFT), and that q goes to the q pool for the rejection sampler.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from streamsd.model.attention import paged_attention_reference
-from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.sampling import rng
 from streamsd.sampling.sampler import race
@@ -81,14 +83,14 @@ class EagleProposer:
             return results
         dev = self.device
         layout = BatchLayout.build(starts, counts, [it.request.blocks for _, it in work], self.cache.block_size, dev)
-        out = self._run(torch.tensor(ids, dtype=torch.int64, device=dev), self.head.features(torch.cat(feats)), layout)
+        out = self._run(h2d(ids, torch.int64, dev), self.head.features(torch.cat(feats)), layout)  # [T, H]
         for w, (i, _) in enumerate(work):
             results[i] = Proposal([], starts[w] + counts[w])
         drafting = [w for w, (_, it) in enumerate(work) if it.k > 0 and starts[w] + counts[w] == it.upto]
         if not drafting:
             return results
-        last = torch.tensor(counts, device=dev).cumsum(0) - 1  # [W] last row of each item
-        rows = last[torch.tensor(drafting, dtype=torch.int64, device=dev)]  # [Bd]
+        ends = list(itertools.accumulate(counts))
+        rows = h2d([ends[w] - 1 for w in drafting], torch.int64, dev)  # [Bd] last row of each drafting item
         draft_items = [work[w][1] for w in drafting]
         host = self._draft_loop(draft_items, out.index_select(0, rows)).tolist()  # [Bd, K]
         for row, w in enumerate(drafting):
@@ -100,19 +102,23 @@ class EagleProposer:
         """h [Bd, H]: the head's output at each item's last caught-up slot -> drafts [Bd, max k]."""
         dev = self.device
         reqs = [it.request for it in items]
-        wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p) for r in reqs], dev)
-        greedy = torch.tensor([r.greedy_draft for r in reqs], device=dev)  # [Bd]
-        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)  # [Bd]
-        base = torch.tensor([len(it.tokens) for it in items], dtype=torch.int64, device=dev)  # [Bd]
+        wp: WarpParams | None = None  # built on first need: WarpParams.build copies synchronously
+        # h2d, not torch.tensor(..., device=dev): that one waits for the GPU at every draft step.
+        greedy = h2d([r.greedy_draft for r in reqs], torch.bool, dev)  # [Bd]
+        seeds = h2d([r.seed for r in reqs], torch.int64, dev)  # [Bd]
+        base = h2d([len(it.tokens) for it in items], torch.int64, dev)  # [Bd]
         k_max = max(it.k for it in items)
         drafts = torch.zeros(len(items), k_max, dtype=torch.int64, device=dev)  # [Bd, K]
         active = list(range(len(items)))
         for j in range(k_max):
-            idx = torch.tensor(active, dtype=torch.int64, device=dev)  # [A]
+            idx = h2d(active, torch.int64, dev)  # [A]
             logits = self.head.target_logits(h)  # [A, V]
             if all(reqs[i].greedy_draft for i in active):  # host-side: no sync on the device mask
                 tok = logits.argmax(-1)  # [A]
             else:
+                if wp is None:
+                    wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
+                                           for r in reqs], dev)
                 sub = WarpParams(wp.temperature[idx], wp.top_k[idx], wp.top_p[idx], wp.min_p[idx], wp.needs_sort)
                 q = warp(logits, sub)  # [A, V]
                 noise = rng.exponentials(seeds[idx], (base[idx] + j).unsqueeze(-1), rng.DRAFT, self.vocab)[:, 0]
@@ -123,7 +129,7 @@ class EagleProposer:
             if not keep:
                 break
             active = [active[a] for a in keep]
-            sel = torch.tensor(keep, dtype=torch.int64, device=dev)
+            sel = h2d(keep, torch.int64, dev)  # [A']
             # Draft j sits at position len(tokens) + j; the head's slot for it is one before.
             positions = [len(items[i].tokens) - 1 + j for i in active]
             layout = BatchLayout.build(positions, [1] * len(active), [reqs[i].blocks for i in active],

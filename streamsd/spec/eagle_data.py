@@ -2,20 +2,25 @@
 
 No dataset is needed: prompts come from a user file or are written by the target itself (sampled
 after its chat template's user prefix), the target answers them with our engine (batched), and
-one prefill pass per answer gives the residual streams the head reads and the final stream whose
-logits are the labels. Everything stays in memory (half precision) for the epochs that follow.
+the residual streams the head reads and the final stream whose logits are the labels are recorded
+from the forward passes that generate the answers. Everything stays in memory, on the target's
+device (bf16: 4 x hidden x 2 bytes per token), for the epochs that follow.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from streamsd.model.graphs import GraphRunner
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 from streamsd.model.llama import Transformer
 from streamsd.request import SamplingParams
@@ -66,15 +71,23 @@ def is_degenerate(text: str) -> bool:
     return not re.search(r"[A-Za-z]{3}", text)
 
 
-def self_prompts(llm: Any, n: int, seed: int, avoid: set[str], max_tokens: int = 64) -> list[str]:
-    """Up to n distinct user turns written by the target (sampled after the user prefix)."""
+def self_prompts(llm: Any, n: int, seed: int, avoid: set[str], max_tokens: int = 64, deadline: float | None = None,
+                 log: Callable[[str], None] | None = None) -> list[str]:
+    """Up to n distinct user turns written by the target (sampled after the user prefix); in rounds of
+    at most 2048 samples, so a `deadline` (time.monotonic()) is checked between rounds."""
     prefix = list(llm.tokenizer.encode(user_prefix(llm.tokenizer), add_special_tokens=False))
     seen = {_norm(p) for p in avoid}
     out: list[str] = []
-    for attempt in range(4):
-        want = 2 * (n - len(out)) + 8  # some are filtered away
-        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=seed + attempt * 100003 + i)
+    drawn = 0
+    for _ in range(8 + n // 512):
+        if deadline is not None and time.monotonic() > deadline:
+            if log:
+                log(f"writing prompts: time is up at {len(out)} of {n}")
+            break
+        want = min(2048, 2 * (n - len(out)) + 8)  # some are filtered away
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=seed + drawn + i)
                   for i in range(want)]
+        drawn += want
         for res in llm.generate([prefix] * want, params):
             text = res.outputs[0].text.strip()
             if res.outputs[0].finish_reason != "stop" or is_degenerate(text) or _norm(text) in seen:
@@ -83,6 +96,8 @@ def self_prompts(llm: Any, n: int, seed: int, avoid: set[str], max_tokens: int =
             out.append(text)
             if len(out) >= n:
                 return out
+        if log:
+            log(f"writing prompts: {len(out)} of {n} kept from {drawn} drawn")
     return out
 
 
@@ -104,43 +119,79 @@ class _Recorder:
 
 
 def answer(llm: Any, prompts: list[str], max_new_tokens: int, seed: int, temperatures: tuple[float, ...],
-           input_layers: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> list[Sample]:
+           input_layers: tuple[int, ...], dtype: torch.dtype = torch.bfloat16, deadline: float | None = None,
+           log: Callable[[str], None] | None = None) -> list[Sample]:
     """The target's answers (temperatures alternate over the prompts), batched through the engine, with
-    the streams its forward passes computed on the way: no second pass over the answers."""
-    worker = llm.core.rt.worker
+    the streams its forward passes computed on the way: no second pass over the answers.
+
+    Streams stay on the target's device. At `deadline` (time.monotonic()) the requests still running
+    are aborted and their partial answers kept: every computed token's streams are valid data.
+    """
+    core = llm.core
+    worker = core.rt.worker
     num_layers = worker.target.args.num_layers
     layers = tuple(sorted(set(input_layers) | {num_layers}))
     cols, last = [layers.index(i) for i in input_layers], layers.index(num_layers)
     chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    forward, proposer = worker._forward, worker.proposer
+    forward, proposer, graphs = worker._forward, worker.proposer, worker.graphs
 
     def recording(entries: list[Any]) -> tuple[torch.Tensor, Any]:
         logits, hidden = forward(entries)
-        for e, h in zip(entries, hidden, strict=True):  # h [tokens, layers * Ht], from position e.start
-            chunks.setdefault(e.request.request_id, []).append((e.start, h[: e.num_tokens].to(dtype)))
+        # One copy per step (not per request): a graph's output is overwritten by its next replay.
+        full = torch.cat(hidden).to(dtype)  # [T, layers * Ht]
+        for e, h in zip(entries, full.split([h.shape[0] for h in hidden]), strict=True):
+            chunks.setdefault(e.request.request_id, []).append((e.start, h[: e.num_tokens]))  # from e.start
         return logits, hidden
 
     worker._forward, worker.proposer = recording, _Recorder(layers)
+    if graphs is not None:  # decode-only steps replay graphs that also return these streams
+        worker.graphs = GraphRunner(graphs.model, graphs.cache, graphs.scratch, graphs.cfg, graphs.device,
+                                    hidden_layers=layers)
+    rids = [f"eagle-data-{i}" for i in range(len(prompts))]
+    prompt_ids: dict[str, list[int]] = {}
+    answers: dict[str, list[int]] = {r: [] for r in rids}
+    finished: set[str] = set()
+    t0 = last_log = time.monotonic()
     try:
-        convs = [[{"role": "user", "content": p}] for p in prompts]
-        params = [SamplingParams(temperature=temperatures[i % len(temperatures)], max_tokens=max_new_tokens,
-                                 seed=seed + i) for i in range(len(prompts))]
-        results = llm.chat(convs, params)
+        for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):
+            prompt_ids[rid] = core.encode_chat([{"role": "user", "content": p}])
+            core.add_request(rid, prompt_ids[rid], SamplingParams(
+                temperature=temperatures[i % len(temperatures)], max_tokens=max_new_tokens, seed=seed + i))
+        while core.has_work:
+            if deadline is not None and time.monotonic() > deadline:
+                for rid in rids:
+                    if rid not in finished:
+                        core.abort(rid)  # finalised by the next step's schedule
+                deadline = None
+                if log:
+                    log(f"answering: time is up, {len(rids) - len(finished)} answers cut short")
+            for out in core.step():
+                answers[out.request_id].extend(out.token_ids)
+                if out.finished:
+                    finished.add(out.request_id)
+            if log and time.monotonic() - last_log > 15:
+                last_log = time.monotonic()
+                n = sum(map(len, answers.values()))
+                log(f"answering: {len(finished)}/{len(rids)} done, {n} tokens, "
+                    f"{n / (last_log - t0):.0f} tokens/s, {last_log - t0:.0f}s")
     finally:
-        worker._forward, worker.proposer = forward, proposer
+        worker._forward, worker.proposer, worker.graphs = forward, proposer, graphs
     out = []
-    for res in results:
-        parts = chunks.pop(res.request_id, [])
-        if not res.outputs[0].token_ids or not parts:
+    for rid in rids:
+        parts = chunks.pop(rid, [])
+        ids = prompt_ids[rid] + answers[rid]
+        if not answers[rid] or not parts:
             continue
-        n = max(s + h.shape[0] for s, h in parts)  # the last token is sampled, never computed
-        rows = torch.zeros(n, parts[0][1].shape[-1], dtype=dtype)
-        for s, h in parts:  # in step order: a recompute after preemption overwrites
-            rows[s : s + h.shape[0]] = h
-        ht = rows.shape[-1] // len(layers)
-        per = rows.view(n, len(layers), ht)
-        ids = (res.prompt_token_ids + res.outputs[0].token_ids)[:n]
-        out.append(Sample(ids, len(res.prompt_token_ids), per[:, cols].reshape(n, -1).clone(), per[:, last].clone()))
+        n = min(max(s + h.shape[0] for s, h in parts), len(ids))  # the last token is sampled, never computed
+        ends = list(itertools.accumulate(h.shape[0] for _, h in parts))
+        if all(s == e for (s, _), e in zip(parts, [0, *ends[:-1]], strict=True)):
+            rows = torch.cat([h for _, h in parts])[:n]  # in order, no recompute: one copy
+        else:  # in step order: a recompute after preemption overwrites
+            rows = torch.zeros(n, parts[0][1].shape[-1], dtype=dtype, device=parts[0][1].device)
+            for s, h in parts:
+                rows[s : min(s + h.shape[0], n)] = h[: max(0, n - s)]
+        per = rows.view(n, len(layers), -1)  # [n, layers, Ht]
+        out.append(Sample(ids[:n], len(prompt_ids[rid]), per[:, cols].reshape(n, -1), per[:, last].clone()))
     return out
 
 

@@ -10,14 +10,18 @@ losses of later steps weigh less (decay^j).
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from streamsd.model.kv_cache import h2d
 from streamsd.model.llama import Transformer
 from streamsd.spec.eagle_data import Sample
 from streamsd.spec.eagle_head import EagleHead
@@ -46,12 +50,53 @@ class Batch:
     prompt_lens: torch.Tensor  # [B]
 
 
-def make_batches(samples: list[Sample], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+@dataclass(slots=True)
+class Corpus:
+    """Every sample end to end on the training device, so a batch is one gather (no host copies).
+    The last row of each tensor is the padding row: id 0, zero streams."""
+
+    ids: torch.Tensor  # [N + 1] int64
+    streams: torch.Tensor  # [N + 1, n * Ht] in the samples' dtype (bf16)
+    final: torch.Tensor  # [N + 1, Ht]
+    offsets: list[int]  # first row of each sample
+    lengths: list[int]
+    prompt_lens: list[int]
+
+    @staticmethod
+    def build(samples: list[Sample], device: torch.device, release: bool = False) -> Corpus:
+        """With `release`, each sample's tensors are dropped once copied: memory peaks at one copy."""
+        lengths = [len(s.ids) for s in samples]
+        offsets = [0, *itertools.accumulate(lengths)]
+        n, first = offsets[-1], samples[0]
+        assert first.streams is not None and first.final is not None, "samples need their streams"
+        streams = torch.zeros(n + 1, first.streams.shape[-1], dtype=first.streams.dtype, device=device)
+        final = torch.zeros(n + 1, first.final.shape[-1], dtype=first.final.dtype, device=device)
+        for s, o, length in zip(samples, offsets, lengths, strict=False):
+            streams[o : o + length] = s.streams  # type: ignore[assignment]
+            final[o : o + length] = s.final  # type: ignore[assignment]
+            if release:
+                s.streams = s.final = None
+        ids = torch.tensor([t for s in samples for t in s.ids] + [0], dtype=torch.int64).to(device)
+        return Corpus(ids, streams, final, offsets[:-1], lengths, [s.prompt_len for s in samples])
+
+    def batch(self, group: list[int], device: torch.device) -> Batch:
+        t = max(self.lengths[g] for g in group)
+        pad = self.ids.shape[0] - 1
+        index = np.full((len(group), t), pad, dtype=np.int64)  # [B, T] rows of the corpus
+        for i, g in enumerate(group):
+            index[i, : self.lengths[g]] = np.arange(self.offsets[g], self.offsets[g] + self.lengths[g])
+        idx = h2d(torch.from_numpy(index), torch.int64, device)
+        return Batch(self.ids[idx], self.streams[idx].float(), self.final[idx].float(),
+                     h2d([self.lengths[g] for g in group], torch.int64, device),
+                     h2d([self.prompt_lens[g] for g in group], torch.int64, device))
+
+
+def make_batches(lengths: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Groups of samples of similar length (little padding), in random order."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups, cur, longest = [], [], 0
     for i in order:
-        n = len(samples[i].ids)
+        n = lengths[i]
         if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
             groups.append(cur)
             cur, longest = [], 0
@@ -61,22 +106,6 @@ def make_batches(samples: list[Sample], batch_tokens: int, rng: random.Random) -
         groups.append(cur)
     rng.shuffle(groups)
     return groups
-
-
-def collate(samples: list[Sample], device: torch.device) -> Batch:
-    t = max(len(s.ids) for s in samples)
-    b = len(samples)
-    n_in, ht = samples[0].streams.shape[-1], samples[0].final.shape[-1]  # type: ignore[union-attr]
-    ids = torch.zeros(b, t, dtype=torch.int64)
-    streams = torch.zeros(b, t, n_in)
-    final = torch.zeros(b, t, ht)
-    for i, s in enumerate(samples):
-        ids[i, : len(s.ids)] = torch.tensor(s.ids)
-        streams[i, : len(s.ids)] = s.streams.float()  # type: ignore[union-attr]
-        final[i, : len(s.ids)] = s.final.float()  # type: ignore[union-attr]
-    return Batch(ids.to(device), streams.to(device), final.to(device),
-                 torch.tensor([len(s.ids) for s in samples], device=device),
-                 torch.tensor([s.prompt_len for s in samples], device=device))
 
 
 def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], j: int, scale: float) -> torch.Tensor:
@@ -129,8 +158,9 @@ def ttt_outputs(head: EagleHead, ids: torch.Tensor, streams: torch.Tensor, steps
 
 
 def ttt_loss(head: EagleHead, target: Transformer, batch: Batch, draft_ids: torch.Tensor, steps: int,
-             decay: float) -> tuple[torch.Tensor, list[float], list[float]]:
-    """Weighted soft cross-entropy over `steps` unrolled draft steps; also loss and top-1 match per step."""
+             decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted soft cross-entropy over `steps` unrolled draft steps, and a detached [2 * steps]
+    tensor of each step's loss then top-1 match (left on the device: reading it is a host sync)."""
     ids, (b, t) = batch.ids, batch.ids.shape
     with torch.no_grad():
         w_d = target.lm_head.weight.index_select(0, draft_ids).float()  # [Vd, Ht]
@@ -150,24 +180,30 @@ def ttt_loss(head: EagleHead, target: Transformer, batch: Batch, draft_ids: torc
         loss_j = (ce * valid).sum() / count
         total = total + decay**j * loss_j
         norm += decay**j
-        losses.append(loss_j.item())
-        matches.append((((logp.argmax(-1) == label_top).float() * valid).sum() / count).item())
-    return total / norm, losses, matches
+        losses.append(loss_j.detach())
+        matches.append(((logp.argmax(-1) == label_top).float() * valid).sum() / count)
+    return total / norm, torch.stack(losses + matches)
 
 
 def train(head: EagleHead, target: Transformer, samples: list[Sample], draft_ids: list[int], cfg: TrainConfig,
-          progress_factory=None) -> list[dict[str, float]]:
-    """AdamW with linear warm-up and cosine decay; returns one record per optimiser step."""
+          log: Callable[[str], None] | None = None, release: bool = False) -> list[dict[str, float]]:
+    """AdamW with linear warm-up and cosine decay; returns one record per optimiser step.
+
+    The loop never waits for the GPU except where it logs (every ~10 s, and at step 5 to fit the
+    time budget): the per-step figures stay on the device until then. With `release` the samples'
+    tensors are dropped once the corpus holds them.
+    """
     device = target.rope_cos.device
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
+    corpus = Corpus.build(samples, device, release)
     target.requires_grad_(False)
     head.train()
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    per_epoch = len(make_batches(samples, cfg.batch_tokens, rng))
-    total_steps = max(1, math.ceil(cfg.epochs * per_epoch))
-    plan = {"total": total_steps, "warm": max(1, int(cfg.warmup * total_steps))}
+    per_epoch = len(make_batches(corpus.lengths, cfg.batch_tokens, rng))
+    epoch_steps = max(1, math.ceil(cfg.epochs * per_epoch))
+    plan = {"total": epoch_steps, "warm": max(1, int(cfg.warmup * epoch_steps))}
 
     def lr_factor(s: int) -> float:  # linear warm-up, cosine decay to 10%
         done = min(1.0, max(0, s - plan["warm"]) / max(1, plan["total"] - plan["warm"]))
@@ -176,33 +212,59 @@ def train(head: EagleHead, target: Transformer, samples: list[Sample], draft_ids
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     d_ids = torch.tensor(draft_ids, dtype=torch.int64, device=device)
     history: list[dict[str, float]] = []
-    bar = progress_factory(total_steps) if progress_factory else None
-    t0, step = time.monotonic(), 0
+    pending: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, [1 + 2 * ttt_steps] on the device)
+    tokens = 0
+    t0 = last_sync = time.monotonic()
+
+    def flush() -> None:  # the one host read of the figures since the last flush
+        if not pending:
+            return
+        values = torch.stack([v for _, _, v in pending]).tolist()
+        k = cfg.ttt_steps
+        for (step_no, lr, _), v in zip(pending, values, strict=True):
+            history.append({"step": step_no, "loss": v[0], "lr": lr,
+                            **{f"loss_{j}": v[1 + j] for j in range(k)},
+                            **{f"match_{j}": v[1 + k + j] for j in range(k)}})
+        pending.clear()
+
+    def report() -> None:
+        el = max(time.monotonic() - t0, 1e-9)
+        r = history[-1]
+        matches = " / ".join(f"{r[f'match_{j}']:.2f}" for j in range(cfg.ttt_steps))
+        log(f"training: step {r['step']}/{plan['total']} ({r['step'] / per_epoch:.2f} epochs), loss "  # type: ignore[misc]
+            f"{r['loss']:.3f}, top-1 match {matches}, lr {r['lr']:.2e}, {tokens / el:.0f} tokens/s, {el:.0f}s")
+
+    step = 0
     while step < plan["total"]:
-        for group in make_batches(samples, cfg.batch_tokens, rng):
+        for group in make_batches(corpus.lengths, cfg.batch_tokens, rng):
             if step >= plan["total"]:
                 break
-            batch = collate([samples[i] for i in group], device)
-            loss, losses, matches = ttt_loss(head, target, batch, d_ids, cfg.ttt_steps, cfg.decay)
+            batch = corpus.batch(group, device)
+            loss, figures = ttt_loss(head, target, batch, d_ids, cfg.ttt_steps, cfg.decay)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
+            lr = sched.get_last_lr()[0]
             sched.step()
             step += 1
-            if cfg.time_budget_s and step == 5:  # now the cost of a step is known: fit the budget
-                fit = int(cfg.time_budget_s / ((time.monotonic() - t0) / step))
-                plan["total"] = max(step + 1, min(plan["total"], fit))
-                plan["warm"] = min(plan["warm"], max(1, int(cfg.warmup * plan["total"])))
-                if bar is not None:
-                    bar.total = plan["total"]
-            rec = {"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0],
-                   **{f"loss_{j}": x for j, x in enumerate(losses)}, **{f"match_{j}": x for j, x in enumerate(matches)}}
-            history.append(rec)
-            if bar is not None:
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", match0=f"{matches[0]:.2f}", refresh=False)
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+            tokens += sum(corpus.lengths[g] for g in group)
+            pending.append((step, lr, torch.cat([loss.detach().view(1), figures])))
+            periodic = step == 5 or time.monotonic() - last_sync > 10
+            if periodic and (cfg.time_budget_s or log):
+                flush()  # waits for the GPU: the time per step is now real, not launch time
+                last_sync = time.monotonic()
+                if cfg.time_budget_s:  # fit the schedule to the budget, both ways, at most the epochs
+                    fit = int(cfg.time_budget_s / ((last_sync - t0) / step))
+                    plan["total"] = max(step + 1, min(epoch_steps, fit))
+                    plan["warm"] = min(plan["warm"], max(1, int(cfg.warmup * plan["total"])))
+            if cfg.time_budget_s and time.monotonic() - t0 > cfg.time_budget_s:
+                plan["total"] = step  # out of time: stop now (the schedule was fitted to end about here)
+            if log and (periodic or step >= plan["total"]):
+                flush()
+                report()
+    flush()
+    if log and history and history[-1]["step"] != step:
+        report()
     head.eval()
     return history

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import shlex
@@ -28,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, help="JSONL (first of `turns`, or prompt/question/text) or text lines")
     p.add_argument("--num-prompts", type=int, default=256, help="training prompts (self-written ones fill up)")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the evaluation")
+    p.add_argument("--eval-prompts-file", default=None,
+                   help="the held-out prompts, all of them (JSONL or text as --prompts); those are then never trained on")
     p.add_argument("--no-self-prompts", action="store_true", help="use only the prompts of --prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperatures", default="0,0.7", help="answers alternate over these temperatures")
@@ -39,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--time-budget", type=float, default=None, help="minutes of training at most")
+    p.add_argument("--gen-time-budget", type=float, default=None,
+                   help="minutes of answering at most: then running answers are cut short (and kept)")
+    p.add_argument("--gen-batch", type=int, default=None, help="answers generated at once (default 64; 256 on CUDA)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="eager CUDA steps (generation and evaluation)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k for the evaluation")
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
@@ -48,7 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from tqdm.auto import tqdm
 
     from streamsd import LLM
     from streamsd.spec.eagle_ckpt import new_head, save_head
@@ -59,33 +65,62 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.monotonic()
+
+    def log(msg: str) -> None:  # plain lines: they read well in a log file, unlike progress bars
+        print(f"[{time.monotonic() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
     out = Path(args.out)
     temps = tuple(float(x) for x in args.temperatures.split(","))
-    llm = LLM(args.model, device=args.device, max_num_seqs=64, kv_cache_tokens=64 * (args.max_new_tokens + 320))
+    device = torch.device(args.device) if args.device else None
+    cuda = device.type == "cuda" if device else torch.cuda.is_available()
+    gen_batch = args.gen_batch or (256 if cuda else 64)
+    llm = LLM(args.model, device=args.device, max_num_seqs=gen_batch,
+              kv_cache_tokens=gen_batch * (args.max_new_tokens + 320))
+    if args.no_cuda_graphs:
+        llm.core.rt.worker.graphs = None
     target = llm.core.rt.worker.target
+    if target.rope_cos.device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for the float32 head: its loss is a soft CE
+    log(f"target loaded on {target.rope_cos.device}; answers {gen_batch} at a time")
     rng = random.Random(args.seed)
     given = read_prompts(Path(args.prompts)) if args.prompts else []
     rng.shuffle(given)
-    held, train_prompts = given[: args.eval_prompts], given[args.eval_prompts :][: args.num_prompts]
-    wanted = args.num_prompts - len(train_prompts) + (args.eval_prompts - len(held))
+    if args.eval_prompts_file:
+        held = read_prompts(Path(args.eval_prompts_file))
+        seen = set(held)
+        train_prompts = [p for p in given if p not in seen][: args.num_prompts]
+        wanted = args.num_prompts - len(train_prompts)
+    else:
+        held, train_prompts = given[: args.eval_prompts], given[args.eval_prompts :][: args.num_prompts]
+        wanted = args.num_prompts - len(train_prompts) + (args.eval_prompts - len(held))
     written: list[str] = []
+    t_write = time.monotonic()  # --gen-time-budget counts from here: writing prompts and answering them
     if wanted > 0 and not args.no_self_prompts:
-        print(f"writing {wanted} prompts with the target itself", file=sys.stderr)
-        written = self_prompts(llm, wanted, args.seed, set(given))
-        take = args.eval_prompts - len(held)
+        log(f"writing {wanted} prompts with the target itself")
+        budget = 60 * args.gen_time_budget / 3 if args.gen_time_budget else None  # a third of it at most
+        written = self_prompts(llm, wanted, args.seed, set(given) | set(held),
+                               deadline=t_write + budget if budget else None, log=log)
+        take = 0 if args.eval_prompts_file else args.eval_prompts - len(held)
         held, train_prompts = held + written[:take], train_prompts + written[take:]
+        log(f"{len(written)} prompts written")
     if not train_prompts or not held:
         print("error: no training or no held-out prompts; give --prompts or allow self-written ones", file=sys.stderr)
         return 2
     t_gen = time.monotonic()
-    print(f"answering {len(train_prompts)} prompts (temperatures {temps}); self-written: {len(written)}",
-          file=sys.stderr)
+    log(f"answering {len(train_prompts)} prompts (temperatures {temps}, up to {args.max_new_tokens} tokens); "
+        f"self-written: {len(written)}")
     aux = default_aux_layers(target.args.num_layers) if args.kind == "eagle3" else (target.args.num_layers,)
-    samples = answer(llm, train_prompts, args.max_new_tokens, args.seed, temps, tuple(sorted(set(aux))))
+    deadline = t_write + 60 * args.gen_time_budget if args.gen_time_budget else None
+    samples = answer(llm, train_prompts, args.max_new_tokens, args.seed, temps, tuple(sorted(set(aux))),
+                     deadline=deadline, log=log)
     gen_s = time.monotonic() - t_gen
-    print(f"{sum(len(s.ids) - s.prompt_len for s in samples)} answer tokens in {gen_s:.0f}s", file=sys.stderr)
+    answered = sum(len(s.ids) - s.prompt_len for s in samples)
+    log(f"{answered} answer tokens ({len(samples)} answers) in {gen_s:.0f}s: {answered / max(gen_s, 1e-9):.0f} tokens/s")
     tokenizer = llm.tokenizer
-    del llm  # frees the engine's KV cache; the target stays for the labels
+    del llm  # frees the engine's KV cache and graphs; the target stays for the labels
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     vocab = target.args.vocab_size
     draft_ids = None
     if args.kind == "eagle3" and 0 < args.draft_vocab_size < vocab:
@@ -96,37 +131,46 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens,
                       time_budget_s=args.time_budget * 60 if args.time_budget else None, seed=args.seed)
     t_train = time.monotonic()
-    history = train(head, target, samples, draft_ids or list(range(vocab)), cfg,
-                    lambda n: tqdm(total=n, desc="training", unit="step"))
+    log(f"training {sum(p.numel() for p in head.parameters())} parameters on {answered} answer tokens")
+    history = train(head, target, samples, draft_ids or list(range(vocab)), cfg, log=log, release=True)
     train_s = time.monotonic() - t_train
+    log(f"trained {len(history)} steps in {train_s:.0f}s")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.save_dtype]
     target_cfg = json.loads((Path(_model_dir(args.model)) / "config.json").read_text())
     save_head(head, out, target_cfg, dtype)
-    answered = sum(len(s.ids) - s.prompt_len for s in samples)
     meta = {
         "command": "streamsd " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "args": {k: v for k, v in vars(args).items() if not callable(v)},
         "target": args.model, "kind": args.kind, "aux_layers": list(aux),
+        "device": str(target.rope_cos.device), "gen_batch": gen_batch,
         "draft_vocab_size": len(draft_ids) if draft_ids else vocab,
-        "data": {"prompts_file": args.prompts, "train_prompts": len(train_prompts), "self_written": len(written),
+        "data": {"prompts_file": args.prompts, "eval_prompts_file": args.eval_prompts_file,
+                 "train_prompts": len(train_prompts), "self_written": len(written),
                  "held_out_prompts": len(held), "answers": len(samples), "answer_tokens": answered,
+                 "tokens": sum(len(s.ids) for s in samples),
                  "temperatures": list(temps), "max_new_tokens": args.max_new_tokens},
         "train": {"epochs": args.epochs, "steps": len(history), "ttt_steps": args.ttt_steps, "lr": args.lr,
                   "batch_tokens": args.batch_tokens, "first": history[:3], "last": history[-3:],
                   "curve": history[:: max(1, len(history) // 50)]},
-        "seconds": {"generate": round(gen_s, 1), "train": round(train_s, 1)},
+        "seconds": {"write_prompts": round(t_gen - t_write, 1), "generate": round(gen_s, 1),
+                    "train": round(train_s, 1)},
         "held_out": held,
         "self_written_prompts": written,
     }
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
-    del target, head
-    report = evaluate(args.model, out, held, args.max_new_tokens, args.num_speculative_tokens, args.device, args.seed)
+    del target, head, samples
+    gc.collect()
+    log("evaluating on the held-out prompts")
+    report = evaluate(args.model, out, held, args.max_new_tokens, args.num_speculative_tokens, args.device, args.seed,
+                      cuda_graphs=not args.no_cuda_graphs)
     report["seconds_total"] = round(time.monotonic() - t_start, 1)
     (out / "eval_report.json").write_text(json.dumps(report, indent=2) + "\n")
     for name, r in report["results"].items():
         print(f"{name}: tau {r['tau']:.3f}, acceptance {r['acceptance_rate']:.3f}, "
               f"per depth {[round(x, 3) for x in r['accept_rate_at_depth']]}")
-    print(f"head saved to {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")
+    size = (out / "model.safetensors").stat().st_size / 2**20
+    print(f"head saved to {out} ({size:.1f} MiB{'' if size < 16 else ': OVER the 16 MiB a shipped head may take'})")
+    print(f"total {time.monotonic() - t_start:.0f}s (generate {gen_s:.0f}s, train {train_s:.0f}s)")
     return 0
 
 
@@ -137,13 +181,16 @@ def _model_dir(model: str) -> Path:
 
 
 def evaluate(model: str, head_dir: Path, prompts: list[str], max_new_tokens: int, k: int, device: str | None,
-             seed: int, temperatures: tuple[float, ...] = (0.0, 0.7), method: str = "eagle") -> dict[str, Any]:
+             seed: int, temperatures: tuple[float, ...] = (0.0, 0.7), method: str = "eagle",
+             cuda_graphs: bool = True) -> dict[str, Any]:
     """tau and per-depth acceptance of a proposer on chat prompts, greedy and sampled."""
     from streamsd import LLM, SamplingParams
 
     llm = LLM(model, speculative_method=method, draft_model=str(head_dir) if method == "eagle" else None,
               num_speculative_tokens=k, device=device, max_num_seqs=64,
               kv_cache_tokens=len(prompts) * (max_new_tokens + 640))
+    if not cuda_graphs:
+        llm.core.rt.worker.graphs = None
     convs = [[{"role": "user", "content": p}] for p in prompts]
     results = {}
     for temp in temperatures:

@@ -1,0 +1,121 @@
+"""Batch-1 decode speed on chat prompts: plain vs n-gram vs EAGLE vs HF transformers, T=0 and T=1.
+
+`streamsd bench offline` times fixed-length greedy runs; this times real answers (stopping at EOS)
+at several temperatures, which is what the issue's figures ask for. Methods run round-robin per
+prompt so a noisy machine slows them alike; every engine first answers one warm-up prompt (CUDA
+graphs are captured and Triton kernels compiled there, not in a timing). tokens/s = generated
+tokens / wall time of the request (prefill included), summed over the prompts.
+
+Usage (from the repo root, streamsd importable, e.g. PYTHONPATH=.):
+  python scripts/bench_eagle.py --model M --head DIR [--held-out training.json] [--prompts N]
+         [--max-tokens N] [--temperatures 0,1] [--device cuda] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--head", default=None, help="EAGLE head directory (default: the one shipped for --model)")
+    p.add_argument("--held-out", default="streamsd/assets/eagle/smollm2-135m-instruct/training.json",
+                   help="a training.json whose held-out prompts to use")
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from streamsd import LLM, SamplingParams
+
+    prompts = json.load(open(a.held_out))["held_out"][: a.prompts]
+    methods = {"plain": None, "ngram": "ngram", "eagle": "eagle"}
+    engines = {m: LLM(a.model, speculative_method=s, draft_model=a.head if s == "eagle" else None,
+                      num_speculative_tokens=a.k, device=a.device, max_num_seqs=4, kv_cache_tokens=8192)
+               for m, s in methods.items()}
+    worker = engines["plain"].core.rt.worker
+    dev = worker.device
+    hf = None if a.no_hf else _hf(engines["plain"], dev)
+    tok = engines["plain"].tokenizer
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    warm = [{"role": "user", "content": "Say hello in three languages."}]
+    for llm in engines.values():
+        for temp in (0.0, 1.0):
+            llm.chat(warm, SamplingParams(temperature=temp, max_tokens=32, seed=0))
+    rows: list[dict[str, Any]] = []
+    for temp in (float(x) for x in a.temperatures.split(",")):
+        totals = {m: [0, 0.0, 0, 0] for m in (*engines, *(["hf"] if hf is not None else []))}
+        same = 0  # T=0: eagle's answers token-identical to plain's (bf16 verify numerics may differ)
+        for i, prompt in enumerate(prompts):
+            conv = [{"role": "user", "content": prompt}]
+            outs = {}
+            for m, llm in engines.items():
+                sp = SamplingParams(temperature=temp, max_tokens=a.max_tokens, seed=i)
+                sync()
+                t0 = time.perf_counter()
+                r = llm.chat(conv, sp)[0]
+                totals[m][1] += time.perf_counter() - t0  # the engine's last step read its tokens: done
+                totals[m][0] += len(r.outputs[0].token_ids)
+                totals[m][2] += r.spec_stats.steps
+                totals[m][3] += r.spec_stats.emitted
+                outs[m] = r.outputs[0].token_ids
+            same += outs["eagle"] == outs["plain"]
+            if hf is not None:
+                ids = tok.apply_chat_template(conv, add_generation_prompt=True, return_tensors="pt",
+                                              return_dict=True).to(dev)
+                kw: dict[str, Any] = (dict(do_sample=True, temperature=temp, top_k=0, top_p=1.0) if temp > 0
+                                      else dict(do_sample=False))
+                sync()
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    gen = hf.generate(**ids, max_new_tokens=a.max_tokens, pad_token_id=tok.eos_token_id, **kw)
+                sync()
+                totals["hf"][1] += time.perf_counter() - t0
+                totals["hf"][0] += gen.shape[1] - ids["input_ids"].shape[1]
+        base = totals["plain"][0] / totals["plain"][1]
+        for m, (n, s, steps, emitted) in totals.items():
+            rows.append({"method": m, "temperature": temp, "tokens": n, "seconds": round(s, 3),
+                         "tokens_per_s": round(n / s, 1), "vs_plain": round(n / s / base, 2),
+                         "tau": round(emitted / steps, 3) if steps else None,
+                         **({"same_as_plain": f"{same}/{len(prompts)}"} if m == "eagle" and temp == 0 else {})})
+    doc = {"model": a.model, "head": a.head, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "dtype": str(worker.target.model.embed_tokens.weight.dtype).removeprefix("torch."),
+           "cuda_graphs": worker.graphs is not None, "k": a.k, "prompts": len(prompts), "max_tokens": a.max_tokens,
+           "rows": rows}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(doc, f, indent=2)
+    print(f"{doc['device']} {doc['dtype']}, graphs {doc['cuda_graphs']}, batch 1, {len(prompts)} held-out prompts, "
+          f"up to {a.max_tokens} tokens, k={a.k}")
+    print(f"{'method':8} {'T':>4} {'tokens':>7} {'tok/s':>8} {'x plain':>8} {'tau':>6}")
+    for r in rows:
+        print(f"{r['method']:8} {r['temperature']:>4g} {r['tokens']:>7} {r['tokens_per_s']:>8} {r['vs_plain']:>8} "
+              f"{r['tau'] if r['tau'] is not None else '-':>6} {r.get('same_as_plain', '')}")
+
+
+def _hf(llm: Any, dev: torch.device) -> Any:
+    """transformers' model of the same checkpoint, sharing our weights (as `streamsd bench offline` does)."""
+    from streamsd.bench.offline_run import hf_model
+
+    rt = llm.core.rt
+    return hf_model(rt.model_dir, rt.worker.target, dev, rt.worker.target.model.embed_tokens.weight.dtype)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Issue 9 on the lent H200: train the EAGLE-3 head of SmolLM2-135M-Instruct, then time it. Each mode is
+# one `run` call of the device tool, made one right after the other (the machine keeps /tmp while warm).
+#   scripts/gpu_eagle.sh stash  carry .gguf1: copies part1 of the default model's GGUF to /tmp (seconds)
+#   scripts/gpu_eagle.sh train  carry .gguf2 .whl: joins part1 + part2, converts; GPU checks of the hidden-
+#                               stream fast path and graphs; `streamsd train-draft --device cuda` with time
+#                               budgets (answers 2.5 min, training 1.5 min; ~6.5 min in all); the head, its
+#                               training.json and eval_report.json into $OUT/head; then batch-1 tokens/s of
+#                               plain / n-gram / eagle / HF at T=0 and T=1 (scripts/bench_eagle.py). ~9 min.
+#   scripts/gpu_eagle.sh bench  (optional, while still warm; carry .whl) `streamsd bench offline` with the
+#                               new head: plain vs eagle vs HF, then plain vs n-gram vs HF + prompt lookup
+# Writes logs and JSON under $OUT (./out here). Tables print last.
+set -uo pipefail
+MODE=${1:-train}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} STREAMSD_HOME=/tmp/sdhome
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+elif [ -d /tmp/site ]; then
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+log() { echo "=== $(date +%T) $*" | tee -a "$OUT/run.log"; }
+HEAD=/tmp/eagle_head
+GGUF=/tmp/smollm2.gguf
+
+case "$MODE" in
+  stash)
+    cp .gguf1/part1 /tmp/part1 && ls -l /tmp/part1 | tee -a "$OUT/run.log"
+    ;;
+  train)
+    cat /tmp/part1 .gguf2/part2 > $GGUF && sha256sum $GGUF | tee -a "$OUT/run.log"
+    log "convert"
+    timeout 90 python3 -c "from streamsd.model.loader import resolve_model; print(resolve_model('$GGUF', progress=False))" \
+      2>&1 | tail -2 | tee -a "$OUT/run.log"
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$OUT/run.log"
+    log "GPU checks: the fast forward's captured streams, a graph that returns them"
+    GRAPHS=""
+    timeout 75 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "fast_forward or hidden" \
+      > "$OUT/gpu_tests.log" 2>&1
+    rc=$?
+    tail -3 "$OUT/gpu_tests.log" | tee -a "$OUT/run.log"
+    if [ $rc -ne 0 ]; then
+      GRAPHS="--no-cuda-graphs"; log "checks exit $rc: training and evaluating without CUDA graphs"
+    fi
+    # The 16 MT-Bench first turns the CPU-trained head was evaluated on (in its training.json): held out
+    # again, so the two heads compare; the training prompts are all written by the target itself.
+    python3 -c "
+import json
+held = json.load(open('streamsd/assets/eagle/smollm2-135m-instruct/training.json'))['held_out']
+open('/tmp/heldout.jsonl', 'w').write(''.join(json.dumps({'prompt': p}) + '\n' for p in held))
+print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
+    # Written straight into $OUT: saved before the evaluation, so it comes back even if the call runs out.
+    log "train-draft (log: $OUT/train.log)"
+    timeout 420 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out "$OUT/head" --device cuda \
+      --eval-prompts-file /tmp/heldout.jsonl --num-prompts 6000 --max-new-tokens 512 --gen-batch 256 \
+      --gen-time-budget 2.5 --epochs 8 --time-budget 1.5 --batch-tokens 16384 --lr 2e-3 \
+      --draft-vocab-size 6144 --head-intermediate-size 1024 $GRAPHS > "$OUT/train.log" 2>&1
+    echo "train-draft exit $?" | tee -a "$OUT/run.log"
+    grep -v "^\[" "$OUT/train.log" | tail -8 | tee -a "$OUT/run.log"
+    ls -l "$OUT/head" | tee -a "$OUT/run.log"
+    rm -rf $HEAD && cp -r "$OUT/head" $HEAD  # for `bench`, a later call while the machine is warm
+    log "batch 1, plain / n-gram / eagle / HF, T=0 and T=1 (held-out prompts)"
+    timeout 150 python3 scripts/bench_eagle.py --model $GGUF --head "$OUT/head" --held-out "$OUT/head/training.json" \
+      --prompts 6 --max-tokens 128 --device cuda --out "$OUT/bench_b1.json" > "$OUT/bench_b1.log" 2>&1
+    echo "bench exit $?" | tee -a "$OUT/run.log"
+    grep "eagle_train\|^\[" "$OUT/train.log" | tail -14 | tee -a "$OUT/run.log"
+    tail -10 "$OUT/bench_b1.log" | tee -a "$OUT/run.log"
+    ;;
+  bench)
+    B="python3 -m streamsd.cli --log-level warning bench offline --model $GGUF --batch-sizes 1,16 --max-tokens 128"
+    log "bench offline: plain vs eagle (the new head) vs HF"
+    timeout 200 $B --speculative-method eagle --draft-model $HEAD --output-json "$OUT/offline_eagle.json" \
+      2>&1 | tail -10 | tee -a "$OUT/run.log"
+    log "bench offline: plain vs n-gram vs HF + prompt lookup"
+    timeout 200 $B --speculative-method ngram --output-json "$OUT/offline_ngram.json" 2>&1 | tail -10 \
+      | tee -a "$OUT/run.log"
+    ;;
+esac
+log "done"
