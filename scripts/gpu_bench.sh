@@ -3,7 +3,7 @@
 #   scripts/gpu_bench.sh check  GPU tests (kernels vs the torch references on CUDA), a profile, short benches
 #   scripts/gpu_bench.sh full   stashes .gguf1/part1 in /tmp, an 8B step profile,
 #                               8B plain B=1/16/64 + HF, synthetic a=0.8 k=4 with the 1B draft at B=1/16
-#   scripts/gpu_bench.sh adaptive  issue 10: 8B synthetic alpha 0.3/0.7/0.9, adaptive k vs plain at B=1/16/64/256
+#   scripts/gpu_bench.sh adaptive  issue 10: 8B synthetic, adaptive k vs plain, B 1..256 x alpha 0.3..0.9 (one call)
 #   scripts/gpu_bench.sh smol   joins /tmp/part1 + .gguf2/part2 (call it at once after `full`), converts,
 #                               SmolLM2-135M B=1/16: plain, n-gram, HF plain and prompt lookup; GPU tests
 # Writes logs, JSON and PNG under $OUT (./out here). Tables print last.
@@ -58,13 +58,28 @@ case "$MODE" in
     gpu_tests
     ;;
   adaptive)
-    # Issue 10: adaptive k against plain, synthetic acceptance, 8B target (no draft model: c = 0)
-    for a in 0.3 0.7 0.9; do
-      log "8B synthetic a=$a K=4 adaptive"
-      timeout 170 $B --model llama-3.1-8b --speculative-method synthetic --acceptance-rate $a \
-        --num-speculative-tokens 4 --batch-sizes 1,16,64,256 --max-tokens 48 --no-hf --speculation-policy adaptive \
-        --output-json "$OUT/adaptive_a$a.json" 2>&1 | tail -11 | tee -a "$OUT/run.log"
-    done
+    # Issue 10: adaptive k against plain, synthetic acceptance, 8B target (no draft model: c = 0).
+    # One call: the grid B x alpha shares one plain pass per B (the JSON is rewritten after every B,
+    # so a run cut short keeps its cells). Per cell: speedup, alpha, decode step ms, predicted vs
+    # measured step time (pred_err_pct), and the start-up profile under "profile".
+    log "8B synthetic K=4 adaptive: B 1,4,16,64,128,256 x alpha 0.3,0.5,0.7,0.9"
+    timeout 420 $B --model llama-3.1-8b --speculative-method synthetic --acceptance-rate 0.3,0.5,0.7,0.9 \
+      --num-speculative-tokens 4 --batch-sizes 1,4,16,64,128,256 --max-tokens 64 --no-hf \
+      --speculation-policy adaptive --output-json "$OUT/adaptive_grid.json" --plot "$OUT/adaptive_grid.png" \
+      > "$OUT/adaptive_grid.log" 2>&1
+    tail -45 "$OUT/adaptive_grid.log" | tee -a "$OUT/run.log"
+    python3 - "$OUT/adaptive_grid.json" <<'PY' | tee -a "$OUT/run.log"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("profile:", {k: v for k, v in (d.get("profile") or {}).items() if k != "step_ms"})
+plain = {c["batch"]: c for c in d["cells"] if c["method"] == "plain"}
+print("alpha  B   speedup  alpha_meas  dec_step_vs_plain  pred_err%  raw%  plain_steps  desyncs")
+for c in d["cells"]:
+    if c["method"] == "synthetic":
+        print(f"{c['acceptance_rate']:.1f} {c['batch']:4d}  {c['measured_speedup']:6.2f}  {c['acceptance']}  "
+              f"{c.get('decode_step_vs_plain')}  {c.get('pred_err_pct')}  {c.get('pred_err_raw_pct')}  "
+              f"{c.get('plain_step_share')}  {c.get('desyncs')}/{c.get('warm_desyncs_per_pass')}")
+PY
     ;;
 esac
 log "done"

@@ -52,10 +52,14 @@ class AdaptivePolicy:
     plain_steps: int = 0
     steps: int = 0
     idle_steps: int = 0
+    planned: bool = False  # whether the last `choose` ran the planner (else: a plain step between re-plans)
     last_predicted: float = 0.0
     last_measured: float = 0.0
     abs_error_sum: float = 0.0  # Σ |predicted / measured − 1| over observed steps
     observed_steps: int = 0
+    # The same per kind of step (0: plain, 1: speculative), corrected and from the start-up table
+    # alone: [Σ corrected error, Σ raw error, steps].
+    errors: dict[int, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1)))
@@ -65,7 +69,12 @@ class AdaptivePolicy:
         # While plain decoding wins, re-plan every few steps only: the planner's Python time is
         # then off the plain path, which must stay as fast as a server without speculation.
         self.idle_steps = self.idle_steps + 1 if not self.planner.speculating else 0
-        if not self.planner.speculating and self.idle_steps % REPLAN_EVERY:
+        # ... but at once on the very first step and when the batch at least doubled since the last
+        # plan (a new wave of requests): otherwise a fresh batch decodes plain for REPLAN_EVERY steps
+        # before its first plan. Not on every arrival: under churn that would re-plan each step.
+        self.planned = (self.planner.speculating or self.idle_steps % REPLAN_EVERY == 0 or self.steps == 1
+                        or len(decoding) >= 2 * max(self.planner.batch, 1))
+        if not self.planned:
             self.plain_steps += 1
             self.chosen_k[0] = self.chosen_k.get(0, 0) + len(decoding)
             return [0] * len(decoding)
@@ -87,18 +96,23 @@ class AdaptivePolicy:
         return cap_k(r) if self.planner.speculating else 0
 
     def observe(self, verified: list[tuple[Request, int, int]], seconds: float) -> None:
-        if not self.planner.speculating and self.idle_steps % REPLAN_EVERY:
+        if not self.planned:
             return  # a plain step between re-plans: nothing was drafted, the idle decay can wait
         for r, drafted, accepted in verified:
             if r.acceptance is not None:
                 self.estimator.observe(r.acceptance, drafted, accepted)
         self.estimator.tick()
-        if self.planner.predicted_s > 0 and seconds > 0:
-            self.cost.observe(self.planner.predicted_s, seconds, verify_tokens=self.planner.verify_tokens,
-                              draft_steps_k=self.planner.draft_steps)
-            self.last_predicted, self.last_measured = self.planner.predicted_s, seconds
-            self.abs_error_sum += abs(self.planner.predicted_s / seconds - 1.0)
+        st = self.planner
+        if st.predicted_s > 0 and seconds > 0:
+            self.cost.observe(st.predicted_s, seconds, verify_tokens=st.verify_tokens, draft_steps_k=st.draft_steps,
+                              batch_size=st.batch, prefill_tokens=st.prefill_tokens)
+            self.last_predicted, self.last_measured = st.predicted_s, seconds
+            self.abs_error_sum += abs(st.predicted_s / seconds - 1.0)
             self.observed_steps += 1
+            e = self.errors.setdefault(int(st.draft_steps > 0), [0.0, 0.0, 0])
+            e[0] += abs(st.predicted_s / seconds - 1.0)
+            e[1] += abs(st.predicted_raw_s / seconds - 1.0)
+            e[2] += 1
 
     def summary(self) -> dict[str, object]:
         """For benchmarks and metrics: how the policy decided and how well it predicted."""
@@ -107,5 +121,11 @@ class AdaptivePolicy:
             "plain_step_share": self.plain_steps / self.steps if self.steps else 0.0,
             "chosen_k": dict(sorted(self.chosen_k.items())),
             "mean_abs_prediction_error": self.abs_error_sum / self.observed_steps if self.observed_steps else None,
+            "observed_steps": self.observed_steps,
+            # Corrected (what the planner used) and raw (the start-up table alone), per kind of step.
+            "prediction_error": {
+                ("plain", "speculative")[kind]: {"mean_abs": e[0] / e[2], "mean_abs_raw": e[1] / e[2], "steps": e[2]}
+                for kind, e in sorted(self.errors.items()) if e[2]
+            },
             "switches": self.planner.switches,
         }

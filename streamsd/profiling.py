@@ -1,25 +1,60 @@
-"""Start-up cost profile for the adaptive policy: seconds per target pass over N tokens and per
-draft-model step over B requests, at a representative context length.
+"""Start-up cost profile for the adaptive policy, timed in the shapes the engine really runs.
 
-Runs before any request exists, so every KV block is free scratch space.
+Decode/verify steps: B requests × w query tokens each, at a representative context length —
+through the worker's CUDA graphs when it has them (each (batch bucket, query width) graph is
+captured, if it was not yet, and its replay timed: exactly what a step over that bucket runs), else
+eagerly as the worker's CPU path runs them (one attention call per request, so the batch costs on
+its own, not only its tokens). Widths: the graphs' (1 and 1 + K), or 1 and 1 + K on the CPU, where
+the table interpolates between them. Draft-model steps: B requests × 1 token the same way. Prefill
+chunks: one sequence of n tokens (the shape a chunk has).
+
+Runs before any request exists (or, in the benchmark, between passes), so every KV block is free
+scratch space. Bounded in time (graph captures excluded): cells are timed cheapest first, and once
+``budget_s`` is spent the rest are extrapolated from the smaller batches (proportionally: pessimistic, so unmeasured
+territory never attracts speculation).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
 from streamsd.adaptive import CostTable
+from streamsd.adaptive.shape import ShapeTable
+from streamsd.model.graphs import GraphRunner, forward_logits
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 from streamsd.model.llama import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SLOW_PASS_S = 0.05  # a pass this slow is timed once: its noise is small next to it, the budget is not
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _median_time(fn: Any, dev: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()``; the first call warms up (captures a graph, compiles, allocates)."""
+    _sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    _sync(dev)
+    if time.perf_counter() - t0 > SLOW_PASS_S:
+        repeats = 1
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def _time_pass(model: Transformer, cache: PagedKVCache, n: int, context: int, repeats: int) -> float:
-    """One pass over n new tokens after `context` cached ones: the weight-bound part of a step
-    (a verify step's KV reads grow with its requests, not with its tokens)."""
+    """One pass over n new tokens of one sequence after `context` cached ones: a prefill chunk."""
     dev = cache.data.device
     bs = cache.block_size
     table = list(range(min(-(-(context + n) // bs), cache.num_blocks)))
@@ -27,24 +62,80 @@ def _time_pass(model: Transformer, cache: PagedKVCache, n: int, context: int, re
     layout = BatchLayout.build([ctx], [n], [table], bs, dev)
     ids = torch.zeros(n, dtype=torch.int64, device=dev)
     rows = torch.arange(n, device=dev)
-    times = []
-    for i in range(repeats + 1):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        model(ids, layout, cache, rows)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        if i:  # the first pass warms up
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return _median_time(lambda: model(ids, layout, cache, rows), dev, repeats)
+
+
+def _time_step(model: Transformer, cache: PagedKVCache, runner: GraphRunner | None, batch: int, width: int,
+               context: int, repeats: int) -> float:
+    """One decode/verify pass over `batch` requests × `width` tokens, each after `context` cached tokens,
+    through the (batch, width) graph when there is a runner. Requests get blocks of their own while the
+    pool has them, then share (the values written are garbage either way; only the time matters)."""
+    bs = cache.block_size
+    usable = cache.num_blocks - 1  # the last block is the graphs' scratch block
+    if runner is not None:
+        context = min(context, (runner.cfg.max_blocks - 1) * bs - width)
+    per_request = -(-(context + width) // bs)
+    tables = [[(i * per_request + j) % usable for j in range(per_request)] for i in range(batch)]
+    starts, counts = [context] * batch, [width] * batch
+    ids = [0] * (batch * width)
+    rows = list(range(batch * width))
+    dev = cache.data.device
+    if runner is not None:
+        return _median_time(lambda: runner.run((batch, width), ids, starts, counts, tables, rows), dev, repeats)
+    return _median_time(lambda: forward_logits(model, None, cache, ids, starts, counts, tables, rows, dev), dev,
+                        repeats)
 
 
 def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer | None,
                   draft_cache: PagedKVCache | None, max_tokens: int, context: int = 256,
-                  repeats: int = 3) -> CostTable:
-    buckets = [b for b in BUCKETS if b <= max_tokens]
-    verify = {n: _time_pass(target, cache, n, context, repeats) for n in buckets}
-    drafts = ({n: _time_pass(draft, draft_cache, n, context, repeats) for n in buckets}
-              if draft is not None and draft_cache is not None else {})
-    return CostTable.from_samples(verify, drafts)
+                  repeats: int = 3, *, max_batch: int | None = None, max_k: int = 0,
+                  graphs: GraphRunner | None = None, draft_graphs: GraphRunner | None = None,
+                  budget_s: float | None = None) -> CostTable:
+    """The cost table; without ``max_batch`` only the one-sequence token tables (the old profile)."""
+    t_start = time.perf_counter()
+    dev = cache.data.device
+    if budget_s is None:
+        budget_s = 4.0 if dev.type == "cuda" else 15.0
+    prefill = {n: _time_pass(target, cache, n, context, repeats) for n in BUCKETS if n <= max_tokens}
+    if max_batch is None:
+        drafts = ({n: _time_pass(draft, draft_cache, n, context, repeats) for n in BUCKETS if n <= max_tokens}
+                  if draft is not None and draft_cache is not None else {})
+        return CostTable.from_samples(prefill, drafts)
+    edges = graphs.cfg.buckets if graphs is not None else BUCKETS
+    batches = [b for b in edges if b < max_batch] + [b for b in edges if b >= max_batch][:1]
+    widths = sorted(set(graphs.cfg.query_widths if graphs is not None else (1, 1 + max(max_k, 0))))
+    cells = sorted(((b, w) for b in batches for w in widths if graphs is not None or b * w <= max_tokens),
+                   key=lambda bw: (bw[0] * bw[1], bw[1]))
+    # Capturing is the graphs' own start-up cost, paid once whether or not they are profiled: done
+    # first, outside the budget, so every cell the engine can run is timed rather than extrapolated.
+    for runner, runner_cells in ((graphs, cells), (draft_graphs, [(b, 1) for b in batches])):
+        for key in runner_cells if runner is not None else ():
+            if key not in runner.graphs:
+                runner._capture(*key)
+    t_start = time.perf_counter()
+    over = lambda: time.perf_counter() - t_start > budget_s  # noqa: E731
+    steps: dict[tuple[int, int], float] = {}
+    for b, w in cells:
+        if over() and steps:
+            break  # the rest are extrapolated by ShapeTable.from_samples
+        steps[(b, w)] = _time_step(target, cache, graphs, b, w, context, repeats)
+    drafts = {}
+    if draft is not None and draft_cache is not None:
+        for b in batches:
+            if over() and drafts:
+                break  # StepTable extrapolates past its last edge
+            drafts[b] = _time_step(draft, draft_cache, draft_graphs, b, 1, context, repeats)
+    return CostTable.from_samples(prefill, drafts, shape=ShapeTable.from_samples(
+        steps, padded=graphs is not None, batches=batches, widths=widths))
+
+
+def profile_worker(worker: Any, max_batch: int, max_tokens: int, max_k: int, context: int = 256) -> CostTable:
+    """The cost table of a built worker: its target, its graphs, and its draft model if it has one."""
+    proposer = worker.proposer
+    proposer = getattr(proposer, "inner", None) or proposer  # the synthetic proposer wraps a draft model
+    draft = getattr(proposer, "model", None)
+    has_draft = isinstance(draft, Transformer)
+    return profile_costs(worker.target, worker.cache, draft if has_draft else None,
+                         getattr(proposer, "cache", None) if has_draft else None, max_tokens, context,
+                         max_batch=max_batch, max_k=max_k, graphs=worker.graphs,
+                         draft_graphs=getattr(proposer, "graphs", None) if has_draft else None)

@@ -176,14 +176,17 @@ def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> S
     """Fixed k, or the adaptive planner over a cost table profiled now, before any request."""
     if cfg.spec.policy != "adaptive" or not cfg.spec.enabled or worker.proposer is None:
         return FixedPolicy()
-    from streamsd.profiling import profile_costs
+    from streamsd.profiling import profile_worker
 
     proposer = worker.proposer
-    draft = proposer.model if isinstance(proposer, DraftModelProposer) else None
-    draft_cache = proposer.cache if isinstance(proposer, DraftModelProposer) else None
-    cost = profile_costs(worker.target, worker.cache, draft, draft_cache, sched.max_num_batched_tokens)
-    log.info("adaptive speculation, profiled ms per target pass: %s",
-             {n: round(t * 1e3, 2) for n, t in zip(cost.verify.keys, cost.verify.values, strict=True)})
+    t0 = time.perf_counter()
+    # Timed in the engine's own step shapes (B requests x 1 + k tokens, its CUDA graphs on a GPU).
+    cost = profile_worker(worker, sched.max_num_seqs, sched.max_num_batched_tokens, cfg.spec.num_tokens)
+    shape = cost.shape
+    log.info("adaptive speculation, profiled in %.1fs, ms per step (batch: per width %s): %s",
+             time.perf_counter() - t0, shape.widths if shape else (),
+             {b: [round(t * 1e3, 2) for t in row] for b, row in zip(shape.batches, shape.values, strict=True)}
+             if shape else {})
     return AdaptivePolicy(cfg.spec.num_tokens, cost, draft_has_cache=proposer.keeps_cache)
 
 

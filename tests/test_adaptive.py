@@ -26,6 +26,7 @@ from streamsd.adaptive import (
 )
 from streamsd.adaptive.beta import beta_quantile, beta_quantile_approx
 from streamsd.adaptive.planner import expected_tokens
+from streamsd.adaptive.shape import ShapeTable
 from streamsd.adaptive.simulator import SimConfig, simulate
 from streamsd.adaptive.workload import AlphaDrift, ProposerSpec, default_buckets
 
@@ -298,3 +299,66 @@ def test_online_correction_tracks_a_wrong_startup_table() -> None:
     got = simulate(cfg, "adaptive", keep_records=True)
     errors = [abs(r.predicted_s / r.measured_s - 1.0) for r in got.records[50:]]
     assert median(errors) < 0.03
+
+
+# -- step-shape tables (the engine's own B x (1 + k) shape; CUDA graphs on a GPU) ------------------
+def _graph_shape() -> ShapeTable:
+    """Graph replay times of an 8B-like target with widths (1, K + 1) = (1, 5) captured."""
+    samples = {(b, w): 4e-3 + 2e-5 * b * w for b in (1, 2, 4, 8, 16, 32, 64) for w in (1, 5)}
+    return ShapeTable.from_samples(samples, padded=True)
+
+
+def test_graph_table_prices_the_graph_a_step_replays() -> None:
+    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape())
+    # Any speculation replays the width-5 graph: k = 1 costs what k = 4 costs, flat within a bucket.
+    assert cost.predict(64, 65, 1) == cost.predict(64, 320, 4) == pytest.approx(4e-3 + 2e-5 * 320)
+    assert cost.predict(33, 33, 0) == cost.predict(64, 64, 0) == pytest.approx(4e-3 + 2e-5 * 64)
+    # A prompt chunk, or a batch past the largest bucket, runs eagerly: priced by the token table.
+    assert cost.predict(16, 16 + 200, 0, prefill_tokens=200) == pytest.approx(9e-3)
+    assert cost.predict(100, 100, 0) == cost.verify(100)
+    # Each graph has its own correction key; plain and speculative steps do not share one.
+    assert cost.key(64, 0, batch_size=64) != cost.key(320, 4, batch_size=64) == cost.key(65, 1, batch_size=64)
+
+
+def test_eager_table_counts_the_batch_and_interpolates() -> None:
+    # CPU-like: attention is one call per request, so 64 requests x 1 token cost far more than a
+    # 64-token pass of one sequence (what the first profile timed).
+    samples = {(b, w): 1e-3 + 2e-4 * b + 3e-5 * b * w for b in (1, 16, 64) for w in (1, 5)}
+    shape = ShapeTable.from_samples(samples, padded=False)
+    cost = CostTable.from_samples({64: 2e-3}, shape=shape)
+    assert cost.predict(64, 64, 0) == pytest.approx(samples[(64, 1)])
+    assert cost.predict(64, 192, 2) == pytest.approx(1e-3 + 2e-4 * 64 + 3e-5 * 192)  # linear in tokens
+    assert samples[(16, 1)] < cost.predict(40, 40, 0) < samples[(64, 1)]  # linear between batch edges
+    assert cost.predict(128, 128, 0) == pytest.approx(2 * samples[(64, 1)])  # proportional past the last
+
+
+def test_shape_table_fills_untimed_cells_pessimistically_and_stays_monotone() -> None:
+    timed = {(1, 1): 1.0, (1, 5): 1.2, (2, 1): 0.9, (2, 5): 2.0, (4, 1): 2.5}  # (4, 5): out of time
+    shape = ShapeTable.from_samples(timed, padded=True, batches=(1, 2, 4, 8), widths=(1, 5))
+    assert shape.timed == 5
+    assert shape.values[1][0] == 1.0  # noise below a smaller batch is lifted to it
+    assert shape.values[2][1] == pytest.approx(4.0)  # (4, 5): (2, 5) scaled by the batch
+    assert shape.values[3][0] == pytest.approx(5.0) and shape.values[3][1] == pytest.approx(8.0)
+    for row in shape.values:
+        assert list(row) == sorted(row)
+
+
+def test_correction_learns_each_graph_within_a_few_steps() -> None:
+    """The true step costs what the graph costs plus host work the profile did not see (more for a
+    speculative step: the rejection sampler and the proposer), with 1% noise: after a few steps of
+    each kind, the corrected prediction is within 2%."""
+    shape = _graph_shape()
+    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
+    rng = random.Random(7)
+    errors: list[float] = []
+    for step in range(300):
+        b = rng.choice((1, 4, 16, 64))
+        k = rng.choice((0, 4))
+        n = b * (1 + k)
+        true = shape(b, n, 1 + k) * (1.08 if k else 1.03) + (4e-4 if k else 1e-4)
+        measured = true * (1 + rng.gauss(0, 0.01))
+        predicted = cost.predict(b, n, k)
+        if step >= 100:
+            errors.append(abs(predicted / measured - 1))
+        cost.observe(predicted, measured, verify_tokens=n, draft_steps_k=k, batch_size=b)
+    assert median(errors) < 0.02 and max(errors) < 0.06

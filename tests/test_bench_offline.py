@@ -101,3 +101,72 @@ def test_random_weight_preset_runs_with_hf_sharing_its_weights(tmp_path, monkeyp
     spec = next(c for c in cells if c["method"] == "synthetic")
     assert spec["same_output_as_plain"] and 0 < spec["c"] and spec["desyncs"] == 0
     assert any(c["engine"] == "hf" for c in cells)
+
+
+def test_synthetic_proposer_follows_another_recorded_branch_at_a_tie():
+    """A history that takes the other side of a near-tie (another GEMM shape, another winner) stays
+    in sync when that side was recorded by an earlier pass; only a history outside every branch is
+    a desync."""
+    from streamsd.request import Request, SamplingParams
+    from streamsd.spec.base import ProposeItem
+
+    prop = SyntheticProposer({(1, 2): [5, 6, 7, 8, 9]}, alpha=1.0, vocab=50)  # the plain pass
+    prop.add({(1, 2): [5, 6, 4, 3, 2]})  # a warm-up spec pass that broke the tie at output 2 the other way
+    r = Request("a", [1, 2], SamplingParams(), seed=3, arrival=0.0)
+    # The newest branch is followed first ...
+    assert prop.propose([ProposeItem(r, [1, 2, 5], 3, 3, 0)])[0].draft_ids == [6, 4, 3]
+    # ... and a history that took the plain side continues on the plain branch.
+    assert prop.propose([ProposeItem(r, [1, 2, 5, 6, 7], 2, 5, 0)])[0].draft_ids == [8, 9]
+    assert prop.counters.desyncs == 0
+    r2 = Request("b", [1, 2], SamplingParams(), seed=4, arrival=0.0)
+    prop.propose([ProposeItem(r2, [1, 2, 5, 6, 11], 2, 5, 0)])  # 11: on no branch
+    assert prop.counters.desyncs == 1
+
+
+def test_adaptive_synthetic_acceptance_in_every_cell(tmp_path, tiny_model_dir):
+    """Regression: under --speculation-policy adaptive the B = 64 cell measured alpha = 0 — the
+    policy never speculated, because its cost table (one sequence of N tokens) missed what a batch
+    of requests costs on its own and its warm-up pass's lessons carried into the measured pass.
+    Speculation pays here (fixed k = 4 is ~2x at B = 64), so every cell must speculate and measure
+    the alpha asked for."""
+    out = tmp_path / "a.json"
+    args = _args("--model", str(tiny_model_dir), "--speculative-method", "synthetic", "--acceptance-rate", "0.8",
+                 "--speculation-policy", "adaptive", "--batch-sizes", "1,16,64", "--max-tokens", "32", "--no-hf",
+                 "--output-json", str(out))
+    assert args.func(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["profile"]["widths"] == [1, 5] and doc["profile"]["cells_timed"] >= 10
+    cells = {(c["method"], c["batch"]): c for c in doc["cells"]}
+    for b in (1, 16, 64):
+        spec, plain = cells[("synthetic", b)], cells[("plain", b)]
+        assert spec["same_output_as_plain"] and spec["desyncs"] == 0, b
+        # Corruption is a pure function of (seed, position): the band is wide only where few are tested.
+        lo, hi = (0.55, 1.0) if b == 1 else (0.7, 0.9)
+        assert spec["drafts_tested"] >= 10 * b and lo < spec["acceptance"] < hi, (b, spec["acceptance"])
+        assert spec["tau"] > 1.5, b
+        assert spec["pred_err_pct"] is not None and spec["adaptive"]["observed_steps"] > 0, b
+        for c in (spec, plain):  # the decode-only step time, besides TPOT
+            assert c["decode_steps"] > 0 and c["decode_step_ms"] > 0 and c["decode_step_floor_ratio"] > 0, b
+    assert cells[("plain", 1)]["acceptance"] is None  # nothing drafted: no acceptance, not 0
+
+
+def test_startup_profile_times_the_engines_step_shape_within_its_budget(tiny_model_dir):
+    """The adaptive policy's table is timed as B requests x (1 + k) tokens for every batch edge up to
+    max_num_seqs; with no time left it still covers every cell (extrapolated, never cheaper)."""
+    from streamsd.config import EngineConfig, SpecConfig
+    from streamsd.policy import AdaptivePolicy
+    from streamsd.profiling import profile_costs
+    from streamsd.runtime import build_runtime
+
+    rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method="ngram", policy="adaptive"),
+                                    device="cpu", max_num_seqs=16, cpu_threads=1))
+    assert isinstance(rt.policy, AdaptivePolicy)
+    shape = rt.policy.cost.shape
+    assert shape is not None and not shape.padded
+    assert shape.batches == (1, 2, 4, 8, 16) and shape.widths == (1, 5) and shape.timed == 10
+    w = rt.worker
+    rushed = profile_costs(w.target, w.cache, None, None, 2048, max_batch=16, max_k=4, budget_s=0.0).shape
+    assert rushed is not None and rushed.timed == 1 and rushed.batches == shape.batches
+    for row in rushed.values:
+        assert row[0] <= row[1]
+    assert [row[0] for row in rushed.values] == sorted(row[0] for row in rushed.values)

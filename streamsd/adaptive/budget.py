@@ -101,8 +101,9 @@ class Search:
 
     def step_time(self, n: int, kmax: int, n_spec: int, catchup: int) -> float:
         b = len(self.requests)
-        t = self.cost.predict(b, n, kmax, draft_batch=n_spec)
+        t = self.cost.predict(b, n, kmax, draft_batch=n_spec, prefill_tokens=self.prefill)
         if catchup:
-            full = self.cost.predict(b, n, kmax, draft_batch=n_spec, draft_extra_tokens=catchup)
+            full = self.cost.predict(b, n, kmax, draft_batch=n_spec, draft_extra_tokens=catchup,
+                                     prefill_tokens=self.prefill)
             t += (full - t) / self.horizon
         return t

@@ -22,6 +22,12 @@ would otherwise lure the planner into a noisy dip.  Past the largest edge the en
 unpadded; the table extrapolates proportionally to n, a pessimistic choice so that unmeasured
 territory never attracts speculation.
 
+Shape tables (``shape.py``): when the profile timed the engine's real step shape — B requests ×
+(1 + k) tokens, through the CUDA graphs on a GPU — the verify term of a decode/verify step comes
+from it instead: ``shape(B, N, 1 + max k_i)``, flat per graph on a GPU, interpolated on a CPU.
+Prefill chunks then add what a one-sequence pass over their tokens costs beyond a one-token pass
+(on a GPU a step with a chunk runs eagerly and is priced by the token table, as before).
+
 Online correction: the true step time drifts (context lengths grow, clocks change) and the
 start-up table has per-bucket errors.  ``CostTable.observe`` keeps a global EMA of the
 measured/predicted ratio, which carries drift to every bucket at once, and, per (verify bucket,
@@ -37,6 +43,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from streamsd.adaptive.shape import ShapeTable
+
+CorrectionKey = tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +120,10 @@ class CostTable:
     spec_overhead_s: float = 0.0
     ema: float = 0.05
     global_ratio: float = 1.0
-    relative: dict[tuple[int, int], float] = field(default_factory=dict)
-    seen: dict[tuple[int, int], int] = field(default_factory=dict)
+    relative: dict[CorrectionKey, float] = field(default_factory=dict)
+    seen: dict[CorrectionKey, int] = field(default_factory=dict)
     observations: int = 0
+    shape: ShapeTable | None = None  # the engine's own step shape, when profiled (see the module doc)
 
     @classmethod
     def from_samples(
@@ -122,11 +133,12 @@ class CostTable:
         *,
         kv_per_request_s: float = 0.0,
         spec_overhead_s: float = 0.0,
+        shape: ShapeTable | None = None,
     ) -> CostTable:
         """``verify``: tokens → seconds per target pass; ``draft``: batch → seconds per draft step
-        (omit for n-gram lookup, whose draft cost is zero)."""
+        (omit for n-gram lookup, whose draft cost is zero); ``shape``: the engine's step shape."""
         return cls(StepTable.from_samples(verify), StepTable.from_samples(draft or {}),
-                   kv_per_request_s, spec_overhead_s)
+                   kv_per_request_s, spec_overhead_s, shape=shape)
 
     @classmethod
     def from_roofline(
@@ -146,38 +158,70 @@ class CostTable:
 
     def predict_raw(
         self, batch_size: int, verify_tokens: int, draft_steps_k: int, *,
-        draft_batch: int | None = None, draft_extra_tokens: int = 0,
+        draft_batch: int | None = None, draft_extra_tokens: int = 0, prefill_tokens: int = 0,
     ) -> float:
-        t = self.verify(verify_tokens) + batch_size * self.kv_per_request_s
+        t = self._verify_seconds(batch_size, verify_tokens, draft_steps_k, prefill_tokens)
         if draft_steps_k > 0:
             drafting = batch_size if draft_batch is None else draft_batch
             t += self.spec_overhead_s + self.draft(drafting + draft_extra_tokens)
             t += (draft_steps_k - 1) * self.draft(drafting)
         return t
 
+    def _verify_seconds(self, batch: int, tokens: int, draft_steps_k: int, prefill: int) -> float:
+        shape = self.shape
+        if shape is None or batch <= 0 or (shape.padded and (prefill or not shape.covers(batch, draft_steps_k + 1))):
+            return self.verify(tokens) + batch * self.kv_per_request_s
+        t = shape(batch, tokens - prefill, draft_steps_k + 1)
+        if prefill:  # a chunk's tokens beyond what the one-token pass already paid for
+            t += max(self.verify(prefill) - self.verify(1), 0.0)
+        return t
+
     def predict(
         self, batch_size: int, verify_tokens: int, draft_steps_k: int, *,
-        draft_batch: int | None = None, draft_extra_tokens: int = 0,
+        draft_batch: int | None = None, draft_extra_tokens: int = 0, prefill_tokens: int = 0,
     ) -> float:
-        """Corrected seconds for a step; ``draft_batch`` defaults to ``batch_size``."""
-        raw = self.predict_raw(batch_size, verify_tokens, draft_steps_k,
-                               draft_batch=draft_batch, draft_extra_tokens=draft_extra_tokens)
-        return raw * self.ratio(verify_tokens, draft_steps_k)
+        """Corrected seconds for a step; ``draft_batch`` defaults to ``batch_size``; ``prefill_tokens``
+        are the prompt-chunk tokens among ``verify_tokens``."""
+        raw = self.predict_raw(batch_size, verify_tokens, draft_steps_k, draft_batch=draft_batch,
+                               draft_extra_tokens=draft_extra_tokens, prefill_tokens=prefill_tokens)
+        return raw * self.ratio(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
 
-    def ratio(self, verify_tokens: int, draft_steps_k: int = 0) -> float:
-        key = (self.verify.bucket(verify_tokens), draft_steps_k)
+    def key(self, verify_tokens: int, draft_steps_k: int = 0, *, batch_size: int | None = None,
+            prefill_tokens: int = 0) -> CorrectionKey:
+        """The correction key of a step: the measured cell it was priced from (a graph on a GPU), so
+        each cell's own error — host work the profile does not see, a speculative step's rejection
+        sampler and proposer — is learned separately."""
+        shape = self.shape
+        if shape is None or batch_size is None:
+            return (self.verify.bucket(verify_tokens), draft_steps_k)
+        b, w = shape.key(batch_size, draft_steps_k + 1)
+        if shape.padded:
+            if prefill_tokens or not shape.covers(batch_size, draft_steps_k + 1):
+                return (-1, self.verify.bucket(verify_tokens), draft_steps_k)  # eager step
+            return (b, w)
+        # Unpadded: the size class, speculative or not, and whether a chunk rode along. Not per k: what
+        # the table misses is mostly per-step host work (rejection sampler, proposer) that any k
+        # pays, and one key per k would learn it k times over.
+        return (b, int(draft_steps_k > 0), int(prefill_tokens > 0))
+
+    def ratio(self, verify_tokens: int, draft_steps_k: int = 0, *, batch_size: int | None = None,
+              prefill_tokens: int = 0) -> float:
+        key = self.key(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         return self.global_ratio * self.relative.get(key, 1.0)
 
     def observe(
         self, predicted: float, measured: float, *, verify_tokens: int | None = None, draft_steps_k: int = 0,
+        batch_size: int | None = None, prefill_tokens: int = 0,
     ) -> None:
-        """Feed back one step: ``predicted`` is what ``predict`` returned for it.
+        """Feed back one step: ``predicted`` is what ``predict`` returned for it (with the same
+        ``batch_size`` and ``prefill_tokens``).
 
         Without ``verify_tokens`` only the global ratio moves.
         """
         if predicted <= 0.0 or measured <= 0.0:
             return
-        used = self.global_ratio if verify_tokens is None else self.ratio(verify_tokens, draft_steps_k)
+        used = self.global_ratio if verify_tokens is None else self.ratio(
+            verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         # Clamped so one outlier (a GC pause, a recompile) cannot wreck the table.
         sample = min(max(measured * used / predicted, 0.25), 4.0)
         self.observations += 1
@@ -186,7 +230,7 @@ class CostTable:
         self.global_ratio += max(1.0 / self.observations, self.ema) * (sample - self.global_ratio)
         if verify_tokens is None:
             return
-        key = (self.verify.bucket(verify_tokens), draft_steps_k)
+        key = self.key(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         n = self.seen.get(key, 0) + 1
         self.seen[key] = n
         rel = self.relative.get(key, 1.0)

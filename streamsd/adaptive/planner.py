@@ -88,6 +88,9 @@ class PlannerState:
     since_probe: int = 0
     probe_steps: int = 0
     predicted_s: float = 0.0  # full predicted time of the planned step: feed to CostTable.observe
+    predicted_raw_s: float = 0.0  # the same from the start-up table alone (no online correction)
+    batch: int = 0  # decoding requests of the planned step
+    prefill_tokens: int = 0
     expected_tokens: float = 0.0
     plain_rate: float = 0.0
     spec_rate: float = 0.0
@@ -131,7 +134,7 @@ def plan(
     st.since_probe += 1
     if b == 0:
         return []
-    plain_t = cost.predict(b, b + prefill_tokens, 0)
+    plain_t = cost.predict(b, b + prefill_tokens, 0, prefill_tokens=prefill_tokens)
     if prefill_backlog:
         credit, prefill_s = float(prefill_tokens), 0.0
     else:
@@ -195,5 +198,8 @@ def _record(st: PlannerState, requests: Sequence[RequestView], ks: list[int], me
     st.verify_tokens = len(requests) + sum(ks) + prefill
     st.draft_steps = max(ks)
     st.expected_tokens = len(requests) + sum(sum(mean[i][: ks[i]]) for i in drafting)
-    st.predicted_s = cost.predict(len(requests), st.verify_tokens, st.draft_steps, draft_batch=len(drafting),
-                                  draft_extra_tokens=sum(requests[i].catchup_tokens for i in drafting))
+    st.batch, st.prefill_tokens = len(requests), prefill
+    kw = dict(draft_batch=len(drafting), prefill_tokens=prefill,
+              draft_extra_tokens=sum(requests[i].catchup_tokens for i in drafting))
+    st.predicted_s = cost.predict(len(requests), st.verify_tokens, st.draft_steps, **kw)
+    st.predicted_raw_s = cost.predict_raw(len(requests), st.verify_tokens, st.draft_steps, **kw)

@@ -10,6 +10,17 @@ per verify step), host time per step (scheduling + postprocessing, GPU idle), th
 over one target step, timed separately at that batch size), the analytic speedup
 (1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)) at the measured alpha and c, spec efficiency = measured
 speedup / analytic, and the HBM floor (bytes read per step / 4.25e12 B/s) with our ratio to it.
+
+Besides TPOT, `decode_step_ms` is the median wall time of the steps in which every entry decodes or
+verifies (no prompt chunk in it) and `decode_step_floor_ratio` its ratio to the floor step: at a
+large batch TPOT also carries the prefill chunks of requests still starting.
+
+With `--speculation-policy adaptive`, each pass gets a fresh policy: what a warm-up pass taught it
+about acceptance must not decide the measured one. Its cost table (profiled once at start-up) keeps
+the online corrections of the passes before, as a running server's does.
+Each adaptive cell reports the policy's predicted vs measured step time (`pred_err_pct`: mean
+|predicted / measured - 1| over the steps it planned, with the online correction; `_raw`: the
+start-up table alone), the share of plain steps and the histogram of chosen k.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import copy
 import dataclasses
 import json
 import random
+import time
 from typing import Any
 
 import torch
@@ -27,8 +39,10 @@ from streamsd.bench import offline_run as R
 from streamsd.bench.offline_report import plot, print_table
 from streamsd.config import EngineConfig, SpecConfig
 from streamsd.policy import AdaptivePolicy
-from streamsd.profiling import profile_costs
+from streamsd.profiling import profile_worker
 from streamsd.runtime import Runtime, build_runtime
+
+WARM_PASSES = 3  # at most: synthetic warm-up passes that record oracle branches
 
 TEXT_PROMPTS = (
     "Here is a Python function:\n\ndef moving_average(values, window):\n    result = []\n    for i in "
@@ -48,9 +62,12 @@ TEXT_PROMPTS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a model path, smollm2-135m-instruct, or a random-weight preset: llama-3.1-8b, llama-3.2-1b")
-    p.add_argument("--draft-model", default=None, help="draft model (path or preset) for draft/synthetic")
-    p.add_argument("--speculative-method", choices=["none", "draft", "ngram", "synthetic"], default="none")
-    p.add_argument("--acceptance-rate", type=float, default=0.8, help="alpha of the synthetic proposer")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model (path or preset) for draft/synthetic; the head directory for eagle")
+    p.add_argument("--speculative-method", choices=["none", "draft", "ngram", "eagle", "synthetic"], default="none")
+    p.add_argument("--acceptance-rate", default="0.8",
+                   help="alpha of the synthetic proposer; a comma list (0.3,0.5,0.7,0.9) gives one synthetic cell "
+                        "per alpha and batch size over one plain pass per batch size")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per cell (default: the batch size)")
@@ -71,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     k, method, max_tokens = args.num_speculative_tokens, args.speculative_method, args.max_tokens
     if method in ("draft",) and not args.draft_model:
         raise ValueError("--speculative-method draft needs --draft-model")
+    alphas = [float(a) for a in str(args.acceptance_rate).split(",") if a.strip()]
     rt, spec = _build(args, batches, k)
     prompts_all = _prompts(rt, max(args.num_prompts or b for b in batches), args.prompt_len)
     dev, dtype = rt.worker.device, rt.worker.target.model.embed_tokens.weight.dtype
@@ -86,47 +104,70 @@ def run(args: argparse.Namespace) -> int:
         R.engine_pass(rt, plain_spec, prompts, min(8, max_tokens), b, speculative=False)  # warm-up
         plain = R.engine_pass(rt, plain_spec, prompts, max_tokens, b, speculative=False)
         cells.append(_cell("streamsd", "plain", b, plain, floor_ms=floor_plain, tokens_per_step=1.0))
-        if method != "none":
-            rt_b = _with_policy(rt, args, k)
-            cells.append(_spec_cell(rt_b, spec, args, prompts, b, plain, mean_ctx, dtype, draft_args))
-            if isinstance(rt_b.policy, AdaptivePolicy):
-                cells[-1]["adaptive"] = rt_b.policy.summary()
+        for alpha in alphas if method == "synthetic" else [None] if method != "none" else []:
+            cells.append(_spec_cell(rt, spec, args, prompts, b, plain, mean_ctx, dtype, draft_args, alpha))
         if hf is not None:
             cells.extend(_hf_cells(rt, hf, args, prompts, b, cells, dev, dtype))
-    doc = {
-        "command": "streamsd bench offline", "model": args.model, "draft_model": args.draft_model,
-        "method": method, "k": k, "acceptance_rate": args.acceptance_rate if method == "synthetic" else None,
-        "max_tokens": max_tokens, "device": _device_name(dev), "dtype": str(dtype).replace("torch.", ""),
-        "hbm_bytes_per_s": R.HBM_BYTES_PER_S, "cuda_graphs": rt.worker.graphs is not None,
-        "weight_bytes_per_step": R.weight_bytes_read(rt.args, dtype), "cells": cells,
-    }
+        doc = _doc(args, rt, alphas, cells)
+        if args.output_json:  # after every batch size: a run cut short by a time limit keeps its cells
+            with open(args.output_json, "w") as f:
+                json.dump(doc, f, indent=1)
+    doc = _doc(args, rt, alphas, cells)
     print_table(doc)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(doc, f, indent=1)
     if args.plot:
         plot(doc, args.plot)
     return 0
 
 
-def _with_policy(rt: Runtime, args: argparse.Namespace, k: int) -> Runtime:
-    """A fresh adaptive policy per cell (the profiled cost table is shared), or the runtime as is."""
+def _doc(args: argparse.Namespace, rt: Runtime, alphas: list[float], cells: list[dict[str, Any]]) -> dict[str, Any]:
+    dev, dtype = rt.worker.device, rt.worker.target.model.embed_tokens.weight.dtype
+    synthetic = args.speculative_method == "synthetic"
+    return {
+        "command": "streamsd bench offline", "model": args.model, "draft_model": args.draft_model,
+        "method": args.speculative_method, "k": args.num_speculative_tokens,
+        "speculation_policy": args.speculation_policy, "profile": getattr(args, "_profile", None),
+        "acceptance_rate": (alphas[0] if len(alphas) == 1 else alphas) if synthetic else None,
+        "max_tokens": args.max_tokens, "device": _device_name(dev), "dtype": str(dtype).replace("torch.", ""),
+        "hbm_bytes_per_s": R.HBM_BYTES_PER_S, "cuda_graphs": rt.worker.graphs is not None,
+        "weight_bytes_per_step": R.weight_bytes_read(rt.args, dtype), "cells": cells,
+    }
+
+
+def _with_policy(rt: Runtime, args: argparse.Namespace, k: int, learned: Runtime | None = None) -> Runtime:
+    """A fresh adaptive policy (over a copy of the cost table profiled once), or the runtime as is.
+
+    With `learned` (an earlier pass's runtime), the new policy starts from that pass's corrected cost
+    table, as a running server's would: step costs are the machine's, not the requests'. What it
+    learned about acceptance stays behind."""
     if args.speculation_policy != "adaptive":
         return rt
+    if learned is not None and isinstance(learned.policy, AdaptivePolicy):
+        args._cost = learned.policy.cost
     cost = getattr(args, "_cost", None)
     if cost is None:
-        proposer = rt.worker.proposer
-        draft = getattr(proposer, "model", None)
-        cost = args._cost = profile_costs(rt.worker.target, rt.worker.cache, draft,
-                                          getattr(proposer, "cache", None) if draft is not None else None,
-                                          rt.scheduler_config.max_num_batched_tokens)
+        # Capture every graph the cells will use first (the bench would anyway): the profile's time
+        # budget then goes to timing, not to captures, and no bucket is left extrapolated.
+        R.capture_graphs(rt, rt.scheduler_config.max_num_seqs)
+        t0 = time.perf_counter()
+        cost = args._cost = profile_worker(rt.worker, rt.scheduler_config.max_num_seqs,
+                                           rt.scheduler_config.max_num_batched_tokens, k,
+                                           context=getattr(args, "_profile_context", 256))
+        shape = cost.shape
+        args._profile = {
+            "seconds": round(time.perf_counter() - t0, 3), "context": getattr(args, "_profile_context", 256),
+            "graphs": rt.worker.graphs is not None,
+            "widths": list(shape.widths) if shape else [],
+            "step_ms": {str(b): [round(t * 1e3, 4) for t in row]
+                        for b, row in zip(shape.batches, shape.values, strict=True)} if shape else {},
+            "cells_timed": shape.timed if shape else 0,
+        }
     return dataclasses.replace(rt, policy=AdaptivePolicy(k, copy.deepcopy(cost),
                                                draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False)))
 
 
 def _build(args: argparse.Namespace, batches: list[int], k: int) -> tuple[Runtime, SpecConfig]:
     method = args.speculative_method
-    build_method = {"draft": "draft", "ngram": "ngram"}.get(method)
+    build_method = {"draft": "draft", "ngram": "ngram", "eagle": "eagle"}.get(method)  # eagle: --draft-model is the head
     if method == "synthetic" and args.draft_model:
         build_method = "draft"  # the synthetic proposer runs the real draft model for its cost
     max_len = max(args.prompt_len, 512) + args.max_tokens + k + 16
@@ -139,8 +180,7 @@ def _build(args: argparse.Namespace, batches: list[int], k: int) -> tuple[Runtim
     )
     rt = build_runtime(cfg)
     spec = SpecConfig(method=None if method == "none" else method, num_tokens=k,  # type: ignore[arg-type]
-                      draft_model=args.draft_model if build_method == "draft" else None,
-                      synthetic_acceptance=args.acceptance_rate)
+                      draft_model=args.draft_model if build_method == "draft" else None)
     return rt, spec
 
 
@@ -171,36 +211,65 @@ def _draft_args(rt: Runtime):
 
 
 def _spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: list[list[int]], b: int,
-               plain: R.PassResult, mean_ctx: float, dtype: torch.dtype, draft_args) -> dict[str, Any]:
+               plain: R.PassResult, mean_ctx: float, dtype: torch.dtype, draft_args,
+               alpha: float | None = None) -> dict[str, Any]:
+    """One speculative cell; ``alpha``: the synthetic proposer's acceptance (synthetic only)."""
     from streamsd.spec.synthetic import SyntheticProposer
 
     k, method = spec.num_tokens, args.speculative_method
-    desyncs = warm_desyncs = plain_vs_spec = None
+    args._profile_context = round(mean_ctx)  # the cost table is timed at the bench's own context
+    desyncs = plain_vs_spec = None
+    warm_desyncs: list[int] = []
     if method == "synthetic":
+        assert alpha is not None
         inner = rt.worker.proposer
         inner = getattr(inner, "inner", inner)
         prop = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
-                                 args.acceptance_rate, rt.args.vocab_size, inner)
+                                 alpha, rt.args.vocab_size, inner)
         rt.worker.proposer = prop
-        warm = R.engine_pass(rt, spec, prompts, args.max_tokens, b, speculative=True)  # re-records the oracle
-        warm_desyncs = prop.counters.desyncs
-        prop.reset({tuple(p): o for p, o in zip(prompts, warm.outputs, strict=True)})
+        # Warm-up passes also record the spec-shaped continuations as branches of the oracle (see
+        # spec/synthetic.py); a second one only when the first left the oracle somewhere.
+        rt_w: Runtime | None = None
+        for _ in range(WARM_PASSES):
+            rt_w = _with_policy(rt, args, k, rt_w)
+            warm = R.engine_pass(rt_w, spec, prompts, args.max_tokens, b, speculative=True)
+            warm_desyncs.append(prop.counters.desyncs)
+            if plain_vs_spec is None:
+                plain_vs_spec = sum(x != y for x, y in zip(plain.outputs, warm.outputs, strict=True))
+            prop.add({tuple(p): o for p, o in zip(prompts, warm.outputs, strict=True)})
+            if not warm_desyncs[-1]:
+                break
     else:
-        R.engine_pass(rt, spec, prompts, min(8, args.max_tokens), b, speculative=True)  # warm-up
-    res = R.engine_pass(rt, spec, prompts, args.max_tokens, b, speculative=True)
+        rt_w = _with_policy(rt, args, k)
+        R.engine_pass(rt_w, spec, prompts, min(8, args.max_tokens), b, speculative=True)
+    rt_m = _with_policy(rt, args, k, rt_w)
+    res = R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True)
     if method == "synthetic":
         desyncs = rt.worker.proposer.counters.desyncs
-        plain_vs_spec = sum(a != b for a, b in zip(plain.outputs, warm.outputs, strict=True))
     c = R.draft_cost_ratio(rt, b)
     floor = R.floor_step_ms(rt.args, dtype, b, mean_ctx, draft_args if c else None, k)
     cell = _cell("streamsd", method, b, res, floor_ms=floor, tokens_per_step=res.tau or 1.0)
-    analytic = R.analytic_speedup(res.alpha, k, c)
+    analytic = R.analytic_speedup(res.alpha or 0.0, k, c)
     measured = plain.tpot_ms / res.tpot_ms if res.tpot_ms else 0.0
     cell.update(k=k, c=round(c, 4), analytic_speedup=round(analytic, 3), measured_speedup=round(measured, 3),
                 spec_efficiency=round(measured / analytic, 3) if analytic else None, desyncs=desyncs,
                 same_output_as_plain=res.outputs == plain.outputs)
+    if plain.decode_step_ms and res.decode_step_ms:
+        cell["decode_step_vs_plain"] = round(res.decode_step_ms / plain.decode_step_ms, 3)
     if method == "synthetic":  # how far the verify-shaped numerics strayed from plain decoding
-        cell.update(warm_desyncs=warm_desyncs, requests_differing_from_plain=plain_vs_spec)
+        cell.update(acceptance_rate=alpha, warm_desyncs=warm_desyncs[0], warm_desyncs_per_pass=warm_desyncs,
+                    requests_differing_from_plain=plain_vs_spec)
+    if isinstance(rt_m.policy, AdaptivePolicy):
+        summary = rt_m.policy.summary()
+        cell["adaptive"] = summary
+        err = summary["mean_abs_prediction_error"]
+        cell["pred_err_pct"] = round(100 * err, 2) if isinstance(err, float) else None
+        kinds = summary["prediction_error"]
+        assert isinstance(kinds, dict)
+        raw = [(e["mean_abs_raw"], e["steps"]) for e in kinds.values()]
+        n = sum(s for _, s in raw)
+        cell["pred_err_raw_pct"] = round(100 * sum(e * s for e, s in raw) / n, 2) if n else None
+        cell["plain_step_share"] = round(float(summary["plain_step_share"]), 3)  # type: ignore[arg-type]
     return cell
 
 
@@ -238,8 +307,11 @@ def _cell(engine: str, method: str, b: int, r: R.PassResult, *, floor_ms: float,
     return {
         "engine": engine, "method": method, "batch": b, "tpot_ms": round(r.tpot_ms, 3),
         "tokens_per_s": round(r.tokens_per_s, 1), "ttft_ms": round(r.ttft_ms, 2), "tokens": r.tokens,
-        "steps": r.steps, "acceptance": round(r.alpha, 4), "draft_acceptance": round(r.acceptance, 4),
-        "tau": round(r.tau, 3),
+        "steps": r.steps, "acceptance": None if r.alpha is None else round(r.alpha, 4),
+        "draft_acceptance": round(r.acceptance, 4), "drafts_tested": r.tested, "tau": round(r.tau, 3),
+        "decode_step_ms": None if r.decode_step_ms is None else round(r.decode_step_ms, 3),
+        "decode_steps": r.decode_steps,
+        "decode_step_floor_ratio": round(r.decode_step_ms / floor_ms, 3) if r.decode_step_ms and floor_ms else None,
         "host_ms_per_step": round(r.host_ms, 3), "execute_ms_per_step": round(r.execute_ms, 3),
         "floor_step_ms": round(floor_ms, 3), "floor_tpot_ms": round(floor_tpot, 3),
         "floor_ratio": round(r.tpot_ms / floor_tpot, 3) if floor_tpot else None,

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 COLUMNS = (  # (JSON key, header, format)
-    ("engine", "engine", "{}"), ("method", "method", "{}"), ("batch", "B", "{}"), ("tpot_ms", "TPOT ms", "{:.2f}"),
+    ("engine", "engine", "{}"), ("method", "method", "{}"), ("acceptance_rate", "α set", "{:.2f}"), ("batch", "B", "{}"),
+    ("tpot_ms", "TPOT ms", "{:.2f}"),
     ("tokens_per_s", "tok/s", "{:.0f}"), ("acceptance", "α", "{:.2f}"), ("tau", "τ", "{:.2f}"), ("c", "c", "{:.3f}"),
     ("analytic_speedup", "analytic", "{:.2f}×"), ("measured_speedup", "measured", "{:.2f}×"),
     ("spec_efficiency", "spec eff", "{:.2f}"), ("floor_tpot_ms", "floor ms", "{:.2f}"),
-    ("floor_ratio", "÷floor", "{:.2f}×"), ("host_ms_per_step", "host ms/step", "{:.2f}"),
+    ("floor_ratio", "÷floor", "{:.2f}×"), ("decode_step_ms", "decode step ms", "{:.2f}"),
+    ("decode_step_floor_ratio", "step÷floor", "{:.2f}×"), ("host_ms_per_step", "host ms/step", "{:.2f}"),
+    ("pred_err_pct", "pred err %", "{:.1f}"), ("plain_step_share", "plain steps", "{:.0%}"),
     ("x_hf_tokens_per_s", "×HF tok/s", "{:.1f}×"),
 )
 
@@ -24,7 +27,11 @@ def _fmt(cell: dict[str, Any], key: str, fmt: str) -> str:
 def print_table(doc: dict[str, Any]) -> None:
     title = (f"streamsd bench offline — {doc['model']} on {doc['device']} ({doc['dtype']}), "
              f"{doc['max_tokens']} tokens/request, k={doc['k']}"
-             + (f", SYNTHETIC acceptance α={doc['acceptance_rate']}" if doc.get("acceptance_rate") is not None else ""))
+             + (f", SYNTHETIC acceptance α={doc['acceptance_rate']}" if doc.get("acceptance_rate") is not None else "")
+             + (f", {doc['speculation_policy']} k" if doc.get("speculation_policy") else ""))
+    note = ("decode step ms: median wall time of steps with no prefill chunk (TPOT also carries other requests' "
+            "prefill); step÷floor: that ÷ the HBM floor step; pred err %: mean |predicted/measured − 1| of the "
+            "adaptive policy's step times")
     try:
         from rich.console import Console
         from rich.table import Table
@@ -33,8 +40,9 @@ def print_table(doc: dict[str, Any]) -> None:
         print(" | ".join(h for _, h, _ in COLUMNS))
         for c in doc["cells"]:
             print(" | ".join(_fmt(c, k, f) for k, _, f in COLUMNS))
+        print(note)
         return
-    table = Table(title=title)
+    table = Table(title=title, caption=note)
     for _, header, _ in COLUMNS:
         table.add_column(header, justify="right")
     for c in doc["cells"]:
@@ -75,7 +83,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return
-    labels = [f"{c['method']} B={c['batch']}" for c in spec]
+    labels = [f"{c['method']} B={c['batch']}" + (f" α={c['acceptance_rate']}" if c.get("acceptance_rate") is not None
+                                                 else "") for c in spec]
     xs = range(len(spec))
     ax2.bar([x - 0.2 for x in xs], [c["measured_speedup"] for c in spec], width=0.4, label="measured")
     ax2.bar([x + 0.2 for x in xs], [c["analytic_speedup"] for c in spec], width=0.4, label="analytic")

@@ -4,7 +4,9 @@ draft cost ratio, and the physical floor. Pure functions over a built runtime; n
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,14 +37,21 @@ class PassResult:
     emitted: int  # tokens emitted by verify steps (the denominator of tau)
     verify_steps: int
     tested: int  # drafts whose accept test ran: min(accepted + 1, drafted) per step
-    host_ms: float  # per step: scheduling + postprocessing (detokenize, stream out), GPU idle meanwhile
+    host_ms: float  # per step: the serial host part (scheduling, applying results); the GPU idles meanwhile
     execute_ms: float  # per step: the worker's step, its one wait for the GPU included
+    # Median wall time (schedule + execute + postprocess) of the steps in which every entry decodes
+    # or verifies (no prompt chunk rides along): what one decode step costs, unlike TPOT, which at a
+    # large batch also carries other requests' prefill chunks. None when no step was one.
+    decode_step_ms: float | None = None
+    decode_steps: int = 0
 
     @property
-    def alpha(self) -> float:
+    def alpha(self) -> float | None:
         """Per-draft acceptance given the drafts before it were accepted: the alpha of the
-        i.i.d. model (accepted / drafted is lower, since drafts after a rejection are never tested)."""
-        return self.accepted / self.tested if self.tested else 0.0
+        i.i.d. model (accepted / drafted is lower, since drafts after a rejection are never tested).
+        None when no draft was tested (e.g. an adaptive policy that never speculated): that is not
+        an acceptance of 0."""
+        return self.accepted / self.tested if self.tested else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,29 +87,42 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     steps = tested = 0
     host = execute = 0.0
+    decode_steps: list[float] = []
     sync(rt.worker.device)
     t0 = time.perf_counter()
-    while core.has_work:
-        t1 = time.perf_counter()
-        plan, aborted = core.scheduler.schedule()  # core.step(), timed in its three parts
-        t2 = time.perf_counter()
-        results = core.execute(plan) if plan.entries else []
-        t3 = time.perf_counter()
-        outs = core.postprocess(plan, results, aborted)
-        now = time.perf_counter()
-        host += (t2 - t1) + (now - t3)
-        execute += t3 - t2
-        steps += 1
-        for o in outs:
-            if o.error:
-                raise RuntimeError(f"request {o.request_id} failed: {o.error}")
-            if o.step_drafted:
-                tested += min(o.step_accepted + 1, o.step_drafted)
-            if o.token_ids:
-                first.setdefault(o.request_id, now)
-                last[o.request_id] = now
-                counts[o.request_id] += len(o.token_ids)
-                outputs[o.request_id].extend(o.token_ids)
+    em = None
+    # EngineCore.run's pipeline, timed in its parts: step N+1 executes while step N is detokenised.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        while em is not None or core.has_work:
+            t1 = time.perf_counter()
+            plan, aborted = core.begin()
+            # Read before the step: its update moves each request on, and `verifies` with it.
+            decoding = bool(plan.entries) and all(e.verifies and e.num_tokens == 1 for e in plan.entries)
+            t2 = time.perf_counter()
+            running = pool.submit(core.execute, plan) if plan.entries else None
+            if running is not None:
+                core.wait_launched()
+            outs = core.emit(em, defer_stops=running is not None)
+            results = running.result() if running is not None else []
+            t3 = time.perf_counter()
+            outs += core.settle()
+            em = core.finish_step(plan, results, aborted)
+            now = time.perf_counter()
+            host += (t2 - t1) + (now - t3)  # the serial part; emit overlaps the execution
+            execute += t3 - t2
+            steps += 1
+            if decoding:
+                decode_steps.append(now - t1)
+            for o in outs:
+                if o.error:
+                    raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+                if o.step_drafted:
+                    tested += min(o.step_accepted + 1, o.step_drafted)
+                if o.token_ids:
+                    first.setdefault(o.request_id, now)
+                    last[o.request_id] = now
+                    counts[o.request_id] += len(o.token_ids)
+                    outputs[o.request_id].extend(o.token_ids)
     wall = time.perf_counter() - t0
     tpots = [(last[r] - first[r]) / (counts[r] - 1) for r in ids if counts[r] > 1]
     st = core.totals
@@ -109,6 +131,8 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
         ttft_ms=1e3 * sum(first[r] - t0 for r in first) / max(len(first), 1), tokens=sum(counts.values()),
         steps=steps, drafted=st.drafted, accepted=st.accepted, emitted=st.emitted, verify_steps=st.steps,
         tested=tested, host_ms=1e3 * host / max(steps, 1), execute_ms=1e3 * execute / max(steps, 1),
+        decode_step_ms=1e3 * statistics.median(decode_steps) if decode_steps else None,
+        decode_steps=len(decode_steps),
     )
 
 

@@ -207,7 +207,10 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
     if not graphs:
         return
     bs = worker.cache.block_size
-    cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=(1, k + 1))
+    # Narrow verify widths too: at large batch the planner drafts 1 or 2 tokens, and a step replays
+    # the narrowest graph that holds its longest query, so without them k = 1 pays for k = K.
+    cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=tuple(sorted({1, min(2, k + 1),
+                                                                                            min(3, k + 1), k + 1})))
     # An EAGLE head reads the target's streams at every verified token: its graphs return them too.
     worker.graphs = GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device,
                                 hidden_layers=tuple(getattr(proposer, "hidden_layers", ())))
