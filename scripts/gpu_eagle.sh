@@ -54,8 +54,8 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     # Written straight into $OUT: saved before the evaluation, so it comes back even if the call runs out.
     log "train-draft (log: $OUT/train.log)"
     timeout 420 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out "$OUT/head" --device cuda \
-      --eval-prompts-file /tmp/heldout.jsonl --num-prompts 6000 --max-new-tokens 512 --gen-batch 256 \
-      --gen-time-budget 2.5 --epochs 8 --time-budget 1.5 --batch-tokens 16384 --lr 2e-3 \
+      --eval-prompts-file /tmp/heldout.jsonl --num-prompts 1500 --max-new-tokens 512 --gen-batch 256 \
+      --gen-time-budget 3.0 --epochs 8 --time-budget 2.0 --batch-tokens 16384 --lr 2e-3 \
       --draft-vocab-size 6144 --head-intermediate-size 1024 $GRAPHS > "$OUT/train.log" 2>&1
     echo "train-draft exit $?" | tee -a "$OUT/run.log"
     grep -v "^\[" "$OUT/train.log" | tail -8 | tee -a "$OUT/run.log"

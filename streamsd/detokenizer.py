@@ -34,10 +34,19 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     """ids -> text without special tokens. Straight to the Rust tokenizer when transformers would add
     nothing to it: its Python wrapper costs more than the decoding itself, twice per token."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode") and not getattr(tokenizer, "clean_up_tokenization_spaces",
-                                                                          False):
+    if backend is not None and hasattr(backend, "decode") and not _cleans_up(tokenizer, backend):
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _cleans_up(tokenizer: Any, backend: Any) -> bool:
+    """Whether transformers' decode would post-process the text: `clean_up_tokenization_spaces`,
+    which it skips for BPE models (SmolLM2 sets the flag) unless forced."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    bpe = type(getattr(backend, "model", None)).__name__ == "BPE"
+    return not bpe or bool(getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                                   False))
 
 
 @dataclass(slots=True)

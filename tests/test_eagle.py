@@ -103,6 +103,44 @@ def test_greedy_eagle_is_token_identical(tiny_model_dir, heads, reference, kind,
     _assert_free(llm)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_engine_drafts_are_what_training_time_test_predicts(tiny_model_dir, heads, kind):
+    """Train and inference see the same thing: each draft the engine makes (catch-up then k steps)
+    equals the head's prediction at that slot in `ttt_outputs` over the finished greedy answer,
+    at every depth whose earlier drafts were right (training feeds the true tokens)."""
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]), num_speculative_tokens=4)
+    proposer = llm.core.rt.worker.proposer
+    calls: list[tuple[str, int, list[int]]] = []  # (request, its tokens when drafting, drafts)
+    loop = proposer._draft_loop
+
+    def recording(items, h):
+        drafts = loop(items, h)
+        calls.extend((it.request.request_id, len(it.tokens), row[: it.k]) for it, row in zip(items, drafts.tolist(), strict=True))
+        return drafts
+
+    proposer._draft_loop = recording
+    res = {r.request_id: r for r in llm.generate(PROMPTS, greedy_params())}
+    head, target = proposer.head, llm.core.rt.worker.target
+    preds = {}
+    for rid, r in res.items():
+        s = Sample(r.prompt_token_ids + r.outputs[0].token_ids, len(r.prompt_token_ids))
+        attach_streams(target, [s], head.input_layers, dtype=torch.float32)
+        with torch.no_grad():
+            outs = ttt_outputs(head, torch.tensor([s.ids]), s.streams[None], 4)
+        preds[rid] = (s.ids, [head.target_logits(o[0]).argmax(-1).tolist() for o in outs])  # row p -> token p + 2
+    same, checked = [0] * 4, [0] * 4
+    for rid, n, drafts in calls:
+        ids, pred = preds[rid]
+        anchor = n - 2  # the last caught-up slot: the target's h and the last token
+        for j, d in enumerate(drafts):
+            if anchor + j + 2 >= len(ids) or (j and drafts[j - 1] != ids[anchor + j + 1]):
+                break
+            checked[j] += 1
+            same[j] += pred[j][anchor + j] == d
+    assert checked[0] > 20 and checked[1] > 0, checked
+    assert all(s >= 0.97 * c for s, c in zip(same, checked, strict=True)), (same, checked)
+
+
 def test_eagle_under_preemption_and_mixed_batch(tiny_model_dir, heads, reference):
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]), kv_cache_tokens=96)
     sampled = [SamplingParams(temperature=1.0, max_tokens=20, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]

@@ -183,6 +183,8 @@ def answer(llm: Any, prompts: list[str], max_new_tokens: int, seed: int, tempera
         if not answers[rid] or not parts:
             continue
         n = min(max(s + h.shape[0] for s, h in parts), len(ids))  # the last token is sampled, never computed
+        if n <= len(prompt_ids[rid]):
+            continue  # cut short before any answer token's streams were computed: nothing to learn from
         ends = list(itertools.accumulate(h.shape[0] for _, h in parts))
         if all(s == e for (s, _), e in zip(parts, [0, *ends[:-1]], strict=True)):
             rows = torch.cat([h for _, h in parts])[:n]  # in order, no recompute: one copy
@@ -234,8 +236,8 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab: int, always: set[i
     """The `size` target ids most frequent in the answers (then prompts, then lowest ids) — sorted."""
     counts = torch.zeros(vocab, dtype=torch.float64)
     for s in samples:
-        counts += torch.bincount(torch.tensor(s.ids[s.prompt_len:]), minlength=vocab).double()
-        counts += 1e-3 * torch.bincount(torch.tensor(s.ids[: s.prompt_len]), minlength=vocab).double()
+        counts += torch.bincount(torch.tensor(s.ids[s.prompt_len:], dtype=torch.int64), minlength=vocab).double()
+        counts += 1e-3 * torch.bincount(torch.tensor(s.ids[: s.prompt_len], dtype=torch.int64), minlength=vocab).double()
     counts -= 1e-9 * torch.arange(vocab, dtype=torch.float64)  # ties: lower ids, the more common merges
     for t in always:
         counts[t] = float("inf")

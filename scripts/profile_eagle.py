@@ -1,0 +1,69 @@
+"""Where an EAGLE step's time goes on the GPU, against a plain step, on a small random target with an
+untrained head (launch and host costs do not depend on weights). Prints tokens/s of plain vs eagle,
+the CPU-side hot spots of eagle steps (cProfile) and the CUDA profiler's table of host API calls
+(synchronisations show up as cudaStreamSynchronize / cudaMemcpy).
+Usage: python3 scripts/profile_eagle.py [OUT_DIR]"""
+
+from __future__ import annotations
+
+import cProfile
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny import build_model  # noqa: E402
+
+from streamsd import LLM, SamplingParams  # noqa: E402
+from streamsd.runtime import load_model  # noqa: E402
+from streamsd.spec.eagle_ckpt import new_head, save_head  # noqa: E402
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp())
+    target_dir = build_model(work / "target", layers=8, hidden=256, heads=4, kv_heads=2, intermediate=512,
+                             max_pos=4096)
+    target = load_model(str(target_dir), torch.device("cpu"), torch.float32)[0]
+    head_dir = save_head(new_head(target, kind="eagle3", draft_ids=list(range(target.args.vocab_size))),
+                         work / "head", json.loads((target_dir / "config.json").read_text()), torch.float32)
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    prompt = "Speculative decoding proposes tokens with a cheap draft"
+    rates = {}
+    cuda = torch.cuda.is_available()
+    dev, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")  # the CPU only for a dry run
+    llms = {"plain": LLM(str(target_dir), device=dev, dtype=dtype),
+            "eagle": LLM(str(target_dir), speculative_method="eagle", draft_model=str(head_dir), device=dev,
+                         dtype=dtype, speculation_policy="fixed")}
+    for name, llm in llms.items():
+        llm.generate(prompt, params)  # warm-up: graphs, Triton compiles
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = llm.generate(prompt, params)[0]
+        dt = time.perf_counter() - t0
+        st = out.spec_stats
+        rates[name] = len(out.outputs[0].token_ids) / dt
+        print(f"{name}: {rates[name]:.0f} tok/s, {1e3 * dt / max(st.steps, 1) if st.steps else 1e3 * dt / 128:.2f}"
+              f" ms/step, tau {st.emitted / st.steps if st.steps else 1:.2f}")
+    llm = llms["eagle"]
+    core = llm.core
+    core.add_request("profiled", core.encode_prompt(prompt), params)
+    prof = cProfile.Profile()
+    prof.enable()
+    while core.has_work:
+        core.step()  # one thread: cProfile sees the worker's side too
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as p:
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50))
+
+
+if __name__ == "__main__":
+    main()
