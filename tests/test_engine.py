@@ -340,3 +340,35 @@ def test_pipelined_steps_match_sequential_steps_with_stop_strings(tiny_model_dir
         assert s[3] == len(s[1])
         stopped += s[2] == "stop"
     assert stopped >= 3
+
+
+def test_a_step_failing_under_a_deferred_stop_ends_each_request_once(tiny_model_dir):
+    """A stop string found while step N+1 runs, and step N+1 then fails: the stopped request keeps its
+    stop (one final output), the others of that step fail, nothing leaks."""
+    import time
+
+    llm = LLM(str(tiny_model_dir))
+    base = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 2]
+    core = llm.core
+    real = core.rt.worker.step
+
+    def failing_after_a_stop(plan):
+        res = real(plan)
+        time.sleep(0.05)  # the loop thread detokenises the previous step meanwhile
+        if core._stopped:
+            raise RuntimeError("injected fault")
+        return res
+
+    core.rt.worker.step = failing_after_a_stop
+    core.add_request("stopper", core.encode_prompt(PROMPTS[1]),
+                     SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))
+    core.add_request("bystander", core.encode_prompt(PROMPTS[0]),
+                     SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    finals: dict[str, list[str]] = {}
+    for outputs in core.run():
+        for o in outputs:
+            if o.finished:
+                finals.setdefault(o.request_id, []).append(o.finish_reason)
+    assert finals == {"stopper": ["stop"], "bystander": ["error"]}
+    _assert_free(llm)
