@@ -6,8 +6,8 @@ every batch size; assisted / prompt lookup at batch 1 where it applies). Every r
 exactly --max-tokens tokens (EOS ignored) so cells compare like with like. Each cell reports TPOT,
 tokens/s, acceptance alpha (per draft, given the drafts before it were accepted: accepted / tested,
 the alpha of the i.i.d. model; `draft_acceptance` = accepted / drafted is also kept), tau (tokens
-per verify step), host time per step (scheduling + postprocessing, GPU idle), the draft cost ratio c (one draft step
-over one target step, timed separately at that batch size), the analytic speedup
+per verify step), host time per step (the serial part: scheduling, applying results; the GPU idles),
+the draft cost ratio c (one draft step over one target step, timed separately at that batch size), the analytic speedup
 (1 - alpha^(k+1)) / ((1 - alpha)(1 + k c)) at the measured alpha and c, spec efficiency = measured
 speedup / analytic, and the HBM floor (bytes read per step / 4.25e12 B/s) with our ratio to it.
 
@@ -26,23 +26,18 @@ start-up table alone), the share of plain steps and the histogram of chosen k.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import random
-import time
 from typing import Any
 
 import torch
 
 from streamsd.bench import offline_run as R
+from streamsd.bench.offline_cells import hf_cells, make_cell, spec_cell
 from streamsd.bench.offline_report import plot, print_table
 from streamsd.config import EngineConfig, SpecConfig
-from streamsd.policy import AdaptivePolicy
-from streamsd.profiling import profile_worker
 from streamsd.runtime import Runtime, build_runtime
-
-WARM_PASSES = 3  # at most: synthetic warm-up passes that record oracle branches
 
 TEXT_PROMPTS = (
     "Here is a Python function:\n\ndef moving_average(values, window):\n    result = []\n    for i in "
@@ -103,11 +98,11 @@ def run(args: argparse.Namespace) -> int:
         plain_spec = dataclasses.replace(spec, method=None)
         R.engine_pass(rt, plain_spec, prompts, min(8, max_tokens), b, speculative=False)  # warm-up
         plain = R.engine_pass(rt, plain_spec, prompts, max_tokens, b, speculative=False)
-        cells.append(_cell("streamsd", "plain", b, plain, floor_ms=floor_plain, tokens_per_step=1.0))
+        cells.append(make_cell("streamsd", "plain", b, plain, floor_ms=floor_plain, tokens_per_step=1.0))
         for alpha in alphas if method == "synthetic" else [None] if method != "none" else []:
-            cells.append(_spec_cell(rt, spec, args, prompts, b, plain, mean_ctx, dtype, draft_args, alpha))
+            cells.append(spec_cell(rt, spec, args, prompts, b, plain, mean_ctx, dtype, draft_args, alpha))
         if hf is not None:
-            cells.extend(_hf_cells(rt, hf, args, prompts, b, cells, dev, dtype))
+            cells.extend(hf_cells(rt, hf, args, prompts, b, cells, dev, dtype))
         doc = _doc(args, rt, alphas, cells)
         if args.output_json:  # after every batch size: a run cut short by a time limit keeps its cells
             with open(args.output_json, "w") as f:
@@ -131,38 +126,6 @@ def _doc(args: argparse.Namespace, rt: Runtime, alphas: list[float], cells: list
         "hbm_bytes_per_s": R.HBM_BYTES_PER_S, "cuda_graphs": rt.worker.graphs is not None,
         "weight_bytes_per_step": R.weight_bytes_read(rt.args, dtype), "cells": cells,
     }
-
-
-def _with_policy(rt: Runtime, args: argparse.Namespace, k: int, learned: Runtime | None = None) -> Runtime:
-    """A fresh adaptive policy (over a copy of the cost table profiled once), or the runtime as is.
-
-    With `learned` (an earlier pass's runtime), the new policy starts from that pass's corrected cost
-    table, as a running server's would: step costs are the machine's, not the requests'. What it
-    learned about acceptance stays behind."""
-    if args.speculation_policy != "adaptive":
-        return rt
-    if learned is not None and isinstance(learned.policy, AdaptivePolicy):
-        args._cost = learned.policy.cost
-    cost = getattr(args, "_cost", None)
-    if cost is None:
-        # Capture every graph the cells will use first (the bench would anyway): the profile's time
-        # budget then goes to timing, not to captures, and no bucket is left extrapolated.
-        R.capture_graphs(rt, rt.scheduler_config.max_num_seqs)
-        t0 = time.perf_counter()
-        cost = args._cost = profile_worker(rt.worker, rt.scheduler_config.max_num_seqs,
-                                           rt.scheduler_config.max_num_batched_tokens, k,
-                                           context=getattr(args, "_profile_context", 256))
-        shape = cost.shape
-        args._profile = {
-            "seconds": round(time.perf_counter() - t0, 3), "context": getattr(args, "_profile_context", 256),
-            "graphs": rt.worker.graphs is not None,
-            "widths": list(shape.widths) if shape else [],
-            "step_ms": {str(b): [round(t * 1e3, 4) for t in row]
-                        for b, row in zip(shape.batches, shape.values, strict=True)} if shape else {},
-            "cells_timed": shape.timed if shape else 0,
-        }
-    return dataclasses.replace(rt, policy=AdaptivePolicy(k, copy.deepcopy(cost),
-                                               draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False)))
 
 
 def _build(args: argparse.Namespace, batches: list[int], k: int) -> tuple[Runtime, SpecConfig]:
@@ -208,114 +171,6 @@ def _draft_args(rt: Runtime):
     proposer = rt.worker.proposer
     model = getattr(proposer, "model", None)
     return model.args if model is not None and hasattr(model, "args") else None
-
-
-def _spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: list[list[int]], b: int,
-               plain: R.PassResult, mean_ctx: float, dtype: torch.dtype, draft_args,
-               alpha: float | None = None) -> dict[str, Any]:
-    """One speculative cell; ``alpha``: the synthetic proposer's acceptance (synthetic only)."""
-    from streamsd.spec.synthetic import SyntheticProposer
-
-    k, method = spec.num_tokens, args.speculative_method
-    args._profile_context = round(mean_ctx)  # the cost table is timed at the bench's own context
-    desyncs = plain_vs_spec = None
-    warm_desyncs: list[int] = []
-    if method == "synthetic":
-        assert alpha is not None
-        inner = rt.worker.proposer
-        inner = getattr(inner, "inner", inner)
-        prop = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
-                                 alpha, rt.args.vocab_size, inner)
-        rt.worker.proposer = prop
-        # Warm-up passes also record the spec-shaped continuations as branches of the oracle (see
-        # spec/synthetic.py); a second one only when the first left the oracle somewhere.
-        rt_w: Runtime | None = None
-        for _ in range(WARM_PASSES):
-            rt_w = _with_policy(rt, args, k, rt_w)
-            warm = R.engine_pass(rt_w, spec, prompts, args.max_tokens, b, speculative=True)
-            warm_desyncs.append(prop.counters.desyncs)
-            if plain_vs_spec is None:
-                plain_vs_spec = sum(x != y for x, y in zip(plain.outputs, warm.outputs, strict=True))
-            prop.add({tuple(p): o for p, o in zip(prompts, warm.outputs, strict=True)})
-            if not warm_desyncs[-1]:
-                break
-    else:
-        rt_w = _with_policy(rt, args, k)
-        R.engine_pass(rt_w, spec, prompts, min(8, args.max_tokens), b, speculative=True)
-    rt_m = _with_policy(rt, args, k, rt_w)
-    res = R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True)
-    if method == "synthetic":
-        desyncs = rt.worker.proposer.counters.desyncs
-    c = R.draft_cost_ratio(rt, b)
-    floor = R.floor_step_ms(rt.args, dtype, b, mean_ctx, draft_args if c else None, k)
-    cell = _cell("streamsd", method, b, res, floor_ms=floor, tokens_per_step=res.tau or 1.0)
-    analytic = R.analytic_speedup(res.alpha or 0.0, k, c)
-    measured = plain.tpot_ms / res.tpot_ms if res.tpot_ms else 0.0
-    cell.update(k=k, c=round(c, 4), analytic_speedup=round(analytic, 3), measured_speedup=round(measured, 3),
-                spec_efficiency=round(measured / analytic, 3) if analytic else None, desyncs=desyncs,
-                same_output_as_plain=res.outputs == plain.outputs)
-    if plain.decode_step_ms and res.decode_step_ms:
-        cell["decode_step_vs_plain"] = round(res.decode_step_ms / plain.decode_step_ms, 3)
-    if method == "synthetic":  # how far the verify-shaped numerics strayed from plain decoding
-        cell.update(acceptance_rate=alpha, warm_desyncs=warm_desyncs[0], warm_desyncs_per_pass=warm_desyncs,
-                    requests_differing_from_plain=plain_vs_spec)
-    if isinstance(rt_m.policy, AdaptivePolicy):
-        summary = rt_m.policy.summary()
-        cell["adaptive"] = summary
-        err = summary["mean_abs_prediction_error"]
-        cell["pred_err_pct"] = round(100 * err, 2) if isinstance(err, float) else None
-        kinds = summary["prediction_error"]
-        assert isinstance(kinds, dict)
-        raw = [(e["mean_abs_raw"], e["steps"]) for e in kinds.values()]
-        n = sum(s for _, s in raw)
-        cell["pred_err_raw_pct"] = round(100 * sum(e * s for e, s in raw) / n, 2) if n else None
-        cell["plain_step_share"] = round(float(summary["plain_step_share"]), 3)  # type: ignore[arg-type]
-    return cell
-
-
-def _hf_cells(rt: Runtime, hf: Any, args: argparse.Namespace, prompts: list[list[int]], b: int,
-              cells: list[dict[str, Any]], dev: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    pad = rt.tokenizer.pad_token_id if rt.tokenizer.pad_token_id is not None else 0
-    out = []
-    tpot, tps = R.hf_pass(hf, prompts, args.max_tokens, dev, pad)
-    out.append({"engine": "hf", "method": "plain", "batch": b, "tpot_ms": round(tpot, 3), "tokens_per_s": round(tps, 1)})
-    ours = next(c for c in cells if c["engine"] == "streamsd" and c["method"] == "plain" and c["batch"] == b)
-    ours["hf_tpot_ms"], ours["x_hf_tokens_per_s"] = round(tpot, 3), round(ours["tokens_per_s"] / tps, 2)
-    if b == 1 and args.speculative_method in ("ngram", "draft"):
-        kw: dict[str, Any] = {"prompt_lookup_num_tokens": args.num_speculative_tokens}
-        name = "prompt-lookup"
-        if args.speculative_method == "draft":
-            name = "assisted"
-            draft = R.hf_model(_draft_dir(args.draft_model), rt.worker.proposer.model, dev, dtype)
-            kw = {"assistant_model": draft, "num_assistant_tokens": args.num_speculative_tokens,
-                  "num_assistant_tokens_schedule": "constant"}
-        tpot, tps = R.hf_pass(hf, prompts, args.max_tokens, dev, pad, **kw)
-        out.append({"engine": "hf", "method": name, "batch": b, "tpot_ms": round(tpot, 3),
-                    "tokens_per_s": round(tps, 1)})
-    return out
-
-
-def _draft_dir(spec: str):
-    from streamsd.model.loader import resolve_model
-    from streamsd.model.presets import is_preset, preset_dir
-
-    return preset_dir(spec) if is_preset(spec) else resolve_model(spec)
-
-
-def _cell(engine: str, method: str, b: int, r: R.PassResult, *, floor_ms: float, tokens_per_step: float) -> dict:
-    floor_tpot = floor_ms / max(tokens_per_step, 1e-9)
-    return {
-        "engine": engine, "method": method, "batch": b, "tpot_ms": round(r.tpot_ms, 3),
-        "tokens_per_s": round(r.tokens_per_s, 1), "ttft_ms": round(r.ttft_ms, 2), "tokens": r.tokens,
-        "steps": r.steps, "acceptance": None if r.alpha is None else round(r.alpha, 4),
-        "draft_acceptance": round(r.acceptance, 4), "drafts_tested": r.tested, "tau": round(r.tau, 3),
-        "decode_step_ms": None if r.decode_step_ms is None else round(r.decode_step_ms, 3),
-        "decode_steps": r.decode_steps,
-        "decode_step_floor_ratio": round(r.decode_step_ms / floor_ms, 3) if r.decode_step_ms and floor_ms else None,
-        "host_ms_per_step": round(r.host_ms, 3), "execute_ms_per_step": round(r.execute_ms, 3),
-        "floor_step_ms": round(floor_ms, 3), "floor_tpot_ms": round(floor_tpot, 3),
-        "floor_ratio": round(r.tpot_ms / floor_tpot, 3) if floor_tpot else None,
-    }
 
 
 def _device_name(dev: torch.device) -> str:
