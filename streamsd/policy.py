@@ -53,6 +53,7 @@ class AdaptivePolicy:
     steps: int = 0
     idle_steps: int = 0
     planned: bool = False  # whether the last `choose` ran the planner (else: a plain step between re-plans)
+    unplanned: tuple[int, int] = (0, 0)  # (batch, prefill tokens) of the last plain step between re-plans
     last_predicted: float = 0.0
     last_measured: float = 0.0
     abs_error_sum: float = 0.0  # Σ |predicted / measured − 1| over observed steps
@@ -77,6 +78,7 @@ class AdaptivePolicy:
         if not self.planned:
             self.plain_steps += 1
             self.chosen_k[0] = self.chosen_k.get(0, 0) + len(decoding)
+            self.unplanned = (len(decoding), prefill_tokens)
             return [0] * len(decoding)
         views = []
         for r in decoding:
@@ -97,7 +99,16 @@ class AdaptivePolicy:
 
     def observe(self, verified: list[tuple[Request, int, int]], seconds: float) -> None:
         if not self.planned:
-            return  # a plain step between re-plans: nothing was drafted, the idle decay can wait
+            # A plain step between re-plans: nothing was drafted, the idle decay can wait. Its cost
+            # still teaches the table (a lookup, no planning), so the plain side of the next plan's
+            # comparison is as well calibrated as the speculative one; steps with a prompt chunk are
+            # left out, their share of the time is not the plain step's.
+            batch, prefill = self.unplanned
+            if batch and not prefill and seconds > 0:
+                predicted = self.cost.predict(batch, batch, 0)
+                self.cost.observe(predicted, seconds, verify_tokens=batch, batch_size=batch)
+                self._record_error(0, predicted, self.cost.predict_raw(batch, batch, 0), seconds)
+            return
         for r, drafted, accepted in verified:
             if r.acceptance is not None:
                 self.estimator.observe(r.acceptance, drafted, accepted)
@@ -106,13 +117,16 @@ class AdaptivePolicy:
         if st.predicted_s > 0 and seconds > 0:
             self.cost.observe(st.predicted_s, seconds, verify_tokens=st.verify_tokens, draft_steps_k=st.draft_steps,
                               batch_size=st.batch, prefill_tokens=st.prefill_tokens)
-            self.last_predicted, self.last_measured = st.predicted_s, seconds
-            self.abs_error_sum += abs(st.predicted_s / seconds - 1.0)
-            self.observed_steps += 1
-            e = self.errors.setdefault(int(st.draft_steps > 0), [0.0, 0.0, 0])
-            e[0] += abs(st.predicted_s / seconds - 1.0)
-            e[1] += abs(st.predicted_raw_s / seconds - 1.0)
-            e[2] += 1
+            self._record_error(int(st.draft_steps > 0), st.predicted_s, st.predicted_raw_s, seconds)
+
+    def _record_error(self, kind: int, predicted: float, raw: float, seconds: float) -> None:
+        self.last_predicted, self.last_measured = predicted, seconds
+        self.abs_error_sum += abs(predicted / seconds - 1.0)
+        self.observed_steps += 1
+        e = self.errors.setdefault(kind, [0.0, 0.0, 0])
+        e[0] += abs(predicted / seconds - 1.0)
+        e[1] += abs(raw / seconds - 1.0)
+        e[2] += 1
 
     def summary(self) -> dict[str, object]:
         """For benchmarks and metrics: how the policy decided and how well it predicted."""

@@ -362,3 +362,36 @@ def test_correction_learns_each_graph_within_a_few_steps() -> None:
             errors.append(abs(predicted / measured - 1))
         cost.observe(predicted, measured, verify_tokens=n, draft_steps_k=k, batch_size=b)
     assert median(errors) < 0.02 and max(errors) < 0.06
+
+
+def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
+    """Under a batch where plain decoding wins, most steps skip the planner; their measured cost must
+    still correct the table (a start-up profile blind to per-request host work, as at B = 128-256 on
+    the H200), or the next plan compares speculation against a plain step it misprices."""
+    from streamsd.policy import AdaptivePolicy
+    from streamsd.request import Request, SamplingParams
+
+    shape = _graph_shape()
+    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
+    policy = AdaptivePolicy(4, cost, draft_has_cache=False)
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=500), seed=i, arrival=0.0, spec_k=4)
+            for i in range(64)]
+    for r in reqs:
+        r.output_ids.append(5)
+        r.computed = r.num_tokens - 1
+    true_plain = shape(64, 64, 1) * 1.35  # what the profile missed: 35 %
+    for _ in range(40):
+        ks = policy.choose(reqs, 0, False)
+        assert not any(ks)  # acceptance starts pessimistic and nothing is ever drafted here
+        policy.observe([(r, 0, 0) for r in reqs], true_plain)
+    assert policy.plain_steps == 40
+    assert cost.seen[cost.key(64, 0, batch_size=64)] == 40  # every step taught it, not only the planned 5
+    assert cost.predict(64, 64, 0) == pytest.approx(true_plain, rel=0.02)
+    kinds = policy.summary()["prediction_error"]
+    assert isinstance(kinds, dict) and kinds["plain"]["steps"] == 40
+    # A step that carried a prompt chunk is not a plain step's cost: left out.
+    policy.choose(reqs, 0, False)
+    policy.unplanned = (64, 300)
+    policy.planned = False
+    policy.observe([(r, 0, 0) for r in reqs], 10 * true_plain)
+    assert cost.seen[cost.key(64, 0, batch_size=64)] == 40

@@ -19,8 +19,9 @@ With `--speculation-policy adaptive`, each pass gets a fresh policy: what a warm
 about acceptance must not decide the measured one. Its cost table (profiled once at start-up) keeps
 the online corrections of the passes before, as a running server's does.
 Each adaptive cell reports the policy's predicted vs measured step time (`pred_err_pct`: mean
-|predicted / measured - 1| over the steps it planned, with the online correction; `_raw`: the
-start-up table alone), the share of plain steps and the histogram of chosen k.
+|predicted / measured - 1| over the steps it planned and the plain steps between plans that carried
+no prompt chunk, with the online correction; `_raw`: the start-up table alone), the share of plain
+steps and the histogram of chosen k.
 """
 
 from __future__ import annotations
