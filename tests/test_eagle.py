@@ -209,6 +209,8 @@ def test_training_lowers_loss_and_raises_tau(bigram_target, tmp_path):
     report = json.loads((out / "eval_report.json").read_text())
     first, last = meta["train"]["first"][0]["loss"], meta["train"]["last"][-1]["loss"]
     assert last < 0.5 * first
+    # Answers kept out of training: the bigram target is learnable, so the head drafts them well too.
+    assert meta["validation"]["answers"] >= 1 and meta["validation"]["match_0"] > 0.5, meta["validation"]
     untrained = save_head(new_head(_target(bigram_target)), tmp_path / "untrained", _config(bigram_target))
     before = train_eagle.evaluate(str(bigram_target), untrained, meta["held_out"], 40, 4, None, 0)
     tau_before, tau_after = before["results"]["T=0"]["tau"], report["results"]["T=0"]["tau"]
@@ -299,3 +301,30 @@ def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadli
         attach_streams(target, [ref], (0, 1), dtype=torch.float32)  # the final stream: layer 2's output
         assert got.streams.shape == (len(got.ids), 2 * 64) and got.final.shape == (len(got.ids), 64)
         assert torch.allclose(got.streams, ref.streams, atol=1e-4) and torch.allclose(got.final, ref.final, atol=1e-4)
+
+
+def test_self_written_prompts_start_from_varied_openers(tiny_model_dir, tiny_tokenizer):
+    """The target writes user turns after the chat template's user prefix and, in turn, after each
+    opener; what it writes is kept with its opener, unless unfinished, degenerate or empty."""
+    from streamsd.spec.eagle_data import self_prompts, written_prompt
+
+    assert written_prompt("Imagine you are", " a pilot landing in fog. What do you say?", "stop") == \
+        "Imagine you are a pilot landing in fog. What do you say?"
+    assert written_prompt("Imagine you are", " a", "stop") is None  # the opener alone is no request
+    assert written_prompt("", "Tell me about the sea and its colours.", "length") is None  # unfinished
+    assert written_prompt("", "Tell me about the sea and its colours.", "stop") is not None
+    llm = LLM(str(tiny_model_dir))
+    seen: list[str] = []
+    real_generate = llm.generate
+
+    def recording_generate(prompts, params):  # the real generate; only its inputs are noted
+        seen.extend(tiny_tokenizer.decode(p) for p in prompts)
+        return real_generate(prompts, params)
+
+    llm.generate = recording_generate
+    openers = ("Write a Python function that", "Imagine you are", "")
+    self_prompts(llm, 2, seed=3, avoid=set(), max_tokens=8, openers=openers)
+    assert len(seen) >= 6
+    prefix = user_prefix(tiny_tokenizer)
+    for i, text in enumerate(seen[:6]):
+        assert text.startswith(prefix) and text[len(prefix):].strip() == openers[i % 3]

@@ -71,11 +71,31 @@ def is_degenerate(text: str) -> bool:
     return not re.search(r"[A-Za-z]{3}", text)
 
 
+# First words of user turns across the kinds of request a chat model gets (writing, role-play,
+# reasoning, maths, coding, extraction, STEM, humanities). Left alone, a small model writes user turns
+# in one narrow style; a head trained on those alone drafts poorly for anything else (the H200 head:
+# top-1 0.42 on fresh self-written prompts, 0.29 on MT-Bench). Empty: no opener.
+OPENERS = (
+    "", "", "Write a Python function that", "Write a short story about", "Solve the following problem step by step:",
+    "Extract the names and dates from this text:", "Imagine you are", "Explain the difference between",
+    "Write a SQL query that", "Summarize the following paragraph:", "What is the derivative of",
+    "Compose a polite email to", "Create a table comparing", "Here is some JavaScript code. Find the bug:",
+    "Give me three arguments for and against", "Translate into French:", "List the steps to",
+    "Describe the causes of", "If a train travels", "Rewrite this sentence to be more formal:",
+    "Write a haiku about", "What would happen if", "Return a JSON object with", "Prove that",
+    "As a travel guide, recommend", "Write a C++ program to", "Classify the following reviews as positive or negative:",
+    "Explain to a ten-year-old how", "Draft a cover letter for", "Calculate the area of",
+    "Discuss the themes of", "Suggest a name and slogan for", "Given the list of numbers",
+)
+
+
 def self_prompts(llm: Any, n: int, seed: int, avoid: set[str], max_tokens: int = 64, deadline: float | None = None,
-                 log: Callable[[str], None] | None = None) -> list[str]:
-    """Up to n distinct user turns written by the target (sampled after the user prefix); in rounds of
-    at most 2048 samples, so a `deadline` (time.monotonic()) is checked between rounds."""
-    prefix = list(llm.tokenizer.encode(user_prefix(llm.tokenizer), add_special_tokens=False))
+                 log: Callable[[str], None] | None = None, openers: tuple[str, ...] = OPENERS) -> list[str]:
+    """Up to n distinct user turns written by the target (sampled after the user prefix and one of
+    `openers`, in turn); in rounds of at most 2048 samples, so a `deadline` (time.monotonic()) is
+    checked between rounds."""
+    head = user_prefix(llm.tokenizer)
+    starts = [list(llm.tokenizer.encode(head + o, add_special_tokens=False)) for o in (openers or ("",))]
     seen = {_norm(p) for p in avoid}
     out: list[str] = []
     drawn = 0
@@ -88,9 +108,11 @@ def self_prompts(llm: Any, n: int, seed: int, avoid: set[str], max_tokens: int =
         params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=seed + drawn + i)
                   for i in range(want)]
         drawn += want
-        for res in llm.generate([prefix] * want, params):
-            text = res.outputs[0].text.strip()
-            if res.outputs[0].finish_reason != "stop" or is_degenerate(text) or _norm(text) in seen:
+        picks = [(drawn - want + i) % len(starts) for i in range(want)]
+        for pick, res in zip(picks, llm.generate([starts[j] for j in picks], params), strict=True):
+            text = written_prompt(openers[pick] if openers else "", res.outputs[0].text,
+                                  res.outputs[0].finish_reason)
+            if text is None or _norm(text) in seen:
                 continue
             seen.add(_norm(text))
             out.append(text)
@@ -99,6 +121,15 @@ def self_prompts(llm: Any, n: int, seed: int, avoid: set[str], max_tokens: int =
         if log:
             log(f"writing prompts: {len(out)} of {n} kept from {drawn} drawn")
     return out
+
+
+def written_prompt(opener: str, continuation: str, finish_reason: str | None) -> str | None:
+    """The user turn the target wrote after `opener`, or None when it is unfinished, degenerate, or
+    nothing but the opener."""
+    text = (opener + continuation).strip()
+    if finish_reason != "stop" or is_degenerate(text) or (opener and len(continuation.split()) < 2):
+        return None
+    return text
 
 
 def _norm(text: str) -> str:

@@ -268,3 +268,30 @@ def train(head: EagleHead, target: Transformer, samples: list[Sample], draft_ids
         report()
     head.eval()
     return history
+
+
+@torch.no_grad()
+def validate(head: EagleHead, target: Transformer, samples: list[Sample], draft_ids: list[int],
+             cfg: TrainConfig) -> dict[str, float]:
+    """Loss and top-1 match per unrolled step on answers the head never trained on (weighted by
+    tokens): the training batches' own figures measure memorisation as much as drafting."""
+    if not samples:
+        return {}
+    device = target.rope_cos.device
+    corpus = Corpus.build(samples, device, False)
+    d_ids = torch.tensor(draft_ids, dtype=torch.int64, device=device)
+    training = head.training
+    head.eval()
+    total: torch.Tensor | None = None  # [2 * ttt_steps]
+    weight = 0
+    for group in make_batches(corpus.lengths, cfg.batch_tokens, random.Random(cfg.seed)):
+        n = sum(corpus.lengths[g] for g in group)
+        _, figures = ttt_loss(head, target, corpus.batch(group, device), d_ids, cfg.ttt_steps, cfg.decay)
+        total = figures * n if total is None else total + figures * n
+        weight += n
+    head.train(training)
+    assert total is not None
+    values = (total / weight).tolist()
+    k = cfg.ttt_steps
+    return {**{f"loss_{j}": values[j] for j in range(k)}, **{f"match_{j}": values[k + j] for j in range(k)}}
+

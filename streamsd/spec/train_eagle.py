@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from streamsd.spec.eagle_ckpt import new_head, save_head
     from streamsd.spec.eagle_data import answer, draft_vocabulary, read_prompts, self_prompts
     from streamsd.spec.eagle_head import default_aux_layers
-    from streamsd.spec.eagle_train import TrainConfig, train
+    from streamsd.spec.eagle_train import TrainConfig, train, validate
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -122,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     vocab = target.args.vocab_size
+    # Every 25th answer is kept out of training: its prompt was never seen, so its figures say how
+    # the head drafts for new requests (the training batches' figures also measure memorisation).
+    validation = samples[::25] if len(samples) >= 20 else []
+    samples = [s for i, s in enumerate(samples) if i % 25 or not validation]
     draft_ids = None
     if args.kind == "eagle3" and 0 < args.draft_vocab_size < vocab:
         special = {t for t in tokenizer.all_special_ids if t < vocab}
@@ -131,10 +135,16 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens,
                       time_budget_s=args.time_budget * 60 if args.time_budget else None, seed=args.seed)
     t_train = time.monotonic()
-    log(f"training {sum(p.numel() for p in head.parameters())} parameters on {answered} answer tokens")
+    log(f"training {sum(p.numel() for p in head.parameters())} parameters on "
+        f"{sum(len(s.ids) - s.prompt_len for s in samples)} answer tokens")
     history = train(head, target, samples, draft_ids or list(range(vocab)), cfg, log=log, release=True)
     train_s = time.monotonic() - t_train
     log(f"trained {len(history)} steps in {train_s:.0f}s")
+    val = validate(head, target, validation, draft_ids or list(range(vocab)), cfg)
+    if val:
+        log(f"{len(validation)} answers never trained on: top-1 match "
+            + " / ".join(f"{val[f'match_{j}']:.2f}" for j in range(cfg.ttt_steps))
+            + f", loss at step 1 {val['loss_0']:.3f}")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.save_dtype]
     target_cfg = json.loads((Path(_model_dir(args.model)) / "config.json").read_text())
     save_head(head, out, target_cfg, dtype)
@@ -152,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         "train": {"epochs": args.epochs, "steps": len(history), "ttt_steps": args.ttt_steps, "lr": args.lr,
                   "batch_tokens": args.batch_tokens, "first": history[:3], "last": history[-3:],
                   "curve": history[:: max(1, len(history) // 50)]},
+        "validation": {"answers": len(validation), **val},
         "seconds": {"write_prompts": round(t_gen - t_write, 1), "generate": round(gen_s, 1),
                     "train": round(train_s, 1)},
         "held_out": held,
