@@ -2,9 +2,7 @@
 
 Each call first catches the draft cache up on the tokens it has not seen (the prompt chunks the
 target just prefilled, or the tokens accepted at the last verification), then runs k single-token
-steps. Below the request's greedy threshold a draft is the argmax (one-hot q); above it the draft
-is sampled from the warped draft distribution at the request's own temperature, and that q is
-kept in the q pool for the rejection sampler.
+steps, each draft chosen by the draft policy (spec/drafting.py).
 """
 
 from __future__ import annotations
@@ -16,11 +14,8 @@ import torch
 from streamsd.model.graphs import GraphRunner, forward_logits
 from streamsd.model.kv_cache import PagedKVCache, h2d
 from streamsd.model.llama import Transformer
-from streamsd.request import Request
-from streamsd.sampling import rng
-from streamsd.sampling.sampler import race
-from streamsd.sampling.warp import WarpParams, warp
 from streamsd.spec.base import Proposal, ProposeItem
+from streamsd.spec.drafting import DraftPicker
 
 
 class DraftModelProposer:
@@ -70,29 +65,13 @@ class DraftModelProposer:
         """logits [Bd, Vd] at each item's last token -> drafts [Bd, max k]."""
         dev = self.device
         reqs = [it.request for it in items]
-        # Greedy drafts need only the argmax: no warping, no noise over the vocabulary.
-        all_greedy = all(r.greedy_draft for r in reqs)
-        if not all_greedy:
-            wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
-                                   for r in reqs], dev)
-            greedy = h2d([r.greedy_draft for r in reqs], torch.bool, dev)  # [Bd]
-            seeds = h2d([r.seed for r in reqs], torch.int64, dev)  # [Bd]
-            base = h2d([len(it.tokens) for it in items], torch.int64, dev)  # [Bd]
+        picker = DraftPicker(items, self.q_pool, self.vocab)
         k_max = max(it.k for it in items)
         drafts = torch.zeros(len(items), k_max, dtype=torch.int64, device=dev)  # [Bd, K]
         active = list(range(len(items)))
         for j in range(k_max):
-            logits = self._fit_vocab(logits)  # [A, V]
-            everyone = len(active) == len(items)
-            idx = slice(None) if everyone else h2d(active, torch.int64, dev)  # [A]
-            if all_greedy:
-                drafts[idx, j] = logits.argmax(-1)
-            else:
-                sub = WarpParams(wp.temperature[idx], wp.top_k[idx], wp.top_p[idx], wp.min_p[idx], wp.needs_sort)
-                q = warp(logits, sub)  # [A, V]
-                noise = rng.exponentials(seeds[idx], (base[idx] + j).unsqueeze(-1), rng.DRAFT, self.vocab)[:, 0]
-                drafts[idx, j] = torch.where(greedy[idx], logits.argmax(-1), race(q, noise))  # [A]
-                store_dense_q(self.q_pool, [reqs[i] for i in active], j, q)
+            idx = slice(None) if len(active) == len(items) else h2d(active, torch.int64, dev)  # [A]
+            drafts[idx, j] = picker.pick(self._fit_vocab(logits), active, idx, j)  # [A]
             active = [i for i in active if items[i].k > j + 1]
             if not active:
                 break
@@ -111,10 +90,3 @@ class DraftModelProposer:
         pad = torch.full((logits.shape[0], self.vocab - v), float("-inf"), device=logits.device)
         return torch.cat([logits, pad], dim=-1)
 
-
-def store_dense_q(q_pool: torch.Tensor, reqs: list[Request], j: int, q: torch.Tensor) -> None:
-    """Keep draft position j's q [A, V] of the sampling requests in the pool, in one indexed write."""
-    rows = [a for a, r in enumerate(reqs) if r.q_slot is not None and not r.greedy_draft]
-    if rows:
-        slots = h2d([reqs[a].q_slot for a in rows], torch.int64, q.device)  # [D]
-        q_pool[slots, j] = q[h2d(rows, torch.int64, q.device)]

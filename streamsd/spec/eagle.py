@@ -8,9 +8,7 @@ gives the first draft; drafts 2..k feed the head's own output back as h. Those d
 the head's guesses, not the target's states, so they are never kept: `draft_computed` reports
 only the caught-up slots and the next call recomputes the accepted ones from the target's states.
 
-Drafts follow the draft policy: below the request's greedy threshold the argmax (one-hot q);
-above it a sample from the warped q at the request's own parameters, noise keyed by (seed,
-position, DRAFT), and that q goes to the q pool for the rejection sampler.
+Drafts follow the draft policy (spec/drafting.py).
 """
 
 from __future__ import annotations
@@ -22,11 +20,8 @@ import torch
 from streamsd.model.attention import paged_attention_reference
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
-from streamsd.sampling import rng
-from streamsd.sampling.sampler import race
-from streamsd.sampling.warp import WarpParams, warp
 from streamsd.spec.base import Proposal, ProposeItem
-from streamsd.spec.draft_model import store_dense_q
+from streamsd.spec.drafting import DraftPicker
 from streamsd.spec.eagle_head import EagleHead, HeadAttention
 
 
@@ -102,28 +97,13 @@ class EagleProposer:
         """h [Bd, H]: the head's output at each item's last caught-up slot -> drafts [Bd, max k]."""
         dev = self.device
         reqs = [it.request for it in items]
-        wp: WarpParams | None = None  # built on first need: WarpParams.build copies synchronously
-        # h2d, not torch.tensor(..., device=dev): that one waits for the GPU at every draft step.
-        greedy = h2d([r.greedy_draft for r in reqs], torch.bool, dev)  # [Bd]
-        seeds = h2d([r.seed for r in reqs], torch.int64, dev)  # [Bd]
-        base = h2d([len(it.tokens) for it in items], torch.int64, dev)  # [Bd]
+        picker = DraftPicker(items, self.q_pool, self.vocab)
         k_max = max(it.k for it in items)
         drafts = torch.zeros(len(items), k_max, dtype=torch.int64, device=dev)  # [Bd, K]
         active = list(range(len(items)))
         for j in range(k_max):
-            idx = h2d(active, torch.int64, dev)  # [A]
-            logits = self.head.target_logits(h)  # [A, V]
-            if all(reqs[i].greedy_draft for i in active):  # host-side: no sync on the device mask
-                tok = logits.argmax(-1)  # [A]
-            else:
-                if wp is None:
-                    wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
-                                           for r in reqs], dev)
-                sub = WarpParams(wp.temperature[idx], wp.top_k[idx], wp.top_p[idx], wp.min_p[idx], wp.needs_sort)
-                q = warp(logits, sub)  # [A, V]
-                noise = rng.exponentials(seeds[idx], (base[idx] + j).unsqueeze(-1), rng.DRAFT, self.vocab)[:, 0]
-                tok = torch.where(greedy[idx], logits.argmax(-1), race(q, noise))  # [A]
-                store_dense_q(self.q_pool, [reqs[i] for i in active], j, q)
+            idx = slice(None) if len(active) == len(items) else h2d(active, torch.int64, dev)  # [A]
+            tok = picker.pick(self.head.target_logits(h), active, idx, j)  # [A]
             drafts[idx, j] = tok
             keep = [a for a, i in enumerate(active) if items[i].k > j + 1]
             if not keep:
