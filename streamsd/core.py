@@ -52,6 +52,17 @@ class _Tracker:
 
 
 @dataclass(slots=True)
+class Turn:
+    """One step of EngineCore.run: the outputs it released (the previous step's text, and stops)
+    and the plan it executed, with where its time went."""
+
+    outputs: list[RequestOutput]
+    plan: StepPlan
+    execute_s: float  # the step's execution; the previous step's text work ran meanwhile
+    serial_s: float  # planning and applying results: host work the GPU waits for
+
+
+@dataclass(slots=True)
 class Emission:
     """A step whose tokens are applied and whose text is still to be made."""
 
@@ -184,21 +195,24 @@ class EngineCore:
         self._stopped.clear()
         return outputs
 
-    def run(self) -> Iterator[list[RequestOutput]]:
+    def run(self) -> Iterator[Turn]:
         """Steps until idle, each step's text work overlapping the next step's execution (the
-        offline counterpart of AsyncEngine's loop); yields each step's outputs."""
+        offline counterpart of AsyncEngine's loop); yields one Turn per step."""
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamsd-worker") as pool:
             em: Emission | None = None
             while em is not None or self.has_work:
+                t0 = time.perf_counter()
                 plan, aborted = self.begin()
+                t1 = time.perf_counter()
                 running = pool.submit(self.execute, plan) if plan.entries else None
                 if running is not None:
                     self.wait_launched()
                 outputs = self.emit(em, defer_stops=running is not None)
                 results = running.result() if running is not None else []
+                t2 = time.perf_counter()
                 outputs += self.settle()
                 em = self.finish_step(plan, results, aborted)
-                yield outputs
+                yield Turn(outputs, plan, execute_s=t2 - t1, serial_s=(t1 - t0) + (time.perf_counter() - t2))
 
     def begin(self) -> tuple[StepPlan, list[Request]]:
         """The next step's plan (empty when only emissions are left), before it is submitted."""

@@ -96,8 +96,8 @@ class LLM:
             self.core.add_request(rid, prompt_ids, p)
             order.append(rid)
             results[rid] = GenerationResult(rid, text, prompt_ids, [CompletionOutput(0, "", [], None)], SpecStats())
-        for outputs in self.core.run():
-            for out in outputs:
+        for turn in self.core.run():
+            for out in turn.outputs:
                 self._merge(results[out.request_id], out)
         return [results[r] for r in order]
 

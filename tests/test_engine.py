@@ -329,7 +329,7 @@ def test_pipelined_steps_match_sequential_steps_with_stop_strings(tiny_model_dir
         return outs
 
     llm.core.settle = counting_settle
-    pipelined = collect(llm.core.run())
+    pipelined = collect(turn.outputs for turn in llm.core.run())
     assert settled, "no stop string was found under a running step: the deferred path went untested"
     _assert_free(llm)
     sequential = collect(sequential)
@@ -366,8 +366,8 @@ def test_a_step_failing_under_a_deferred_stop_ends_each_request_once(tiny_model_
     core.add_request("bystander", core.encode_prompt(PROMPTS[0]),
                      SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     finals: dict[str, list[str]] = {}
-    for outputs in core.run():
-        for o in outputs:
+    for turn in core.run():
+        for o in turn.outputs:
             if o.finished:
                 finals.setdefault(o.request_id, []).append(o.finish_reason)
     assert finals == {"stopper": ["stop"], "bystander": ["error"]}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,39 +89,24 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
     decode_steps: list[float] = []
     sync(rt.worker.device)
     t0 = time.perf_counter()
-    em = None
-    # EngineCore.run's pipeline, timed in its parts: step N+1 executes while step N is detokenised.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        while em is not None or core.has_work:
-            t1 = time.perf_counter()
-            plan, aborted = core.begin()
-            # Read before the step: its update moves each request on, and `verifies` with it.
-            decoding = bool(plan.entries) and all(e.verifies and e.num_tokens == 1 for e in plan.entries)
-            t2 = time.perf_counter()
-            running = pool.submit(core.execute, plan) if plan.entries else None
-            if running is not None:
-                core.wait_launched()
-            outs = core.emit(em, defer_stops=running is not None)
-            results = running.result() if running is not None else []
-            t3 = time.perf_counter()
-            outs += core.settle()
-            em = core.finish_step(plan, results, aborted)
-            now = time.perf_counter()
-            host += (t2 - t1) + (now - t3)  # the serial part; emit overlaps the execution
-            execute += t3 - t2
-            steps += 1
-            if decoding:
-                decode_steps.append(now - t1)
-            for o in outs:
-                if o.error:
-                    raise RuntimeError(f"request {o.request_id} failed: {o.error}")
-                if o.step_drafted:
-                    tested += min(o.step_accepted + 1, o.step_drafted)
-                if o.token_ids:
-                    first.setdefault(o.request_id, now)
-                    last[o.request_id] = now
-                    counts[o.request_id] += len(o.token_ids)
-                    outputs[o.request_id].extend(o.token_ids)
+    for turn in core.run():  # the engine's own pipeline: step N+1 executes while step N is detokenised
+        now = time.perf_counter()
+        host += turn.serial_s
+        execute += turn.execute_s
+        steps += 1
+        # Every entry one token (a decode or a verify, at worst a prompt's one-token tail): no prompt chunk.
+        if turn.plan.entries and all(e.num_tokens == 1 for e in turn.plan.entries):
+            decode_steps.append(turn.serial_s + turn.execute_s)
+        for o in turn.outputs:
+            if o.error:
+                raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+            if o.step_drafted:
+                tested += min(o.step_accepted + 1, o.step_drafted)
+            if o.token_ids:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
+                counts[o.request_id] += len(o.token_ids)
+                outputs[o.request_id].extend(o.token_ids)
     wall = time.perf_counter() - t0
     tpots = [(last[r] - first[r]) / (counts[r] - 1) for r in ids if counts[r] > 1]
     st = core.totals
