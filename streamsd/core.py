@@ -152,8 +152,8 @@ class EngineCore:
         em = Emission(outputs=[self._final(r, FinishReason.ABORT) for r in aborted if r.request_id in self.trackers])
         if isinstance(results, BaseException):
             for e in plan.entries:
-                if e.request.request_id not in self.trackers:
-                    continue  # finished meanwhile (a stop string `settle` applied): it already has its end
+                if e.request.finished:
+                    continue  # as in `update`: finished meanwhile (a stop `settle` applied), it has its end
                 self.scheduler.finish(e.request, FinishReason.ERROR)
                 em.outputs.append(self._final(e.request, FinishReason.ERROR, error=f"internal error: {results}"))
             return em

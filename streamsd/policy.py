@@ -105,9 +105,10 @@ class AdaptivePolicy:
             # left out, their share of the time is not the plain step's.
             batch, prefill = self.unplanned
             if batch and not prefill and seconds > 0:
-                predicted = self.cost.predict(batch, batch, 0)
+                raw = self.cost.predict_raw(batch, batch, 0)
+                predicted = raw * self.cost.ratio(batch, batch_size=batch)  # what `predict` returns
                 self.cost.observe(predicted, seconds, verify_tokens=batch, batch_size=batch)
-                self._record_error(0, predicted, self.cost.predict_raw(batch, batch, 0), seconds)
+                self._record_error(0, predicted, raw, seconds)
             return
         for r, drafted, accepted in verified:
             if r.acceptance is not None:

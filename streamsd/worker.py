@@ -95,6 +95,7 @@ class Worker:
     # -- verification -------------------------------------------------------------------------
     def _verify(self, entries: list[Scheduled], logits: torch.Tensor) -> Verified:
         if not entries:
+            self.launched.set()  # a prompt-chunk step: nothing to read back, its work is queued
             return Verified([], [], [])
         dev = self.device
         reqs = [e.request for e in entries]
