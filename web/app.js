@@ -318,23 +318,19 @@ function keepFocus() {
 }
 
 function finishTurn(turn, finish) {
-  const stick = nearBottom();
-  turn.status = "done";
   turn.finish = finish;
-  if (state.active === turn) state.active = null;
-  renderReply(turn);
-  renderFooter(turn);
-  if (stick) scrollToBottom();
-  renderStats();
-  updateControls();
-  keepFocus();
-  announce(finish === "cancelled" ? "Reply stopped." : "Reply finished.");
+  endTurn(turn, "done", finish === "cancelled" ? "Reply stopped." : "Reply finished.");
 }
 
 function failTurn(turn, message) {
-  const stick = nearBottom();
-  turn.status = "failed";
   turn.error = message;
+  endTurn(turn, "failed", `Reply failed: ${message}`);
+}
+
+/** A reply is over (done or failed): redraw it, free the composer, tell screen readers. */
+function endTurn(turn, status, announcement) {
+  const stick = nearBottom();
+  turn.status = status;
   if (state.active === turn) state.active = null;
   renderReply(turn);
   renderFooter(turn);
@@ -342,7 +338,7 @@ function failTurn(turn, message) {
   renderStats();
   updateControls();
   keepFocus();
-  announce(`Reply failed: ${message}`);
+  announce(announcement);
 }
 
 function newChat() {
