@@ -15,9 +15,7 @@ Besides TPOT, `decode_step_ms` is the median wall time of the steps in which eve
 verifies (no prompt chunk in it) and `decode_step_floor_ratio` its ratio to the floor step: at a
 large batch TPOT also carries the prefill chunks of requests still starting.
 
-With `--speculation-policy adaptive`, each pass gets a fresh policy: what a warm-up pass taught it
-about acceptance must not decide the measured one. Its cost table (profiled once at start-up) keeps
-the online corrections of the passes before, as a running server's does.
+With `--speculation-policy adaptive`, each pass gets a fresh policy (offline_cells.Policies).
 Each adaptive cell reports the policy's predicted vs measured step time (`pred_err_pct`: mean
 |predicted / measured - 1| over the steps it planned and the plain steps between plans that carried
 no prompt chunk, with the online correction; `_raw`: the start-up table alone), the share of plain
@@ -35,7 +33,7 @@ from typing import Any
 import torch
 
 from streamsd.bench import offline_run as R
-from streamsd.bench.offline_cells import hf_cells, make_cell, spec_cell
+from streamsd.bench.offline_cells import Policies, hf_cells, make_cell, spec_cell
 from streamsd.bench.offline_report import plot, print_table
 from streamsd.config import EngineConfig, SpecConfig
 from streamsd.runtime import Runtime, build_runtime
@@ -91,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     draft_args = _draft_args(rt)
     cells: list[dict[str, Any]] = []
     hf = None if args.no_hf else R.hf_model(rt.model_dir, rt.worker.target, dev, dtype)
+    policies = Policies(k) if args.speculation_policy == "adaptive" else None
     for b in batches:
         prompts = prompts_all[: args.num_prompts or b]
         mean_ctx = sum(map(len, prompts)) / len(prompts) + max_tokens / 2
@@ -101,27 +100,28 @@ def run(args: argparse.Namespace) -> int:
         plain = R.engine_pass(rt, plain_spec, prompts, max_tokens, b, speculative=False)
         cells.append(make_cell("streamsd", "plain", b, plain, floor_ms=floor_plain, tokens_per_step=1.0))
         for alpha in alphas if method == "synthetic" else [None] if method != "none" else []:
-            cells.append(spec_cell(rt, spec, args, prompts, b, plain, mean_ctx, dtype, draft_args, alpha))
+            cells.append(spec_cell(rt, spec, args, prompts, b, plain, mean_ctx, dtype, draft_args, policies, alpha))
         if hf is not None:
             cells.extend(hf_cells(rt, hf, args, prompts, b, cells, dev, dtype))
-        doc = _doc(args, rt, alphas, cells)
+        doc = _doc(args, rt, alphas, cells, policies)
         if args.output_json:  # after every batch size: a run cut short by a time limit keeps its cells
             with open(args.output_json, "w") as f:
                 json.dump(doc, f, indent=1)
-    doc = _doc(args, rt, alphas, cells)
+    doc = _doc(args, rt, alphas, cells, policies)
     print_table(doc)
     if args.plot:
         plot(doc, args.plot)
     return 0
 
 
-def _doc(args: argparse.Namespace, rt: Runtime, alphas: list[float], cells: list[dict[str, Any]]) -> dict[str, Any]:
+def _doc(args: argparse.Namespace, rt: Runtime, alphas: list[float], cells: list[dict[str, Any]],
+         policies: Policies | None) -> dict[str, Any]:
     dev, dtype = rt.worker.device, rt.worker.target.model.embed_tokens.weight.dtype
     synthetic = args.speculative_method == "synthetic"
     return {
         "command": "streamsd bench offline", "model": args.model, "draft_model": args.draft_model,
         "method": args.speculative_method, "k": args.num_speculative_tokens,
-        "speculation_policy": args.speculation_policy, "profile": getattr(args, "_profile", None),
+        "speculation_policy": args.speculation_policy, "profile": policies.profile if policies else None,
         "acceptance_rate": (alphas[0] if len(alphas) == 1 else alphas) if synthetic else None,
         "max_tokens": args.max_tokens, "device": _device_name(dev), "dtype": str(dtype).replace("torch.", ""),
         "hbm_bytes_per_s": R.HBM_BYTES_PER_S, "cuda_graphs": rt.worker.graphs is not None,

@@ -8,11 +8,13 @@ import argparse
 import copy
 import dataclasses
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from streamsd.adaptive import CostTable
 from streamsd.bench import offline_run as R
 from streamsd.config import SpecConfig
 from streamsd.policy import AdaptivePolicy
@@ -22,46 +24,50 @@ from streamsd.runtime import Runtime
 WARM_PASSES = 3  # at most: synthetic warm-up passes that record oracle branches
 
 
-def with_policy(rt: Runtime, args: argparse.Namespace, k: int, learned: Runtime | None = None) -> Runtime:
-    """A fresh adaptive policy (over a copy of the cost table profiled once), or the runtime as is.
+@dataclass(slots=True)
+class Policies:
+    """The adaptive policy of each pass. Each pass gets a fresh one: what a warm-up pass taught it
+    about acceptance must not decide the measured one. Its cost table is profiled once (at the
+    first cell's context) and keeps the online corrections of the passes before, as a running
+    server's does: step costs are the machine's, not the requests'."""
 
-    With `learned` (an earlier pass's runtime), the new policy starts from that pass's corrected cost
-    table, as a running server's would: step costs are the machine's, not the requests'. What it
-    learned about acceptance stays behind."""
-    if args.speculation_policy != "adaptive":
-        return rt
-    if learned is not None and isinstance(learned.policy, AdaptivePolicy):
-        args._cost = learned.policy.cost
-    cost = getattr(args, "_cost", None)
-    if cost is None:
-        # Capture every graph the cells will use first (the bench would anyway): the profile's time
-        # budget then goes to timing, not to captures, and no bucket is left extrapolated.
-        R.capture_graphs(rt, rt.scheduler_config.max_num_seqs)
-        t0 = time.perf_counter()
-        cost = args._cost = profile_worker(rt.worker, rt.scheduler_config.max_num_seqs,
-                                           rt.scheduler_config.max_num_batched_tokens, k,
-                                           context=getattr(args, "_profile_context", 256))
-        shape = cost.shape
-        args._profile = {
-            "seconds": round(time.perf_counter() - t0, 3), "context": getattr(args, "_profile_context", 256),
-            "graphs": rt.worker.graphs is not None,
-            "widths": list(shape.widths) if shape else [],
-            "step_ms": {str(b): [round(t * 1e3, 4) for t in row]
-                        for b, row in zip(shape.batches, shape.values, strict=True)} if shape else {},
-            "cells_timed": shape.timed if shape else 0,
-        }
-    return dataclasses.replace(rt, policy=AdaptivePolicy(k, copy.deepcopy(cost),
-                                               draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False)))
+    k: int
+    cost: CostTable | None = None
+    profile: dict[str, Any] | None = None  # how the table was made, for the JSON
+
+    def fresh(self, rt: Runtime, context: int, learned: Runtime | None = None) -> Runtime:
+        """`rt` with a new policy, its table corrected by `learned`'s passes if given."""
+        if learned is not None and isinstance(learned.policy, AdaptivePolicy):
+            self.cost = learned.policy.cost
+        if self.cost is None:
+            t0 = time.perf_counter()  # profile_costs captures the graphs it times outside its budget
+            self.cost = profile_worker(rt.worker, rt.scheduler_config.max_num_seqs,
+                                       rt.scheduler_config.max_num_batched_tokens, self.k, context=context)
+            shape = self.cost.shape
+            self.profile = {
+                "seconds": round(time.perf_counter() - t0, 3), "context": context,
+                "graphs": rt.worker.graphs is not None,
+                "widths": list(shape.widths) if shape else [],
+                "step_ms": {str(b): [round(t * 1e3, 4) for t in row]
+                            for b, row in zip(shape.batches, shape.values, strict=True)} if shape else {},
+                "cells_timed": shape.timed if shape else 0,
+            }
+        return dataclasses.replace(rt, policy=AdaptivePolicy(
+            self.k, copy.deepcopy(self.cost), draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False)))
 
 
 def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: list[list[int]], b: int,
-              plain: R.PassResult, mean_ctx: float, dtype: torch.dtype, draft_args,
+              plain: R.PassResult, mean_ctx: float, dtype: torch.dtype, draft_args, policies: Policies | None,
               alpha: float | None = None) -> dict[str, Any]:
-    """One speculative cell; ``alpha``: the synthetic proposer's acceptance (synthetic only)."""
+    """One speculative cell; ``policies``: adaptive k (None: fixed); ``alpha``: the synthetic
+    proposer's acceptance (synthetic only)."""
     from streamsd.spec.synthetic import SyntheticProposer
 
     k, method = spec.num_tokens, args.speculative_method
-    args._profile_context = round(mean_ctx)  # the cost table is timed at the bench's own context
+
+    def with_policy(learned: Runtime | None = None) -> Runtime:
+        return rt if policies is None else policies.fresh(rt, round(mean_ctx), learned)
+
     desyncs = plain_vs_spec = None
     warm_desyncs: list[int] = []
     if method == "synthetic":
@@ -75,7 +81,7 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
         # spec/synthetic.py); a second one only when the first left the oracle somewhere.
         rt_w: Runtime | None = None
         for _ in range(WARM_PASSES):
-            rt_w = with_policy(rt, args, k, rt_w)
+            rt_w = with_policy(rt_w)
             warm = R.engine_pass(rt_w, spec, prompts, args.max_tokens, b, speculative=True)
             warm_desyncs.append(prop.counters.desyncs)
             if plain_vs_spec is None:
@@ -84,9 +90,9 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
             if not warm_desyncs[-1]:
                 break
     else:
-        rt_w = with_policy(rt, args, k)
+        rt_w = with_policy()
         R.engine_pass(rt_w, spec, prompts, min(8, args.max_tokens), b, speculative=True)
-    rt_m = with_policy(rt, args, k, rt_w)
+    rt_m = with_policy(rt_w)
     res = R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True)
     if method == "synthetic":
         desyncs = rt.worker.proposer.counters.desyncs
