@@ -31,24 +31,25 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SLOW_PASS_S = 0.05  # a pass this slow is timed once: its noise is small next to it, the budget is not
 
 
-def _sync(dev: torch.device) -> None:
+def sync(dev: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on the CPU)."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
 def _median_time(fn: Any, dev: torch.device, repeats: int) -> float:
     """Median seconds of ``fn()``; the first call warms up (captures a graph, compiles, allocates)."""
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     fn()
-    _sync(dev)
+    sync(dev)
     if time.perf_counter() - t0 > SLOW_PASS_S:
         repeats = 1
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(dev)
+        sync(dev)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -65,10 +66,10 @@ def _time_pass(model: Transformer, cache: PagedKVCache, n: int, context: int, re
     return _median_time(lambda: model(ids, layout, cache, rows), dev, repeats)
 
 
-def _time_step(model: Transformer, cache: PagedKVCache, runner: GraphRunner | None, batch: int, width: int,
+def time_step(model: Transformer, cache: PagedKVCache, runner: GraphRunner | None, batch: int, width: int,
                context: int, repeats: int) -> float:
-    """One decode/verify pass over `batch` requests × `width` tokens, each after `context` cached tokens,
-    through the (batch, width) graph when there is a runner. Requests get blocks of their own while the
+    """Seconds of one decode/verify pass over `batch` requests × `width` tokens, each after `context`
+    cached tokens, through the graph such a step replays when there is one. Requests get blocks of their own while the
     pool has them, then share (the values written are garbage either way; only the time matters)."""
     bs = cache.block_size
     usable = cache.num_blocks - 1  # the last block is the graphs' scratch block
@@ -80,9 +81,7 @@ def _time_step(model: Transformer, cache: PagedKVCache, runner: GraphRunner | No
     ids = [0] * (batch * width)
     rows = list(range(batch * width))
     dev = cache.data.device
-    if runner is not None:
-        return _median_time(lambda: runner.run((batch, width), ids, starts, counts, tables, rows), dev, repeats)
-    return _median_time(lambda: forward_logits(model, None, cache, ids, starts, counts, tables, rows, dev), dev,
+    return _median_time(lambda: forward_logits(model, runner, cache, ids, starts, counts, tables, rows, dev), dev,
                         repeats)
 
 
@@ -118,13 +117,13 @@ def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer |
     for b, w in cells:
         if over() and steps:
             break  # the rest are extrapolated by ShapeTable.from_samples
-        steps[(b, w)] = _time_step(target, cache, graphs, b, w, context, repeats)
+        steps[(b, w)] = time_step(target, cache, graphs, b, w, context, repeats)
     drafts = {}
     if draft is not None and draft_cache is not None:
         for b in batches:
             if over() and drafts:
                 break  # StepTable extrapolates past its last edge
-            drafts[b] = _time_step(draft, draft_cache, draft_graphs, b, 1, context, repeats)
+            drafts[b] = time_step(draft, draft_cache, draft_graphs, b, 1, context, repeats)
     return CostTable.from_samples(prefill, drafts, shape=ShapeTable.from_samples(
         steps, padded=graphs is not None, batches=batches, widths=widths))
 

@@ -15,8 +15,8 @@ import torch
 from streamsd.config import SpecConfig
 from streamsd.core import EngineCore
 from streamsd.model.arch import ModelArgs
-from streamsd.model.graphs import forward_logits
 from streamsd.model.llama import Transformer
+from streamsd.profiling import sync, time_step
 from streamsd.request import SamplingParams
 from streamsd.runtime import Runtime
 
@@ -64,11 +64,6 @@ class PassResult:
     def tau(self) -> float:
         """Mean tokens per verify step, the bonus token included."""
         return self.emitted / self.verify_steps if self.verify_steps else 0.0
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tokens: int, batch: int,
@@ -133,20 +128,6 @@ def capture_graphs(rt: Runtime, batch: int) -> None:
                     runner._capture(bucket, width)
 
 
-def step_time_ms(model: Transformer, rt: Runtime, cache: Any, graphs: Any, batch: int, repeats: int = 20) -> float:
-    """Time of one single-token forward at `batch` (through its graph when there is one)."""
-    dev = rt.worker.device
-    scratch = cache.num_blocks - 1  # writes only the scratch block
-    args = ([1] * batch, [0] * batch, [1] * batch, [[scratch]] * batch, list(range(batch)), dev)
-    forward_logits(model, graphs, cache, *args)
-    sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        forward_logits(model, graphs, cache, *args)
-    sync(dev)
-    return 1e3 * (time.perf_counter() - t0) / repeats
-
-
 def draft_cost_ratio(rt: Runtime, batch: int) -> float:
     """c: one draft-model step over one target step at this batch size (0 without a draft model)."""
     proposer = rt.worker.proposer
@@ -154,8 +135,9 @@ def draft_cost_ratio(rt: Runtime, batch: int) -> float:
     draft = getattr(proposer, "model", None)
     if not isinstance(draft, Transformer):
         return 0.0
-    t_draft = step_time_ms(draft, rt, proposer.cache, getattr(proposer, "graphs", None), batch)
-    t_target = step_time_ms(rt.worker.target, rt, rt.worker.cache, rt.worker.graphs, batch)
+    # Timed the way the adaptive policy's start-up profile times a step: B requests x 1 token.
+    t_draft = time_step(draft, proposer.cache, getattr(proposer, "graphs", None), batch, 1, 0, 20)
+    t_target = time_step(rt.worker.target, rt.worker.cache, rt.worker.graphs, batch, 1, 0, 20)
     return t_draft / t_target
 
 
