@@ -147,6 +147,8 @@ def test_adaptive_synthetic_acceptance_in_every_cell(tmp_path, tiny_model_dir):
         assert spec["pred_err_pct"] is not None and spec["adaptive"]["observed_steps"] > 0, b
         for c in (spec, plain):  # the decode-only step time, besides TPOT
             assert c["decode_steps"] > 0 and c["decode_step_ms"] > 0 and c["decode_step_floor_ratio"] > 0, b
+            assert c["decode_tokens_per_s"] > 0, b
+        assert spec["decode_speedup"] > 0, b
     assert cells[("plain", 1)]["acceptance"] is None  # nothing drafted: no acceptance, not 0
 
 

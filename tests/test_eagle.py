@@ -274,6 +274,52 @@ def test_cuda_eagle_greedy_is_exact_through_graphs(tiny_model_dir, heads):
         _assert_free(llm)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_cuda_eagle_graph_drafts_equal_eager_drafts(tiny_model_dir, heads, kind):
+    """A propose call as one replay (catch-up + greedy draft chain, spec/eagle_graphs.py) drafts what the
+    eager head drafts: the same drafted and accepted counts at every depth, for every request, and
+    the plain output. Near the end of an answer k is capped by the tokens left, so rows that want
+    fewer drafts than the graph makes run too (their surplus steps write to the scratch block)."""
+    plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32")
+    want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS, greedy_params())]
+    stats = {}
+    for graphs in (True, False):
+        llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]), device="cuda",
+                  dtype="float32")
+        proposer = llm.core.rt.worker.proposer
+        assert proposer.graphs is not None
+        if not graphs:
+            proposer.graphs = None
+        res = llm.generate(PROMPTS, greedy_params())
+        assert [r.outputs[0].token_ids for r in res] == want
+        stats[graphs] = [(r.spec_stats.drafted, r.spec_stats.accepted, list(r.spec_stats.accepted_per_pos))
+                         for r in res]
+        if graphs:
+            assert proposer.graphs.replays > 0 and len({k[1] for k in proposer.graphs.graphs}) > 1
+        _assert_free(llm)
+    assert stats[True] == stats[False] and sum(s[1] for s in stats[True]) > 0
+
+
+def test_graph_chain_steps_write_only_where_a_draft_is_wanted(tiny_model_dir, heads):
+    """The host layout of chain step j: a row that wants more than j + 1 drafts writes its head slot at
+    (first draft's position - 1 + j) in its own blocks; a row that wants fewer writes to the scratch
+    block (its KV past its reservation is not its own), and so do the bucket's padding rows."""
+    from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.spec.eagle_graphs import EagleGraphs
+
+    head = load_head(heads["eagle3"], _target(tiny_model_dir), CPU, torch.float32)
+    cache = PagedKVCache(head.spec.args, 10, 16, torch.float32, CPU)
+    graphs = EagleGraphs(head, cache, None, scratch=9, max_blocks=8, width=5, stream_dtype=torch.float32, device=CPU)
+    tables, ks, first = [[3, 4], [5]], [4, 1], [20, 7]
+    for j, (pos0, slot0) in enumerate([(19, 4 * 16 + 3), (20, 4 * 16 + 4), (21, 4 * 16 + 5)]):
+        host = graphs._chain_step(j, tables, ks, first, bucket=4)
+        positions, slots, ctx = host[4:8], host[8:12], host[12:16]
+        assert positions[0] == pos0 and slots[0] == slot0 and ctx[0] == pos0 + 1
+        assert slots[1] // 16 == 9 and all(s // 16 == 9 for s in slots[2:])  # row 1 wants 1 draft: no chain
+
+
 def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadline(tiny_model_dir):
     """`answer` keeps the streams its generating forwards computed: they equal a separate prefill pass
     over each answer, with preemption by recompute in between (a small KV pool), and when a deadline
@@ -315,13 +361,13 @@ def test_self_written_prompts_start_from_varied_openers(tiny_model_dir, tiny_tok
     assert written_prompt("", "Tell me about the sea and its colours.", "stop") is not None
     llm = LLM(str(tiny_model_dir))
     seen: list[str] = []
-    real_generate = llm.generate
+    real_add = llm.core.add_request
 
-    def recording_generate(prompts, params):  # the real generate; only its inputs are noted
-        seen.extend(tiny_tokenizer.decode(p) for p in prompts)
-        return real_generate(prompts, params)
+    def recording_add(rid, prompt_ids, params):  # the real engine; only its inputs are noted
+        seen.append(tiny_tokenizer.decode(prompt_ids))
+        return real_add(rid, prompt_ids, params)
 
-    llm.generate = recording_generate
+    llm.core.add_request = recording_add
     openers = ("Write a Python function that", "Imagine you are", "")
     self_prompts(llm, 2, seed=3, avoid=set(), max_tokens=8, openers=openers)
     assert len(seen) >= 6

@@ -106,6 +106,8 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
                 same_output_as_plain=res.outputs == plain.outputs)
     if plain.decode_step_ms and res.decode_step_ms:
         cell["decode_step_vs_plain"] = round(res.decode_step_ms / plain.decode_step_ms, 3)
+    if plain.decode_tokens_per_s and res.decode_tokens_per_s:
+        cell["decode_speedup"] = round(res.decode_tokens_per_s / plain.decode_tokens_per_s, 3)
     if method == "synthetic":  # how far the verify-shaped numerics strayed from plain decoding
         cell.update(acceptance_rate=alpha, warm_desyncs=warm_desyncs[0], warm_desyncs_per_pass=warm_desyncs,
                     requests_differing_from_plain=plain_vs_spec)
@@ -154,6 +156,7 @@ def make_cell(engine: str, method: str, b: int, r: R.PassResult, *, floor_ms: fl
         "draft_acceptance": round(r.acceptance, 4), "drafts_tested": r.tested, "tau": round(r.tau, 3),
         "decode_step_ms": None if r.decode_step_ms is None else round(r.decode_step_ms, 3),
         "decode_steps": r.decode_steps,
+        "decode_tokens_per_s": None if r.decode_tokens_per_s is None else round(r.decode_tokens_per_s, 1),
         "decode_step_floor_ratio": round(r.decode_step_ms / floor_ms, 3) if r.decode_step_ms and floor_ms else None,
         "host_ms_per_step": round(r.host_ms, 3), "execute_ms_per_step": round(r.execute_ms, 3),
         "floor_step_ms": round(floor_ms, 3), "floor_tpot_ms": round(floor_tpot, 3),

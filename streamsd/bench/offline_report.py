@@ -9,6 +9,7 @@ COLUMNS = (  # (JSON key, header, format)
     ("tpot_ms", "TPOT ms", "{:.2f}"),
     ("tokens_per_s", "tok/s", "{:.0f}"), ("acceptance", "α", "{:.2f}"), ("tau", "τ", "{:.2f}"), ("c", "c", "{:.3f}"),
     ("analytic_speedup", "analytic", "{:.2f}×"), ("measured_speedup", "measured", "{:.2f}×"),
+    ("decode_speedup", "decode ×plain", "{:.2f}×"),
     ("spec_efficiency", "spec eff", "{:.2f}"), ("floor_tpot_ms", "floor ms", "{:.2f}"),
     ("floor_ratio", "÷floor", "{:.2f}×"), ("decode_step_ms", "decode step ms", "{:.2f}"),
     ("decode_step_floor_ratio", "step÷floor", "{:.2f}×"), ("host_ms_per_step", "host ms/step", "{:.2f}"),
@@ -30,7 +31,7 @@ def print_table(doc: dict[str, Any]) -> None:
              + (f", SYNTHETIC acceptance α={doc['acceptance_rate']}" if doc.get("acceptance_rate") is not None else "")
              + (f", {doc['speculation_policy']} k" if doc.get("speculation_policy") else ""))
     note = ("decode step ms: median wall time of steps with no prefill chunk (TPOT also carries other requests' "
-            "prefill); step÷floor: that ÷ the HBM floor step; pred err %: mean |predicted/measured − 1| of the "
+            "prefill); decode ×plain: tokens/s of those steps over plain's; step÷floor: that ÷ the HBM floor step; pred err %: mean |predicted/measured − 1| of the "
             "adaptive policy's step times")
     try:
         from rich.console import Console

@@ -19,6 +19,7 @@ from streamsd.model.llama import Transformer
 from streamsd.profiling import sync, time_step
 from streamsd.request import SamplingParams
 from streamsd.runtime import Runtime
+from streamsd.spec.eagle_graphs import EagleGraphs
 
 HBM_BYTES_PER_S = 4.25e12  # measured device-to-device copy bandwidth of the lent H200 (GPU.md)
 
@@ -43,6 +44,10 @@ class PassResult:
     # large batch also carries other requests' prefill chunks. None when no step was one.
     decode_step_ms: float | None = None
     decode_steps: int = 0
+    # Tokens those decode-only steps emitted per second of their wall time: speculation's gain in the
+    # steady state. TPOT at B >= 128 is mostly where the prompts' chunks landed (all prompts arrive
+    # at once and a spec step's verify tokens share the token budget with them).
+    decode_tokens_per_s: float | None = None
 
     @property
     def alpha(self) -> float | None:
@@ -82,6 +87,7 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
     steps = tested = 0
     host = execute = 0.0
     decode_steps: list[float] = []
+    decode_tokens = 0
     sync(rt.worker.device)
     t0 = time.perf_counter()
     for turn in core.run():  # the engine's own pipeline: step N+1 executes while step N is detokenised
@@ -92,6 +98,7 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
         # Every entry one token (a decode or a verify, at worst a prompt's one-token tail): no prompt chunk.
         if turn.plan.entries and all(e.num_tokens == 1 for e in turn.plan.entries):
             decode_steps.append(turn.serial_s + turn.execute_s)
+            decode_tokens += sum(len(o.token_ids) for o in turn.outputs)
         for o in turn.outputs:
             if o.error:
                 raise RuntimeError(f"request {o.request_id} failed: {o.error}")
@@ -112,6 +119,7 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
         tested=tested, host_ms=1e3 * host / max(steps, 1), execute_ms=1e3 * execute / max(steps, 1),
         decode_step_ms=1e3 * statistics.median(decode_steps) if decode_steps else None,
         decode_steps=len(decode_steps),
+        decode_tokens_per_s=decode_tokens / sum(decode_steps) if decode_steps else None,
     )
 
 
@@ -119,6 +127,13 @@ def capture_graphs(rt: Runtime, batch: int) -> None:
     """Capture every bucket a pass over `batch` requests can use, so no capture lands in a timing."""
     runners = [rt.worker.graphs, getattr(rt.worker.proposer, "graphs", None),
                getattr(getattr(rt.worker.proposer, "inner", None), "graphs", None)]
+    eagle = getattr(rt.worker.proposer, "graphs", None)
+    if isinstance(eagle, EagleGraphs):  # one graph per (bucket, drafts): catch-up and chain
+        runners.remove(eagle)
+        for bucket in [b for b in eagle.buckets if b < batch] + [b for b in eagle.buckets if b >= batch][:1]:
+            for steps in range(eagle.width):
+                if (bucket, steps) not in eagle.graphs:
+                    eagle._capture(bucket, steps)
     for runner in (r for r in runners if r is not None):
         small = [b for b in runner.cfg.buckets if b < batch]
         top = [b for b in runner.cfg.buckets if b >= batch][:1]

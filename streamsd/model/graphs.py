@@ -216,3 +216,5 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
                                 hidden_layers=tuple(getattr(proposer, "hidden_layers", ())))
     if isinstance(draft, Transformer) and hasattr(proposer, "graphs"):
         proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, cfg, worker.device)
+    if hasattr(proposer, "enable_graphs"):  # an EAGLE head: catch-up and draft chain in one graph
+        proposer.enable_graphs(scratch_block, cfg.max_blocks, width=k + 1)

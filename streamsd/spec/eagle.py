@@ -8,7 +8,8 @@ gives the first draft; drafts 2..k feed the head's own output back as h. Those d
 the head's guesses, not the target's states, so they are never kept: `draft_computed` reports
 only the caught-up slots and the next call recomputes the accepted ones from the target's states.
 
-Drafts follow the draft policy (spec/drafting.py).
+Drafts follow the draft policy (spec/drafting.py). On CUDA a call whose drafts are all greedy is
+one graph replay (spec/eagle_graphs.py); sampled drafts and prefill catch-ups run eagerly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.spec.base import Proposal, ProposeItem
 from streamsd.spec.drafting import DraftPicker
+from streamsd.spec.eagle_graphs import EagleGraphs
 from streamsd.spec.eagle_head import EagleHead, HeadAttention
 
 
@@ -39,6 +41,15 @@ class EagleProposer:
         self.scale = head.spec.args.head_dim ** -0.5
         #: residual streams the worker must return for every computed token row
         self.hidden_layers: tuple[int, ...] = head.input_layers
+        self.graphs: EagleGraphs | None = None
+
+    def enable_graphs(self, scratch_block: int, max_blocks: int, width: int) -> None:
+        """CUDA graphs for greedy calls whose catch-ups fit `width` tokens (see spec/eagle_graphs.py);
+        only when the head can use the target's attention kernel."""
+        if self.head.spec.args.head_dim == self.target.args.head_dim and self.device.type == "cuda":
+            dtype = self.target.model.embed_tokens.weight.dtype
+            self.graphs = EagleGraphs(self.head, self.cache, self.target.attend, scratch_block, max_blocks, width,
+                                      dtype, self.device)
 
     def _attend(self, layout: BatchLayout) -> HeadAttention:
         kc, vc = self.cache.layer(0)
@@ -76,12 +87,25 @@ class EagleProposer:
             feats.append(it.hidden[start - it.hidden_start : end - it.hidden_start])
         if not work:
             return results
+        # Draft only from a fully caught-up slot (a prefill chunk may stop short of the prompt's end).
+        wants = [it.k if it.k > 0 and s + c == it.upto else 0 for (_, it), s, c in zip(work, starts, counts, strict=True)]
+        tables = [it.request.blocks for _, it in work]
+        key = None
+        if self.graphs is not None and all(it.request.greedy_draft for (_, it), k in zip(work, wants, strict=True) if k):
+            key = self.graphs.key_for(counts, tables, max(wants))
+        if key is not None:
+            assert self.graphs is not None
+            drafts = self.graphs.run(key, ids, torch.cat(feats), starts, counts, tables, wants,
+                                     [len(it.tokens) for _, it in work]).tolist()  # [n, steps]
+            for w, (i, _) in enumerate(work):
+                results[i] = Proposal(drafts[w][: wants[w]], starts[w] + counts[w])
+            return results
         dev = self.device
-        layout = BatchLayout.build(starts, counts, [it.request.blocks for _, it in work], self.cache.block_size, dev)
+        layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, dev)
         out = self._run(h2d(ids, torch.int64, dev), self.head.features(torch.cat(feats)), layout)  # [T, H]
         for w, (i, _) in enumerate(work):
             results[i] = Proposal([], starts[w] + counts[w])
-        drafting = [w for w, (_, it) in enumerate(work) if it.k > 0 and starts[w] + counts[w] == it.upto]
+        drafting = [w for w in range(len(work)) if wants[w]]
         if not drafting:
             return results
         ends = list(itertools.accumulate(counts))

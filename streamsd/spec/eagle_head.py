@@ -153,6 +153,12 @@ class EagleHead(nn.Module):
         head = self.lm_head if hasattr(self, "lm_head") else self.shared.lm_head  # type: ignore[union-attr]
         return head(x.to(head.weight.dtype)).float()  # a float32 head in training may share a bf16 lm_head
 
+    def greedy_draft(self, out: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> the argmax target ids [N]: `target_logits(out).argmax(-1)` without the [N, V] scatter
+        (draft ids ascend with target ids, so ties break alike)."""
+        best = self.draft_logits(out)[:, : self.spec.vocab_size].argmax(-1)  # [N]
+        return best + self.d2t[best] if self.has_draft_vocab else best
+
     def target_logits(self, out: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] over the target vocabulary; ids outside the draft vocabulary are impossible."""
         logits = self.draft_logits(out)  # [N, Vd]

@@ -1,0 +1,151 @@
+"""One CUDA graph per EAGLE propose call: the head's catch-up and its whole greedy draft chain.
+
+Eagerly, a propose call of a one-layer head is about 60 kernel launches per head forward, five
+forwards per step, plus a host-built layout per draft: on a small target that costs ten times the
+verify itself. Here a call is one replay. Its inputs live in static buffers refreshed by queued
+host-to-device copies, as the target's graphs do (model/graphs.py):
+
+- the catch-up tokens of every request packed `width` (= K + 1, the most a verify can accept) per
+  row: ids, positions, KV slots, context lengths; the target's streams for them; the row of each
+  request's last caught-up token, whose output gives draft 0;
+- per chain step j (draft j fed back to predict draft j + 1): positions, slots and context lengths
+  of width 1. A request that wants fewer drafts than the graph makes (k_i < steps) still runs
+  every step, but its surplus steps write to the scratch block and their drafts are dropped.
+
+Captured per (batch bucket, steps); only greedy drafts (one-hot q): sampled drafts keep the eager
+path, which writes their dense q to the pool. Prefill chunks (more than `width` catch-up tokens)
+also run eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from streamsd.model.graphs import BUCKETS, pack_step, static_layout
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.spec.eagle_head import EagleHead, HeadAttention
+
+
+@dataclass(slots=True)
+class _ChainGraph:
+    graph: torch.cuda.CUDAGraph
+    bucket: int
+    steps: int
+    packed: torch.Tensor  # [3T + 2B + 1] int64, the catch-up layout (graphs.pack_step)
+    chain: torch.Tensor  # [max(steps - 1, 1), 3B + 2B + 1] int64, one width-1 layout per chain step
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    streams: torch.Tensor  # [T, n * Ht] the target's streams at the catch-up tokens
+    last_rows: torch.Tensor  # [B] int64 the catch-up row whose output gives draft 0
+    drafts: torch.Tensor  # [B, steps] int64, written by each replay
+
+
+class EagleGraphs:
+    def __init__(self, head: EagleHead, cache: PagedKVCache, attend: HeadAttention, scratch: int, max_blocks: int,
+                 width: int, stream_dtype: torch.dtype, device: torch.device, buckets: tuple[int, ...] = BUCKETS):
+        self.head = head
+        self.cache = cache  # the head's one layer
+        self.paged = attend  # (q, kc, vc, layout, scale) paged attention: the target's kernel
+        self.scratch = scratch
+        self.max_blocks = max_blocks
+        self.width = width
+        self.stream_dtype = stream_dtype
+        self.device = device
+        self.buckets = buckets
+        self.scale = head.spec.args.head_dim ** -0.5
+        self.graphs: dict[tuple[int, int], _ChainGraph] = {}
+        self.pool: tuple[int, int] | None = None  # made at the first capture
+        self.replays = 0
+
+    def key_for(self, counts: list[int], tables: list[list[int]], steps: int) -> tuple[int, int] | None:
+        """(bucket, steps) of the graph that runs this call, or None to run it eagerly."""
+        bucket = next((b for b in self.buckets if b >= len(counts)), None)
+        if bucket is None or not counts or max(counts) > self.width or min(counts) < 1:
+            return None
+        if max(len(t) for t in tables) > self.max_blocks:
+            return None
+        return bucket, steps
+
+    def run(self, key: tuple[int, int], ids: list[int], streams: torch.Tensor, starts: list[int], counts: list[int],
+            tables: list[list[int]], ks: list[int], draft_starts: list[int]) -> torch.Tensor:
+        """Drafts [len(counts), steps] (a view valid until the next replay). Request i caught up on
+        counts[i] slots from starts[i]; it wants ks[i] drafts, the first at position draft_starts[i]."""
+        g = self.graphs.get(key) or self._capture(*key)
+        bs = self.cache.block_size
+        host, table = pack_step(ids, starts, counts, tables, g.bucket, self.width, self.scratch, bs)
+        first = np.cumsum(counts) - np.asarray(counts)  # [n]
+        last = np.zeros(g.bucket, dtype=np.int64)
+        last[: len(counts)] = first + np.asarray(counts) - 1
+        chain = np.stack([self._chain_step(j, tables, ks, draft_starts, g.bucket) for j in range(g.chain.shape[0])])
+        g.packed.copy_(torch.from_numpy(host), non_blocking=True)
+        g.block_table[: table.shape[0], : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
+        g.last_rows.copy_(torch.from_numpy(last), non_blocking=True)
+        g.chain.copy_(torch.from_numpy(chain), non_blocking=True)
+        g.streams[: streams.shape[0]].copy_(streams)
+        g.graph.replay()
+        self.replays += 1
+        return g.drafts[: len(counts)]
+
+    def _chain_step(self, j: int, tables: list[list[int]], ks: list[int], draft_starts: list[int],
+                    bucket: int) -> np.ndarray:
+        """Chain step j's width-1 layout: draft j goes into the head's slot one before its position.
+        Rows that need no step j (ks[i] <= j + 1) attend to their first slot and write to scratch."""
+        live = [k > j + 1 for k in ks]
+        starts = [d - 1 + j if on else 0 for d, on in zip(draft_starts, live, strict=True)]
+        host, _ = pack_step(None, starts, [1] * len(ks), tables, bucket, 1, self.scratch, self.cache.block_size)
+        slots = host[2 * bucket : 3 * bucket]
+        dead = np.flatnonzero(~np.asarray(live, dtype=bool))
+        slots[dead] = self.scratch * self.cache.block_size + dead % self.cache.block_size
+        return host
+
+    def _forward(self, g: _ChainGraph) -> torch.Tensor:
+        """The captured work: catch-up, then `steps` greedy drafts -> [B, steps]."""
+        head, bucket = self.head, g.bucket
+        ids, layout = static_layout(g.packed, g.block_table, bucket, self.width, self.scratch)
+        out = head.run_layer(ids, head.features(g.streams), layout.positions, self._attend(layout))  # [T, H]
+        h = out.index_select(0, g.last_rows)  # [B, H]
+        drafts = []
+        for j in range(g.steps):
+            tok = head.greedy_draft(h)  # [B]
+            drafts.append(tok)
+            if j + 1 < g.steps:
+                _, lay = static_layout(g.chain[j], g.block_table, bucket, 1, self.scratch)
+                h = head.run_layer(tok, h, lay.positions, self._attend(lay))  # [B, H]
+        if not drafts:  # a catch-up-only call (every k = 0)
+            return h.new_zeros(bucket, 0, dtype=torch.int64)
+        return torch.stack(drafts, dim=1)  # [B, steps]
+
+    def _attend(self, layout: BatchLayout) -> HeadAttention:
+        kc, vc = self.cache.layer(0)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            PagedKVCache.write(kc, vc, k, v, layout.slot_mapping)
+            return self.paged(q, kc, vc, layout, self.scale)
+
+        return attend
+
+    def _capture(self, bucket: int, steps: int) -> _ChainGraph:
+        dev, bs, t_all = self.device, self.cache.block_size, bucket * self.width
+        empty = pack_step([], [], [], [], bucket, self.width, self.scratch, bs)[0]  # all padding: safe to run
+        chain0 = pack_step([], [], [], [], bucket, 1, self.scratch, bs)[0]
+        n_in = len(self.head.input_layers) * self.head.spec.target_hidden_size
+        g = _ChainGraph(
+            torch.cuda.CUDAGraph(), bucket, steps, torch.from_numpy(empty).to(dev),
+            torch.from_numpy(np.stack([chain0] * max(steps - 1, 1))).to(dev),
+            torch.full((bucket, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
+            torch.zeros(t_all, n_in, dtype=self.stream_dtype, device=dev),
+            torch.zeros(bucket, dtype=torch.int64, device=dev),
+            torch.empty(0, dtype=torch.int64, device=dev))
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
+            self._forward(g)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.drafts = self._forward(g)
+        self.graphs[(bucket, steps)] = g
+        return g
