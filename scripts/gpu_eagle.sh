@@ -2,11 +2,13 @@
 # Issue 9 on the lent H200: train the EAGLE-3 head of SmolLM2-135M-Instruct, then time it. Each mode is
 # one `run` call of the device tool, made one right after the other (the machine keeps /tmp while warm).
 #   scripts/gpu_eagle.sh stash  carry .gguf1: copies part1 of the default model's GGUF to /tmp (seconds)
-#   scripts/gpu_eagle.sh train  carry .gguf2 .whl: joins part1 + part2, converts; GPU checks of the hidden-
-#                               stream fast path and graphs; `streamsd train-draft --device cuda` with time
-#                               budgets (answers 2.5 min, training 1.5 min; ~6.5 min in all); the head, its
-#                               training.json and eval_report.json into $OUT/head; then batch-1 tokens/s of
-#                               plain / n-gram / eagle / HF at T=0 and T=1 (scripts/bench_eagle.py). ~9 min.
+#   scripts/gpu_eagle.sh train  carry .gguf2 .whl: joins part1 + part2, converts; GPU checks (the hidden-
+#                               stream fast path, EAGLE's graphs); `streamsd train-draft --device cuda` with
+#                               time budgets (writing + answering 4 min, training 2.5 min; ~8.5 min in all);
+#                               the head, its training.json and eval_report.json into $OUT/head.
+#   scripts/gpu_eagle.sh b1     carry .gguf2 .whl .head (after a fresh `stash`, or at once after `train`):
+#                               batch-1 tokens/s of plain / n-gram / eagle / HF at T=0 and T=1
+#                               (scripts/bench_eagle.py), ~3 min.
 #   scripts/gpu_eagle.sh bench  (optional, while still warm; carry .whl) `streamsd bench offline` with the
 #                               new head: plain vs eagle vs HF, then plain vs n-gram vs HF + prompt lookup
 # Writes logs and JSON under $OUT (./out here). Tables print last.
@@ -37,8 +39,8 @@ case "$MODE" in
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a "$OUT/run.log"
     log "GPU checks: the fast forward's captured streams, a graph that returns them"
     GRAPHS=""
-    timeout 75 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "fast_forward or hidden" \
-      > "$OUT/gpu_tests.log" 2>&1
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_eagle.py \
+      -k "fast_forward or hidden or cuda" > "$OUT/gpu_tests.log" 2>&1
     rc=$?
     tail -3 "$OUT/gpu_tests.log" | tee -a "$OUT/run.log"
     if [ $rc -ne 0 ]; then
@@ -53,19 +55,29 @@ open('/tmp/heldout.jsonl', 'w').write(''.join(json.dumps({'prompt': p}) + '\n' f
 print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     # Written straight into $OUT: saved before the evaluation, so it comes back even if the call runs out.
     log "train-draft (log: $OUT/train.log)"
-    timeout 420 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out "$OUT/head" --device cuda \
-      --eval-prompts-file /tmp/heldout.jsonl --num-prompts 1500 --max-new-tokens 512 --gen-batch 256 \
-      --gen-time-budget 3.0 --epochs 8 --time-budget 2.0 --batch-tokens 16384 --lr 2e-3 \
-      --draft-vocab-size 6144 --head-intermediate-size 1024 $GRAPHS > "$OUT/train.log" 2>&1
+    # Session 3: 5x the prompts, answers admitted in waves (graph replays), 2 epochs instead of 8, and the
+    # target's own lm_head over all 49152 ids (no draft vocabulary: 14 % of MT-Bench tokens fell outside
+    # the 6144 of the session 2 head; the head file also shrinks, the head itself can grow to the target's MLP).
+    timeout 480 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out "$OUT/head" --device cuda \
+      --eval-prompts-file /tmp/heldout.jsonl --num-prompts 8000 --max-new-tokens 512 --gen-batch 256 \
+      --gen-time-budget 4.0 --epochs 2 --time-budget 2.5 --batch-tokens 16384 --lr 2e-3 \
+      --draft-vocab-size 0 $GRAPHS > "$OUT/train.log" 2>&1
     echo "train-draft exit $?" | tee -a "$OUT/run.log"
     grep -v "^\[" "$OUT/train.log" | tail -8 | tee -a "$OUT/run.log"
     ls -l "$OUT/head" | tee -a "$OUT/run.log"
     rm -rf $HEAD && cp -r "$OUT/head" $HEAD  # for `bench`, a later call while the machine is warm
+    grep "eagle_train\|^\[" "$OUT/train.log" | tail -14 | tee -a "$OUT/run.log"
+    ;;
+  b1)
+    # batch-1 tokens/s of plain / n-gram / eagle / HF with a head: carry .gguf2 (after `stash`) and the
+    # head directory as .head (or HEAD_DIR=...); ~3 min.
+    SRC=${HEAD_DIR:-.head}
+    [ -f $GGUF ] || cat /tmp/part1 .gguf2/part2 > $GGUF
+    if [ -d "$SRC" ]; then rm -rf $HEAD && cp -r "$SRC" $HEAD; fi  # else the head `train` left in /tmp
     log "batch 1, plain / n-gram / eagle / HF, T=0 and T=1 (held-out prompts)"
-    timeout 150 python3 scripts/bench_eagle.py --model $GGUF --head "$OUT/head" --held-out "$OUT/head/training.json" \
+    timeout 240 python3 scripts/bench_eagle.py --model $GGUF --head $HEAD --held-out $HEAD/training.json \
       --prompts 6 --max-tokens 128 --device cuda --out "$OUT/bench_b1.json" > "$OUT/bench_b1.log" 2>&1
     echo "bench exit $?" | tee -a "$OUT/run.log"
-    grep "eagle_train\|^\[" "$OUT/train.log" | tail -14 | tee -a "$OUT/run.log"
     tail -10 "$OUT/bench_b1.log" | tee -a "$OUT/run.log"
     ;;
   bench)
