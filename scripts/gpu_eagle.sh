@@ -2,7 +2,8 @@
 # Issue 9 on the lent H200: train the EAGLE-3 head of SmolLM2-135M-Instruct, then time it. Each mode is
 # one `run` call of the device tool, made one right after the other (the machine keeps /tmp while warm).
 #   scripts/gpu_eagle.sh stash  carry .gguf1: copies part1 of the default model's GGUF to /tmp (seconds)
-#   scripts/gpu_eagle.sh train  carry .gguf2 .whl: joins part1 + part2, converts; GPU checks (the hidden-
+#   scripts/gpu_eagle.sh stash2 carry .gguf2a (when part2 does not fit beside the tree: split as 2a + 2b)
+#   scripts/gpu_eagle.sh train  carry .gguf2 (or .gguf2b) .whl: joins the parts, converts; GPU checks (the hidden-
 #                               stream fast path, EAGLE's graphs); `streamsd train-draft --device cuda` with
 #                               time budgets (writing + answering 4 min, training 2.5 min; ~8.5 min in all);
 #                               the head, its training.json and eval_report.json into $OUT/head.
@@ -26,13 +27,21 @@ fi
 log() { echo "=== $(date +%T) $*" | tee -a "$OUT/run.log"; }
 HEAD=/tmp/eagle_head
 GGUF=/tmp/smollm2.gguf
+join_gguf() {  # part1 (stash) + part2, carried whole or as 2a (stash2) + 2b
+  if [ -f .gguf2/part2 ]; then cat /tmp/part1 .gguf2/part2 > $GGUF; else cat /tmp/part1 /tmp/part2a .gguf2b/part > $GGUF; fi
+}
 
 case "$MODE" in
   stash)
     cp .gguf1/part1 /tmp/part1 && ls -l /tmp/part1 | tee -a "$OUT/run.log"
     ;;
+  stash2)
+    # With the shipped head tracked, part1 + part2 no longer fit one call's 64 MiB beside the tree:
+    # part2 travels as .gguf2a (stashed here) and .gguf2b (carried by train / b1).
+    cp .gguf2a/part /tmp/part2a && ls -l /tmp/part2a | tee -a "$OUT/run.log"
+    ;;
   train)
-    cat /tmp/part1 .gguf2/part2 > $GGUF && sha256sum $GGUF | tee -a "$OUT/run.log"
+    join_gguf && sha256sum $GGUF | tee -a "$OUT/run.log"
     log "convert"
     timeout 90 python3 -c "from streamsd.model.loader import resolve_model; print(resolve_model('$GGUF', progress=False))" \
       2>&1 | tail -2 | tee -a "$OUT/run.log"
@@ -72,7 +81,7 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     # batch-1 tokens/s of plain / n-gram / eagle / HF with a head: carry .gguf2 (after `stash`) and the
     # head directory as .head (or HEAD_DIR=...); ~3 min.
     SRC=${HEAD_DIR:-.head}
-    [ -f $GGUF ] || cat /tmp/part1 .gguf2/part2 > $GGUF
+    [ -f $GGUF ] || join_gguf
     if [ -d "$SRC" ]; then rm -rf $HEAD && cp -r "$SRC" $HEAD; fi  # else the head `train` left in /tmp
     log "batch 1, plain / n-gram / eagle / HF, T=0 and T=1 (held-out prompts)"
     timeout 240 python3 scripts/bench_eagle.py --model $GGUF --head $HEAD --held-out $HEAD/training.json \

@@ -139,7 +139,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     if draft is not None:
         max_len = min(max_len, draft.args.max_position)
     q_slots = cfg.max_num_seqs if draft is not None or head is not None else 0
-    q_pool = torch.zeros(q_slots, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
+    # One row more than the scheduler hands out: graph-captured drafting writes the q of its greedy and
+    # padding rows there (spec/eagle_graphs.py).
+    q_pool = torch.zeros(q_slots + 1, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
     proposer: Proposer | None = None
     if draft is not None and q_pool is not None:
         proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks + 1, BLOCK_SIZE, dtype, device),

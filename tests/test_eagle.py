@@ -302,6 +302,35 @@ def test_cuda_eagle_graph_drafts_equal_eager_drafts(tiny_model_dir, heads, kind)
     assert stats[True] == stats[False] and sum(s[1] for s in stats[True]) > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_eagle_sampled_graph_drafts_equal_eager_drafts(tiny_model_dir, heads):
+    """Sampled drafts inside the graph (each row warped at its own parameters, the keyed race, q into the
+    request's pool slot) are the eager DraftPicker's: the same seeds give the same outputs and the same
+    accepted counts with and without the graphs, in a batch mixing T = 1, top-k + top-p + min-p (the
+    SORTED graph) and greedy requests. The rejection sampler reads those q: a wrong one would change
+    which drafts pass."""
+    from streamsd.spec.eagle_graphs import GREEDY
+
+    kinds = [dict(temperature=1.0), dict(temperature=0.9, top_k=20, top_p=0.8, min_p=0.05), dict(temperature=0.0)]
+    params = [SamplingParams(max_tokens=n, seed=100 + i, ignore_eos=True, **kinds[i % 3])
+              for i, n in enumerate(MAX_TOKENS)]
+    runs = {}
+    for graphs in (True, False):
+        llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]), device="cuda",
+                  dtype="float32")
+        proposer = llm.core.rt.worker.proposer
+        if not graphs:
+            proposer.graphs = None
+        res = llm.generate(PROMPTS, params)
+        runs[graphs] = [(r.outputs[0].token_ids, r.spec_stats.drafted, r.spec_stats.accepted) for r in res]
+        if graphs:
+            assert any(mode != GREEDY for _, _, mode in proposer.graphs.graphs)
+        _assert_free(llm)
+    assert runs[True] == runs[False]
+    assert sum(r[2] for r in runs[True]) > 0 and sum(r[1] - r[2] for r in runs[True]) > 0
+
+
 def test_graph_chain_steps_write_only_where_a_draft_is_wanted(tiny_model_dir, heads):
     """The host layout of chain step j: a row that wants more than j + 1 drafts writes its head slot at
     (first draft's position - 1 + j) in its own blocks; a row that wants fewer writes to the scratch

@@ -19,7 +19,7 @@ from streamsd.model.llama import Transformer
 from streamsd.profiling import sync, time_step
 from streamsd.request import SamplingParams
 from streamsd.runtime import Runtime
-from streamsd.spec.eagle_graphs import EagleGraphs
+from streamsd.spec.eagle_graphs import GREEDY, EagleGraphs
 
 HBM_BYTES_PER_S = 4.25e12  # measured device-to-device copy bandwidth of the lent H200 (GPU.md)
 
@@ -132,8 +132,8 @@ def capture_graphs(rt: Runtime, batch: int) -> None:
         runners.remove(eagle)
         for bucket in [b for b in eagle.buckets if b < batch] + [b for b in eagle.buckets if b >= batch][:1]:
             for steps in range(eagle.width):
-                if (bucket, steps) not in eagle.graphs:
-                    eagle._capture(bucket, steps)
+                if (bucket, steps, GREEDY) not in eagle.graphs:  # the bench decodes greedily
+                    eagle._capture(bucket, steps, GREEDY)
     for runner in (r for r in runners if r is not None):
         small = [b for b in runner.cfg.buckets if b < batch]
         top = [b for b in runner.cfg.buckets if b >= batch][:1]

@@ -8,8 +8,8 @@ gives the first draft; drafts 2..k feed the head's own output back as h. Those d
 the head's guesses, not the target's states, so they are never kept: `draft_computed` reports
 only the caught-up slots and the next call recomputes the accepted ones from the target's states.
 
-Drafts follow the draft policy (spec/drafting.py). On CUDA a call whose drafts are all greedy is
-one graph replay (spec/eagle_graphs.py); sampled drafts and prefill catch-ups run eagerly.
+Drafts follow the draft policy (spec/drafting.py). On CUDA a call is one graph replay, greedy or
+sampled drafts alike (spec/eagle_graphs.py); catch-ups over prefill chunks run eagerly.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import torch
 from streamsd.model.attention import paged_attention_reference
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
+from streamsd.request import Request
 from streamsd.spec.base import Proposal, ProposeItem
 from streamsd.spec.drafting import DraftPicker
-from streamsd.spec.eagle_graphs import EagleGraphs
+from streamsd.spec.eagle_graphs import DraftRow, EagleGraphs
 from streamsd.spec.eagle_head import EagleHead, HeadAttention
 
 
@@ -49,7 +50,7 @@ class EagleProposer:
         if self.head.spec.args.head_dim == self.target.args.head_dim and self.device.type == "cuda":
             dtype = self.target.model.embed_tokens.weight.dtype
             self.graphs = EagleGraphs(self.head, self.cache, self.target.attend, scratch_block, max_blocks, width,
-                                      dtype, self.device)
+                                      dtype, self.device, self.q_pool)
 
     def _attend(self, layout: BatchLayout) -> HeadAttention:
         kc, vc = self.cache.layer(0)
@@ -90,13 +91,15 @@ class EagleProposer:
         # Draft only from a fully caught-up slot (a prefill chunk may stop short of the prompt's end).
         wants = [it.k if it.k > 0 and s + c == it.upto else 0 for (_, it), s, c in zip(work, starts, counts, strict=True)]
         tables = [it.request.blocks for _, it in work]
-        key = None
-        if self.graphs is not None and all(it.request.greedy_draft for (_, it), k in zip(work, wants, strict=True) if k):
-            key = self.graphs.key_for(counts, tables, max(wants))
+        key = rows = None
+        if self.graphs is not None:
+            sampling = any(k and not it.request.greedy_draft for (_, it), k in zip(work, wants, strict=True))
+            rows = [self._draw(it.request, k) for (_, it), k in zip(work, wants, strict=True)] if sampling else None
+            key = self.graphs.key_for(counts, tables, max(wants), rows)
         if key is not None:
             assert self.graphs is not None
             drafts = self.graphs.run(key, ids, torch.cat(feats), starts, counts, tables, wants,
-                                     [len(it.tokens) for _, it in work]).tolist()  # [n, steps]
+                                     [len(it.tokens) for _, it in work], rows).tolist()  # [n, steps]
             for w, (i, _) in enumerate(work):
                 results[i] = Proposal(drafts[w][: wants[w]], starts[w] + counts[w])
             return results
@@ -116,6 +119,11 @@ class EagleProposer:
             i, it = work[w]
             results[i] = Proposal(host[row][: it.k], it.upto)
         return results
+
+    def _draw(self, r: Request, k: int) -> DraftRow:
+        greedy = r.greedy_draft or r.q_slot is None or k == 0  # greedy rows write no q of their own
+        p = r.params
+        return DraftRow(p.temperature, p.top_k, p.top_p, p.min_p, greedy, r.seed, r.q_slot or 0)
 
     def _draft_loop(self, items: list[ProposeItem], h: torch.Tensor) -> torch.Tensor:
         """h [Bd, H]: the head's output at each item's last caught-up slot -> drafts [Bd, max k]."""

@@ -12,9 +12,11 @@ host-to-device copies, as the target's graphs do (model/graphs.py):
   of width 1. A request that wants fewer drafts than the graph makes (k_i < steps) still runs
   every step, but its surplus steps write to the scratch block and their drafts are dropped.
 
-Captured per (batch bucket, steps); only greedy drafts (one-hot q): sampled drafts keep the eager
-path, which writes their dense q to the pool. Prefill chunks (more than `width` catch-up tokens)
-also run eagerly.
+Captured per (batch bucket, steps, mode). GREEDY: argmax drafts (one-hot q). SAMPLED (SORTED when
+some row uses top-k or top-p): each row is warped at its own parameters, drafts race with noise keyed
+by (seed, position, DRAFT) and every sampled row's q goes to its q-pool slot, all as the eager
+DraftPicker does; greedy rows in such a batch take the argmax and, like padding rows, write their q
+to the pool's spare last row. Prefill chunks (more than `width` catch-up tokens) run eagerly.
 """
 
 from __future__ import annotations
@@ -26,7 +28,25 @@ import torch
 
 from streamsd.model.graphs import BUCKETS, pack_step, static_layout
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.sampling import rng
+from streamsd.sampling.sampler import race
+from streamsd.sampling.warp import WarpParams, warp
 from streamsd.spec.eagle_head import EagleHead, HeadAttention
+
+GREEDY, SAMPLED, SORTED = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRow:
+    """How one request draws its drafts (SAMPLED / SORTED graphs)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    greedy: bool  # a greedy draft (one-hot q) beside sampled ones
+    seed: int
+    q_slot: int  # its q-pool slot (the pool's spare row when greedy)
 
 
 @dataclass(slots=True)
@@ -40,12 +60,17 @@ class _ChainGraph:
     streams: torch.Tensor  # [T, n * Ht] the target's streams at the catch-up tokens
     last_rows: torch.Tensor  # [B] int64 the catch-up row whose output gives draft 0
     drafts: torch.Tensor  # [B, steps] int64, written by each replay
+    mode: int = GREEDY
+    warp_f: torch.Tensor | None = None  # [B, 4] float32: temperature, top-k, top-p, min-p (sampling modes)
+    draw_i: torch.Tensor | None = None  # [B, 4] int64: greedy, seed, draft 0's position, q slot
 
 
 class EagleGraphs:
     def __init__(self, head: EagleHead, cache: PagedKVCache, attend: HeadAttention, scratch: int, max_blocks: int,
-                 width: int, stream_dtype: torch.dtype, device: torch.device, buckets: tuple[int, ...] = BUCKETS):
+                 width: int, stream_dtype: torch.dtype, device: torch.device, q_pool: torch.Tensor | None = None,
+                 buckets: tuple[int, ...] = BUCKETS):
         self.head = head
+        self.q_pool = q_pool  # [slots + 1, K, V]: the last row takes the q nobody reads
         self.cache = cache  # the head's one layer
         self.paged = attend  # (q, kc, vc, layout, scale) paged attention: the target's kernel
         self.scratch = scratch
@@ -55,23 +80,36 @@ class EagleGraphs:
         self.device = device
         self.buckets = buckets
         self.scale = head.spec.args.head_dim ** -0.5
-        self.graphs: dict[tuple[int, int], _ChainGraph] = {}
+        self.graphs: dict[tuple[int, int, int], _ChainGraph] = {}
         self.pool: tuple[int, int] | None = None  # made at the first capture
         self.replays = 0
 
-    def key_for(self, counts: list[int], tables: list[list[int]], steps: int) -> tuple[int, int] | None:
-        """(bucket, steps) of the graph that runs this call, or None to run it eagerly."""
+    @property
+    def spare_q_slot(self) -> int:
+        return self.q_pool.shape[0] - 1 if self.q_pool is not None else 0
+
+    def key_for(self, counts: list[int], tables: list[list[int]], steps: int,
+                rows: list[DraftRow] | None = None) -> tuple[int, int, int] | None:
+        """(bucket, steps, mode) of the graph that runs this call, or None to run it eagerly. `rows`:
+        the drafting requests' draws when some of them sample (None: all greedy)."""
         bucket = next((b for b in self.buckets if b >= len(counts)), None)
         if bucket is None or not counts or max(counts) > self.width or min(counts) < 1:
             return None
         if max(len(t) for t in tables) > self.max_blocks:
             return None
-        return bucket, steps
+        if rows is None or all(r.greedy for r in rows):
+            return bucket, steps, GREEDY
+        if self.q_pool is None:
+            return None
+        sort = any(r.top_k > 0 or r.top_p < 1.0 for r in rows if not r.greedy)
+        return bucket, steps, SORTED if sort else SAMPLED
 
-    def run(self, key: tuple[int, int], ids: list[int], streams: torch.Tensor, starts: list[int], counts: list[int],
-            tables: list[list[int]], ks: list[int], draft_starts: list[int]) -> torch.Tensor:
+    def run(self, key: tuple[int, int, int], ids: list[int], streams: torch.Tensor, starts: list[int],
+            counts: list[int], tables: list[list[int]], ks: list[int], draft_starts: list[int],
+            rows: list[DraftRow] | None = None) -> torch.Tensor:
         """Drafts [len(counts), steps] (a view valid until the next replay). Request i caught up on
-        counts[i] slots from starts[i]; it wants ks[i] drafts, the first at position draft_starts[i]."""
+        counts[i] slots from starts[i]; it wants ks[i] drafts, the first at position draft_starts[i],
+        drawn as rows[i] says (sampling modes)."""
         g = self.graphs.get(key) or self._capture(*key)
         bs = self.cache.block_size
         host, table = pack_step(ids, starts, counts, tables, g.bucket, self.width, self.scratch, bs)
@@ -84,6 +122,15 @@ class EagleGraphs:
         g.last_rows.copy_(torch.from_numpy(last), non_blocking=True)
         g.chain.copy_(torch.from_numpy(chain), non_blocking=True)
         g.streams[: streams.shape[0]].copy_(streams)
+        if g.warp_f is not None and g.draw_i is not None and rows is not None:
+            wf = np.zeros((g.bucket, 4), dtype=np.float32)  # padding rows: greedy, q to the spare slot
+            wi = np.zeros((g.bucket, 4), dtype=np.int64)
+            wi[:, 0], wi[:, 3] = 1, self.spare_q_slot
+            for i, (r, d) in enumerate(zip(rows, draft_starts, strict=True)):
+                wf[i] = (r.temperature, r.top_k, r.top_p, r.min_p)
+                wi[i] = (int(r.greedy), r.seed, d, self.spare_q_slot if r.greedy else r.q_slot)
+            g.warp_f.copy_(torch.from_numpy(wf), non_blocking=True)
+            g.draw_i.copy_(torch.from_numpy(wi), non_blocking=True)
         g.graph.replay()
         self.replays += 1
         return g.drafts[: len(counts)]
@@ -108,7 +155,7 @@ class EagleGraphs:
         h = out.index_select(0, g.last_rows)  # [B, H]
         drafts = []
         for j in range(g.steps):
-            tok = head.greedy_draft(h)  # [B]
+            tok = head.greedy_draft(h) if g.mode == GREEDY else self._sample(g, h, j)  # [B]
             drafts.append(tok)
             if j + 1 < g.steps:
                 _, lay = static_layout(g.chain[j], g.block_table, bucket, 1, self.scratch)
@@ -116,6 +163,16 @@ class EagleGraphs:
         if not drafts:  # a catch-up-only call (every k = 0)
             return h.new_zeros(bucket, 0, dtype=torch.int64)
         return torch.stack(drafts, dim=1)  # [B, steps]
+
+    def _sample(self, g: _ChainGraph, h: torch.Tensor, j: int) -> torch.Tensor:
+        """Draft j of every row as spec/drafting.py's DraftPicker draws it; q into the pool. h [B, H] -> [B]."""
+        assert g.warp_f is not None and g.draw_i is not None and self.q_pool is not None
+        logits = self.head.target_logits(h)  # [B, V]
+        wf, wi = g.warp_f, g.draw_i
+        q = warp(logits, WarpParams(wf[:, 0], wf[:, 1].long(), wf[:, 2], wf[:, 3], g.mode == SORTED))  # [B, V]
+        noise = rng.exponentials(wi[:, 1], (wi[:, 2] + j).unsqueeze(-1), rng.DRAFT, q.shape[-1])[:, 0]  # [B, V]
+        self.q_pool[wi[:, 3], j] = q
+        return torch.where(wi[:, 0].bool(), logits.argmax(-1), race(q, noise))  # [B]
 
     def _attend(self, layout: BatchLayout) -> HeadAttention:
         kc, vc = self.cache.layer(0)
@@ -126,7 +183,7 @@ class EagleGraphs:
 
         return attend
 
-    def _capture(self, bucket: int, steps: int) -> _ChainGraph:
+    def _capture(self, bucket: int, steps: int, mode: int = GREEDY) -> _ChainGraph:
         dev, bs, t_all = self.device, self.cache.block_size, bucket * self.width
         empty = pack_step([], [], [], [], bucket, self.width, self.scratch, bs)[0]  # all padding: safe to run
         chain0 = pack_step([], [], [], [], bucket, 1, self.scratch, bs)[0]
@@ -137,7 +194,10 @@ class EagleGraphs:
             torch.full((bucket, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
             torch.zeros(t_all, n_in, dtype=self.stream_dtype, device=dev),
             torch.zeros(bucket, dtype=torch.int64, device=dev),
-            torch.empty(0, dtype=torch.int64, device=dev))
+            torch.empty(0, dtype=torch.int64, device=dev), mode)
+        if mode != GREEDY:  # all rows greedy, q to the spare slot: safe to run before the first refresh
+            g.warp_f = torch.zeros(bucket, 4, dtype=torch.float32, device=dev)
+            g.draw_i = torch.tensor([[1, 0, 0, self.spare_q_slot]] * bucket, dtype=torch.int64, device=dev)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(dev)
@@ -147,5 +207,5 @@ class EagleGraphs:
         torch.cuda.current_stream(dev).wait_stream(side)
         with torch.cuda.graph(g.graph, pool=self.pool):
             g.drafts = self._forward(g)
-        self.graphs[(bucket, steps)] = g
+        self.graphs[(bucket, steps, mode)] = g
         return g
