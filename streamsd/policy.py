@@ -61,6 +61,9 @@ class AdaptivePolicy:
     # The same per kind of step (0: plain, 1: speculative), corrected and from the start-up table
     # alone: [Σ corrected error, Σ raw error, steps].
     errors: dict[int, list[float]] = field(default_factory=dict)
+    # Per step shape (batch, verify tokens): [Σ predicted s, Σ measured s, steps]. The per-step error
+    # above also holds each step's own jitter; these sums say whether the table is right per shape.
+    shapes: dict[tuple[int, int], list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1)))
@@ -108,7 +111,7 @@ class AdaptivePolicy:
                 raw = self.cost.predict_raw(batch, batch, 0)
                 predicted = raw * self.cost.ratio(batch, batch_size=batch)  # what `predict` returns
                 self.cost.observe(predicted, seconds, verify_tokens=batch, batch_size=batch)
-                self._record_error(0, predicted, raw, seconds)
+                self._record_error(0, predicted, raw, seconds, (batch, batch))
             return
         for r, drafted, accepted in verified:
             if r.acceptance is not None:
@@ -118,9 +121,14 @@ class AdaptivePolicy:
         if st.predicted_s > 0 and seconds > 0:
             self.cost.observe(st.predicted_s, seconds, verify_tokens=st.verify_tokens, draft_steps_k=st.draft_steps,
                               batch_size=st.batch, prefill_tokens=st.prefill_tokens)
-            self._record_error(int(st.draft_steps > 0), st.predicted_s, st.predicted_raw_s, seconds)
+            self._record_error(int(st.draft_steps > 0), st.predicted_s, st.predicted_raw_s, seconds,
+                               (st.batch, st.verify_tokens))
 
-    def _record_error(self, kind: int, predicted: float, raw: float, seconds: float) -> None:
+    def _record_error(self, kind: int, predicted: float, raw: float, seconds: float, shape: tuple[int, int]) -> None:
+        t = self.shapes.setdefault(shape, [0.0, 0.0, 0])
+        t[0] += predicted
+        t[1] += seconds
+        t[2] += 1
         self.last_predicted, self.last_measured = predicted, seconds
         self.abs_error_sum += abs(predicted / seconds - 1.0)
         self.observed_steps += 1
@@ -143,4 +151,7 @@ class AdaptivePolicy:
                 for kind, e in sorted(self.errors.items()) if e[2]
             },
             "switches": self.planner.switches,
+            # Σ predicted / Σ measured per (batch, verify tokens) shape of step.
+            "by_shape": {f"{b}x{n}": {"ratio": t[0] / t[1], "steps": t[2]}
+                         for (b, n), t in sorted(self.shapes.items()) if t[1] > 0},
         }

@@ -145,6 +145,9 @@ def test_adaptive_synthetic_acceptance_in_every_cell(tmp_path, tiny_model_dir):
         assert spec["drafts_tested"] >= 10 * b and lo < spec["acceptance"] < hi, (b, spec["acceptance"])
         assert spec["tau"] > 1.5, b
         assert spec["pred_err_pct"] is not None and spec["adaptive"]["observed_steps"] > 0, b
+        shapes = spec["adaptive"]["by_shape"]  # Σ predicted / Σ measured per (batch x verify tokens)
+        assert sum(v["steps"] for v in shapes.values()) == spec["adaptive"]["observed_steps"], b
+        assert all(v["ratio"] > 0 for v in shapes.values()), b
         for c in (spec, plain):  # the decode-only step time, besides TPOT
             assert c["decode_steps"] > 0 and c["decode_step_ms"] > 0 and c["decode_step_floor_ratio"] > 0, b
             assert c["decode_tokens_per_s"] > 0, b

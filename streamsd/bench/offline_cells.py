@@ -122,6 +122,12 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
         n = sum(s for _, s in raw)
         cell["pred_err_raw_pct"] = round(100 * sum(e * s for e, s in raw) / n, 2) if n else None
         cell["plain_step_share"] = round(float(summary["plain_step_share"]), 3)  # type: ignore[arg-type]
+        # The table per (batch, verify tokens) shape: the worst |Σ predicted / Σ measured − 1| over the
+        # shapes the cell ran at least 10 times (the per-step mean above also counts each step's jitter).
+        shapes = summary["by_shape"]
+        assert isinstance(shapes, dict)
+        common = [abs(v["ratio"] - 1.0) for v in shapes.values() if v["steps"] >= 10]
+        cell["pred_err_shape_pct"] = round(100 * max(common), 2) if common else None
     return cell
 
 

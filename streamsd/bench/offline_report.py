@@ -13,7 +13,8 @@ COLUMNS = (  # (JSON key, header, format)
     ("spec_efficiency", "spec eff", "{:.2f}"), ("floor_tpot_ms", "floor ms", "{:.2f}"),
     ("floor_ratio", "÷floor", "{:.2f}×"), ("decode_step_ms", "decode step ms", "{:.2f}"),
     ("decode_step_floor_ratio", "step÷floor", "{:.2f}×"), ("host_ms_per_step", "host ms/step", "{:.2f}"),
-    ("pred_err_pct", "pred err %", "{:.1f}"), ("plain_step_share", "plain steps", "{:.0%}"),
+    ("pred_err_pct", "pred err %", "{:.1f}"), ("pred_err_shape_pct", "shape err %", "{:.1f}"),
+    ("plain_step_share", "plain steps", "{:.0%}"),
     ("x_hf_tokens_per_s", "×HF tok/s", "{:.1f}×"),
 )
 
@@ -32,7 +33,8 @@ def print_table(doc: dict[str, Any]) -> None:
              + (f", {doc['speculation_policy']} k" if doc.get("speculation_policy") else ""))
     note = ("decode step ms: median wall time of steps with no prefill chunk (TPOT also carries other requests' "
             "prefill); decode ×plain: tokens/s of those steps over plain's; step÷floor: that ÷ the HBM floor step; pred err %: mean |predicted/measured − 1| of the "
-            "adaptive policy's step times")
+            "adaptive policy's step times; shape err %: worst |Σ predicted/Σ measured − 1| over the step shapes "
+            "(batch × verify tokens) run ≥ 10 times")
     try:
         from rich.console import Console
         from rich.table import Table
