@@ -32,7 +32,11 @@ Online correction: the true step time drifts (context lengths grow, clocks chang
 start-up table has per-bucket errors.  ``CostTable.observe`` keeps a global EMA of the
 measured/predicted ratio, which carries drift to every bucket at once, and, per (verify bucket,
 draft steps) key, a relative ratio to that global one that fixes the table's shape.  Unseen keys
-use the global ratio alone.
+use the global ratio alone.  Only plain decode steps move the global ratio: a speculative step's
+error is mostly its own host work (proposer, rejection sampler) that the profile never timed, and
+were it drift, it would also raise the predicted price of plain decoding, the very step the planner
+compares speculation against (on the H200 at B = 64, alpha 0.3, that made speculation look cheap and
+cost 47 % of the throughput).
 
 ``RooflineModel`` is the analytic fallback (before anything is measured) and the simulator's
 ground truth: t(B, N) = max(weights / bandwidth, flops(N) / peak) + KV bytes / bandwidth + fixed.
@@ -224,10 +228,11 @@ class CostTable:
             verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         # Clamped so one outlier (a GC pause, a recompile) cannot wreck the table.
         sample = min(max(measured * used / predicted, 0.25), 4.0)
-        self.observations += 1
-        # A running mean while young: a start-up table that is off (host overhead the profile
-        # does not see) is corrected within a few steps, then an EMA follows slow drift.
-        self.global_ratio += max(1.0 / self.observations, self.ema) * (sample - self.global_ratio)
+        if verify_tokens is None or (draft_steps_k == 0 and prefill_tokens == 0):  # drift: plain decode only
+            self.observations += 1
+            # A running mean while young: a start-up table that is off (host overhead the profile
+            # does not see) is corrected within a few steps, then an EMA follows slow drift.
+            self.global_ratio += max(1.0 / self.observations, self.ema) * (sample - self.global_ratio)
         if verify_tokens is None:
             return
         key = self.key(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
