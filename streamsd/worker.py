@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from streamsd.model.graphs import GraphRunner
@@ -112,11 +113,18 @@ class Worker:
         rows = self._suppress_early_stops(entries, rows)
         if k == 0:
             return self._sample_plain(reqs, rows)
-        greedy = h2d([r.params.greedy for r in reqs], torch.bool, dev)  # [B]
-        positions = h2d([[r.num_tokens + j for j in range(k + 1)] for r in reqs], torch.int64, dev)  # [B, K+1]
-        seeds = h2d([r.seed for r in reqs], torch.int64, dev)  # [B]
-        draft_ids = h2d([r.draft_ids[: e.num_drafts] + [0] * (k - e.num_drafts)
-                         for e, r in zip(entries, reqs, strict=True)], torch.int64, dev)  # [B, K]
+        dense = [r.q_slot is not None and not r.greedy_draft and e.num_drafts > 0
+                 for e, r in zip(entries, reqs, strict=True)]
+        # Every per-request integer in one queued copy (each pageable copy costs ~20 us of host time).
+        b = len(reqs)
+        host = np.zeros((b, 5 + (k + 1) + k), dtype=np.int64)  # [B, greedy seed dense drafts slot | pos | ids]
+        for i, (e, r) in enumerate(zip(entries, reqs, strict=True)):
+            host[i, :5] = (r.params.greedy, r.seed, dense[i], e.num_drafts, r.q_slot if dense[i] else 0)
+            host[i, 5 : 6 + k] = range(r.num_tokens, r.num_tokens + k + 1)
+            host[i, 6 + k : 6 + k + e.num_drafts] = r.draft_ids[: e.num_drafts]
+        ints = h2d(torch.from_numpy(host), torch.int64, dev)  # [B, 6 + 2K]
+        greedy, seeds, num_drafts = ints[:, 0].bool(), ints[:, 1], ints[:, 3]  # [B]
+        positions, draft_ids = ints[:, 5 : 6 + k], ints[:, 6 + k :]  # [B, K+1], [B, K]
         probs = None
         noise = None
         if not all(r.params.greedy for r in reqs):
@@ -124,19 +132,16 @@ class Worker:
                                    for r in reqs], dev)
             probs = warp(rows.view(-1, self.vocab), wp.repeat(k + 1)).view(len(reqs), k + 1, -1)  # [B, K+1, V]
             noise = rng.exponentials(seeds, positions, rng.TARGET, self.vocab)  # [B, K+1, V]
-        dense = [r.q_slot is not None and not r.greedy_draft and e.num_drafts > 0
-                 for e, r in zip(entries, reqs, strict=True)]
         q = None
         if any(dense) and self.q_pool is not None and k > 0:
-            slots = h2d([r.q_slot if d else 0 for r, d in zip(reqs, dense, strict=True)], torch.int64, dev)
-            q = self.q_pool[slots, :k]  # [B, K, V]
+            q = self.q_pool[ints[:, 4], :k]  # [B, K, V]
         tokens, accepted = self.rejection(VerifyInput(
             target_probs=probs,
             target_argmax=rows.argmax(dim=-1),
             draft_ids=draft_ids,
             draft_probs=q,
-            dense_q=h2d(dense, torch.bool, dev),
-            num_drafts=h2d([e.num_drafts for e in entries], torch.int64, dev),
+            dense_q=ints[:, 2].bool(),
+            num_drafts=num_drafts,
             greedy=greedy,
             # Greedy rows never draw: skip the hashing launches on all-greedy steps.
             uniforms=rng.uniforms(seeds, positions[:, :k], rng.ACCEPT) if probs is not None else draft_ids,
@@ -161,11 +166,9 @@ class Worker:
             dev = self.device
             wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
                                    for r in reqs], dev)
-            seeds = h2d([r.seed for r in reqs], torch.int64, dev)  # [B]
-            positions = h2d([[r.num_tokens] for r in reqs], torch.int64, dev)  # [B, 1]
-            noise = rng.exponentials(seeds, positions, rng.TARGET, self.vocab)[:, 0]  # [B, V]
-            greedy = h2d([r.params.greedy for r in reqs], torch.bool, dev)  # [B]
-            tokens = sample_rows(warp(logits, wp), logits, greedy, noise)  # [B]
+            ints = h2d([(r.seed, r.num_tokens, r.params.greedy) for r in reqs], torch.int64, dev)  # [B, 3]
+            noise = rng.exponentials(ints[:, 0], ints[:, 1:2], rng.TARGET, self.vocab)[:, 0]  # [B, V]
+            tokens = sample_rows(warp(logits, wp), logits, ints[:, 2].bool(), noise)  # [B]
         lp = self._logprobs(reqs, rows, tokens.unsqueeze(-1))
         self.launched.set()
         host_tokens = tokens.tolist()  # the step's one host read

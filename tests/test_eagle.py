@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_engine import MAX_TOKENS, PROMPTS, _assert_free, _target_next_token_probs, greedy_params, hf_greedy
@@ -91,6 +92,26 @@ def test_layouts_round_trip(tiny_model_dir, tmp_path, kind):
         logits = loaded.target_logits(y[0][0])
     if kind == "eagle3":  # ids outside the draft vocabulary can never be drafted
         assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()
+
+
+def test_eagle3_head_without_a_draft_vocabulary_drafts_through_the_targets_lm_head(tiny_model_dir, tmp_path,
+                                                                                   reference):
+    """`train-draft --draft-vocab-size 0`: no lm_head of its own (the file holds no vocabulary-sized
+    matrix), the target's frozen one serves every id; it saves, loads and stays exact."""
+    target = _target(tiny_model_dir)
+    head = new_head(target, kind="eagle3")
+    assert not hasattr(head, "lm_head") and not head.has_draft_vocab
+    save_head(head, tmp_path, _config(tiny_model_dir), torch.float32)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert not any(n.startswith("lm_head") for n in f.keys())
+    assert _config(tmp_path)["draft_vocab_size"] == 384
+    loaded = load_head(tmp_path, target, CPU, torch.float32)
+    assert loaded.draft_logits(torch.randn(2, 64)).shape == (2, 384)
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(tmp_path))
+    assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, greedy_params())] == reference
+    _assert_free(llm)
 
 
 @pytest.mark.parametrize("kind,k", [("eagle3", 1), ("eagle3", 4), ("eagle1", 4)])
@@ -341,12 +362,14 @@ def test_graph_chain_steps_write_only_where_a_draft_is_wanted(tiny_model_dir, he
     head = load_head(heads["eagle3"], _target(tiny_model_dir), CPU, torch.float32)
     cache = PagedKVCache(head.spec.args, 10, 16, torch.float32, CPU)
     graphs = EagleGraphs(head, cache, None, scratch=9, max_blocks=8, width=5, stream_dtype=torch.float32, device=CPU)
-    tables, ks, first = [[3, 4], [5]], [4, 1], [20, 7]
+    table, ks, first = np.array([[3, 4], [5, 0]], dtype=np.int32), [4, 1], [20, 7]
+    layouts = graphs._chain_layouts(table, ks, first, bucket=4, steps=3)
     for j, (pos0, slot0) in enumerate([(19, 4 * 16 + 3), (20, 4 * 16 + 4), (21, 4 * 16 + 5)]):
-        host = graphs._chain_step(j, tables, ks, first, bucket=4)
+        host = layouts[j]
         positions, slots, ctx = host[4:8], host[8:12], host[12:16]
         assert positions[0] == pos0 and slots[0] == slot0 and ctx[0] == pos0 + 1
         assert slots[1] // 16 == 9 and all(s // 16 == 9 for s in slots[2:])  # row 1 wants 1 draft: no chain
+        assert list(host[16:]) == [0, 1, 2, 2, 2]  # query starts: one token per live row, padding empty
 
 
 def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadline(tiny_model_dir):

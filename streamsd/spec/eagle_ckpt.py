@@ -54,18 +54,22 @@ def save_head(head: EagleHead, out_dir: Path, target_config: dict[str, Any],
 
 def new_head(target: Transformer, *, kind: str = EAGLE3, draft_ids: list[int] | None = None,
              aux_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None) -> EagleHead:
-    """A fresh head for `target` (float32, on its device): lm_head rows and norm start as the target's."""
+    """A fresh head for `target` (float32, on its device). EAGLE-3 with `draft_ids`: its own lm_head
+    over them, rows starting as the target's; without: it drafts through the target's lm_head (frozen,
+    not saved: a head of a few MiB for any vocabulary size). Its norm starts as the target's."""
     t = target.args
     args = dataclasses.replace(t, num_layers=1, intermediate_size=intermediate_size or t.intermediate_size)
     aux = (aux_layers or default_aux_layers(t.num_layers)) if kind == EAGLE3 else (t.num_layers,)
     ids = sorted(set(draft_ids)) if draft_ids is not None else list(range(t.vocab_size))
     spec = HeadSpec(kind, args, t.vocab_size, len(ids), t.hidden_size, tuple(aux))
     dev = target.rope_cos.device
-    head = EagleHead(spec, own_lm_head=kind == EAGLE3, own_embed=False).to(dev).float()
+    own = kind == EAGLE3 and draft_ids is not None
+    head = EagleHead(spec, own_lm_head=own, own_embed=False).to(dev).float()
     with torch.no_grad():
         if kind == EAGLE3:
             index = torch.tensor(ids, dtype=torch.int64, device=dev)
-            head.lm_head.weight.copy_(target.lm_head.weight.index_select(0, index).float())
+            if own:
+                head.lm_head.weight.copy_(target.lm_head.weight.index_select(0, index).float())
             head.norm.weight.copy_(target.model.norm.weight.float())
             head.d2t.copy_(index - torch.arange(len(ids), device=dev))
             head.t2d.zero_().index_fill_(0, index, True)

@@ -54,15 +54,18 @@ class _ChainGraph:
     graph: torch.cuda.CUDAGraph
     bucket: int
     steps: int
-    packed: torch.Tensor  # [3T + 2B + 1] int64, the catch-up layout (graphs.pack_step)
-    chain: torch.Tensor  # [max(steps - 1, 1), 3B + 2B + 1] int64, one width-1 layout per chain step
+    mode: int
+    # Every int64 input in one buffer, refreshed by one copy: catch-up layout | last rows | chain
+    # layouts | draws. The fields below are views of it.
+    inputs: torch.Tensor
+    packed: torch.Tensor  # [3T + 2B + 1] the catch-up layout (graphs.pack_step)
+    last_rows: torch.Tensor  # [B] the catch-up row whose output gives draft 0
+    chain: torch.Tensor  # [max(steps - 1, 1), 3B + 2B + 1] one width-1 layout per chain step
+    draw_i: torch.Tensor  # [B, 4]: greedy, seed, draft 0's position, q slot (sampling modes)
     block_table: torch.Tensor  # [B, max_blocks] int32
     streams: torch.Tensor  # [T, n * Ht] the target's streams at the catch-up tokens
-    last_rows: torch.Tensor  # [B] int64 the catch-up row whose output gives draft 0
-    drafts: torch.Tensor  # [B, steps] int64, written by each replay
-    mode: int = GREEDY
-    warp_f: torch.Tensor | None = None  # [B, 4] float32: temperature, top-k, top-p, min-p (sampling modes)
-    draw_i: torch.Tensor | None = None  # [B, 4] int64: greedy, seed, draft 0's position, q slot
+    warp_f: torch.Tensor  # [B, 4] float32: temperature, top-k, top-p, min-p (sampling modes)
+    drafts: torch.Tensor | None = None  # [B, steps] int64, written by each replay
 
 
 class EagleGraphs:
@@ -111,41 +114,54 @@ class EagleGraphs:
         counts[i] slots from starts[i]; it wants ks[i] drafts, the first at position draft_starts[i],
         drawn as rows[i] says (sampling modes)."""
         g = self.graphs.get(key) or self._capture(*key)
-        bs = self.cache.block_size
-        host, table = pack_step(ids, starts, counts, tables, g.bucket, self.width, self.scratch, bs)
-        first = np.cumsum(counts) - np.asarray(counts)  # [n]
-        last = np.zeros(g.bucket, dtype=np.int64)
-        last[: len(counts)] = first + np.asarray(counts) - 1
-        chain = np.stack([self._chain_step(j, tables, ks, draft_starts, g.bucket) for j in range(g.chain.shape[0])])
-        g.packed.copy_(torch.from_numpy(host), non_blocking=True)
-        g.block_table[: table.shape[0], : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
-        g.last_rows.copy_(torch.from_numpy(last), non_blocking=True)
-        g.chain.copy_(torch.from_numpy(chain), non_blocking=True)
-        g.streams[: streams.shape[0]].copy_(streams)
-        if g.warp_f is not None and g.draw_i is not None and rows is not None:
-            wf = np.zeros((g.bucket, 4), dtype=np.float32)  # padding rows: greedy, q to the spare slot
-            wi = np.zeros((g.bucket, 4), dtype=np.int64)
-            wi[:, 0], wi[:, 3] = 1, self.spare_q_slot
+        n, bucket = len(counts), g.bucket
+        host = np.empty(g.inputs.shape[0], dtype=np.int64)
+        packed, table = pack_step(ids, starts, counts, tables, bucket, self.width, self.scratch, self.cache.block_size)
+        end = packed.shape[0]
+        host[:end] = packed
+        last = host[end : end + bucket]
+        last[:n] = np.cumsum(counts) - 1
+        last[n:] = 0
+        end += bucket
+        chain = self._chain_layouts(table, ks, draft_starts, bucket, g.chain.shape[0])
+        host[end : end + chain.size] = chain.reshape(-1)
+        end += chain.size
+        draws = host[end:].reshape(bucket, 4)
+        draws[:] = (1, 0, 0, self.spare_q_slot)  # greedy, q to the spare slot (and all padding rows)
+        if rows is not None and g.mode != GREEDY:
+            wf = np.zeros((bucket, 4), dtype=np.float32)
             for i, (r, d) in enumerate(zip(rows, draft_starts, strict=True)):
                 wf[i] = (r.temperature, r.top_k, r.top_p, r.min_p)
-                wi[i] = (int(r.greedy), r.seed, d, self.spare_q_slot if r.greedy else r.q_slot)
+                draws[i] = (int(r.greedy), r.seed, d, self.spare_q_slot if r.greedy else r.q_slot)
             g.warp_f.copy_(torch.from_numpy(wf), non_blocking=True)
-            g.draw_i.copy_(torch.from_numpy(wi), non_blocking=True)
+        g.inputs.copy_(torch.from_numpy(host), non_blocking=True)
+        g.block_table[: table.shape[0], : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
+        g.streams[: streams.shape[0]].copy_(streams)
         g.graph.replay()
         self.replays += 1
-        return g.drafts[: len(counts)]
+        assert g.drafts is not None
+        return g.drafts[:n]
 
-    def _chain_step(self, j: int, tables: list[list[int]], ks: list[int], draft_starts: list[int],
-                    bucket: int) -> np.ndarray:
-        """Chain step j's width-1 layout: draft j goes into the head's slot one before its position.
-        Rows that need no step j (ks[i] <= j + 1) attend to their first slot and write to scratch."""
-        live = [k > j + 1 for k in ks]
-        starts = [d - 1 + j if on else 0 for d, on in zip(draft_starts, live, strict=True)]
-        host, _ = pack_step(None, starts, [1] * len(ks), tables, bucket, 1, self.scratch, self.cache.block_size)
-        slots = host[2 * bucket : 3 * bucket]
-        dead = np.flatnonzero(~np.asarray(live, dtype=bool))
-        slots[dead] = self.scratch * self.cache.block_size + dead % self.cache.block_size
-        return host
+    def _chain_layouts(self, table: np.ndarray, ks: list[int], draft_starts: list[int], bucket: int,
+                       steps: int) -> np.ndarray:
+        """[steps, 5B + 1]: chain step j's width-1 layout (graphs.pack_step's) in row j. Draft j goes
+        into the head's slot one before its position. Rows that need no step j (ks[i] <= j + 1)
+        attend to their first slot and write to the scratch block, as do the bucket's padding rows.
+        `table` [n, w]: the requests' block tables."""
+        bs, n, b = self.cache.block_size, len(ks), bucket
+        out = np.zeros((steps, 5 * b + 1), dtype=np.int64)
+        j = np.arange(steps)[:, None]  # [J, 1]
+        live = np.asarray(ks, dtype=np.int64)[None, :] > j + 1  # [J, n]
+        pos = np.where(live, np.asarray(draft_starts, dtype=np.int64)[None, :] - 1 + j, 0)  # [J, n]
+        block = table[np.arange(n)[None, :], pos // bs].astype(np.int64)  # [J, n]
+        scratch = self.scratch * bs + np.arange(b) % bs  # [B]
+        out[:, b : b + n] = pos
+        out[:, 2 * b : 2 * b + n] = np.where(live, block * bs + pos % bs, scratch[:n])
+        out[:, 2 * b + n : 3 * b] = scratch[: b - n]
+        out[:, 3 * b : 3 * b + n] = pos + 1
+        out[:, 4 * b : 4 * b + n] = np.arange(n)
+        out[:, 4 * b + n :] = n
+        return out
 
     def _forward(self, g: _ChainGraph) -> torch.Tensor:
         """The captured work: catch-up, then `steps` greedy drafts -> [B, steps]."""
@@ -166,7 +182,7 @@ class EagleGraphs:
 
     def _sample(self, g: _ChainGraph, h: torch.Tensor, j: int) -> torch.Tensor:
         """Draft j of every row as spec/drafting.py's DraftPicker draws it; q into the pool. h [B, H] -> [B]."""
-        assert g.warp_f is not None and g.draw_i is not None and self.q_pool is not None
+        assert self.q_pool is not None
         logits = self.head.target_logits(h)  # [B, V]
         wf, wi = g.warp_f, g.draw_i
         q = warp(logits, WarpParams(wf[:, 0], wf[:, 1].long(), wf[:, 2], wf[:, 3], g.mode == SORTED))  # [B, V]
@@ -187,17 +203,18 @@ class EagleGraphs:
         dev, bs, t_all = self.device, self.cache.block_size, bucket * self.width
         empty = pack_step([], [], [], [], bucket, self.width, self.scratch, bs)[0]  # all padding: safe to run
         chain0 = pack_step([], [], [], [], bucket, 1, self.scratch, bs)[0]
+        n_chain = max(steps - 1, 1)
+        host = np.concatenate([empty, np.zeros(bucket, dtype=np.int64), np.tile(chain0, n_chain),
+                               np.tile(np.array([1, 0, 0, self.spare_q_slot], dtype=np.int64), bucket)])
+        inputs = torch.from_numpy(host).to(dev)
+        p, c = empty.shape[0], chain0.shape[0]
         n_in = len(self.head.input_layers) * self.head.spec.target_hidden_size
         g = _ChainGraph(
-            torch.cuda.CUDAGraph(), bucket, steps, torch.from_numpy(empty).to(dev),
-            torch.from_numpy(np.stack([chain0] * max(steps - 1, 1))).to(dev),
+            torch.cuda.CUDAGraph(), bucket, steps, mode, inputs, inputs[:p], inputs[p : p + bucket],
+            inputs[p + bucket : p + bucket + n_chain * c].view(n_chain, c), inputs[p + bucket + n_chain * c :].view(bucket, 4),
             torch.full((bucket, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
             torch.zeros(t_all, n_in, dtype=self.stream_dtype, device=dev),
-            torch.zeros(bucket, dtype=torch.int64, device=dev),
-            torch.empty(0, dtype=torch.int64, device=dev), mode)
-        if mode != GREEDY:  # all rows greedy, q to the spare slot: safe to run before the first refresh
-            g.warp_f = torch.zeros(bucket, 4, dtype=torch.float32, device=dev)
-            g.draw_i = torch.tensor([[1, 0, 0, self.spare_q_slot]] * bucket, dtype=torch.int64, device=dev)
+            torch.zeros(bucket, 4, dtype=torch.float32, device=dev))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(dev)
