@@ -64,12 +64,12 @@ open('/tmp/heldout.jsonl', 'w').write(''.join(json.dumps({'prompt': p}) + '\n' f
 print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     # Written straight into $OUT: saved before the evaluation, so it comes back even if the call runs out.
     log "train-draft (log: $OUT/train.log)"
-    # Session 3: 5x the prompts, answers admitted in waves (graph replays), 2 epochs instead of 8, and the
-    # target's own lm_head over all 49152 ids (no draft vocabulary: 14 % of MT-Bench tokens fell outside
-    # the 6144 of the session 2 head; the head file also shrinks, the head itself can grow to the target's MLP).
+    # Session 3: 4x the prompts, answers admitted in waves (graph replays), and no draft vocabulary: the
+    # head drafts through the target's frozen lm_head over all 49152 ids (14 % of MT-Bench answer tokens
+    # fell outside the 6144 of the session 2 head), so the file holds no vocabulary-sized matrix.
     timeout 480 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out "$OUT/head" --device cuda \
-      --eval-prompts-file /tmp/heldout.jsonl --num-prompts 8000 --max-new-tokens 512 --gen-batch 256 \
-      --gen-time-budget 4.0 --epochs 2 --time-budget 2.5 --batch-tokens 16384 --lr 2e-3 \
+      --eval-prompts-file /tmp/heldout.jsonl --num-prompts 6000 --max-new-tokens 512 --gen-batch 256 \
+      --gen-time-budget 3.0 --epochs 6 --time-budget 2.0 --batch-tokens 16384 --lr 2e-3 \
       --draft-vocab-size 0 $GRAPHS > "$OUT/train.log" 2>&1
     echo "train-draft exit $?" | tee -a "$OUT/run.log"
     grep -v "^\[" "$OUT/train.log" | tail -8 | tee -a "$OUT/run.log"
