@@ -115,16 +115,21 @@ class Worker:
             return self._sample_plain(reqs, rows)
         dense = [r.q_slot is not None and not r.greedy_draft and e.num_drafts > 0
                  for e, r in zip(entries, reqs, strict=True)]
-        # Every per-request integer in one queued copy (each pageable copy costs ~20 us of host time).
+        # Every per-request integer in one queued copy (each pageable copy costs ~20 us of host time),
+        # field after field so that each is a contiguous slice: the Triton sampler reads raw pointers.
         b = len(reqs)
-        host = np.zeros((b, 5 + (k + 1) + k), dtype=np.int64)  # [B, greedy seed dense drafts slot | pos | ids]
+        host = np.zeros(b * (5 + (k + 1) + k), dtype=np.int64)
+        fields = host[: 5 * b].reshape(5, b)  # greedy, seed, dense q, drafts, q slot
+        pos_h = host[5 * b : 5 * b + b * (k + 1)].reshape(b, k + 1)
+        ids_h = host[5 * b + b * (k + 1) :].reshape(b, k)
         for i, (e, r) in enumerate(zip(entries, reqs, strict=True)):
-            host[i, :5] = (r.params.greedy, r.seed, dense[i], e.num_drafts, r.q_slot if dense[i] else 0)
-            host[i, 5 : 6 + k] = range(r.num_tokens, r.num_tokens + k + 1)
-            host[i, 6 + k : 6 + k + e.num_drafts] = r.draft_ids[: e.num_drafts]
-        ints = h2d(torch.from_numpy(host), torch.int64, dev)  # [B, 6 + 2K]
-        greedy, seeds, num_drafts = ints[:, 0].bool(), ints[:, 1], ints[:, 3]  # [B]
-        positions, draft_ids = ints[:, 5 : 6 + k], ints[:, 6 + k :]  # [B, K+1], [B, K]
+            fields[:, i] = (r.params.greedy, r.seed, dense[i], e.num_drafts, r.q_slot if dense[i] else 0)
+            pos_h[i] = range(r.num_tokens, r.num_tokens + k + 1)
+            ids_h[i, : e.num_drafts] = r.draft_ids[: e.num_drafts]
+        ints = h2d(torch.from_numpy(host), torch.int64, dev)
+        greedy, seeds, num_drafts, q_slots = ints[:b].bool(), ints[b : 2 * b], ints[3 * b : 4 * b], ints[4 * b : 5 * b]
+        positions = ints[5 * b : 5 * b + b * (k + 1)].view(b, k + 1)  # [B, K+1]
+        draft_ids = ints[5 * b + b * (k + 1) :].view(b, k)  # [B, K]
         probs = None
         noise = None
         if not all(r.params.greedy for r in reqs):
@@ -134,13 +139,13 @@ class Worker:
             noise = rng.exponentials(seeds, positions, rng.TARGET, self.vocab)  # [B, K+1, V]
         q = None
         if any(dense) and self.q_pool is not None and k > 0:
-            q = self.q_pool[ints[:, 4], :k]  # [B, K, V]
+            q = self.q_pool[q_slots, :k]  # [B, K, V]
         tokens, accepted = self.rejection(VerifyInput(
             target_probs=probs,
             target_argmax=rows.argmax(dim=-1),
             draft_ids=draft_ids,
             draft_probs=q,
-            dense_q=ints[:, 2].bool(),
+            dense_q=ints[2 * b : 3 * b].bool(),
             num_drafts=num_drafts,
             greedy=greedy,
             # Greedy rows never draw: skip the hashing launches on all-greedy steps.
@@ -166,9 +171,10 @@ class Worker:
             dev = self.device
             wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
                                    for r in reqs], dev)
-            ints = h2d([(r.seed, r.num_tokens, r.params.greedy) for r in reqs], torch.int64, dev)  # [B, 3]
-            noise = rng.exponentials(ints[:, 0], ints[:, 1:2], rng.TARGET, self.vocab)[:, 0]  # [B, V]
-            tokens = sample_rows(warp(logits, wp), logits, ints[:, 2].bool(), noise)  # [B]
+            ints = h2d([[r.seed for r in reqs], [r.num_tokens for r in reqs], [r.params.greedy for r in reqs]],
+                       torch.int64, dev)  # [3, B]: seeds, positions, greedy
+            noise = rng.exponentials(ints[0], ints[1].unsqueeze(-1), rng.TARGET, self.vocab)[:, 0]  # [B, V]
+            tokens = sample_rows(warp(logits, wp), logits, ints[2].bool(), noise)  # [B]
         lp = self._logprobs(reqs, rows, tokens.unsqueeze(-1))
         self.launched.set()
         host_tokens = tokens.tolist()  # the step's one host read

@@ -160,6 +160,32 @@ def test_rejection_kernel_matches_reference(case):
         assert torch.equal(tokens, tokens_ref)
 
 
+def test_rejection_kernel_reads_strided_inputs_by_their_strides():
+    """The worker hands the sampler views of one packed per-request buffer (one host-to-device copy);
+    the kernel indexes raw pointers, so its wrapper must make every input contiguous. Regression: on
+    the H200 `num_drafts` arrived as a column view, rows past the first read their neighbours' fields,
+    and measured acceptance fell from 0.90 to 0.80 (outputs stayed exact: only acceptance suffered)."""
+    b, k, v = (32, 4, 2000) if CUDA else (8, 3, 40)
+    vi = _verify_input(b, k, v, 0.5, 0.5, 7)
+
+    def strided(t: torch.Tensor | None) -> torch.Tensor | None:  # the same values, every other element
+        if t is None:
+            return None
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device) if t.dim() > 1 else \
+            torch.zeros(2 * t.shape[0], dtype=t.dtype, device=t.device)
+        view = wide[..., ::2]
+        view.copy_(t)
+        assert not view.is_contiguous()
+        return view
+
+    sv = VerifyInput(*(strided(getattr(vi, f)) for f in (
+        "target_probs", "target_argmax", "draft_ids", "draft_probs", "dense_q", "num_drafts", "greedy", "uniforms",
+        "noise")))
+    tokens_ref, acc_ref = rejection_sample(vi)
+    tokens, acc = rj.rejection_sample_triton(sv)
+    assert torch.equal(acc, acc_ref) and torch.equal(tokens, tokens_ref)
+
+
 # -- the CUDA-graph step layout ------------------------------------------------------------------
 def test_padded_graph_step_matches_eager_forward(tiny_model_dir):
     """A verify-shaped step packed for a (bucket 4, width 4) graph: real rows equal the eager

@@ -107,8 +107,10 @@ def rejection_sample_triton(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]
     # K == 0 still needs a [B, 1] draft tensor to point at; it is never read.
     draft = v.draft_ids.contiguous() if k > 0 else torch.zeros(batch, 1, dtype=torch.int64, device=dev)
     uniforms = v.uniforms.float().contiguous() if k > 0 and has_p else draft  # read by sampled rows only
+    # The kernel indexes raw pointers: every input contiguous (views of a packed buffer arrive strided).
     _rejection_kernel[(batch,)](
-        p, v.target_argmax.contiguous(), draft, q, v.dense_q, v.num_drafts, v.greedy, uniforms, noise,
+        p, v.target_argmax.contiguous(), draft, q, v.dense_q.contiguous(), v.num_drafts.contiguous(),
+        v.greedy.contiguous(), uniforms, noise,
         tokens, accepted, vocab,
         K=k, HAS_P=has_p, HAS_Q=has_q, BLOCK_V=min(4096, triton.next_power_of_2(max(vocab, 16))),
         num_warps=8 if has_p else 1,
