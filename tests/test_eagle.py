@@ -16,7 +16,8 @@ from streamsd import LLM, SamplingParams
 from streamsd.model.loader import ModelLoadError
 from streamsd.runtime import load_model
 from streamsd.spec.eagle_ckpt import load_head, new_head, save_head
-from streamsd.spec.eagle_data import Sample, attach_streams, is_degenerate, read_prompts, user_prefix
+from streamsd.spec.eagle_data import Sample, attach_streams
+from streamsd.spec.eagle_prompts import is_degenerate, read_prompts, user_prefix
 from streamsd.spec.eagle_train import TrainConfig, train, ttt_outputs
 
 CPU = torch.device("cpu")
@@ -401,10 +402,35 @@ def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadli
         assert torch.allclose(got.streams, ref.streams, atol=1e-4) and torch.allclose(got.final, ref.final, atol=1e-4)
 
 
+def test_in_waves_admits_a_quarter_batch_at_a_time(tiny_model_dir):
+    """train-draft's driver: the batch fills, then new requests wait until a quarter of it is free and
+    come in together (so most steps are decode-only graph replays); every request finishes once."""
+    from streamsd.spec.waves import in_waves
+
+    llm = LLM(str(tiny_model_dir), max_num_seqs=8)
+    core = llm.core
+    live_at_admission: list[int] = []
+    real_add = core.add_request
+
+    def add(rid, prompt_ids, params):
+        live_at_admission.append(len(core.scheduler.running) + len(core.scheduler.waiting))
+        return real_add(rid, prompt_ids, params)
+
+    core.add_request = add
+    requests = [(f"w{i}", [5, 6, 7 + i % 9], SamplingParams(max_tokens=3 + i % 7, ignore_eos=True)) for i in range(30)]
+    finished = [o.request_id for o in in_waves(core, requests) if o.finished]
+    assert sorted(finished) == sorted(r for r, _, _ in requests)
+    assert live_at_admission[:8] == list(range(8))  # the first fill
+    # Later admissions start only with a quarter (2) of the 8 slots free.
+    starts = [n for prev, n in zip(live_at_admission[7:], live_at_admission[8:], strict=False) if n <= prev]
+    assert starts and all(n <= 6 for n in starts)
+    _assert_free(llm)
+
+
 def test_self_written_prompts_start_from_varied_openers(tiny_model_dir, tiny_tokenizer):
     """The target writes user turns after the chat template's user prefix and, in turn, after each
     opener; what it writes is kept with its opener, unless unfinished, degenerate or empty."""
-    from streamsd.spec.eagle_data import self_prompts, written_prompt
+    from streamsd.spec.eagle_prompts import self_prompts, written_prompt
 
     assert written_prompt("Imagine you are", " a pilot landing in fog. What do you say?", "stop") == \
         "Imagine you are a pilot landing in fog. What do you say?"

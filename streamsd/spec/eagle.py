@@ -112,9 +112,9 @@ class EagleProposer:
         if not drafting:
             return results
         ends = list(itertools.accumulate(counts))
-        rows = h2d([ends[w] - 1 for w in drafting], torch.int64, dev)  # [Bd] last row of each drafting item
+        last = h2d([ends[w] - 1 for w in drafting], torch.int64, dev)  # [Bd] last row of each drafting item
         draft_items = [work[w][1] for w in drafting]
-        host = self._draft_loop(draft_items, out.index_select(0, rows)).tolist()  # [Bd, K]
+        host = self._draft_loop(draft_items, out.index_select(0, last)).tolist()  # [Bd, K]
         for row, w in enumerate(drafting):
             i, it = work[w]
             results[i] = Proposal(host[row][: it.k], it.upto)

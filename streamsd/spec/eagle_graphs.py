@@ -1,9 +1,10 @@
-"""One CUDA graph per EAGLE propose call: the head's catch-up and its whole greedy draft chain.
+"""One CUDA graph per EAGLE propose call: the head's catch-up and its whole draft chain.
 
 Eagerly, a propose call of a one-layer head is about 60 kernel launches per head forward, five
 forwards per step, plus a host-built layout per draft: on a small target that costs ten times the
 verify itself. Here a call is one replay. Its inputs live in static buffers refreshed by queued
-host-to-device copies, as the target's graphs do (model/graphs.py):
+host-to-device copies, as the target's graphs do (model/graphs.py); every int64 input shares one
+buffer, so a call costs one copy of them (plus the block table and, when sampling, the warp floats):
 
 - the catch-up tokens of every request packed `width` (= K + 1, the most a verify can accept) per
   row: ids, positions, KV slots, context lengths; the target's streams for them; the row of each

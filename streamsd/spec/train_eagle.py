@@ -58,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
 
     from streamsd import LLM
     from streamsd.spec.eagle_ckpt import new_head, save_head
-    from streamsd.spec.eagle_data import answer, draft_vocabulary, read_prompts, self_prompts
+    from streamsd.spec.eagle_data import answer, draft_vocabulary
     from streamsd.spec.eagle_head import default_aux_layers
+    from streamsd.spec.eagle_prompts import read_prompts, self_prompts
     from streamsd.spec.eagle_train import TrainConfig, train, validate
 
     if args.threads:
