@@ -65,7 +65,7 @@ case "$MODE" in
     log "8B synthetic K=4 adaptive: B 1,4,16,64,128,256 x alpha 0.3,0.5,0.7,0.9"
     timeout 420 $B --model llama-3.1-8b --speculative-method synthetic --acceptance-rate 0.3,0.5,0.7,0.9 \
       --num-speculative-tokens 4 --batch-sizes 1,4,16,64,128,256 --max-tokens 64 --no-hf \
-      --speculation-policy adaptive --output-json "$OUT/adaptive_grid.json" --plot "$OUT/adaptive_grid.png" \
+      --speculation-policy adaptive --forced-plain --output-json "$OUT/adaptive_grid.json" --plot "$OUT/adaptive_grid.png" \
       > "$OUT/adaptive_grid.log" 2>&1
     tail -45 "$OUT/adaptive_grid.log" | tee -a "$OUT/run.log"
     python3 - "$OUT/adaptive_grid.json" <<'PY' | tee -a "$OUT/run.log"
@@ -79,6 +79,9 @@ for c in d["cells"]:
         print(f"{c['acceptance_rate']:.1f} {c['batch']:4d}  {c['measured_speedup']:6.2f}  {c.get('decode_speedup')}  "
               f"{c['acceptance']}  {c.get('decode_step_vs_plain')}  {c.get('pred_err_pct')}  {c.get('pred_err_raw_pct')}  "
               f"{c.get('pred_err_shape_pct')}  {c.get('plain_step_share')}  {c.get('desyncs')}/{c.get('warm_desyncs_per_pass')}")
+for c in d["cells"]:
+    if c["method"] == "spec k=0":
+        print(f"forced k=0 B={c['batch']}: decode step {c.get('decode_step_vs_plain')}x plain, TPOT ratio {c.get('measured_speedup')}")
 PY
     ;;
 esac

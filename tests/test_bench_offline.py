@@ -132,7 +132,7 @@ def test_adaptive_synthetic_acceptance_in_every_cell(tmp_path, tiny_model_dir):
     out = tmp_path / "a.json"
     args = _args("--model", str(tiny_model_dir), "--speculative-method", "synthetic", "--acceptance-rate", "0.8",
                  "--speculation-policy", "adaptive", "--batch-sizes", "1,16,64", "--max-tokens", "32", "--no-hf",
-                 "--output-json", str(out))
+                 "--forced-plain", "--output-json", str(out))
     assert args.func(args) == 0
     doc = json.loads(out.read_text())
     assert doc["profile"]["widths"] == [1, 5] and doc["profile"]["cells_timed"] >= 10
@@ -153,6 +153,10 @@ def test_adaptive_synthetic_acceptance_in_every_cell(tmp_path, tiny_model_dir):
             assert c["decode_tokens_per_s"] > 0, b
         assert spec["decode_speedup"] > 0, b
     assert cells[("plain", 1)]["acceptance"] is None  # nothing drafted: no acceptance, not 0
+    for b in (1, 16, 64):  # --forced-plain: the speculative engine with k capped at 0 drafts nothing
+        forced = cells[("spec k=0", b)]
+        assert forced["drafts_tested"] == 0 and forced["acceptance"] is None and forced["same_output_as_plain"], b
+        assert forced["decode_step_vs_plain"] > 0 and forced["measured_speedup"] > 0, b
 
 
 def test_startup_profile_times_the_engines_step_shape_within_its_budget(tiny_model_dir):

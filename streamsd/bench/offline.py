@@ -20,6 +20,10 @@ Each adaptive cell reports the policy's predicted vs measured step time (`pred_e
 |predicted / measured - 1| over the steps it planned and the plain steps between plans that carried
 no prompt chunk, with the online correction; `_raw`: the start-up table alone), the share of plain
 steps and the histogram of chosen k.
+
+`--forced-plain` adds a `spec k=0` cell per batch size: the speculative engine (its policy and
+proposer configured) with every request's k capped at 0, against plain — what speculation costs
+when it is never used (the adaptive policy's target: within 1 %).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any
 import torch
 
 from streamsd.bench import offline_run as R
-from streamsd.bench.offline_cells import Policies, hf_cells, make_cell, spec_cell
+from streamsd.bench.offline_cells import Policies, forced_plain_cell, hf_cells, make_cell, spec_cell
 from streamsd.bench.offline_report import plot, print_table
 from streamsd.config import EngineConfig, SpecConfig
 from streamsd.runtime import Runtime, build_runtime
@@ -73,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--speculation-policy", choices=["fixed", "adaptive"], default="fixed",
                    help="adaptive: k per request and step from a cost table profiled at start")
+    p.add_argument("--forced-plain", action="store_true",
+                   help="also run the speculative engine with every request's k capped at 0 (its cost when unused)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of the cells")
 
@@ -101,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         cells.append(make_cell("streamsd", "plain", b, plain, floor_ms=floor_plain, tokens_per_step=1.0))
         for alpha in alphas if method == "synthetic" else [None] if method != "none" else []:
             cells.append(spec_cell(rt, spec, args, prompts, b, plain, mean_ctx, dtype, draft_args, policies, alpha))
+        if method != "none" and args.forced_plain:
+            cells.append(forced_plain_cell(rt, spec, args, prompts, b, plain, mean_ctx, floor_plain, policies))
         if hf is not None:
             cells.extend(hf_cells(rt, hf, args, prompts, b, cells, dev, dtype))
         doc = _doc(args, rt, alphas, cells, policies)

@@ -131,6 +131,24 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
     return cell
 
 
+def forced_plain_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: list[list[int]], b: int,
+                      plain: R.PassResult, mean_ctx: float, floor_ms: float, policies: Policies | None) -> dict[str, Any]:
+    """The speculative engine with every request's k capped at 0 against the plain engine: what having
+    speculation configured (its policy, its proposer, its paths) costs when it never drafts."""
+    rt_m = rt if policies is None else policies.fresh(rt, round(mean_ctx))
+    R.engine_pass(rt_m, spec, prompts, min(8, args.max_tokens), b, speculative=True, k_cap=0)  # warm-up
+    rt_m = rt if policies is None else policies.fresh(rt, round(mean_ctx))
+    res = R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True, k_cap=0)
+    cell = make_cell("streamsd", "spec k=0", b, res, floor_ms=floor_ms, tokens_per_step=1.0)
+    cell["measured_speedup"] = round(plain.tpot_ms / res.tpot_ms, 3) if res.tpot_ms else None
+    if plain.decode_step_ms and res.decode_step_ms:
+        cell["decode_step_vs_plain"] = round(res.decode_step_ms / plain.decode_step_ms, 3)
+    if plain.decode_tokens_per_s and res.decode_tokens_per_s:
+        cell["decode_speedup"] = round(res.decode_tokens_per_s / plain.decode_tokens_per_s, 3)
+    cell["same_output_as_plain"] = res.outputs == plain.outputs
+    return cell
+
+
 def hf_cells(rt: Runtime, hf: Any, args: argparse.Namespace, prompts: list[list[int]], b: int,
              cells: list[dict[str, Any]], dev: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     pad = rt.tokenizer.pad_token_id if rt.tokenizer.pad_token_id is not None else 0

@@ -72,11 +72,13 @@ class PassResult:
 
 
 def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tokens: int, batch: int,
-                speculative: bool) -> PassResult:
-    """All prompts through a fresh EngineCore admitting `batch` at a time; greedy, EOS ignored."""
+                speculative: bool, k_cap: int | None = None) -> PassResult:
+    """All prompts through a fresh EngineCore admitting `batch` at a time; greedy, EOS ignored.
+    `k_cap`: every request's per-request draft cap (0: speculation configured, never used)."""
     sched = dataclasses.replace(rt.scheduler_config, max_num_seqs=batch)
     core = EngineCore(dataclasses.replace(rt, scheduler_config=sched), spec)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, speculative=speculative)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, speculative=speculative,
+                            num_speculative_tokens=k_cap)
     ids = [f"p{i}" for i in range(len(prompts))]
     for i, (rid, p) in enumerate(zip(ids, prompts, strict=True)):
         core.add_request(rid, p, dataclasses.replace(params, seed=i + 1))
