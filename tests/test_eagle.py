@@ -357,12 +357,10 @@ def test_graph_chain_steps_write_only_where_a_draft_is_wanted(tiny_model_dir, he
     """The host layout of chain step j: a row that wants more than j + 1 drafts writes its head slot at
     (first draft's position - 1 + j) in its own blocks; a row that wants fewer writes to the scratch
     block (its KV past its reservation is not its own), and so do the bucket's padding rows."""
-    from streamsd.model.kv_cache import PagedKVCache
     from streamsd.spec.eagle_graphs import EagleGraphs
 
     head = load_head(heads["eagle3"], _target(tiny_model_dir), CPU, torch.float32)
-    cache = PagedKVCache(head.spec.args, 10, 16, torch.float32, CPU)
-    graphs = EagleGraphs(head, cache, None, scratch=9, max_blocks=8, width=5, stream_dtype=torch.float32, device=CPU)
+    graphs = EagleGraphs(head, None, 16, scratch=9, max_blocks=8, width=5, stream_dtype=torch.float32, device=CPU)
     table, ks, first = np.array([[3, 4], [5, 0]], dtype=np.int32), [4, 1], [20, 7]
     layouts = graphs._chain_layouts(table, ks, first, bucket=4, steps=3)
     for j, (pos0, slot0) in enumerate([(19, 4 * 16 + 3), (20, 4 * 16 + 4), (21, 4 * 16 + 5)]):

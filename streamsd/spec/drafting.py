@@ -12,7 +12,7 @@ import torch
 from streamsd.model.kv_cache import h2d
 from streamsd.request import Request
 from streamsd.sampling import rng
-from streamsd.sampling.sampler import race
+from streamsd.sampling.sampler import sample_rows
 from streamsd.sampling.warp import WarpParams, warp
 from streamsd.spec.base import ProposeItem
 
@@ -34,10 +34,9 @@ class DraftPicker:
             return logits.argmax(-1)
         wp, greedy, seeds, base = self._per_request(logits.device)
         sub = WarpParams(wp.temperature[idx], wp.top_k[idx], wp.top_p[idx], wp.min_p[idx], wp.needs_sort)
-        q = warp(logits, sub)  # [A, V]
-        noise = rng.exponentials(seeds[idx], (base[idx] + j).unsqueeze(-1), rng.DRAFT, self.vocab)[:, 0]  # [A, V]
+        tokens, q = draw_drafts(logits, sub, greedy[idx], seeds[idx], base[idx] + j)  # [A], [A, V]
         store_dense_q(self.q_pool, [self.reqs[i] for i in active], j, q)
-        return torch.where(greedy[idx], logits.argmax(-1), race(q, noise))  # [A]
+        return tokens
 
     def _per_request(self, dev: torch.device) -> tuple[WarpParams, torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._rows is None:
@@ -50,6 +49,16 @@ class DraftPicker:
                 h2d([len(it.tokens) for it in self.items], torch.int64, dev),  # [Bd] position of draft 0
             )
         return self._rows
+
+
+def draw_drafts(logits: torch.Tensor, wp: WarpParams, greedy: torch.Tensor, seeds: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft per row: logits [A, V], per-row warp, greedy [A], seeds [A], positions [A] ->
+    (tokens [A], q [A, V]). Greedy rows take the argmax; the others race over their warped q with
+    noise keyed by (seed, position, DRAFT). Host-free, so a CUDA graph can capture it."""
+    q = warp(logits, wp)  # [A, V]
+    noise = rng.exponentials(seeds, positions.unsqueeze(-1), rng.DRAFT, q.shape[-1])[:, 0]  # [A, V]
+    return sample_rows(q, logits, greedy, noise), q
 
 
 def store_dense_q(q_pool: torch.Tensor, reqs: list[Request], j: int, q: torch.Tensor) -> None:

@@ -49,8 +49,8 @@ class EagleProposer:
         only when the head can use the target's attention kernel."""
         if self.head.spec.args.head_dim == self.target.args.head_dim and self.device.type == "cuda":
             dtype = self.target.model.embed_tokens.weight.dtype
-            self.graphs = EagleGraphs(self.head, self.cache, self.target.attend, scratch_block, max_blocks, width,
-                                      dtype, self.device, self.q_pool)
+            self.graphs = EagleGraphs(self.head, self._attend, self.cache.block_size, scratch_block, max_blocks,
+                                      width, dtype, self.device, self.q_pool)
 
     def _attend(self, layout: BatchLayout) -> HeadAttention:
         kc, vc = self.cache.layer(0)

@@ -22,16 +22,16 @@ to the pool's spare last row. Prefill chunks (more than `width` catch-up tokens)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from streamsd.model.graphs import BUCKETS, pack_step, static_layout
-from streamsd.model.kv_cache import BatchLayout, PagedKVCache
-from streamsd.sampling import rng
-from streamsd.sampling.sampler import race
-from streamsd.sampling.warp import WarpParams, warp
+from streamsd.model.kv_cache import BatchLayout
+from streamsd.sampling.warp import WarpParams
+from streamsd.spec.drafting import draw_drafts
 from streamsd.spec.eagle_head import EagleHead, HeadAttention
 
 GREEDY, SAMPLED, SORTED = 0, 1, 2
@@ -70,20 +70,19 @@ class _ChainGraph:
 
 
 class EagleGraphs:
-    def __init__(self, head: EagleHead, cache: PagedKVCache, attend: HeadAttention, scratch: int, max_blocks: int,
-                 width: int, stream_dtype: torch.dtype, device: torch.device, q_pool: torch.Tensor | None = None,
-                 buckets: tuple[int, ...] = BUCKETS):
+    def __init__(self, head: EagleHead, attend_for: Callable[[BatchLayout], HeadAttention], block_size: int,
+                 scratch: int, max_blocks: int, width: int, stream_dtype: torch.dtype, device: torch.device,
+                 q_pool: torch.Tensor | None = None, buckets: tuple[int, ...] = BUCKETS):
         self.head = head
         self.q_pool = q_pool  # [slots + 1, K, V]: the last row takes the q nobody reads
-        self.cache = cache  # the head's one layer
-        self.paged = attend  # (q, kc, vc, layout, scale) paged attention: the target's kernel
+        self.attend_for = attend_for  # layout -> the head layer's attention over its paged KV (the proposer's)
+        self.block_size = block_size
         self.scratch = scratch
         self.max_blocks = max_blocks
         self.width = width
         self.stream_dtype = stream_dtype
         self.device = device
         self.buckets = buckets
-        self.scale = head.spec.args.head_dim ** -0.5
         self.graphs: dict[tuple[int, int, int], _ChainGraph] = {}
         self.pool: tuple[int, int] | None = None  # made at the first capture
         self.replays = 0
@@ -117,7 +116,7 @@ class EagleGraphs:
         g = self.graphs.get(key) or self._capture(*key)
         n, bucket = len(counts), g.bucket
         host = np.empty(g.inputs.shape[0], dtype=np.int64)
-        packed, table = pack_step(ids, starts, counts, tables, bucket, self.width, self.scratch, self.cache.block_size)
+        packed, table = pack_step(ids, starts, counts, tables, bucket, self.width, self.scratch, self.block_size)
         end = packed.shape[0]
         host[:end] = packed
         last = host[end : end + bucket]
@@ -149,7 +148,7 @@ class EagleGraphs:
         into the head's slot one before its position. Rows that need no step j (ks[i] <= j + 1)
         attend to their first slot and write to the scratch block, as do the bucket's padding rows.
         `table` [n, w]: the requests' block tables."""
-        bs, n, b = self.cache.block_size, len(ks), bucket
+        bs, n, b = self.block_size, len(ks), bucket
         out = np.zeros((steps, 5 * b + 1), dtype=np.int64)
         j = np.arange(steps)[:, None]  # [J, 1]
         live = np.asarray(ks, dtype=np.int64)[None, :] > j + 1  # [J, n]
@@ -168,7 +167,7 @@ class EagleGraphs:
         """The captured work: catch-up, then `steps` greedy drafts -> [B, steps]."""
         head, bucket = self.head, g.bucket
         ids, layout = static_layout(g.packed, g.block_table, bucket, self.width, self.scratch)
-        out = head.run_layer(ids, head.features(g.streams), layout.positions, self._attend(layout))  # [T, H]
+        out = head.run_layer(ids, head.features(g.streams), layout.positions, self.attend_for(layout))  # [T, H]
         h = out.index_select(0, g.last_rows)  # [B, H]
         drafts = []
         for j in range(g.steps):
@@ -176,7 +175,7 @@ class EagleGraphs:
             drafts.append(tok)
             if j + 1 < g.steps:
                 _, lay = static_layout(g.chain[j], g.block_table, bucket, 1, self.scratch)
-                h = head.run_layer(tok, h, lay.positions, self._attend(lay))  # [B, H]
+                h = head.run_layer(tok, h, lay.positions, self.attend_for(lay))  # [B, H]
         if not drafts:  # a catch-up-only call (every k = 0)
             return h.new_zeros(bucket, 0, dtype=torch.int64)
         return torch.stack(drafts, dim=1)  # [B, steps]
@@ -184,24 +183,14 @@ class EagleGraphs:
     def _sample(self, g: _ChainGraph, h: torch.Tensor, j: int) -> torch.Tensor:
         """Draft j of every row as spec/drafting.py's DraftPicker draws it; q into the pool. h [B, H] -> [B]."""
         assert self.q_pool is not None
-        logits = self.head.target_logits(h)  # [B, V]
         wf, wi = g.warp_f, g.draw_i
-        q = warp(logits, WarpParams(wf[:, 0], wf[:, 1].long(), wf[:, 2], wf[:, 3], g.mode == SORTED))  # [B, V]
-        noise = rng.exponentials(wi[:, 1], (wi[:, 2] + j).unsqueeze(-1), rng.DRAFT, q.shape[-1])[:, 0]  # [B, V]
+        wp = WarpParams(wf[:, 0], wf[:, 1].long(), wf[:, 2], wf[:, 3], g.mode == SORTED)
+        tokens, q = draw_drafts(self.head.target_logits(h), wp, wi[:, 0].bool(), wi[:, 1], wi[:, 2] + j)  # [B], [B, V]
         self.q_pool[wi[:, 3], j] = q
-        return torch.where(wi[:, 0].bool(), logits.argmax(-1), race(q, noise))  # [B]
-
-    def _attend(self, layout: BatchLayout) -> HeadAttention:
-        kc, vc = self.cache.layer(0)
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            PagedKVCache.write(kc, vc, k, v, layout.slot_mapping)
-            return self.paged(q, kc, vc, layout, self.scale)
-
-        return attend
+        return tokens
 
     def _capture(self, bucket: int, steps: int, mode: int = GREEDY) -> _ChainGraph:
-        dev, bs, t_all = self.device, self.cache.block_size, bucket * self.width
+        dev, bs, t_all = self.device, self.block_size, bucket * self.width
         empty = pack_step([], [], [], [], bucket, self.width, self.scratch, bs)[0]  # all padding: safe to run
         chain0 = pack_step([], [], [], [], bucket, 1, self.scratch, bs)[0]
         n_chain = max(steps - 1, 1)
