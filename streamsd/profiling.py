@@ -23,7 +23,7 @@ import torch
 
 from streamsd.adaptive import CostTable
 from streamsd.adaptive.shape import ShapeTable
-from streamsd.model.graphs import GraphRunner, forward_logits
+from streamsd.model.graphs import GraphRunner, buckets_up_to, forward_logits
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 from streamsd.model.llama import Transformer
 
@@ -92,21 +92,16 @@ def time_step(model: Transformer, cache: PagedKVCache, runner: GraphRunner | Non
 
 def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer | None,
                   draft_cache: PagedKVCache | None, max_tokens: int, context: int = 256,
-                  repeats: int = 3, *, max_batch: int | None = None, max_k: int = 0,
+                  repeats: int = 3, *, max_batch: int, max_k: int = 0,
                   graphs: GraphRunner | None = None, draft_graphs: GraphRunner | None = None,
                   budget_s: float | None = None) -> CostTable:
-    """The cost table; without ``max_batch`` only the one-sequence token tables (the old profile)."""
-    t_start = time.perf_counter()
+    """The cost table: prefill chunks by tokens, decode/verify steps by (batch, width), draft steps by batch."""
     dev = cache.data.device
     if budget_s is None:
         budget_s = 4.0 if dev.type == "cuda" else 15.0
     prefill = {n: _time_pass(target, cache, n, context, repeats) for n in BUCKETS if n <= max_tokens}
-    if max_batch is None:
-        drafts = ({n: _time_pass(draft, draft_cache, n, context, repeats) for n in BUCKETS if n <= max_tokens}
-                  if draft is not None and draft_cache is not None else {})
-        return CostTable.from_samples(prefill, drafts)
     edges = graphs.cfg.buckets if graphs is not None else BUCKETS
-    batches = [b for b in edges if b < max_batch] + [b for b in edges if b >= max_batch][:1]
+    batches = buckets_up_to(edges, max_batch)
     widths = sorted(set(graphs.cfg.query_widths if graphs is not None else (1, 1 + max(max_k, 0))))
     cells = sorted(((b, w) for b in batches for w in widths if graphs is not None or b * w <= max_tokens),
                    key=lambda bw: (bw[0] * bw[1], bw[1]))

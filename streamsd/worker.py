@@ -138,7 +138,7 @@ class Worker:
             probs = warp(rows.view(-1, self.vocab), wp.repeat(k + 1)).view(len(reqs), k + 1, -1)  # [B, K+1, V]
             noise = rng.exponentials(seeds, positions, rng.TARGET, self.vocab)  # [B, K+1, V]
         q = None
-        if any(dense) and self.q_pool is not None and k > 0:
+        if any(dense) and self.q_pool is not None:
             q = self.q_pool[q_slots, :k]  # [B, K, V]
         tokens, accepted = self.rejection(VerifyInput(
             target_probs=probs,

@@ -100,14 +100,10 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
     floor = R.floor_step_ms(rt.args, dtype, b, mean_ctx, draft_args if c else None, k)
     cell = make_cell("streamsd", method, b, res, floor_ms=floor, tokens_per_step=res.tau or 1.0)
     analytic = R.analytic_speedup(res.alpha or 0.0, k, c)
-    measured = plain.tpot_ms / res.tpot_ms if res.tpot_ms else 0.0
-    cell.update(k=k, c=round(c, 4), analytic_speedup=round(analytic, 3), measured_speedup=round(measured, 3),
-                spec_efficiency=round(measured / analytic, 3) if analytic else None, desyncs=desyncs,
-                same_output_as_plain=res.outputs == plain.outputs)
-    if plain.decode_step_ms and res.decode_step_ms:
-        cell["decode_step_vs_plain"] = round(res.decode_step_ms / plain.decode_step_ms, 3)
-    if plain.decode_tokens_per_s and res.decode_tokens_per_s:
-        cell["decode_speedup"] = round(res.decode_tokens_per_s / plain.decode_tokens_per_s, 3)
+    cell.update(_against_plain(res, plain))
+    measured = cell["measured_speedup"]
+    cell.update(k=k, c=round(c, 4), analytic_speedup=round(analytic, 3),
+                spec_efficiency=round(measured / analytic, 3) if analytic else None, desyncs=desyncs)
     if method == "synthetic":  # how far the verify-shaped numerics strayed from plain decoding
         cell.update(acceptance_rate=alpha, warm_desyncs=warm_desyncs[0], warm_desyncs_per_pass=warm_desyncs,
                     requests_differing_from_plain=plain_vs_spec)
@@ -139,14 +135,19 @@ def forced_plain_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, p
     R.engine_pass(rt_m, spec, prompts, min(8, args.max_tokens), b, speculative=True, k_cap=0)  # warm-up
     rt_m = rt if policies is None else policies.fresh(rt, round(mean_ctx))
     res = R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True, k_cap=0)
-    cell = make_cell("streamsd", "spec k=0", b, res, floor_ms=floor_ms, tokens_per_step=1.0)
-    cell["measured_speedup"] = round(plain.tpot_ms / res.tpot_ms, 3) if res.tpot_ms else None
+    return {**make_cell("streamsd", "spec k=0", b, res, floor_ms=floor_ms, tokens_per_step=1.0),
+            **_against_plain(res, plain)}
+
+
+def _against_plain(res: R.PassResult, plain: R.PassResult) -> dict[str, Any]:
+    """A pass's ratios to the plain pass of its batch size: TPOT, decode step, decode-phase tokens/s."""
+    out: dict[str, Any] = {"measured_speedup": round(plain.tpot_ms / res.tpot_ms, 3) if res.tpot_ms else 0.0,
+                           "same_output_as_plain": res.outputs == plain.outputs}
     if plain.decode_step_ms and res.decode_step_ms:
-        cell["decode_step_vs_plain"] = round(res.decode_step_ms / plain.decode_step_ms, 3)
+        out["decode_step_vs_plain"] = round(res.decode_step_ms / plain.decode_step_ms, 3)
     if plain.decode_tokens_per_s and res.decode_tokens_per_s:
-        cell["decode_speedup"] = round(res.decode_tokens_per_s / plain.decode_tokens_per_s, 3)
-    cell["same_output_as_plain"] = res.outputs == plain.outputs
-    return cell
+        out["decode_speedup"] = round(res.decode_tokens_per_s / plain.decode_tokens_per_s, 3)
+    return out
 
 
 def hf_cells(rt: Runtime, hf: Any, args: argparse.Namespace, prompts: list[list[int]], b: int,

@@ -19,7 +19,6 @@ from streamsd.model.llama import Transformer
 from streamsd.profiling import sync, time_step
 from streamsd.request import SamplingParams
 from streamsd.runtime import Runtime
-from streamsd.spec.eagle_graphs import GREEDY, EagleGraphs
 
 HBM_BYTES_PER_S = 4.25e12  # measured device-to-device copy bandwidth of the lent H200 (GPU.md)
 
@@ -126,23 +125,11 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
 
 
 def capture_graphs(rt: Runtime, batch: int) -> None:
-    """Capture every bucket a pass over `batch` requests can use, so no capture lands in a timing."""
-    runners = [rt.worker.graphs, getattr(rt.worker.proposer, "graphs", None),
-               getattr(getattr(rt.worker.proposer, "inner", None), "graphs", None)]
-    eagle = getattr(rt.worker.proposer, "graphs", None)
-    if isinstance(eagle, EagleGraphs):  # one graph per (bucket, drafts): catch-up and chain
-        runners.remove(eagle)
-        for bucket in [b for b in eagle.buckets if b < batch] + [b for b in eagle.buckets if b >= batch][:1]:
-            for steps in range(eagle.width):
-                if (bucket, steps, GREEDY) not in eagle.graphs:  # the bench decodes greedily
-                    eagle._capture(bucket, steps, GREEDY)
-    for runner in (r for r in runners if r is not None):
-        small = [b for b in runner.cfg.buckets if b < batch]
-        top = [b for b in runner.cfg.buckets if b >= batch][:1]
-        for bucket in small + top:
-            for width in runner.cfg.query_widths:
-                if (bucket, width) not in runner.graphs:
-                    runner._capture(bucket, width)
+    """Capture every graph a pass over `batch` requests can use, so no capture lands in a timing."""
+    for runner in (rt.worker.graphs, getattr(rt.worker.proposer, "graphs", None),
+                   getattr(getattr(rt.worker.proposer, "inner", None), "graphs", None)):
+        if runner is not None:
+            runner.capture_up_to(batch)
 
 
 def draft_cost_ratio(rt: Runtime, batch: int) -> float:

@@ -106,6 +106,13 @@ class GraphRunner:
             return g.logits[: len(rows)]
         return g.logits.index_select(0, h2d(rows, torch.int64, self.device))
 
+    def capture_up_to(self, batch: int) -> None:
+        """Every (bucket, width) graph a step over at most `batch` requests replays."""
+        for bucket in buckets_up_to(self.cfg.buckets, batch):
+            for width in self.cfg.query_widths:
+                if (bucket, width) not in self.graphs:
+                    self._capture(bucket, width)
+
     def _capture(self, bucket: int, width: int) -> _Graph:
         dev, t_all = self.device, bucket * width
         packed = torch.from_numpy(pack_step([], [], [], [], bucket, width, self.scratch,
@@ -129,6 +136,11 @@ class GraphRunner:
         g = _Graph(graph, bucket, width, packed, block_table, rows, logits, hidden)
         self.graphs[(bucket, width)] = g
         return g
+
+
+def buckets_up_to(buckets: tuple[int, ...], batch: int) -> list[int]:
+    """The buckets a batch of at most `batch` requests can land in: those below it and the first >= it."""
+    return [b for b in buckets if b < batch] + [b for b in buckets if b >= batch][:1]
 
 
 def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], tables: list[list[int]], bucket: int,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from streamsd.model.graphs import BUCKETS, pack_step, static_layout
+from streamsd.model.graphs import BUCKETS, buckets_up_to, pack_step, static_layout
 from streamsd.model.kv_cache import BatchLayout
 from streamsd.sampling.warp import WarpParams
 from streamsd.spec.drafting import draw_drafts
@@ -106,6 +106,13 @@ class EagleGraphs:
             return None
         sort = any(r.top_k > 0 or r.top_p < 1.0 for r in rows if not r.greedy)
         return bucket, steps, SORTED if sort else SAMPLED
+
+    def capture_up_to(self, batch: int, mode: int = GREEDY) -> None:
+        """Every (bucket, steps) graph of `mode` a call over at most `batch` requests replays."""
+        for bucket in buckets_up_to(self.buckets, batch):
+            for steps in range(self.width):
+                if (bucket, steps, mode) not in self.graphs:
+                    self._capture(bucket, steps, mode)
 
     def run(self, key: tuple[int, int, int], ids: list[int], streams: torch.Tensor, starts: list[int],
             counts: list[int], tables: list[list[int]], ks: list[int], draft_starts: list[int],
