@@ -73,15 +73,18 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print("profile:", {k: v for k, v in (d.get("profile") or {}).items() if k != "step_ms"})
 plain = {c["batch"]: c for c in d["cells"] if c["method"] == "plain"}
-print("alpha  B   speedup  decode_speedup  alpha_meas  dec_step_vs_plain  pred_err%  raw%  shape_err%  plain_steps  desyncs")
+print("alpha  B   speedup  decode_speedup  alpha_meas  dec_step_vs_plain  pred_err%  raw%  shape_err%  plain_steps  desyncs  compiles")
 for c in d["cells"]:
     if c["method"] == "synthetic":
         print(f"{c['acceptance_rate']:.1f} {c['batch']:4d}  {c['measured_speedup']:6.2f}  {c.get('decode_speedup')}  "
               f"{c['acceptance']}  {c.get('decode_step_vs_plain')}  {c.get('pred_err_pct')}  {c.get('pred_err_raw_pct')}  "
-              f"{c.get('pred_err_shape_pct')}  {c.get('plain_step_share')}  {c.get('desyncs')}/{c.get('warm_desyncs_per_pass')}")
+              f"{c.get('pred_err_shape_pct')}  {c.get('plain_step_share')}  {c.get('desyncs')}/{c.get('warm_desyncs_per_pass')}  "
+              f"{c.get('kernel_compiles')}")
 for c in d["cells"]:
     if c["method"] == "spec k=0":
-        print(f"forced k=0 B={c['batch']}: decode step {c.get('decode_step_vs_plain')}x plain, TPOT ratio {c.get('measured_speedup')}")
+        print(f"forced k=0 B={c['batch']}: decode step {c.get('decode_step_vs_plain')}x plain, TPOT ratio {c.get('measured_speedup')}, "
+              f"decode tok/s ratio {c.get('decode_speedup')}")
+print("compiles in plain passes:", [c.get("kernel_compiles") for c in d["cells"] if c["method"] == "plain"])
 PY
     ;;
 esac

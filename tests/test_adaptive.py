@@ -379,6 +379,29 @@ def test_speculative_host_work_does_not_raise_the_price_of_plain_steps() -> None
     assert cost.predict(64, 128, 1) == pytest.approx(true_spec, rel=0.02)
 
 
+def test_one_stalled_step_does_not_price_its_shape_out_for_good() -> None:
+    """Regression (H200, B = 4, every alpha: 100 % plain steps): the first speculative step of a batch
+    stalled on a kernel compile, measured at the clamp (4x), and the planner never chose that shape
+    again, so no step could correct it. A lone outlier is held back; one that repeats is learnt."""
+    shape = _graph_shape()
+    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
+    before = cost.predict(4, 20, 4)
+    cost.observe(before, 0.3, verify_tokens=20, draft_steps_k=4, batch_size=4)  # a 300 ms stall
+    assert cost.predict(4, 20, 4) == before
+    for _ in range(3):
+        cost.observe(cost.predict(4, 20, 4), before * 1.1, verify_tokens=20, draft_steps_k=4, batch_size=4)
+    assert cost.predict(4, 20, 4) == pytest.approx(before * 1.1, rel=0.01)
+    # A stall on a plain step leaves the global ratio (every key's drift) alone as well.
+    plain = cost.predict(4, 4, 0)
+    cost.observe(plain, 40 * plain, verify_tokens=4, batch_size=4)
+    assert cost.predict(4, 4, 0) == plain and cost.predict(4, 20, 4) == pytest.approx(before * 1.1, rel=0.01)
+    # A shape that really costs 3x its profile is learnt from its second step on.
+    true = 3 * cost.predict(16, 80, 4)
+    for _ in range(6):
+        cost.observe(cost.predict(16, 80, 4), true, verify_tokens=80, draft_steps_k=4, batch_size=16)
+    assert cost.predict(16, 80, 4) == pytest.approx(true, rel=0.05)
+
+
 def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     """Under a batch where plain decoding wins, most steps skip the planner; their measured cost must
     still correct the table (a start-up profile blind to per-request host work, as at B = 128-256 on

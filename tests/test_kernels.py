@@ -326,3 +326,42 @@ def test_graph_replay_returns_the_eager_hidden_streams(tiny_model_dir):
         assert hidden.shape == ref_hidden.shape
         assert _rel(logits, ref.logits) < 1e-4 and _rel(hidden, ref_hidden) < 1e-4
     assert runner.replays == 2 and len(runner.graphs) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
+    """After the start-up warm-up, steps of any batch size, draft count, query width and block-table
+    width compile nothing (a compile inside a step stalled it for a few hundred ms on the H200)."""
+    from streamsd.kernels.rejection import rejection_sample_triton
+    from streamsd.kernels.warmup import compiled_variants, warm_up
+    from streamsd.runtime import load_model
+    from streamsd.sampling.rejection import VerifyInput
+
+    model, _ = load_model(str(tiny_model_dir), DEV, torch.bfloat16)
+    a, vocab, bs, max_k = model.args, model.args.vocab_size, 16, 4
+    warm_up([model], torch.bfloat16, bs, vocab, max_k, DEV)
+    before = compiled_variants()
+    g = torch.Generator().manual_seed(0)
+    for b in (1, 3, 4, 7, 16):
+        for k in range(1, max_k + 1):
+            # per-request rows sliced out of one packed buffer, as the worker sends them
+            ints = torch.randint(0, 2, (3 * b + b * k,), generator=g).to(DEV)
+            drafts, greedy = ints[3 * b :].view(b, k), ints[:b].bool()
+            for sampled in (False, True):
+                p = torch.softmax(torch.randn(b, k + 1, vocab, generator=g), -1).to(DEV) if sampled else None
+                rejection_sample_triton(VerifyInput(
+                    target_probs=p, target_argmax=torch.zeros(b, k + 1, dtype=torch.int64, device=DEV),
+                    draft_ids=drafts, draft_probs=None, dense_q=ints[b : 2 * b].bool(),
+                    num_drafts=ints[2 * b : 3 * b], greedy=greedy if sampled else torch.ones_like(greedy),
+                    uniforms=torch.rand(b, k, device=DEV) if sampled else drafts,
+                    noise=torch.ones(b, k + 1, vocab, device=DEV) if sampled else None))
+    cache = torch.zeros(64, bs, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16, device=DEV)
+    for seqs, width, qlen in [(1, 1, 1), (3, 3, 2), (5, 17, 5), (40, 16, 3), (2, 33, 16), (9, 2, 7)]:
+        q = torch.randn(seqs * qlen, a.num_heads, a.head_dim, dtype=torch.bfloat16, device=DEV)
+        table = torch.randint(0, 64, (seqs, width), dtype=torch.int32, device=DEV)
+        ctx = torch.full((seqs,), width * bs - 1, dtype=torch.int32, device=DEV)
+        starts = torch.arange(0, seqs * qlen + 1, qlen, dtype=torch.int32, device=DEV)
+        pa.paged_attention(q, cache, cache, table, ctx, starts, 0.1, qlen)
+    torch.cuda.synchronize()
+    assert compiled_variants() == before

@@ -38,6 +38,12 @@ were it drift, it would also raise the predicted price of plain decoding, the ve
 compares speculation against (on the H200 at B = 64, alpha 0.3, that made speculation look cheap and
 cost 47 % of the throughput).
 
+Outliers: a step that takes more than ``OUTLIER`` times (or less than 1/``OUTLIER`` of) its
+prediction is held back until the next step of the same key agrees.  One stall — a kernel compile,
+a collection pause — must not teach the table that a speculative shape costs 4×: the planner would
+avoid that shape from then on, so no later step could correct it (seen on the H200: a batch of 4
+never speculated again after one compile inside its first speculative step).
+
 ``RooflineModel`` is the analytic fallback (before anything is measured) and the simulator's
 ground truth: t(B, N) = max(weights / bandwidth, flops(N) / peak) + KV bytes / bandwidth + fixed.
 """
@@ -51,6 +57,8 @@ from dataclasses import dataclass, field
 from streamsd.adaptive.shape import ShapeTable
 
 CorrectionKey = tuple[int, ...]
+OUTLIER = 2.0
+_GLOBAL: CorrectionKey = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +136,8 @@ class CostTable:
     seen: dict[CorrectionKey, int] = field(default_factory=dict)
     observations: int = 0
     shape: ShapeTable | None = None  # the engine's own step shape, when profiled (see the module doc)
+    # Keys whose last step was an outlier (see the module doc), with its direction (+1 slow, −1 fast).
+    suspects: dict[CorrectionKey, int] = field(default_factory=dict)
 
     @classmethod
     def from_samples(
@@ -224,6 +234,10 @@ class CostTable:
         """
         if predicted <= 0.0 or measured <= 0.0:
             return
+        key = _GLOBAL if verify_tokens is None else self.key(
+            verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
+        if self._held_back(key, measured / predicted):
+            return
         used = self.global_ratio if verify_tokens is None else self.ratio(
             verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         # Clamped so one outlier (a GC pause, a recompile) cannot wreck the table.
@@ -235,10 +249,18 @@ class CostTable:
             self.global_ratio += max(1.0 / self.observations, self.ema) * (sample - self.global_ratio)
         if verify_tokens is None:
             return
-        key = self.key(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         n = self.seen.get(key, 0) + 1
         self.seen[key] = n
         rel = self.relative.get(key, 1.0)
         # A running mean for the first observations, then an EMA that follows slow changes.
         weight = max(1.0 / n, 4.0 * self.ema)
         self.relative[key] = rel + weight * (sample / self.global_ratio - rel)
+
+    def _held_back(self, key: CorrectionKey, error: float) -> bool:
+        """Whether to skip this step: an outlier whose key's previous step was not one the same way."""
+        direction = 1 if error > OUTLIER else -1 if error < 1.0 / OUTLIER else 0
+        if direction and self.suspects.get(key) != direction:
+            self.suspects[key] = direction
+            return True
+        self.suspects.pop(key, None)
+        return False

@@ -47,6 +47,9 @@ class PassResult:
     # steady state. TPOT at B >= 128 is mostly where the prompts' chunks landed (all prompts arrive
     # at once and a spec step's verify tokens share the token budget with them).
     decode_tokens_per_s: float | None = None
+    # Triton kernel variants compiled during the pass (each one a stall of a few hundred ms inside a
+    # step; the start-up warm-up should leave none). None off CUDA.
+    kernel_compiles: int | None = None
 
     @property
     def alpha(self) -> float | None:
@@ -90,6 +93,7 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
     decode_steps: list[float] = []
     decode_tokens = 0
     sync(rt.worker.device)
+    compiles = _compiled_variants(rt.worker.device)
     t0 = time.perf_counter()
     for turn in core.run():  # the engine's own pipeline: step N+1 executes while step N is detokenised
         now = time.perf_counter()
@@ -121,7 +125,16 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
         decode_step_ms=1e3 * statistics.median(decode_steps) if decode_steps else None,
         decode_steps=len(decode_steps),
         decode_tokens_per_s=decode_tokens / sum(decode_steps) if decode_steps else None,
+        kernel_compiles=None if compiles is None else _compiled_variants(rt.worker.device) - compiles,
     )
+
+
+def _compiled_variants(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    from streamsd.kernels.warmup import compiled_variants
+
+    return compiled_variants()
 
 
 def capture_graphs(rt: Runtime, batch: int) -> None:

@@ -28,7 +28,8 @@ TILE_TOKENS = 64  # keys per inner iteration (4 pages of 16)
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The block table's width changes with the longest context of an eager step: not a variant per width.
+@triton.jit(do_not_specialize=["s_bt"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     bt_ptr, ctx_ptr, qs_ptr, scale_log2,

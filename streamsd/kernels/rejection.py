@@ -19,7 +19,10 @@ import triton.language as tl
 from streamsd.sampling.rejection import VerifyInput
 
 
-@triton.jit
+# Per-request rows arrive as slices of one packed int64 buffer, 16-byte aligned or not by the batch
+# size's parity: one binary for both (these are single loads per program).
+@triton.jit(do_not_specialize_on_alignment=["argmax_ptr", "draft_ptr", "dense_ptr", "ndraft_ptr", "greedy_ptr",
+                                            "u_ptr", "tokens_ptr", "accepted_ptr"])
 def _rejection_kernel(
     p_ptr, argmax_ptr, draft_ptr, q_ptr, dense_ptr, ndraft_ptr, greedy_ptr, u_ptr, noise_ptr,
     tokens_ptr, accepted_ptr, vocab,

@@ -20,6 +20,7 @@ slot, [T, layers * hidden], concatenated inside the graph exactly as the eager w
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,8 @@ import torch
 
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
+
+log = logging.getLogger("streamsd")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -207,15 +210,21 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
     block than the scheduler counts): padding tokens of a graph write there.
     """
     from streamsd.kernels.paged_attention import cuda_attention
+    from streamsd.kernels.warmup import warm_up
     from streamsd.model.fast_forward import enable_fast_forward
 
     proposer = worker.proposer
     draft = getattr(proposer, "model", None)
+    kernel_models = []
     for model in (worker.target, draft):
         d = model.args.head_dim if isinstance(model, Transformer) else 0
         if d and d & (d - 1) == 0:  # the kernels tile the head dimension by powers of two
             model.attend = cuda_attention
             enable_fast_forward(model)
+            kernel_models.append(model)
+    n, seconds = warm_up(kernel_models, worker.cache.data.dtype, worker.cache.block_size, worker.vocab, k,
+                         worker.device)
+    log.info("compiled %d Triton kernel variants in %.1fs", n, seconds)
     if not graphs:
         return
     bs = worker.cache.block_size

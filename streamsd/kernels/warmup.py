@@ -1,0 +1,86 @@
+"""Compile every Triton kernel variant a server can reach before the first request.
+
+Triton compiles a kernel per variant the first time one is launched: per value of each constexpr
+(the rejection sampler's K, the attention kernel's query width and split count) and per
+"specialisation" of the plain arguments (an int equal to 1 or divisible by 16, a pointer aligned
+to 16 bytes). A compile takes a few hundred milliseconds, so a step that hits a new variant
+stalls for as long as 50 decode steps. On the H200 that happened mid-benchmark whenever a batch
+first drafted a new maximum k, or its eager step had a new query width — inside the very steps the
+adaptive policy times, and one stalled step made it price a speculative shape at 4× its cost and
+avoid it for good.
+
+Two halves: arguments that vary from step to step for no reason of performance (a block table's
+width, a pointer into a packed buffer) are declared unspecialised at the kernels, and the
+constexpr variants are all compiled here, once (Triton keeps them on disk, so a restart loads
+rather than compiles them).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from streamsd.kernels.paged_attention import (
+    KERNEL_MAX_QUERY,
+    _merge_splits_kernel,
+    _paged_attn_kernel,
+    paged_attention,
+)
+from streamsd.kernels.rejection import _rejection_kernel, rejection_sample_triton
+from streamsd.sampling.rejection import VerifyInput
+
+_SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
+
+
+def compiled_variants() -> int:
+    """Kernel binaries compiled in this process so far (a step that raises it stalled on a compile)."""
+    total = 0
+    for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel):
+        total += sum(len(cache[0]) for cache in fn.device_caches.values())
+    return total
+
+
+def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab: int, max_k: int,
+            device: torch.device) -> tuple[int, float]:
+    """Compiles the attention kernel of each model (head layout) and the rejection sampler for every
+    k ≤ ``max_k``; returns (variants compiled, seconds)."""
+    t0, before = time.perf_counter(), compiled_variants()
+    layouts = {(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in models}
+    for heads, kv_heads, dim in sorted(layouts):
+        _attention_variants(heads, kv_heads, dim, cache_dtype, block_size, device)
+    for k in range(1, max_k + 1):
+        for has_p, has_q in ((False, False), (True, False), (True, True)):
+            rejection_sample_triton(_verify_input(k, vocab, has_p, has_q, device))
+    torch.cuda.synchronize(device)
+    return compiled_variants() - before, time.perf_counter() - t0
+
+
+def _attention_variants(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, page: int,
+                        device: torch.device) -> None:
+    cache = torch.zeros(2, page, kv_heads, dim, dtype=dtype, device=device)  # [NB, BS, KVH, D]
+    table = torch.zeros(1, 2, dtype=torch.int32, device=device)  # [S, max_blocks]
+    qmax = 1
+    while qmax <= KERNEL_MAX_QUERY:
+        q = torch.zeros(qmax, heads, dim, dtype=dtype, device=device)  # [T, H, D]
+        ctx = torch.tensor([qmax], dtype=torch.int32, device=device)  # [S]
+        starts = torch.tensor([0, qmax], dtype=torch.int32, device=device)  # [S + 1]
+        for splits in _SPLITS:
+            paged_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits)
+        qmax *= 2
+
+
+def _verify_input(k: int, vocab: int, has_p: bool, has_q: bool, device: torch.device) -> VerifyInput:
+    probs = torch.full((1, k + 1, vocab), 1.0 / vocab, device=device) if has_p else None  # [1, K+1, V]
+    return VerifyInput(
+        target_probs=probs,
+        target_argmax=torch.zeros(1, k + 1, dtype=torch.int64, device=device),  # [1, K+1]
+        draft_ids=torch.zeros(1, k, dtype=torch.int64, device=device),  # [1, K]
+        draft_probs=torch.full((1, k, vocab), 1.0 / vocab, device=device) if has_q else None,  # [1, K, V]
+        dense_q=torch.ones(1, dtype=torch.bool, device=device),
+        num_drafts=torch.full((1,), k, dtype=torch.int64, device=device),
+        greedy=torch.tensor([not has_p], device=device),
+        uniforms=torch.full((1, k), 0.5, device=device),  # [1, K]
+        noise=torch.ones(1, k + 1, vocab, device=device) if has_p else None,  # [1, K+1, V]
+    )
