@@ -85,6 +85,10 @@ for c in d["cells"]:
         print(f"forced k=0 B={c['batch']}: decode step {c.get('decode_step_vs_plain')}x plain, TPOT ratio {c.get('measured_speedup')}, "
               f"decode tok/s ratio {c.get('decode_speedup')}")
 print("compiles in plain passes:", [c.get("kernel_compiles") for c in d["cells"] if c["method"] == "plain"])
+print("method alpha B: gc_ms device_allocs alloc_retries decode_step_ms decode_step_max_ms")
+for c in d["cells"]:
+    print(c["method"], c.get("acceptance_rate"), c["batch"], c.get("gc_ms"), c.get("device_allocs"), c.get("alloc_retries"),
+          c.get("decode_step_ms"), c.get("decode_step_max_ms"))
 PY
     ;;
 esac

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -171,6 +172,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB",
              path, device, dtype, seconds, num_blocks, max_len, q_slots, cfg.spec.num_tokens, args.vocab_size,
              q_bytes / 2**20)
+    # Everything loaded so far (modules, the tokenizer's vocabulary, graphs) lives as long as the
+    # process: frozen, a full collection no longer walks it, which made it a step-sized pause.
+    gc.collect()
+    gc.freeze()
     return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy)
 
 

@@ -186,7 +186,9 @@ def make_cell(engine: str, method: str, b: int, r: R.PassResult, *, floor_ms: fl
         "host_ms_per_step": round(r.host_ms, 3), "execute_ms_per_step": round(r.execute_ms, 3),
         "floor_step_ms": round(floor_ms, 3), "floor_tpot_ms": round(floor_tpot, 3),
         "floor_ratio": round(r.tpot_ms / floor_tpot, 3) if floor_tpot else None,
-        "kernel_compiles": r.kernel_compiles,
+        "kernel_compiles": r.kernel_compiles, "gc_ms": round(r.gc_ms, 1), "device_allocs": r.device_allocs,
+        "alloc_retries": r.alloc_retries,
+        "decode_step_max_ms": None if r.decode_step_max_ms is None else round(r.decode_step_max_ms, 2),
     }
 
 

@@ -4,6 +4,7 @@ draft cost ratio, and the physical floor. Pure functions over a built runtime; n
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -50,6 +51,12 @@ class PassResult:
     # Triton kernel variants compiled during the pass (each one a stall of a few hundred ms inside a
     # step; the start-up warm-up should leave none). None off CUDA.
     kernel_compiles: int | None = None
+    # What can stall a step besides a compile: the garbage collector (ms in collections during the
+    # pass) and the CUDA allocator (new device segments, and retries after freeing its cache).
+    gc_ms: float = 0.0
+    device_allocs: int | None = None
+    alloc_retries: int | None = None
+    decode_step_max_ms: float | None = None
 
     @property
     def alpha(self) -> float | None:
@@ -94,6 +101,9 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
     decode_tokens = 0
     sync(rt.worker.device)
     compiles = _compiled_variants(rt.worker.device)
+    allocs = _allocator_counts(rt.worker.device)
+    gc_watch = _GcWatch()
+    gc.callbacks.append(gc_watch)
     t0 = time.perf_counter()
     for turn in core.run():  # the engine's own pipeline: step N+1 executes while step N is detokenised
         now = time.perf_counter()
@@ -115,6 +125,8 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
                 counts[o.request_id] += len(o.token_ids)
                 outputs[o.request_id].extend(o.token_ids)
     wall = time.perf_counter() - t0
+    gc.callbacks.remove(gc_watch)
+    allocs_after = _allocator_counts(rt.worker.device)
     tpots = [(last[r] - first[r]) / (counts[r] - 1) for r in ids if counts[r] > 1]
     st = core.totals
     return PassResult(
@@ -126,7 +138,32 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
         decode_steps=len(decode_steps),
         decode_tokens_per_s=decode_tokens / sum(decode_steps) if decode_steps else None,
         kernel_compiles=None if compiles is None else _compiled_variants(rt.worker.device) - compiles,
+        gc_ms=1e3 * gc_watch.seconds,
+        device_allocs=None if allocs is None or allocs_after is None else allocs_after[0] - allocs[0],
+        alloc_retries=None if allocs is None or allocs_after is None else allocs_after[1] - allocs[1],
+        decode_step_max_ms=1e3 * max(decode_steps) if decode_steps else None,
     )
+
+
+class _GcWatch:
+    """A gc callback summing the time spent in collections."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
+def _allocator_counts(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    st = torch.cuda.memory_stats(device)
+    return st.get("num_device_alloc", 0), st.get("num_alloc_retries", 0)
 
 
 def _compiled_variants(device: torch.device) -> int | None:
