@@ -65,7 +65,7 @@ case "$MODE" in
     log "8B synthetic K=4 adaptive: B 1,4,16,64,128,256 x alpha 0.3,0.5,0.7,0.9"
     timeout 420 $B --model llama-3.1-8b --speculative-method synthetic --acceptance-rate 0.3,0.5,0.7,0.9 \
       --num-speculative-tokens 4 --batch-sizes 1,4,16,64,128,256 --max-tokens 64 --no-hf \
-      --speculation-policy adaptive --forced-plain --output-json "$OUT/adaptive_grid.json" --plot "$OUT/adaptive_grid.png" \
+      --speculation-policy adaptive --forced-plain --paired-plain --output-json "$OUT/adaptive_grid.json" --plot "$OUT/adaptive_grid.png" \
       > "$OUT/adaptive_grid.log" 2>&1
     tail -45 "$OUT/adaptive_grid.log" | tee -a "$OUT/run.log"
     python3 - "$OUT/adaptive_grid.json" <<'PY' | tee -a "$OUT/run.log"
@@ -73,17 +73,17 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print("profile:", {k: v for k, v in (d.get("profile") or {}).items() if k != "step_ms"})
 plain = {c["batch"]: c for c in d["cells"] if c["method"] == "plain"}
-print("alpha  B   speedup  decode_speedup  alpha_meas  dec_step_vs_plain  pred_err%  raw%  shape_err%  plain_steps  desyncs  compiles")
+print("alpha  B   speedup(vs paired plain)  decode_speedup  alpha_meas  dec_step_vs_plain  pred_err%  raw%  shape_err%  plain_steps  desyncs  compiles")
 for c in d["cells"]:
     if c["method"] == "synthetic":
         print(f"{c['acceptance_rate']:.1f} {c['batch']:4d}  {c['measured_speedup']:6.2f}  {c.get('decode_speedup')}  "
               f"{c['acceptance']}  {c.get('decode_step_vs_plain')}  {c.get('pred_err_pct')}  {c.get('pred_err_raw_pct')}  "
               f"{c.get('pred_err_shape_pct')}  {c.get('plain_step_share')}  {c.get('desyncs')}/{c.get('warm_desyncs_per_pass')}  "
-              f"{c.get('kernel_compiles')}")
+              f"{c.get('kernel_compiles')}  drift {c.get('plain_drift')}")
 for c in d["cells"]:
     if c["method"] == "spec k=0":
         print(f"forced k=0 B={c['batch']}: decode step {c.get('decode_step_vs_plain')}x plain, TPOT ratio {c.get('measured_speedup')}, "
-              f"decode tok/s ratio {c.get('decode_speedup')}")
+              f"decode tok/s ratio {c.get('decode_speedup')}, plain drift {c.get('plain_drift')}")
 print("compiles in plain passes:", [c.get("kernel_compiles") for c in d["cells"] if c["method"] == "plain"])
 print("method alpha B: gc_ms device_allocs alloc_retries decode_step_ms decode_step_max_ms")
 for c in d["cells"]:

@@ -179,3 +179,22 @@ def test_startup_profile_times_the_engines_step_shape_within_its_budget(tiny_mod
     for row in rushed.values:
         assert row[0] <= row[1]
     assert [row[0] for row in rushed.values] == sorted(row[0] for row in rushed.values)
+
+
+def test_paired_plain_compares_each_cell_with_the_plain_pass_before_it(tmp_path, tiny_model_dir):
+    """--paired-plain: each speculative cell's ratios use a plain pass run just before it (the machine
+    drifts between passes), and the cell says how far that pass was from the batch's first one."""
+    out = tmp_path / "p.json"
+    args = _args("--model", str(tiny_model_dir), "--speculative-method", "synthetic", "--acceptance-rate", "0.8",
+                 "--batch-sizes", "2", "--max-tokens", "16", "--no-hf", "--forced-plain", "--paired-plain",
+                 "--output-json", str(out))
+    assert args.func(args) == 0
+    cells = json.loads(out.read_text())["cells"]
+    plain = next(c for c in cells if c["method"] == "plain")
+    assert "plain_drift" not in plain
+    for c in cells:
+        if c["method"] in ("synthetic", "spec k=0"):
+            paired = c["paired_plain_tpot_ms"]
+            assert paired > 0 and c["plain_drift"] == pytest.approx(paired / plain["tpot_ms"], rel=0.01)
+            assert c["measured_speedup"] == pytest.approx(paired / c["tpot_ms"], rel=0.01)
+            assert c["same_output_as_plain"]

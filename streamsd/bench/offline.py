@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adaptive: k per request and step from a cost table profiled at start")
     p.add_argument("--forced-plain", action="store_true",
                    help="also run the speculative engine with every request's k capped at 0 (its cost when unused)")
+    p.add_argument("--paired-plain", action="store_true",
+                   help="run a plain pass just before each speculative cell's measured pass and compare with it "
+                        "(cancels the machine's drift between passes; plain_drift says how large it was)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of the cells")
 
@@ -105,10 +108,13 @@ def run(args: argparse.Namespace) -> int:
         R.engine_pass(rt, plain_spec, prompts, min(8, max_tokens), b, speculative=False)  # warm-up
         plain = R.engine_pass(rt, plain_spec, prompts, max_tokens, b, speculative=False)
         cells.append(make_cell("streamsd", "plain", b, plain, floor_ms=floor_plain, tokens_per_step=1.0))
+        rerun = (lambda: R.engine_pass(rt, plain_spec, prompts, max_tokens, b, speculative=False)) \
+            if args.paired_plain else None  # called within this batch size's cells only
         for alpha in alphas if method == "synthetic" else [None] if method != "none" else []:
-            cells.append(spec_cell(rt, spec, args, prompts, b, plain, mean_ctx, dtype, draft_args, policies, alpha))
+            cells.append(spec_cell(rt, spec, args, prompts, b, plain, mean_ctx, dtype, draft_args, policies, alpha,
+                                   rerun))
         if method != "none" and args.forced_plain:
-            cells.append(forced_plain_cell(rt, spec, args, prompts, b, plain, mean_ctx, floor_plain, policies))
+            cells.append(forced_plain_cell(rt, spec, args, prompts, b, plain, mean_ctx, floor_plain, policies, rerun))
         if hf is not None:
             cells.extend(hf_cells(rt, hf, args, prompts, b, cells, dev, dtype))
         doc = _doc(args, rt, alphas, cells, policies)

@@ -8,6 +8,7 @@ import argparse
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from streamsd.policy import AdaptivePolicy
 from streamsd.profiling import profile_worker
 from streamsd.runtime import Runtime
 
+PlainRerun = Callable[[], R.PassResult]
 WARM_PASSES = 3  # at most: synthetic warm-up passes that record oracle branches
 
 
@@ -58,9 +60,10 @@ class Policies:
 
 def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: list[list[int]], b: int,
               plain: R.PassResult, mean_ctx: float, dtype: torch.dtype, draft_args, policies: Policies | None,
-              alpha: float | None = None) -> dict[str, Any]:
+              alpha: float | None = None, rerun_plain: PlainRerun | None = None) -> dict[str, Any]:
     """One speculative cell; ``policies``: adaptive k (None: fixed); ``alpha``: the synthetic
-    proposer's acceptance (synthetic only)."""
+    proposer's acceptance (synthetic only); ``rerun_plain``: compare against a plain pass run just
+    before the measured one (see `_against_plain`)."""
     from streamsd.spec.synthetic import SyntheticProposer
 
     k, method = spec.num_tokens, args.speculative_method
@@ -93,6 +96,7 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
         rt_w = with_policy()
         R.engine_pass(rt_w, spec, prompts, min(8, args.max_tokens), b, speculative=True)
     rt_m = with_policy(rt_w)
+    paired = rerun_plain() if rerun_plain else None
     res = R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True)
     if method == "synthetic":
         desyncs = rt.worker.proposer.counters.desyncs
@@ -100,7 +104,7 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
     floor = R.floor_step_ms(rt.args, dtype, b, mean_ctx, draft_args if c else None, k)
     cell = make_cell("streamsd", method, b, res, floor_ms=floor, tokens_per_step=res.tau or 1.0)
     analytic = R.analytic_speedup(res.alpha or 0.0, k, c)
-    cell.update(_against_plain(res, plain))
+    cell.update(_against_plain(res, plain, paired))
     measured = cell["measured_speedup"]
     cell.update(k=k, c=round(c, 4), analytic_speedup=round(analytic, 3),
                 spec_efficiency=round(measured / analytic, 3) if analytic else None, desyncs=desyncs)
@@ -128,21 +132,33 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
 
 
 def forced_plain_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: list[list[int]], b: int,
-                      plain: R.PassResult, mean_ctx: float, floor_ms: float, policies: Policies | None) -> dict[str, Any]:
+                      plain: R.PassResult, mean_ctx: float, floor_ms: float, policies: Policies | None,
+                      rerun_plain: PlainRerun | None = None) -> dict[str, Any]:
     """The speculative engine with every request's k capped at 0 against the plain engine: what having
     speculation configured (its policy, its proposer, its paths) costs when it never drafts."""
     rt_m = rt if policies is None else policies.fresh(rt, round(mean_ctx))
     R.engine_pass(rt_m, spec, prompts, min(8, args.max_tokens), b, speculative=True, k_cap=0)  # warm-up
     rt_m = rt if policies is None else policies.fresh(rt, round(mean_ctx))
+    paired = rerun_plain() if rerun_plain else None
     res = R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True, k_cap=0)
     return {**make_cell("streamsd", "spec k=0", b, res, floor_ms=floor_ms, tokens_per_step=1.0),
-            **_against_plain(res, plain)}
+            **_against_plain(res, plain, paired)}
 
 
-def _against_plain(res: R.PassResult, plain: R.PassResult) -> dict[str, Any]:
-    """A pass's ratios to the plain pass of its batch size: TPOT, decode step, decode-phase tokens/s."""
-    out: dict[str, Any] = {"measured_speedup": round(plain.tpot_ms / res.tpot_ms, 3) if res.tpot_ms else 0.0,
-                           "same_output_as_plain": res.outputs == plain.outputs}
+def _against_plain(res: R.PassResult, plain: R.PassResult, paired: R.PassResult | None = None) -> dict[str, Any]:
+    """A pass's ratios to plain decoding: TPOT, decode step, decode-phase tokens/s.
+
+    ``paired``: a plain pass run just before this one, which the ratios then use. On the H200 the
+    same plain work ran up to 30 % slower from one pass to the next at B = 256 (prefill included, so
+    the GPU's, not the engine's), and passes late in a grid ran slower than the first plain pass:
+    comparing each cell with its neighbour cancels that drift; ``plain_drift`` says how large it was.
+    """
+    out: dict[str, Any] = {"same_output_as_plain": res.outputs == plain.outputs}
+    if paired is not None:
+        out["plain_drift"] = round(paired.tpot_ms / plain.tpot_ms, 3) if plain.tpot_ms else None
+        out["paired_plain_tpot_ms"] = round(paired.tpot_ms, 3)
+        plain = paired
+    out["measured_speedup"] = round(plain.tpot_ms / res.tpot_ms, 3) if res.tpot_ms else 0.0
     if plain.decode_step_ms and res.decode_step_ms:
         out["decode_step_vs_plain"] = round(res.decode_step_ms / plain.decode_step_ms, 3)
     if plain.decode_tokens_per_s and res.decode_tokens_per_s:
