@@ -30,6 +30,13 @@ def cap_k(r: Request) -> int:
     return max(0, min(r.spec_k, r.remaining_tokens - 1))
 
 
+def _replan_due(idle_steps: int) -> bool:
+    """Plain steps since the batch last speculated after which to plan again: 1, 2, 4, 8, then every
+    REPLAN_EVERY. Soon after a switch, which may have been a close call or a misjudged step, while a
+    batch that plain decoding keeps winning costs a plan per REPLAN_EVERY steps only."""
+    return idle_steps % REPLAN_EVERY == 0 or idle_steps & (idle_steps - 1) == 0
+
+
 class FixedPolicy:
     def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> list[int]:
         return [cap_k(r) for r in decoding]
@@ -76,7 +83,7 @@ class AdaptivePolicy:
         # ... but at once on the very first step and when the batch at least doubled since the last
         # plan (a new wave of requests): otherwise a fresh batch decodes plain for REPLAN_EVERY steps
         # before its first plan. Not on every arrival: under churn that would re-plan each step.
-        self.planned = (self.planner.speculating or self.idle_steps % REPLAN_EVERY == 0 or self.steps == 1
+        self.planned = (self.planner.speculating or _replan_due(self.idle_steps) or self.steps == 1
                         or len(decoding) >= 2 * max(self.planner.batch, 1))
         if not self.planned:
             self.plain_steps += 1

@@ -3,7 +3,8 @@ and observed acceptance, so speculation is never slower than plain decoding at a
 
 Torch-free: the scheduler calls it on the event-loop side.
 
-    cost.py        step-time table (measured, monotone, bucket-flat) + online correction; roofline
+    cost.py        step-time table (measured, monotone, bucket-flat) + online correction
+                   (shape.py: the engine's B x (1 + k) step shape; roofline.py: the analytic fallback)
     acceptance.py  per-request, per-position Beta posteriors read at a lower quantile
     planner.py     per-step k_i maximising expected tokens per second, with hysteresis and probes
                    (budget.py: the search over ranked drafts; beta.py: scipy-free Beta quantiles)
@@ -24,7 +25,7 @@ Per scheduler step::
 from __future__ import annotations
 
 from streamsd.adaptive.acceptance import AcceptanceConfig, AcceptanceEstimator, RequestAcceptance
-from streamsd.adaptive.cost import CostTable, RooflineModel, StepTable
+from streamsd.adaptive.cost import CostTable, StepTable
 from streamsd.adaptive.planner import (
     PlannerConfig,
     PlannerState,
@@ -33,6 +34,7 @@ from streamsd.adaptive.planner import (
     kv_slots_needed,
     plan,
 )
+from streamsd.adaptive.roofline import RooflineModel
 
 __all__ = [
     "AcceptanceConfig",

@@ -38,14 +38,15 @@ were it drift, it would also raise the predicted price of plain decoding, the ve
 compares speculation against (on the H200 at B = 64, alpha 0.3, that made speculation look cheap and
 cost 47 % of the throughput).
 
-Outliers: a step that takes more than ``OUTLIER`` times (or less than 1/``OUTLIER`` of) its
-prediction is held back until the next step of the same key agrees.  One stall — a kernel compile,
-a collection pause — must not teach the table that a speculative shape costs 4×: the planner would
-avoid that shape from then on, so no later step could correct it (seen on the H200: a batch of 4
-never speculated again after one compile inside its first speculative step).
+Outliers: each correction follows the median of its key's last three samples, the current
+estimate counting as the first two, so one odd step moves nothing and a real change is learnt
+from its second step.  One stall — a kernel compile, a collection pause, a slow host turn — must
+not teach the table that a speculative shape costs 4× (or 1.6×): the planner would avoid that shape
+from then on, so no later step could correct it (on the H200 a batch of 4 never speculated again
+after one compile inside its first speculative step, and at B = 64 one slow step sent a batch
+plain for 8 steps).
 
-``RooflineModel`` is the analytic fallback (before anything is measured) and the simulator's
-ground truth: t(B, N) = max(weights / bandwidth, flops(N) / peak) + KV bytes / bandwidth + fixed.
+``CostTable.from_roofline`` is the analytic fallback before anything is measured (roofline.py).
 """
 
 from __future__ import annotations
@@ -54,42 +55,12 @@ import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from streamsd.adaptive.roofline import RooflineModel
 from streamsd.adaptive.shape import ShapeTable
 
 CorrectionKey = tuple[int, ...]
-OUTLIER = 2.0
 _GLOBAL: CorrectionKey = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RooflineModel:
-    """Analytic step time of one model forward over ``num_tokens`` tokens of ``batch_size`` requests."""
-
-    weight_bytes: float
-    flops_per_token: float
-    kv_bytes_per_token: float = 0.0
-    context_len: int = 512
-    bandwidth: float = 4.25e12
-    peak_flops: float = 790e12
-    fixed_s: float = 2e-4
-
-    def step_time(self, batch_size: int, num_tokens: int, context_tokens: int | None = None) -> float:
-        ctx = batch_size * self.context_len if context_tokens is None else context_tokens
-        dense = max(self.weight_bytes / self.bandwidth, self.flops_per_token * num_tokens / self.peak_flops)
-        return dense + self.kv_seconds(ctx) + self.fixed_s
-
-    def kv_seconds(self, context_tokens: int) -> float:
-        return context_tokens * self.kv_bytes_per_token / self.bandwidth
-
-    @classmethod
-    def llama3_8b_h200(cls, context_len: int = 512) -> RooflineModel:
-        # bf16 weights; GQA KV = 32 layers × 8 heads × 128 × (k, v) × 2 B; FLOPs incl. attention.
-        return cls(16.06e9, 2 * 8.03e9 + 4 * 32 * 4096 * context_len, 131072.0, context_len)
-
-    @classmethod
-    def llama32_1b_h200(cls, context_len: int = 512) -> RooflineModel:
-        # The draft: 16 layers × 8 heads × 64 × 2 × 2 B of KV per token; lighter launch overhead.
-        return cls(2.47e9, 2 * 1.24e9 + 4 * 16 * 2048 * context_len, 32768.0, context_len, fixed_s=1e-4)
+CALIBRATION_STEPS = 8  # the global ratio's first plain steps: calibration, not drift (see ``_rebase``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +107,8 @@ class CostTable:
     seen: dict[CorrectionKey, int] = field(default_factory=dict)
     observations: int = 0
     shape: ShapeTable | None = None  # the engine's own step shape, when profiled (see the module doc)
-    # Keys whose last step was an outlier (see the module doc), with its direction (+1 slow, −1 fast).
-    suspects: dict[CorrectionKey, int] = field(default_factory=dict)
+    # The last three samples per key (``_GLOBAL`` for the global ratio): see the module doc.
+    recent: dict[CorrectionKey, list[float]] = field(default_factory=dict)
 
     @classmethod
     def from_samples(
@@ -234,33 +205,46 @@ class CostTable:
         """
         if predicted <= 0.0 or measured <= 0.0:
             return
-        key = _GLOBAL if verify_tokens is None else self.key(
-            verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
-        if self._held_back(key, measured / predicted):
-            return
         used = self.global_ratio if verify_tokens is None else self.ratio(
             verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         # Clamped so one outlier (a GC pause, a recompile) cannot wreck the table.
         sample = min(max(measured * used / predicted, 0.25), 4.0)
         if verify_tokens is None or (draft_steps_k == 0 and prefill_tokens == 0):  # drift: plain decode only
             self.observations += 1
-            # A running mean while young: a start-up table that is off (host overhead the profile
-            # does not see) is corrected within a few steps, then an EMA follows slow drift.
-            self.global_ratio += max(1.0 / self.observations, self.ema) * (sample - self.global_ratio)
+            robust = self._median_of_recent(_GLOBAL, sample, self.global_ratio)
+            # The median itself while young (a start-up table that is off by host overhead the profile
+            # does not see is corrected within a few steps), then a running mean, then an EMA.
+            old = self.global_ratio
+            self.global_ratio += _weight(self.observations, self.ema) * (robust - self.global_ratio)
+            if self.observations <= CALIBRATION_STEPS:
+                self._rebase(old / self.global_ratio)
         if verify_tokens is None:
             return
+        key = self.key(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         n = self.seen.get(key, 0) + 1
         self.seen[key] = n
         rel = self.relative.get(key, 1.0)
-        # A running mean for the first observations, then an EMA that follows slow changes.
-        weight = max(1.0 / n, 4.0 * self.ema)
-        self.relative[key] = rel + weight * (sample / self.global_ratio - rel)
+        robust = self._median_of_recent(key, sample / self.global_ratio, rel)
+        self.relative[key] = rel + _weight(n, 4.0 * self.ema) * (robust - rel)
 
-    def _held_back(self, key: CorrectionKey, error: float) -> bool:
-        """Whether to skip this step: an outlier whose key's previous step was not one the same way."""
-        direction = 1 if error > OUTLIER else -1 if error < 1.0 / OUTLIER else 0
-        if direction and self.suspects.get(key) != direction:
-            self.suspects[key] = direction
-            return True
-        self.suspects.pop(key, None)
-        return False
+    def _rebase(self, factor: float) -> None:
+        """Keep every learnt key's price while the global ratio calibrates: what the first plain
+        steps teach it is the plain step's own unprofiled host work, not drift common to every key.
+        (A speculative key learnt before them would otherwise pay that work twice: on this CPU that
+        priced k = 4 at 3.6 ms against a true 2.1 and kept B = 1 plain.)"""
+        for key in self.relative:
+            self.relative[key] *= factor
+            if key in self.recent:
+                self.recent[key] = [v * factor for v in self.recent[key]]
+
+    def _median_of_recent(self, key: CorrectionKey, value: float, current: float) -> float:
+        window = self.recent.setdefault(key, [current, current])
+        window.append(value)
+        del window[:-3]
+        return sorted(window)[1]
+
+
+def _weight(n: int, ema: float) -> float:
+    """How far the n-th sample moves an estimate: all the way for the first three (each already a
+    median), then a running mean that settles into an EMA."""
+    return 1.0 if n <= 3 else max(1.0 / n, ema)

@@ -21,8 +21,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from streamsd.adaptive.acceptance import AcceptanceConfig, AcceptanceEstimator
-from streamsd.adaptive.cost import CostTable, RooflineModel, StepTable
+from streamsd.adaptive.cost import CostTable, StepTable
 from streamsd.adaptive.planner import PlannerState, plan
+from streamsd.adaptive.roofline import RooflineModel
 from streamsd.adaptive.workload import (
     ProposerSpec,
     SimRequest,

@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 
 from streamsd.adaptive.acceptance import RequestAcceptance
-from streamsd.adaptive.cost import RooflineModel
+from streamsd.adaptive.roofline import RooflineModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import random
 from typing import Any
@@ -108,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
         R.engine_pass(rt, plain_spec, prompts, min(8, max_tokens), b, speculative=False)  # warm-up
         plain = R.engine_pass(rt, plain_spec, prompts, max_tokens, b, speculative=False)
         cells.append(make_cell("streamsd", "plain", b, plain, floor_ms=floor_plain, tokens_per_step=1.0))
-        rerun = (lambda: R.engine_pass(rt, plain_spec, prompts, max_tokens, b, speculative=False)) \
-            if args.paired_plain else None  # called within this batch size's cells only
+        rerun = functools.partial(R.engine_pass, rt, plain_spec, prompts, max_tokens, b, speculative=False) \
+            if args.paired_plain else None
         for alpha in alphas if method == "synthetic" else [None] if method != "none" else []:
             cells.append(spec_cell(rt, spec, args, prompts, b, plain, mean_ctx, dtype, draft_args, policies, alpha,
                                    rerun))
