@@ -90,10 +90,12 @@ class AdaptivePolicy:
             self.chosen_k[0] = self.chosen_k.get(0, 0) + len(decoding)
             self.unplanned = (len(decoding), prefill_tokens)
             return [0] * len(decoding)
-        views = []
         for r in decoding:
             if r.acceptance is None:
                 r.acceptance = self.estimator.new_request()
+        self.estimator.refresh_many([r.acceptance for r in decoding])
+        views = []
+        for r in decoding:
             lag = r.num_tokens - r.draft_computed if self.draft_has_cache else 0
             views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag))
         ks = plan(views, self.cost, self.max_k, state=self.planner, prefill_tokens=prefill_tokens,

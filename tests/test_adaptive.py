@@ -163,6 +163,27 @@ def test_estimator_converges_to_true_alpha() -> None:
     assert lone.mean(st) == pytest.approx(truth, abs=0.02)
 
 
+def test_refreshing_many_requests_at_once_reads_what_one_at_a_time_does() -> None:
+    """The planner refreshes every decoding request's posterior in one numpy pass: same numbers as the
+    per-request path, idle decay and stale flags included."""
+    ests = [AcceptanceEstimator(AcceptanceConfig(max_k=4)) for _ in range(2)]
+    states = [[e.new_request() for _ in range(40)] for e in ests]
+    for step in range(30):
+        for e, sts in zip(ests, states, strict=True):
+            r = random.Random(step)  # both estimators see the same history
+            for i, st in enumerate(sts):
+                drafted = 0 if (i + step) % 5 == 0 else r.randint(1, 4)  # some requests idle this step
+                accepted = sum(1 for _ in range(drafted) if r.random() < 0.7)
+                e.observe(st, drafted, min(accepted, drafted))
+            e.tick()
+        ests[0].refresh_many(states[0])
+        for a, b in zip(states[0], states[1], strict=True):
+            assert not a.stale
+            assert ests[1].estimate(b) == pytest.approx(a.safe, abs=1e-12)
+            assert ests[1].mean(b) == pytest.approx(a.mean, abs=1e-12)
+            assert ests[0].estimate(a) is a.safe  # already fresh: read as is
+
+
 def test_estimate_is_pessimistic() -> None:
     rng = random.Random(3)
     est = AcceptanceEstimator(AcceptanceConfig(max_k=2))
