@@ -102,14 +102,13 @@ class Worker:
         reqs = [e.request for e in entries]
         k = max(e.num_drafts for e in entries)
         # Gather each entry's rows into [B, K+1]; padding repeats its last row and is never used.
-        index, offset = [], 0
-        for e in entries:
-            index.append([offset + min(j, e.num_drafts) for j in range(k + 1)])
-            offset += 1 + e.num_drafts
-        if all(e.num_drafts == k for e in entries) and logits.shape[0] == len(entries) * (k + 1):
+        nd = np.array([e.num_drafts for e in entries], dtype=np.int64)  # [B]
+        if (nd == k).all() and logits.shape[0] == len(entries) * (k + 1):
             rows = logits.view(len(entries), k + 1, -1)  # [B, K+1, V] uniform steps: no gather copy
         else:
-            rows = logits[h2d(index, torch.int64, dev)]  # [B, K+1, V]
+            first = np.cumsum(1 + nd) - (1 + nd)  # [B] each entry's first row
+            index = first[:, None] + np.minimum(np.arange(k + 1), nd[:, None])  # [B, K+1]
+            rows = logits[h2d(torch.from_numpy(index), torch.int64, dev)]  # [B, K+1, V]
         rows = self._suppress_early_stops(entries, rows)
         if k == 0:
             return self._sample_plain(reqs, rows)
@@ -117,15 +116,14 @@ class Worker:
                  for e, r in zip(entries, reqs, strict=True)]
         # Every per-request integer in one queued copy (each pageable copy costs ~20 us of host time),
         # field after field so that each is a contiguous slice: the Triton sampler reads raw pointers.
+        # Built as Python lists and converted once: per-row numpy assignments cost ~5 us a request.
         b = len(reqs)
-        host = np.zeros(b * (5 + (k + 1) + k), dtype=np.int64)
-        fields = host[: 5 * b].reshape(5, b)  # greedy, seed, dense q, drafts, q slot
-        pos_h = host[5 * b : 5 * b + b * (k + 1)].reshape(b, k + 1)
-        ids_h = host[5 * b + b * (k + 1) :].reshape(b, k)
-        for i, (e, r) in enumerate(zip(entries, reqs, strict=True)):
-            fields[:, i] = (r.params.greedy, r.seed, dense[i], e.num_drafts, r.q_slot if dense[i] else 0)
-            pos_h[i] = range(r.num_tokens, r.num_tokens + k + 1)
-            ids_h[i, : e.num_drafts] = r.draft_ids[: e.num_drafts]
+        fields = np.array([(r.params.greedy, r.seed, d, e.num_drafts, r.q_slot if d else 0, r.num_tokens)
+                           for e, r, d in zip(entries, reqs, dense, strict=True)], dtype=np.int64).T  # [6, B]
+        pos_h = fields[5][:, None] + np.arange(k + 1)  # [B, K+1]
+        ids_h = np.array([r.draft_ids[: e.num_drafts] + [0] * (k - e.num_drafts)
+                          for e, r in zip(entries, reqs, strict=True)], dtype=np.int64)  # [B, K]
+        host = np.concatenate([fields[:5].ravel(), pos_h.ravel(), ids_h.ravel()])  # greedy, seed, dense q, drafts, q slot
         ints = h2d(torch.from_numpy(host), torch.int64, dev)
         greedy, seeds, num_drafts, q_slots = ints[:b].bool(), ints[b : 2 * b], ints[3 * b : 4 * b], ints[4 * b : 5 * b]
         positions = ints[5 * b : 5 * b + b * (k + 1)].view(b, k + 1)  # [B, K+1]
