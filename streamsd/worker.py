@@ -236,7 +236,8 @@ class Worker:
             # A head that reads hidden states catches up even when it drafts nothing this step (k
             # chosen per step): those states exist only now.
             if (e.k_next > 0 or (hidden and r.spec_k > 0)) and not _will_stop(r, new):
-                items.append(ProposeItem(r, r.all_ids + new, e.k_next, computed, min(r.draft_computed, computed),
+                items.append(ProposeItem(r, [*r.prompt_ids, *r.output_ids, *new], e.k_next, computed,
+                                         min(r.draft_computed, computed),
                                          hidden[i] if hidden else None, e.start))
                 owners.append(i)
         if self.proposer is None:
@@ -257,5 +258,7 @@ def _will_stop(r: Request, new: list[int]) -> bool:
     p = r.params
     if len(r.output_ids) + len(new) >= p.max_tokens:
         return True
-    stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(r.eos_ids))
-    return any(t in stops for t in new) and len(r.output_ids) + len(new) >= p.min_tokens
+    if len(r.output_ids) + len(new) < p.min_tokens:
+        return False
+    eos = () if p.ignore_eos else r.eos_ids
+    return any(t in eos or (p.stop_token_ids is not None and t in p.stop_token_ids) for t in new)

@@ -50,6 +50,8 @@ def _mix64(x: int) -> int:
 
 @dataclass(slots=True)
 class _Track:
+    branches: list[list[int]]  # the prompt's recorded continuations (looked up once per request)
+    seed_hash: int  # _mix64 of the request's seed: corruption hashes it with each position
     checked: int = 0  # output tokens compared with the oracle so far
     in_sync: bool = True
     branch: int = -1  # which of the prompt's continuations the history follows (-1: the newest)
@@ -90,20 +92,25 @@ class SyntheticProposer:
         return out
 
     def _drafts(self, it: ProposeItem) -> list[int]:
+        # Runs serially with the GPU at every speculative step of a benchmark, for every request: the
+        # per-request lookups happen once (in the track), and the history is read in place.
         r = it.request
-        branches = self._branches.get(tuple(r.prompt_ids), [[]])
-        track = self._tracks.setdefault(r.request_id, _Track(branch=len(branches) - 1))
+        track = self._tracks.get(r.request_id)
+        if track is None:
+            branches = self._branches.get(tuple(r.prompt_ids), [[]])
+            track = self._tracks[r.request_id] = _Track(branches, _mix64(r.seed), branch=len(branches) - 1)
+        branches = track.branches
         cont = branches[track.branch]
-        n_prompt = len(r.prompt_ids)
-        made = len(it.tokens) - n_prompt  # output tokens known after this step
+        tokens, n_prompt = it.tokens, len(r.prompt_ids)
+        made = len(tokens) - n_prompt  # output tokens known after this step
         if track.in_sync:
-            out = it.tokens[n_prompt:]
             for i in range(track.checked, made):
-                if i < len(cont) and out[i] == cont[i]:
+                if i < len(cont) and tokens[n_prompt + i] == cont[i]:
                     continue
                 # Another recorded side of this tie? The newest branch that agrees with all of it.
+                out = tokens[n_prompt : n_prompt + i + 1]
                 other = next((b for b in range(len(branches) - 1, -1, -1)
-                              if len(branches[b]) > i and branches[b][: i + 1] == out[: i + 1]), None)
+                              if len(branches[b]) > i and branches[b][: i + 1] == out), None)
                 if other is None:
                     track.in_sync = False
                     self.counters.desyncs += 1
@@ -114,7 +121,7 @@ class SyntheticProposer:
         for j in range(it.k):
             i = made + j
             truth = cont[i] if track.in_sync and i < len(cont) else -1
-            h = _mix64(_mix64(r.seed) ^ (i + 1))
+            h = _mix64(track.seed_hash ^ (i + 1))
             keep = truth >= 0 and (h >> 11) * (1.0 / (1 << 53)) < self.alpha
             if keep:
                 drafts.append(truth)
