@@ -117,8 +117,7 @@ class AdaptivePolicy:
             # left out, their share of the time is not the plain step's.
             batch, prefill = self.unplanned
             if batch and not prefill and seconds > 0:
-                raw = self.cost.predict_raw(batch, batch, 0)
-                predicted = raw * self.cost.ratio(batch, batch_size=batch)  # what `predict` returns
+                predicted, raw = self.cost.predict_with_raw(batch, batch, 0)
                 self.cost.observe(predicted, seconds, verify_tokens=batch, batch_size=batch)
                 self._record_error(0, predicted, raw, seconds, (batch, batch))
             return

@@ -72,10 +72,10 @@ def _time_pass(model: Transformer, cache: PagedKVCache, n: int, context: int, re
 
 
 def time_step(model: Transformer, cache: PagedKVCache, runner: GraphRunner | None, batch: int, width: int,
-               context: int, repeats: int) -> float:
+              context: int, repeats: int) -> float:
     """Seconds of one decode/verify pass over `batch` requests × `width` tokens, each after `context`
-    cached tokens, through the graph such a step replays when there is one. Requests get blocks of their own while the
-    pool has them, then share (the values written are garbage either way; only the time matters)."""
+    cached tokens, through the graph such a step replays when there is one. Requests get blocks of
+    their own while the pool has them, then share (the values written are garbage either way)."""
     bs = cache.block_size
     usable = cache.num_blocks - 1  # the last block is the graphs' scratch block
     if runner is not None:
@@ -87,7 +87,7 @@ def time_step(model: Transformer, cache: PagedKVCache, runner: GraphRunner | Non
     rows = list(range(batch * width))
     dev = cache.data.device
     return _best_time(lambda: forward_logits(model, runner, cache, ids, starts, counts, tables, rows, dev), dev,
-                        repeats)
+                      repeats)
 
 
 def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer | None,

@@ -176,6 +176,11 @@ class Request:
         n = len(self.prompt_ids)
         return self.prompt_ids[index] if index < n else self.output_ids[index - n]
 
+    def stops_on(self, token: int) -> bool:
+        """Whether `token` ends this request once it has min_tokens: an EOS (unless ignored) or a stop id."""
+        p = self.params
+        return (token in self.eos_ids and not p.ignore_eos) or token in (p.stop_token_ids or ())
+
     @property
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - len(self.output_ids)

@@ -233,8 +233,7 @@ class Scheduler:
             r.output_ids.append(t)
             kept.append(t)
             n = len(r.output_ids)
-            is_eos = t in r.eos_ids and not p.ignore_eos
-            if n >= p.min_tokens and (is_eos or t in (p.stop_token_ids or ())):
+            if n >= p.min_tokens and r.stops_on(t):
                 r.finish_reason = FinishReason.STOP
             elif n >= p.max_tokens:
                 r.finish_reason = FinishReason.LENGTH

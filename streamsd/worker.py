@@ -258,7 +258,4 @@ def _will_stop(r: Request, new: list[int]) -> bool:
     p = r.params
     if len(r.output_ids) + len(new) >= p.max_tokens:
         return True
-    if len(r.output_ids) + len(new) < p.min_tokens:
-        return False
-    eos = () if p.ignore_eos else r.eos_ids
-    return any(t in eos or (p.stop_token_ids is not None and t in p.stop_token_ids) for t in new)
+    return len(r.output_ids) + len(new) >= p.min_tokens and any(r.stops_on(t) for t in new)

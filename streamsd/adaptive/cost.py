@@ -167,9 +167,18 @@ class CostTable:
     ) -> float:
         """Corrected seconds for a step; ``draft_batch`` defaults to ``batch_size``; ``prefill_tokens``
         are the prompt-chunk tokens among ``verify_tokens``."""
+        return self.predict_with_raw(batch_size, verify_tokens, draft_steps_k, draft_batch=draft_batch,
+                                     draft_extra_tokens=draft_extra_tokens, prefill_tokens=prefill_tokens)[0]
+
+    def predict_with_raw(
+        self, batch_size: int, verify_tokens: int, draft_steps_k: int, *,
+        draft_batch: int | None = None, draft_extra_tokens: int = 0, prefill_tokens: int = 0,
+    ) -> tuple[float, float]:
+        """(``predict``, ``predict_raw``) of a step, the table read once."""
         raw = self.predict_raw(batch_size, verify_tokens, draft_steps_k, draft_batch=draft_batch,
                                draft_extra_tokens=draft_extra_tokens, prefill_tokens=prefill_tokens)
-        return raw * self.ratio(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
+        return raw * self.ratio(verify_tokens, draft_steps_k, batch_size=batch_size,
+                                prefill_tokens=prefill_tokens), raw
 
     def key(self, verify_tokens: int, draft_steps_k: int = 0, *, batch_size: int | None = None,
             prefill_tokens: int = 0) -> CorrectionKey:

@@ -201,5 +201,4 @@ def _record(st: PlannerState, requests: Sequence[RequestView], ks: list[int], me
     st.batch, st.prefill_tokens = len(requests), prefill
     kw = dict(draft_batch=len(drafting), prefill_tokens=prefill,
               draft_extra_tokens=sum(requests[i].catchup_tokens for i in drafting))
-    st.predicted_s = cost.predict(len(requests), st.verify_tokens, st.draft_steps, **kw)
-    st.predicted_raw_s = cost.predict_raw(len(requests), st.verify_tokens, st.draft_steps, **kw)
+    st.predicted_s, st.predicted_raw_s = cost.predict_with_raw(len(requests), st.verify_tokens, st.draft_steps, **kw)

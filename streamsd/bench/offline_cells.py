@@ -58,6 +58,11 @@ class Policies:
             self.k, copy.deepcopy(self.cost), draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False)))
 
 
+def _with_policy(rt: Runtime, policies: Policies | None, mean_ctx: float, learned: Runtime | None = None) -> Runtime:
+    """`rt` under a fresh adaptive policy (see Policies), or as it is for a fixed k."""
+    return rt if policies is None else policies.fresh(rt, round(mean_ctx), learned)
+
+
 def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: list[list[int]], b: int,
               plain: R.PassResult, mean_ctx: float, dtype: torch.dtype, draft_args, policies: Policies | None,
               alpha: float | None = None, rerun_plain: PlainRerun | None = None) -> dict[str, Any]:
@@ -67,10 +72,6 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
     from streamsd.spec.synthetic import SyntheticProposer
 
     k, method = spec.num_tokens, args.speculative_method
-
-    def with_policy(learned: Runtime | None = None) -> Runtime:
-        return rt if policies is None else policies.fresh(rt, round(mean_ctx), learned)
-
     desyncs = plain_vs_spec = None
     warm_desyncs: list[int] = []
     if method == "synthetic":
@@ -84,7 +85,7 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
         # spec/synthetic.py); a second one only when the first left the oracle somewhere.
         rt_w: Runtime | None = None
         for _ in range(WARM_PASSES):
-            rt_w = with_policy(rt_w)
+            rt_w = _with_policy(rt, policies, mean_ctx, rt_w)
             warm = R.engine_pass(rt_w, spec, prompts, args.max_tokens, b, speculative=True)
             warm_desyncs.append(prop.counters.desyncs)
             if plain_vs_spec is None:
@@ -93,9 +94,9 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
             if not warm_desyncs[-1]:
                 break
     else:
-        rt_w = with_policy()
+        rt_w = _with_policy(rt, policies, mean_ctx)
         R.engine_pass(rt_w, spec, prompts, min(8, args.max_tokens), b, speculative=True)
-    rt_m = with_policy(rt_w)
+    rt_m = _with_policy(rt, policies, mean_ctx, rt_w)
     paired = rerun_plain() if rerun_plain else None
     res = R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True)
     if method == "synthetic":
@@ -136,9 +137,9 @@ def forced_plain_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, p
                       rerun_plain: PlainRerun | None = None) -> dict[str, Any]:
     """The speculative engine with every request's k capped at 0 against the plain engine: what having
     speculation configured (its policy, its proposer, its paths) costs when it never drafts."""
-    rt_m = rt if policies is None else policies.fresh(rt, round(mean_ctx))
-    R.engine_pass(rt_m, spec, prompts, min(8, args.max_tokens), b, speculative=True, k_cap=0)  # warm-up
-    rt_m = rt if policies is None else policies.fresh(rt, round(mean_ctx))
+    R.engine_pass(_with_policy(rt, policies, mean_ctx), spec, prompts, min(8, args.max_tokens), b, speculative=True,
+                  k_cap=0)  # warm-up
+    rt_m = _with_policy(rt, policies, mean_ctx)
     paired = rerun_plain() if rerun_plain else None
     res = R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True, k_cap=0)
     return {**make_cell("streamsd", "spec k=0", b, res, floor_ms=floor_ms, tokens_per_step=1.0),

@@ -100,8 +100,7 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
     decode_steps: list[float] = []
     decode_tokens = 0
     sync(rt.worker.device)
-    compiles = _compiled_variants(rt.worker.device)
-    allocs = _allocator_counts(rt.worker.device)
+    stalls = _stall_counters(rt.worker.device)
     gc_watch = _GcWatch()
     gc.callbacks.append(gc_watch)
     t0 = time.perf_counter()
@@ -126,7 +125,8 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
                 outputs[o.request_id].extend(o.token_ids)
     wall = time.perf_counter() - t0
     gc.callbacks.remove(gc_watch)
-    allocs_after = _allocator_counts(rt.worker.device)
+    end = _stall_counters(rt.worker.device)  # what the pass added: compiles, device segments, allocator retries
+    stalls = [a - b for a, b in zip(end, stalls, strict=True)] if end and stalls else None
     tpots = [(last[r] - first[r]) / (counts[r] - 1) for r in ids if counts[r] > 1]
     st = core.totals
     return PassResult(
@@ -137,10 +137,8 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
         decode_step_ms=1e3 * statistics.median(decode_steps) if decode_steps else None,
         decode_steps=len(decode_steps),
         decode_tokens_per_s=decode_tokens / sum(decode_steps) if decode_steps else None,
-        kernel_compiles=None if compiles is None else _compiled_variants(rt.worker.device) - compiles,
-        gc_ms=1e3 * gc_watch.seconds,
-        device_allocs=None if allocs is None or allocs_after is None else allocs_after[0] - allocs[0],
-        alloc_retries=None if allocs is None or allocs_after is None else allocs_after[1] - allocs[1],
+        kernel_compiles=stalls[0] if stalls else None, device_allocs=stalls[1] if stalls else None,
+        alloc_retries=stalls[2] if stalls else None, gc_ms=1e3 * gc_watch.seconds,
         decode_step_max_ms=1e3 * max(decode_steps) if decode_steps else None,
     )
 
@@ -159,19 +157,14 @@ class _GcWatch:
             self.seconds += time.perf_counter() - self._start
 
 
-def _allocator_counts(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda":
-        return None
-    st = torch.cuda.memory_stats(device)
-    return st.get("num_device_alloc", 0), st.get("num_alloc_retries", 0)
-
-
-def _compiled_variants(device: torch.device) -> int | None:
+def _stall_counters(device: torch.device) -> list[int] | None:
+    """Triton kernel variants compiled so far, CUDA allocator device segments and retries (None off CUDA)."""
     if device.type != "cuda":
         return None
     from streamsd.kernels.warmup import compiled_variants
 
-    return compiled_variants()
+    st = torch.cuda.memory_stats(device)
+    return [compiled_variants(), st.get("num_device_alloc", 0), st.get("num_alloc_retries", 0)]
 
 
 def capture_graphs(rt: Runtime, batch: int) -> None:

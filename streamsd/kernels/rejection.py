@@ -19,8 +19,9 @@ import triton.language as tl
 from streamsd.sampling.rejection import VerifyInput
 
 
-# Per-request rows arrive as slices of one packed int64 buffer, 16-byte aligned or not by the batch
-# size's parity: one binary for both (these are single loads per program).
+# Per-request rows (draft ids, draft counts, the uniforms' stand-in) arrive as slices of one packed
+# int64 buffer, 16-byte aligned or not by the batch size's parity: one binary for both. The other
+# per-row pointers are listed too — they are single loads or stores per program either way.
 @triton.jit(do_not_specialize_on_alignment=["argmax_ptr", "draft_ptr", "dense_ptr", "ndraft_ptr", "greedy_ptr",
                                             "u_ptr", "tokens_ptr", "accepted_ptr"])
 def _rejection_kernel(
