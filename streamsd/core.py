@@ -167,7 +167,8 @@ class EngineCore:
             self.totals.record(entry.num_drafts, accepted, len(kept))
             verified.append((entry.request, entry.num_drafts, res.num_accepted))
             em.pending.append((entry.request, res, kept, entry.num_drafts, accepted))
-        self.scheduler.policy.observe(verified, self.last_step_seconds)
+        if plan.decision is not None:
+            self.scheduler.policy.observe(plan.decision, verified, self.last_step_seconds)
         return em if em.outputs or em.pending else None
 
     def emit(self, em: Emission | None, *, defer_stops: bool) -> list[RequestOutput]:
@@ -196,8 +197,8 @@ class EngineCore:
         return outputs
 
     def run(self) -> Iterator[Turn]:
-        """Steps until idle, each step's text work overlapping the next step's execution (the
-        offline counterpart of AsyncEngine's loop); yields one Turn per step."""
+        """Steps until idle, each step's text work and the next step's planning overlapping its
+        execution (the offline counterpart of AsyncEngine's loop); yields one Turn per step."""
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamsd-worker") as pool:
             em: Emission | None = None
             while em is not None or self.has_work:
@@ -208,6 +209,8 @@ class EngineCore:
                 if running is not None:
                     self.wait_launched()
                 outputs = self.emit(em, defer_stops=running is not None)
+                if running is not None:
+                    self.scheduler.plan_ahead()
                 results = running.result() if running is not None else []
                 t2 = time.perf_counter()
                 outputs += self.settle()

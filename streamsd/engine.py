@@ -97,6 +97,8 @@ class AsyncEngine:
                 core.wait_launched()
             for out in core.emit(em, defer_stops=running is not None):
                 self._dispatch(out)
+            if running is not None:
+                core.scheduler.plan_ahead()
             results = await running if running is not None else []
             for out in core.settle():
                 self._dispatch(out)

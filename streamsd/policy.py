@@ -1,7 +1,8 @@
 """How many drafts each request verifies this step: a fixed k, or the adaptive planner.
 
-Torch-free: the scheduler asks `choose` once per step for its decoding requests and feeds every
-step back through `observe`. The adaptive policy (streamsd.adaptive) maximises expected tokens
+Torch-free: the scheduler asks `choose` once per step for its decoding requests — on the engine's
+own loops while the previous step still runs, so that planning hides behind the GPU — `commit`s the
+decision with the shape of the step it actually built, and feeds the step back through `observe`. The adaptive policy (streamsd.adaptive) maximises expected tokens
 per second from a measured cost table and per-request acceptance estimates, with plain decoding
 (k = 0 for everyone) always a candidate.
 """
@@ -17,12 +18,38 @@ from streamsd.request import Request
 REPLAN_EVERY = 8
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step computes, as the cost table prices it."""
+
+    batch: int  # decoding requests
+    verify_tokens: int  # every token the target computes, prompt chunks included
+    draft_steps: int  # the widest request's drafts: verified now, or proposed after the verify
+    draft_batch: int  # requests drafting
+    prefill_tokens: int
+
+
+@dataclass(slots=True)
+class Decision:
+    """One step's k per decoding request, and what `observe` learns from the step once it ran."""
+
+    ks: dict[str, int]  # by request id; a request not in it takes `default_k`
+    planned: bool = False  # the planner ran (else: a plain step between re-plans, or a fixed k)
+    planned_shape: StepShape | None = None
+    draft_extra_tokens: int = 0  # draft-model catch-up the plan priced in
+    predicted_s: float = 0.0  # of the step as built (`commit`)
+    predicted_raw_s: float = 0.0  # the same from the start-up table alone
+    shape: StepShape | None = None  # as built
+
+
 class SpeculationPolicy(Protocol):
-    def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> list[int]: ...
+    def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision: ...
 
     def default_k(self, r: Request) -> int: ...
 
-    def observe(self, verified: list[tuple[Request, int, int]], seconds: float) -> None: ...
+    def commit(self, decision: Decision, shape: StepShape) -> None: ...
+
+    def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None: ...
 
 
 def cap_k(r: Request) -> int:
@@ -38,13 +65,16 @@ def _replan_due(idle_steps: int) -> bool:
 
 
 class FixedPolicy:
-    def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> list[int]:
-        return [cap_k(r) for r in decoding]
+    def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision:
+        return Decision({r.request_id: cap_k(r) for r in decoding})
 
     def default_k(self, r: Request) -> int:
         return cap_k(r)
 
-    def observe(self, verified: list[tuple[Request, int, int]], seconds: float) -> None:
+    def commit(self, decision: Decision, shape: StepShape) -> None:
+        decision.shape = shape
+
+    def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None:
         pass
 
 
@@ -59,8 +89,6 @@ class AdaptivePolicy:
     plain_steps: int = 0
     steps: int = 0
     idle_steps: int = 0
-    planned: bool = False  # whether the last `choose` ran the planner (else: a plain step between re-plans)
-    unplanned: tuple[int, int] = (0, 0)  # (batch, prefill tokens) of the last plain step between re-plans
     last_predicted: float = 0.0
     last_measured: float = 0.0
     abs_error_sum: float = 0.0  # Σ |predicted / measured − 1| over observed steps
@@ -71,11 +99,15 @@ class AdaptivePolicy:
     # Per step shape (batch, verify tokens): [Σ predicted s, Σ measured s, steps]. The per-step error
     # above also holds each step's own jitter; these sums say whether the table is right per shape.
     shapes: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    # Steps observed and not yet learnt from: `observe` runs between two steps, serially with the
+    # GPU; `learn` runs at the next `choose`, which the engine overlaps with the GPU.
+    unlearnt: list[tuple[Decision, list[tuple[Request, int, int]], float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1)))
 
-    def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> list[int]:
+    def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision:
+        self.learn()
         self.steps += 1
         # While plain decoding wins, re-plan every few steps only: the planner's Python time is
         # then off the plain path, which must stay as fast as a server without speculation.
@@ -83,13 +115,12 @@ class AdaptivePolicy:
         # ... but at once on the very first step and when the batch at least doubled since the last
         # plan (a new wave of requests): otherwise a fresh batch decodes plain for REPLAN_EVERY steps
         # before its first plan. Not on every arrival: under churn that would re-plan each step.
-        self.planned = (self.planner.speculating or _replan_due(self.idle_steps) or self.steps == 1
-                        or len(decoding) >= 2 * max(self.planner.batch, 1))
-        if not self.planned:
+        planned = (self.planner.speculating or _replan_due(self.idle_steps) or self.steps == 1
+                   or len(decoding) >= 2 * max(self.planner.batch, 1))
+        if not planned:
             self.plain_steps += 1
             self.chosen_k[0] = self.chosen_k.get(0, 0) + len(decoding)
-            self.unplanned = (len(decoding), prefill_tokens)
-            return [0] * len(decoding)
+            return Decision({r.request_id: 0 for r in decoding})
         for r in decoding:
             if r.acceptance is None:
                 r.acceptance = self.estimator.new_request()
@@ -98,39 +129,64 @@ class AdaptivePolicy:
         for r in decoding:
             lag = r.num_tokens - r.draft_computed if self.draft_has_cache else 0
             views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag))
-        ks = plan(views, self.cost, self.max_k, state=self.planner, prefill_tokens=prefill_tokens,
-                  prefill_backlog=backlog)
+        st = self.planner
+        ks = plan(views, self.cost, self.max_k, state=st, prefill_tokens=prefill_tokens, prefill_backlog=backlog)
         self.plain_steps += not any(ks)
         for k in ks:
             self.chosen_k[k] = self.chosen_k.get(k, 0) + 1
-        return ks
+        shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens)
+        return Decision({r.request_id: k for r, k in zip(decoding, ks, strict=True)}, True, shape,
+                        st.draft_extra_tokens, st.predicted_s, st.predicted_raw_s)
 
     def default_k(self, r: Request) -> int:
         """Drafts for a request finishing its prompt: follow the batch's current mode."""
         return cap_k(r) if self.planner.speculating else 0
 
-    def observe(self, verified: list[tuple[Request, int, int]], seconds: float) -> None:
-        if not self.planned:
+    def commit(self, decision: Decision, shape: StepShape) -> None:
+        """The step as the scheduler built it, which may differ from the plan: drafts verified are
+        capped by those cached, requests finish or join, and a plan made while the previous step ran
+        saw that step's batch. The prediction `observe` checks is the built step's."""
+        decision.shape = shape
+        if shape == decision.planned_shape:
+            return
+        extra = decision.draft_extra_tokens if shape.draft_steps else 0
+        decision.predicted_s, decision.predicted_raw_s = self.cost.predict_with_raw(
+            shape.batch, shape.verify_tokens, shape.draft_steps, draft_batch=shape.draft_batch,
+            draft_extra_tokens=extra, prefill_tokens=shape.prefill_tokens)
+
+    def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None:
+        self.unlearnt.append((decision, verified, seconds))
+
+    def learn(self) -> None:
+        """Applies the steps observed since the last call, oldest first."""
+        for decision, verified, seconds in self.unlearnt:
+            self._learn_step(decision, verified, seconds)
+        self.unlearnt.clear()
+
+    def _learn_step(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None:
+        shape = decision.shape
+        if shape is None or seconds <= 0:
+            return
+        if not decision.planned:
             # A plain step between re-plans: nothing was drafted, the idle decay can wait. Its cost
             # still teaches the table (a lookup, no planning), so the plain side of the next plan's
             # comparison is as well calibrated as the speculative one; steps with a prompt chunk are
             # left out, their share of the time is not the plain step's.
-            batch, prefill = self.unplanned
-            if batch and not prefill and seconds > 0:
-                predicted, raw = self.cost.predict_with_raw(batch, batch, 0)
-                self.cost.observe(predicted, seconds, verify_tokens=batch, batch_size=batch)
-                self._record_error(0, predicted, raw, seconds, (batch, batch))
+            if shape.batch and not shape.prefill_tokens and not shape.draft_steps:
+                self._learn_cost(decision, shape, seconds)
             return
         for r, drafted, accepted in verified:
             if r.acceptance is not None:
                 self.estimator.observe(r.acceptance, drafted, accepted)
         self.estimator.tick()
-        st = self.planner
-        if st.predicted_s > 0 and seconds > 0:
-            self.cost.observe(st.predicted_s, seconds, verify_tokens=st.verify_tokens, draft_steps_k=st.draft_steps,
-                              batch_size=st.batch, prefill_tokens=st.prefill_tokens)
-            self._record_error(int(st.draft_steps > 0), st.predicted_s, st.predicted_raw_s, seconds,
-                               (st.batch, st.verify_tokens))
+        if shape.batch:
+            self._learn_cost(decision, shape, seconds)
+
+    def _learn_cost(self, decision: Decision, shape: StepShape, seconds: float) -> None:
+        self.cost.observe(decision.predicted_s, seconds, verify_tokens=shape.verify_tokens,
+                          draft_steps_k=shape.draft_steps, batch_size=shape.batch, prefill_tokens=shape.prefill_tokens)
+        self._record_error(int(shape.draft_steps > 0), decision.predicted_s, decision.predicted_raw_s, seconds,
+                           (shape.batch, shape.verify_tokens))
 
     def _record_error(self, kind: int, predicted: float, raw: float, seconds: float, shape: tuple[int, int]) -> None:
         t = self.shapes.setdefault(shape, [0.0, 0.0, 0])
@@ -147,6 +203,7 @@ class AdaptivePolicy:
 
     def summary(self) -> dict[str, object]:
         """For benchmarks and metrics: how the policy decided and how well it predicted."""
+        self.learn()
         return {
             "steps": self.steps,
             "plain_step_share": self.plain_steps / self.steps if self.steps else 0.0,

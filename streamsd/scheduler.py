@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from streamsd.config import SchedulerConfig
-from streamsd.policy import FixedPolicy, SpeculationPolicy
+from streamsd.policy import Decision, FixedPolicy, SpeculationPolicy, StepShape
 from streamsd.request import FinishReason, Request, Status
 
 
@@ -64,6 +64,7 @@ class Scheduled:
 class StepPlan:
     entries: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    decision: Decision | None = None  # the policy's, committed to the step as built
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +93,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._aborts: set[str] = set()
+        self._ahead: Decision | None = None  # the next step's k, chosen while this one runs
 
     # -- admission ---------------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -123,11 +125,11 @@ class Scheduler:
         aborted = self._apply_aborts()
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
-        ks = self._choose_k()
+        decision, self._ahead = self._ahead or self._choose_k(), None
         for r in list(self.running):
             if r.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            entry = self._plan_one(r, budget, ks.get(r.request_id))
+            entry = self._plan_one(r, budget, decision.ks.get(r.request_id))
             if entry is None:
                 continue
             while not self._reserve(r, entry):
@@ -153,15 +155,25 @@ class Scheduler:
             self.running.append(r)
             plan.entries.append(entry)
             budget -= entry.num_tokens + entry.num_drafts
+        self.policy.commit(decision, _shape(plan))
+        plan.decision = decision
         return plan, aborted
 
-    def _choose_k(self) -> dict[str, int]:
+    def plan_ahead(self) -> None:
+        """Chooses the next step's k now, while the current step runs: the planner's host time then
+        hides behind the GPU's instead of adding to every step. The plan sees acceptance up to the
+        previous step and the current batch; `schedule` re-applies each request's caps (drafts
+        cached, tokens left), gives requests that join decoding `default_k`, and commits the step as
+        built. Exactness does not depend on k, only speed does."""
+        if self.running:
+            self._ahead = self._choose_k()
+
+    def _choose_k(self) -> Decision:
         """The policy's k for every decoding request (one token pending, drafts maybe cached)."""
         decoding = [r for r in self.running if r.num_tokens - r.computed == 1]
         prefill = sum(r.num_tokens - r.computed for r in self.running if r.num_tokens - r.computed > 1)
         prefill += sum(len(r.prompt_ids) for r in list(self.waiting)[:4])
-        ks = self.policy.choose(decoding, min(prefill, self.cfg.max_num_batched_tokens), bool(self.waiting))
-        return {r.request_id: k for r, k in zip(decoding, ks, strict=True)}
+        return self.policy.choose(decoding, min(prefill, self.cfg.max_num_batched_tokens), bool(self.waiting))
 
     def _plan_one(self, r: Request, budget: int, k: int | None) -> Scheduled | None:
         """k: drafts to verify now and to propose next (None: the policy's default for this request)."""
@@ -276,3 +288,11 @@ class Scheduler:
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.blocks.num_free / self.blocks.total
+
+
+def _shape(plan: StepPlan) -> StepShape:
+    decoding = [e for e in plan.entries if e.num_tokens == 1 and e.verifies]
+    widest = max((max(e.num_drafts, e.k_next) for e in decoding), default=0)
+    verify = plan.num_tokens
+    return StepShape(len(decoding), verify, widest, sum(e.k_next > 0 for e in decoding),
+                     verify - sum(1 + e.num_drafts for e in decoding))

@@ -452,12 +452,13 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     """Under a batch where plain decoding wins, most steps skip the planner; their measured cost must
     still correct the table (a start-up profile blind to per-request host work, as at B = 128-256 on
     the H200), or the next plan compares speculation against a plain step it misprices."""
-    from streamsd.policy import AdaptivePolicy
+    from streamsd.policy import AdaptivePolicy, StepShape
     from streamsd.request import Request, SamplingParams
 
     shape = _graph_shape()
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
     policy = AdaptivePolicy(4, cost, draft_has_cache=False)
+    built = StepShape(batch=64, verify_tokens=64, draft_steps=0, draft_batch=0, prefill_tokens=0)
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=500), seed=i, arrival=0.0, spec_k=4)
             for i in range(64)]
     for r in reqs:
@@ -466,11 +467,13 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     true_plain = shape(64, 64, 1) * 1.35  # what the profile missed: 35 %
     planned = []
     for step in range(1, 41):
-        ks = policy.choose(reqs, 0, False)
-        assert not any(ks)  # acceptance starts pessimistic and nothing is ever drafted here
-        if policy.planned:
+        decision = policy.choose(reqs, 0, False)
+        assert not any(decision.ks.values())  # acceptance starts pessimistic and nothing is ever drafted here
+        if decision.planned:
             planned.append(step)
-        policy.observe([(r, 0, 0) for r in reqs], true_plain)
+        policy.commit(decision, built)
+        policy.observe(decision, [(r, 0, 0) for r in reqs], true_plain)
+    policy.learn()  # the next choice would: observing is only queueing, off the step's serial path
     assert policy.plain_steps == 40
     # Soon after going plain (a close call may have sent it there), then every REPLAN_EVERY steps.
     assert planned == [1, 2, 4, 8, 16, 24, 32, 40]
@@ -479,8 +482,9 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     kinds = policy.summary()["prediction_error"]
     assert isinstance(kinds, dict) and kinds["plain"]["steps"] == 40
     # A step that carried a prompt chunk is not a plain step's cost: left out.
-    policy.choose(reqs, 0, False)
-    policy.unplanned = (64, 300)
-    policy.planned = False
-    policy.observe([(r, 0, 0) for r in reqs], 10 * true_plain)
+    decision = policy.choose(reqs, 0, False)
+    assert not decision.planned
+    policy.commit(decision, StepShape(batch=64, verify_tokens=364, draft_steps=0, draft_batch=0, prefill_tokens=300))
+    policy.observe(decision, [(r, 0, 0) for r in reqs], 10 * true_plain)
+    policy.learn()
     assert cost.seen[cost.key(64, 0, batch_size=64)] == 40

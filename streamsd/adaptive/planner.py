@@ -96,6 +96,7 @@ class PlannerState:
     spec_rate: float = 0.0
     verify_tokens: int = 0
     draft_steps: int = 0
+    draft_extra_tokens: int = 0  # draft-model catch-up priced into predicted_s
 
 
 def kv_slots_needed(ks: Sequence[int]) -> int:
@@ -199,6 +200,7 @@ def _record(st: PlannerState, requests: Sequence[RequestView], ks: list[int], me
     st.draft_steps = max(ks)
     st.expected_tokens = len(requests) + sum(sum(mean[i][: ks[i]]) for i in drafting)
     st.batch, st.prefill_tokens = len(requests), prefill
-    kw = dict(draft_batch=len(drafting), prefill_tokens=prefill,
-              draft_extra_tokens=sum(requests[i].catchup_tokens for i in drafting))
-    st.predicted_s, st.predicted_raw_s = cost.predict_with_raw(len(requests), st.verify_tokens, st.draft_steps, **kw)
+    st.draft_extra_tokens = sum(requests[i].catchup_tokens for i in drafting)
+    st.predicted_s, st.predicted_raw_s = cost.predict_with_raw(
+        len(requests), st.verify_tokens, st.draft_steps, draft_batch=len(drafting), prefill_tokens=prefill,
+        draft_extra_tokens=st.draft_extra_tokens)
