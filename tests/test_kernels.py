@@ -44,6 +44,7 @@ if not CUDA:
 # Nothing on the CPU path imports the kernels, so this is their first import, under the interpreter.
 import streamsd.kernels.paged_attention as pa  # noqa: E402
 import streamsd.kernels.rejection as rj  # noqa: E402
+from streamsd.kernels.prefill_attention import prefill_attention, prefill_tiles, tokens_per_tile  # noqa: E402
 from streamsd.model.attention import paged_attention_reference  # noqa: E402
 from streamsd.model.kv_cache import BatchLayout  # noqa: E402
 from streamsd.sampling import rng  # noqa: E402
@@ -99,12 +100,28 @@ def test_paged_attention_matches_reference(dtype, case, splits):
         assert _rel(out, ref) < TOL[dtype]
 
 
-def test_dispatch_sends_long_chunks_to_sdpa():
-    """A prefill chunk (> 16 tokens, both whole-prompt and continued) beside verify windows."""
-    counts, extra = [40, 3, 20, 1], [0, 50, 33, 7]
-    q, kc, vc, layout = _random_batch(counts, extra, 2, 4, 32, DTYPES[0], 3)
-    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), layout, 32**-0.5)
-    assert _rel(pa.cuda_attention(q, kc, vc, layout, 32**-0.5), ref) < TOL[DTYPES[0]]
+PREFILL_CASES = [  # (query lens, cached tokens before them, kv heads, heads, head dim)
+    ([40, 3, 20, 1], [0, 50, 33, 7], 2, 4, 32),  # whole prompt and continued chunks beside verify windows
+    ([17, 70], [0, 0], 3, 9, 64),  # SmolLM2-like GQA 3: 21 tokens a tile, a tile's rows not all used
+    ([33], [95], 1, 1, 16),  # no grouping: 64 tokens a tile; a chunk after a long cached prefix
+    ([130, 2, 65], [5, 0, 64], 2, 16, 32),  # GQA 8: 8 tokens a tile, many tiles a chunk
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_prompt_chunks_and_verify_windows_in_one_step_match_reference(dtype, case):
+    """cuda_attention: queries of up to 16 tokens through the decode kernel, longer ones (prompt
+    chunks, whole or after a cached prefix) through the prefill kernel, in the same step."""
+    counts, extra, kvh, heads, dim = PREFILL_CASES[case]
+    q, kc, vc, layout = _random_batch(counts, extra, kvh, heads, dim, dtype, 3 + case)
+    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
+    assert _rel(pa.cuda_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
+
+
+def test_prefill_tiles_cover_each_long_query_once():
+    tiles = prefill_tiles([0, 40, 43], [40, 3, 20], [40, 53, 53], 16, 16)
+    assert tiles == [(0, 0, 16, 0), (0, 16, 16, 16), (0, 32, 8, 32), (2, 43, 16, 33), (2, 59, 4, 49)]
 
 
 def test_pick_splits_fills_the_chip_and_stays_a_power_of_two():
@@ -363,5 +380,11 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
         ctx = torch.full((seqs,), width * bs - 1, dtype=torch.int32, device=DEV)
         starts = torch.arange(0, seqs * qlen + 1, qlen, dtype=torch.int32, device=DEV)
         pa.paged_attention(q, cache, cache, table, ctx, starts, 0.1, qlen)
+    for lens, width in [([17], 2), ([300, 40], 20), ([64, 5, 100], 7)]:  # prompt chunks of eager steps
+        q = torch.randn(sum(lens), a.num_heads, a.head_dim, dtype=torch.bfloat16, device=DEV)
+        table = torch.randint(0, 64, (len(lens), width), dtype=torch.int32, device=DEV)
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        tiles = prefill_tiles(starts, lens, lens, pa.KERNEL_MAX_QUERY, tokens_per_tile(a.num_heads, a.num_kv_heads))
+        prefill_attention(q, cache, cache, table, tiles, 0.1, torch.empty_like(q))
     torch.cuda.synchronize()
     assert compiled_variants() == before

@@ -11,19 +11,20 @@ otherwise hold only num_kv_heads programs for a chip of 132 multiprocessors.
 
 Everything the kernel reads is a device tensor of the BatchLayout, so it can be captured in a
 CUDA graph; the only static bound is the block table's width. Sequences whose query is longer than
-QMAX (prefill chunks) are skipped by the kernel and go through PyTorch SDPA, one chunk each.
+QMAX (prompt chunks) are skipped by the kernel and go through prefill_attention.py's, all in one
+launch.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from streamsd.kernels.prefill_attention import prefill_attention, prefill_tiles, tokens_per_tile
 from streamsd.model.kv_cache import BatchLayout
 
-KERNEL_MAX_QUERY = 16  # longest query (1 + k) the kernel takes; longer chunks go through SDPA
+KERNEL_MAX_QUERY = 16  # longest query (1 + k) the kernel takes; longer ones are prefill_attention's
 TILE_TOKENS = 64  # keys per inner iteration (4 pages of 16)
 LOG2E = 1.4426950408889634
 
@@ -181,26 +182,10 @@ def paged_attention(
     return out
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                      start: int, qlen: int, ctx: int, scale: float, seq: int) -> torch.Tensor:
-    """One long chunk through SDPA (flash when the chunk is the whole context). Returns [qlen, H, D]."""
-    page, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    blocks = block_table[seq, : -(-ctx // page)].long()  # [nb] a device slice: no host round trip
-    k = k_cache.index_select(0, blocks).reshape(-1, kv_heads, dim)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
-    v = v_cache.index_select(0, blocks).reshape(-1, kv_heads, dim)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
-    qs = q[start : start + qlen].transpose(0, 1)  # [H, qlen, D]
-    if qlen == ctx:
-        o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        q_pos = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(-1)  # [qlen, 1]
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [qlen, ctx]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)  # [qlen, H, D]
-
-
 def cuda_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout,
                    scale: float) -> torch.Tensor:
-    """The GPU `AttentionFn`: short queries through the kernel in one launch, long chunks via SDPA.
+    """The GPU `AttentionFn`: short queries through this kernel, prompt chunks through the prefill
+    kernel, one launch each.
 
     Routing reads only the host list of query lengths, which a CUDA-graph capture fixes per bucket.
     """
@@ -209,9 +194,8 @@ def cuda_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if short:
         paged_attention(q, k_cache, v_cache, layout.block_table, layout.context_lens_t, layout.query_starts_t,
                         scale, max(short), out=out)
-    for i, n in enumerate(layout.query_lens):
-        if n > KERNEL_MAX_QUERY:
-            s = layout.query_starts[i]
-            out[s : s + n] = prefill_attention(q, k_cache, v_cache, layout.block_table, s, n,
-                                               layout.context_lens[i], scale, i)
+    if len(short) < len(layout.query_lens):
+        tiles = prefill_tiles(layout.query_starts, layout.query_lens, layout.context_lens, KERNEL_MAX_QUERY,
+                              tokens_per_tile(q.shape[1], k_cache.shape[2]))
+        prefill_attention(q, k_cache, v_cache, layout.block_table, tiles, scale, out)
     return out

@@ -28,6 +28,12 @@ from streamsd.kernels.paged_attention import (
     _paged_attn_kernel,
     paged_attention,
 )
+from streamsd.kernels.prefill_attention import (
+    _prefill_attn_kernel,
+    prefill_attention,
+    prefill_tiles,
+    tokens_per_tile,
+)
 from streamsd.kernels.rejection import _rejection_kernel, rejection_sample_triton
 from streamsd.sampling.rejection import VerifyInput
 
@@ -37,7 +43,7 @@ _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
 def compiled_variants() -> int:
     """Kernel binaries compiled in this process so far (a step that raises it stalled on a compile)."""
     total = 0
-    for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel):
+    for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel):
         total += sum(len(cache[0]) for cache in fn.device_caches.values())
     return total
 
@@ -69,6 +75,10 @@ def _attention_variants(heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
         for splits in _SPLITS:
             paged_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits)
         qmax *= 2
+    chunk = KERNEL_MAX_QUERY + 1
+    q = torch.zeros(chunk, heads, dim, dtype=dtype, device=device)  # [T, H, D]
+    tiles = prefill_tiles([0], [chunk], [chunk], KERNEL_MAX_QUERY, tokens_per_tile(heads, kv_heads))
+    prefill_attention(q, cache, cache, table, tiles, 1.0, torch.empty_like(q))
 
 
 def _verify_input(k: int, vocab: int, has_p: bool, has_q: bool, device: torch.device) -> VerifyInput:
