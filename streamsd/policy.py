@@ -24,9 +24,14 @@ class StepShape:
 
     batch: int  # decoding requests
     verify_tokens: int  # every token the target computes, prompt chunks included
-    draft_steps: int  # the widest request's drafts: verified now, or proposed after the verify
+    draft_steps: int  # the drafter's sequential steps after the verify (the largest k)
     draft_batch: int  # requests drafting
     prefill_tokens: int
+    verify_width: int = 0  # the widest request's 1 + drafts verified; 0: 1 + draft_steps
+
+    @property
+    def width(self) -> int:
+        return self.verify_width or self.draft_steps + 1
 
 
 @dataclass(slots=True)
@@ -134,7 +139,8 @@ class AdaptivePolicy:
         self.plain_steps += not any(ks)
         for k in ks:
             self.chosen_k[k] = self.chosen_k.get(k, 0) + 1
-        shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens)
+        shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens,
+                          st.draft_steps + 1)
         return Decision({r.request_id: k for r, k in zip(decoding, ks, strict=True)}, True, shape,
                         st.draft_extra_tokens, st.predicted_s, st.predicted_raw_s)
 
@@ -152,7 +158,7 @@ class AdaptivePolicy:
         extra = decision.draft_extra_tokens if shape.draft_steps else 0
         decision.predicted_s, decision.predicted_raw_s = self.cost.predict_with_raw(
             shape.batch, shape.verify_tokens, shape.draft_steps, draft_batch=shape.draft_batch,
-            draft_extra_tokens=extra, prefill_tokens=shape.prefill_tokens)
+            draft_extra_tokens=extra, prefill_tokens=shape.prefill_tokens, verify_width=shape.width)
 
     def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None:
         self.unlearnt.append((decision, verified, seconds))
@@ -172,7 +178,7 @@ class AdaptivePolicy:
             # still teaches the table (a lookup, no planning), so the plain side of the next plan's
             # comparison is as well calibrated as the speculative one; steps with a prompt chunk are
             # left out, their share of the time is not the plain step's.
-            if shape.batch and not shape.prefill_tokens and not shape.draft_steps:
+            if shape.batch and not shape.prefill_tokens and shape.width == 1 and not shape.draft_steps:
                 self._learn_cost(decision, shape, seconds)
             return
         for r, drafted, accepted in verified:
@@ -183,9 +189,14 @@ class AdaptivePolicy:
             self._learn_cost(decision, shape, seconds)
 
     def _learn_cost(self, decision: Decision, shape: StepShape, seconds: float) -> None:
-        self.cost.observe(decision.predicted_s, seconds, verify_tokens=shape.verify_tokens,
-                          draft_steps_k=shape.draft_steps, batch_size=shape.batch, prefill_tokens=shape.prefill_tokens)
-        self._record_error(int(shape.draft_steps > 0), decision.predicted_s, decision.predicted_raw_s, seconds,
+        # A step entering or leaving speculation (verify width and drafter steps disagree) is priced
+        # as such but teaches no key: it is neither the plain step nor the speculative one.
+        if shape.width == shape.draft_steps + 1:
+            self.cost.observe(decision.predicted_s, seconds, verify_tokens=shape.verify_tokens,
+                              draft_steps_k=shape.draft_steps, batch_size=shape.batch,
+                              prefill_tokens=shape.prefill_tokens)
+        speculative = int(shape.width > 1 or shape.draft_steps > 0)
+        self._record_error(speculative, decision.predicted_s, decision.predicted_raw_s, seconds,
                            (shape.batch, shape.verify_tokens))
 
     def _record_error(self, kind: int, predicted: float, raw: float, seconds: float, shape: tuple[int, int]) -> None:

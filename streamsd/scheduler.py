@@ -292,7 +292,7 @@ class Scheduler:
 
 def _shape(plan: StepPlan) -> StepShape:
     decoding = [e for e in plan.entries if e.num_tokens == 1 and e.verifies]
-    widest = max((max(e.num_drafts, e.k_next) for e in decoding), default=0)
     verify = plan.num_tokens
-    return StepShape(len(decoding), verify, widest, sum(e.k_next > 0 for e in decoding),
-                     verify - sum(1 + e.num_drafts for e in decoding))
+    return StepShape(len(decoding), verify, max((e.k_next for e in decoding), default=0),
+                     sum(e.k_next > 0 for e in decoding), verify - sum(1 + e.num_drafts for e in decoding),
+                     1 + max((e.num_drafts for e in decoding), default=0))

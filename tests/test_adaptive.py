@@ -112,8 +112,12 @@ def test_cost_corrector_learns_drift_and_bucket_errors() -> None:
         table.observe(table.predict(64, n, k), truth, verify_tokens=n, draft_steps_k=k)
     assert table.predict(64, 128, 0) / table.predict_raw(64, 128, 0) == pytest.approx(1.15, rel=0.02)
     assert table.predict(64, 192, 2) / table.predict_raw(64, 192, 2) == pytest.approx(1.265, rel=0.02)
-    # An unseen key follows the global drift only.
-    assert table.predict(64, 512, 4) / table.predict_raw(64, 512, 4) == pytest.approx(table.global_ratio)
+    # An unseen plain key follows the global drift only; an unseen speculative key also the median
+    # correction of the speculative keys learnt (k = 2 at 64, 128: 1.0; at 192: 1.1).
+    assert table.predict(64, 512, 0) / table.predict_raw(64, 512, 0) == pytest.approx(table.global_ratio)
+    assert table.spec_prior == pytest.approx(1.0, abs=0.03)
+    assert table.predict(64, 512, 4) / table.predict_raw(64, 512, 4) == pytest.approx(
+        table.global_ratio * table.spec_prior)
 
 
 def test_roofline_ridge_near_200_tokens() -> None:
@@ -488,3 +492,39 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     policy.observe(decision, [(r, 0, 0) for r in reqs], 10 * true_plain)
     policy.learn()
     assert cost.seen[cost.key(64, 0, batch_size=64)] == 40
+
+
+def test_a_step_entering_speculation_is_priced_as_the_plain_graph_plus_drafting_and_teaches_no_key() -> None:
+    """The first step after plain ones verifies no drafts yet (none are cached) and proposes k: it
+    replays the plain graph. Priced as a width-5 step it read 1.5x its measured time on the H200,
+    and learnt, it taught the speculative key that speculation is cheap."""
+    from streamsd.policy import AdaptivePolicy, Decision, StepShape
+
+    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape(), spec_overhead_s=3e-4)
+    plain_graph, spec_graph = 4e-3 + 2e-5 * 64, 4e-3 + 2e-5 * 320
+    assert cost.predict_with_raw(64, 64, 4, verify_width=1)[0] == pytest.approx(plain_graph + 3e-4)
+    assert cost.predict_with_raw(64, 320, 0, verify_width=5)[0] == pytest.approx(spec_graph)  # leaving it
+    policy = AdaptivePolicy(4, cost, draft_has_cache=False)
+    entering = Decision({}, planned=True)
+    policy.commit(entering, StepShape(64, 64, 4, 64, 0, verify_width=1))
+    assert entering.predicted_s == pytest.approx(plain_graph + 3e-4)
+    policy.observe(entering, [], 2 * entering.predicted_s)
+    policy.learn()
+    assert cost.seen == {}  # neither the plain key nor the speculative one learnt it
+    assert policy.summary()["prediction_error"]["speculative"]["steps"] == 1  # type: ignore[index]
+
+
+def test_an_unseen_speculative_shape_is_priced_like_the_learnt_ones() -> None:
+    """The profile times graph replays; a speculative step also pays host work (proposer, rejection
+    sampler) that grows with the batch. Learnt on the shapes a batch ran, it must carry to the ones
+    it has not: at B = 128 a never-run width-3 step priced at the bare graph lured the planner into
+    steps that lost (0.97x plain in session 5's first grid)."""
+    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape())
+    spec = cost.predict(64, 320, 4)
+    for _ in range(3):
+        cost.observe(cost.predict(64, 320, 4), 1.2 * spec, verify_tokens=320, draft_steps_k=4, batch_size=64)
+    assert cost.predict(64, 320, 4) == pytest.approx(1.2 * spec, rel=0.01)
+    unseen_spec, unseen_plain = cost.key(40, 4, batch_size=16), cost.key(16, 0, batch_size=16)
+    assert unseen_spec not in cost.seen and unseen_plain not in cost.seen
+    assert cost.ratio(40, 4, batch_size=16) == pytest.approx(1.2, rel=0.01)
+    assert cost.ratio(16, 0, batch_size=16) == pytest.approx(1.0)  # plain keys keep the global ratio

@@ -32,7 +32,8 @@ Online correction: the true step time drifts (context lengths grow, clocks chang
 start-up table has per-bucket errors.  ``CostTable.observe`` keeps a global EMA of the
 measured/predicted ratio, which carries drift to every bucket at once, and, per (verify bucket,
 draft steps) key, a relative ratio to that global one that fixes the table's shape.  Unseen keys
-use the global ratio alone.  Only plain decode steps move the global ratio: a speculative step's
+use the global ratio alone, times (speculative keys) the median correction of the speculative keys
+learnt so far.  Only plain decode steps move the global ratio: a speculative step's
 error is mostly its own host work (proposer, rejection sampler) that the profile never timed, and
 were it drift, it would also raise the predicted price of plain decoding, the very step the planner
 compares speculation against (on the H200 at B = 64, alpha 0.3, that made speculation look cheap and
@@ -109,6 +110,11 @@ class CostTable:
     shape: ShapeTable | None = None  # the engine's own step shape, when profiled (see the module doc)
     # The last three samples per key (``_GLOBAL`` for the global ratio): see the module doc.
     recent: dict[CorrectionKey, list[float]] = field(default_factory=dict)
+    # Unseen speculative keys start from the median correction of those learnt (each seen twice):
+    # what the profile misses of a speculative step (its host work) is mostly common to all of them,
+    # and a shape priced at the bare graph lures the planner into steps that lose.
+    spec_keys: set[CorrectionKey] = field(default_factory=set)
+    spec_prior: float = 1.0
 
     @classmethod
     def from_samples(
@@ -144,19 +150,24 @@ class CostTable:
     def predict_raw(
         self, batch_size: int, verify_tokens: int, draft_steps_k: int, *,
         draft_batch: int | None = None, draft_extra_tokens: int = 0, prefill_tokens: int = 0,
+        verify_width: int | None = None,
     ) -> float:
-        t = self._verify_seconds(batch_size, verify_tokens, draft_steps_k, prefill_tokens)
+        """``verify_width``: the widest request's verified tokens when it is not 1 + ``draft_steps_k``
+        (a step entering speculation verifies no drafts yet and proposes k; one leaving it verifies
+        its last drafts and proposes none)."""
+        width = draft_steps_k + 1 if verify_width is None else verify_width
+        t = self._verify_seconds(batch_size, verify_tokens, width - 1, prefill_tokens)
         if draft_steps_k > 0:
             drafting = batch_size if draft_batch is None else draft_batch
             t += self.spec_overhead_s + self.draft(drafting + draft_extra_tokens)
             t += (draft_steps_k - 1) * self.draft(drafting)
         return t
 
-    def _verify_seconds(self, batch: int, tokens: int, draft_steps_k: int, prefill: int) -> float:
+    def _verify_seconds(self, batch: int, tokens: int, drafts: int, prefill: int) -> float:
         shape = self.shape
-        if shape is None or batch <= 0 or (shape.padded and (prefill or not shape.covers(batch, draft_steps_k + 1))):
+        if shape is None or batch <= 0 or (shape.padded and (prefill or not shape.covers(batch, drafts + 1))):
             return self.verify(tokens) + batch * self.kv_per_request_s
-        t = shape(batch, tokens - prefill, draft_steps_k + 1)
+        t = shape(batch, tokens - prefill, drafts + 1)
         if prefill:  # a chunk's tokens beyond what the one-token pass already paid for
             t += max(self.verify(prefill) - self.verify(1), 0.0)
         return t
@@ -173,12 +184,15 @@ class CostTable:
     def predict_with_raw(
         self, batch_size: int, verify_tokens: int, draft_steps_k: int, *,
         draft_batch: int | None = None, draft_extra_tokens: int = 0, prefill_tokens: int = 0,
+        verify_width: int | None = None,
     ) -> tuple[float, float]:
-        """(``predict``, ``predict_raw``) of a step, the table read once."""
+        """(``predict``, ``predict_raw``) of a step, the table read once. The correction is the verify
+        shape's: its graph is most of the step."""
         raw = self.predict_raw(batch_size, verify_tokens, draft_steps_k, draft_batch=draft_batch,
-                               draft_extra_tokens=draft_extra_tokens, prefill_tokens=prefill_tokens)
-        return raw * self.ratio(verify_tokens, draft_steps_k, batch_size=batch_size,
-                                prefill_tokens=prefill_tokens), raw
+                               draft_extra_tokens=draft_extra_tokens, prefill_tokens=prefill_tokens,
+                               verify_width=verify_width)
+        drafts = draft_steps_k if verify_width is None else verify_width - 1
+        return raw * self.ratio(verify_tokens, drafts, batch_size=batch_size, prefill_tokens=prefill_tokens), raw
 
     def key(self, verify_tokens: int, draft_steps_k: int = 0, *, batch_size: int | None = None,
             prefill_tokens: int = 0) -> CorrectionKey:
@@ -201,7 +215,10 @@ class CostTable:
     def ratio(self, verify_tokens: int, draft_steps_k: int = 0, *, batch_size: int | None = None,
               prefill_tokens: int = 0) -> float:
         key = self.key(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
-        return self.global_ratio * self.relative.get(key, 1.0)
+        rel = self.relative.get(key)
+        if rel is None:  # unseen: a speculative shape is priced like the speculative shapes seen so far
+            rel = self.spec_prior if draft_steps_k > 0 and not prefill_tokens else 1.0
+        return self.global_ratio * rel
 
     def observe(
         self, predicted: float, measured: float, *, verify_tokens: int | None = None, draft_steps_k: int = 0,
@@ -232,9 +249,12 @@ class CostTable:
         key = self.key(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         n = self.seen.get(key, 0) + 1
         self.seen[key] = n
-        rel = self.relative.get(key, 1.0)
+        rel = self.relative.get(key, self.spec_prior if draft_steps_k > 0 and not prefill_tokens else 1.0)
         robust = self._median_of_recent(key, sample / self.global_ratio, rel)
         self.relative[key] = rel + _weight(n, 4.0 * self.ema) * (robust - rel)
+        if draft_steps_k > 0 and not prefill_tokens:
+            self.spec_keys.add(key)
+            self._update_spec_prior()
 
     def _rebase(self, factor: float) -> None:
         """Keep every learnt key's price while the global ratio calibrates: what the first plain
@@ -245,6 +265,11 @@ class CostTable:
             self.relative[key] *= factor
             if key in self.recent:
                 self.recent[key] = [v * factor for v in self.recent[key]]
+        self._update_spec_prior()
+
+    def _update_spec_prior(self) -> None:
+        learnt = sorted(self.relative[k] for k in self.spec_keys if self.seen[k] >= 2)
+        self.spec_prior = learnt[len(learnt) // 2] if learnt else 1.0
 
     def _median_of_recent(self, key: CorrectionKey, value: float, current: float) -> float:
         window = self.recent.setdefault(key, [current, current])
