@@ -59,13 +59,14 @@ case "$MODE" in
     ;;
   adaptive)
     # Issue 10: adaptive k against plain, synthetic acceptance, 8B target (no draft model: c = 0).
+    # Each cell: PAIRS (default 3) plain + measured pairs, the median pair reported.
     # One call: the grid B x alpha shares one plain pass per B (the JSON is rewritten after every B,
     # so a run cut short keeps its cells). Per cell: speedup, alpha, decode step ms, predicted vs
     # measured step time (pred_err_pct), and the start-up profile under "profile".
     log "8B synthetic K=4 adaptive: B 1,4,16,64,128,256 x alpha 0.3,0.5,0.7,0.9"
     timeout 420 $B --model llama-3.1-8b --speculative-method synthetic --acceptance-rate 0.3,0.5,0.7,0.9 \
       --num-speculative-tokens 4 --batch-sizes 1,4,16,64,128,256 --max-tokens 64 --no-hf \
-      --speculation-policy adaptive --forced-plain --paired-plain --output-json "$OUT/adaptive_grid.json" --plot "$OUT/adaptive_grid.png" \
+      --speculation-policy adaptive --forced-plain --paired-plain --pairs "${PAIRS:-3}" --output-json "$OUT/adaptive_grid.json" --plot "$OUT/adaptive_grid.png" \
       > "$OUT/adaptive_grid.log" 2>&1
     tail -45 "$OUT/adaptive_grid.log" | tee -a "$OUT/run.log"
     python3 - "$OUT/adaptive_grid.json" <<'PY' | tee -a "$OUT/run.log"
@@ -79,11 +80,12 @@ for c in d["cells"]:
         print(f"{c['acceptance_rate']:.1f} {c['batch']:4d}  {c['measured_speedup']:6.2f}  {c.get('decode_speedup')}  "
               f"{c['acceptance']}  {c.get('decode_step_vs_plain')}  {c.get('pred_err_pct')}  {c.get('pred_err_raw_pct')}  "
               f"{c.get('pred_err_shape_pct')}  {c.get('plain_step_share')}  {c.get('desyncs')}/{c.get('warm_desyncs_per_pass')}  "
-              f"{c.get('kernel_compiles')}  drift {c.get('plain_drift')}")
+              f"{c.get('kernel_compiles')}  drift {c.get('plain_drift')}  pairs {c.get('pair_measured_speedup')}")
 for c in d["cells"]:
     if c["method"] == "spec k=0":
         print(f"forced k=0 B={c['batch']}: decode step {c.get('decode_step_vs_plain')}x plain, TPOT ratio {c.get('measured_speedup')}, "
-              f"decode tok/s ratio {c.get('decode_speedup')}, plain drift {c.get('plain_drift')}")
+              f"decode tok/s ratio {c.get('decode_speedup')}, plain drift {c.get('plain_drift')}, "
+              f"pairs TPOT {c.get('pair_measured_speedup')} step {c.get('pair_decode_step_vs_plain')}")
 print("compiles in plain passes:", [c.get("kernel_compiles") for c in d["cells"] if c["method"] == "plain"])
 print("method alpha B: gc_ms device_allocs alloc_retries decode_step_ms decode_step_max_ms")
 for c in d["cells"]:

@@ -198,3 +198,18 @@ def test_paired_plain_compares_each_cell_with_the_plain_pass_before_it(tmp_path,
             assert paired > 0 and c["plain_drift"] == pytest.approx(paired / plain["tpot_ms"], rel=0.01)
             assert c["measured_speedup"] == pytest.approx(paired / c["tpot_ms"], rel=0.01)
             assert c["same_output_as_plain"]
+
+
+def test_pairs_report_the_median_pair_and_every_pairs_ratio(tmp_path, tiny_model_dir):
+    """--pairs 3: three (plain, measured) pairs per cell; the cell's numbers are its median pair's."""
+    out = tmp_path / "p.json"
+    args = _args("--model", str(tiny_model_dir), "--speculative-method", "synthetic", "--acceptance-rate", "0.8",
+                 "--batch-sizes", "2", "--max-tokens", "12", "--no-hf", "--forced-plain", "--paired-plain",
+                 "--pairs", "3", "--speculation-policy", "adaptive", "--output-json", str(out))
+    assert args.func(args) == 0
+    cells = [c for c in json.loads(out.read_text())["cells"] if c["method"] in ("synthetic", "spec k=0")]
+    assert len(cells) == 2
+    for c in cells:
+        assert c["pairs"] == 3 and len(c["pair_measured_speedup"]) == 3
+        assert c["measured_speedup"] == sorted(c["pair_measured_speedup"])[1]
+        assert c["same_output_as_plain"]
