@@ -136,6 +136,27 @@ def test_metrics_have_the_promised_names(server, client):
     assert metric(server.url, "streamsd:spec_decode_num_draft_tokens_total") > 0
 
 
+def test_adaptive_policy_metrics_count_every_choice(tiny_model_dir, tmp_path):
+    """The default policy (adaptive) exports the k it chose per request and step as a histogram, its
+    share of plain steps and its predicted vs measured step time."""
+    s = start_server(tiny_model_dir, tmp_path, "--speculative-method", "ngram", "--num-speculative-tokens", "3")
+    try:
+        before = metric(s.url, "streamsd:spec_decode_chosen_k_count")
+        body = {"prompt": "one two three one two three one two", "max_tokens": 24, "temperature": 0}
+        assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
+        chosen = metric(s.url, "streamsd:spec_decode_chosen_k_count")
+        # One choice per request and decode step: 23 after the prompt's, fewer when drafts were accepted.
+        assert before == 0 and 1 <= chosen <= 23
+        assert metric(s.url, 'streamsd:spec_decode_chosen_k_bucket{le="3"}') == chosen  # k <= 3 always
+        assert metric(s.url, 'streamsd:spec_decode_chosen_k_bucket{le="0"}') <= chosen
+        assert 0.0 <= metric(s.url, "streamsd:spec_decode_plain_step_share") <= 1.0
+        assert metric(s.url, "streamsd:spec_decode_step_measured_seconds") > 0
+        assert metric(s.url, "streamsd:spec_decode_step_predicted_seconds") > 0
+        assert metric(s.url, "streamsd:spec_decode_step_prediction_error") >= 0
+    finally:
+        s.stop()
+
+
 def test_disconnect_mid_stream_frees_everything(server):
     body = {"messages": CHAT, "max_tokens": 3000, "temperature": 1.0, "ignore_eos": True, "stream": True}
     before = metric(server.url, "streamsd:generation_tokens_total")

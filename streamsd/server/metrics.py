@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
 from streamsd.core import RequestOutput
+from streamsd.policy import AdaptivePolicy
 from streamsd.server.state import ServerState
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -42,6 +45,7 @@ class Metrics:
         self.queue = Histogram("streamsd:request_queue_time_seconds", "Time waiting before first scheduled",
                                registry=r, buckets=LATENCY_BUCKETS)
         self._last: dict[str, float] = {}
+        r.register(_AdaptiveCollector(state))
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -71,3 +75,37 @@ class Metrics:
 
     async def endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _AdaptiveCollector:
+    """The adaptive policy's decisions, read from it at scrape time (on the event loop, the thread
+    that plans): the k it chose per request and step, its share of plain steps, and how well it
+    predicted step times. Absent under a fixed k."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.state.engine
+        policy = engine.core.scheduler.policy if engine else None
+        if not isinstance(policy, AdaptivePolicy):
+            return
+        summary = policy.summary()
+        chosen = policy.chosen_k
+        buckets, running = [], 0
+        for k in range(policy.max_k + 1):
+            running += chosen.get(k, 0)
+            buckets.append((str(k), running))
+        buckets.append(("+Inf", running))
+        yield HistogramMetricFamily("streamsd:spec_decode_chosen_k", "Drafts chosen per request and step",
+                                    buckets=buckets, sum_value=sum(k * n for k, n in chosen.items()))
+        yield GaugeMetricFamily("streamsd:spec_decode_plain_step_share", "Share of steps in which nobody drafted",
+                                value=float(summary["plain_step_share"]))  # type: ignore[arg-type]
+        yield GaugeMetricFamily("streamsd:spec_decode_step_predicted_seconds", "The last observed step's predicted time",
+                                value=policy.last_predicted)
+        yield GaugeMetricFamily("streamsd:spec_decode_step_measured_seconds", "The last observed step's measured time",
+                                value=policy.last_measured)
+        err = summary["mean_abs_prediction_error"]
+        yield GaugeMetricFamily("streamsd:spec_decode_step_prediction_error",
+                                "Mean |predicted / measured - 1| of the step times observed",
+                                value=float(err) if isinstance(err, float) else 0.0)
