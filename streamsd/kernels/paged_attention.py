@@ -44,7 +44,7 @@ def _paged_attn_kernel(
     q0 = tl.load(qs_ptr + seq)
     qlen = tl.load(qs_ptr + seq + 1) - q0
     ctx = tl.load(ctx_ptr + seq)
-    ctx = tl.where(qlen <= QMAX, ctx, 0)  # prefill chunks are SDPA's
+    ctx = tl.where(qlen <= QMAX, ctx, 0)  # prompt chunks are the prefill kernel's
     rows = tl.arange(0, BLOCK_M)
     tok = rows // GROUP
     head = kvh * GROUP + rows % GROUP
