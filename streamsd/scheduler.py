@@ -291,8 +291,13 @@ class Scheduler:
 
 
 def _shape(plan: StepPlan) -> StepShape:
-    decoding = [e for e in plan.entries if e.num_tokens == 1 and e.verifies]
+    batch = drafting = draft_steps = widest = decode_tokens = 0
+    for e in plan.entries:
+        if e.num_tokens == 1 and e.verifies:  # decoding (prompt chunks are the rest)
+            batch += 1
+            drafting += e.k_next > 0
+            draft_steps = max(draft_steps, e.k_next)
+            widest = max(widest, e.num_drafts)
+            decode_tokens += 1 + e.num_drafts
     verify = plan.num_tokens
-    return StepShape(len(decoding), verify, max((e.k_next for e in decoding), default=0),
-                     sum(e.k_next > 0 for e in decoding), verify - sum(1 + e.num_drafts for e in decoding),
-                     1 + max((e.num_drafts for e in decoding), default=0))
+    return StepShape(batch, verify, draft_steps, drafting, verify - decode_tokens, 1 + widest)
