@@ -210,7 +210,7 @@ class EngineCore:
                     self.wait_launched()
                 outputs = self.emit(em, defer_stops=running is not None)
                 if running is not None:
-                    self.scheduler.plan_ahead()
+                    self.scheduler.plan_ahead(plan)
                 results = running.result() if running is not None else []
                 t2 = time.perf_counter()
                 outputs += self.settle()

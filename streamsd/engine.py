@@ -98,7 +98,7 @@ class AsyncEngine:
             for out in core.emit(em, defer_stops=running is not None):
                 self._dispatch(out)
             if running is not None:
-                core.scheduler.plan_ahead()
+                core.scheduler.plan_ahead(plan)
             results = await running if running is not None else []
             for out in core.settle():
                 self._dispatch(out)

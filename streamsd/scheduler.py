@@ -159,19 +159,29 @@ class Scheduler:
         plan.decision = decision
         return plan, aborted
 
-    def plan_ahead(self) -> None:
-        """Chooses the next step's k now, while the current step runs: the planner's host time then
+    def plan_ahead(self, running: StepPlan) -> None:
+        """Chooses the next step's k now, while `running` executes: the planner's host time then
         hides behind the GPU's instead of adding to every step. The plan sees acceptance up to the
-        previous step and the current batch; `schedule` re-applies each request's caps (drafts
-        cached, tokens left), gives requests that join decoding `default_k`, and commits the step as
-        built. Exactness does not depend on k, only speed does."""
+        previous step, and the batch as it will be once `running` is through (prompts it completes
+        decode next); `schedule` re-applies each request's caps (drafts cached, tokens left), gives
+        requests that join decoding `default_k`, and commits the step as built. Exactness does not
+        depend on k, only speed does."""
         if self.running:
-            self._ahead = self._choose_k()
+            self._ahead = self._choose_k(running)
 
-    def _choose_k(self) -> Decision:
-        """The policy's k for every decoding request (one token pending, drafts maybe cached)."""
-        decoding = [r for r in self.running if r.num_tokens - r.computed == 1]
-        prefill = sum(r.num_tokens - r.computed for r in self.running if r.num_tokens - r.computed > 1)
+    def _choose_k(self, running: StepPlan | None = None) -> Decision:
+        """The policy's k for every decoding request (one token pending, drafts maybe cached), as of
+        the end of `running` when given."""
+        through = {id(e.request): e for e in running.entries} if running is not None else {}
+        decoding, prefill = [], 0
+        for r in self.running:
+            e = through.get(id(r))
+            pending = 1 if e is not None and e.verifies else r.num_tokens - (
+                e.start + e.num_tokens if e is not None else r.computed)
+            if pending == 1:
+                decoding.append(r)
+            else:
+                prefill += pending
         prefill += sum(len(r.prompt_ids) for r in list(self.waiting)[:4])
         return self.policy.choose(decoding, min(prefill, self.cfg.max_num_batched_tokens), bool(self.waiting))
 

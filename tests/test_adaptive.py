@@ -528,3 +528,32 @@ def test_an_unseen_speculative_shape_is_priced_like_the_learnt_ones() -> None:
     assert unseen_spec not in cost.seen and unseen_plain not in cost.seen
     assert cost.ratio(40, 4, batch_size=16) == pytest.approx(1.2, rel=0.01)
     assert cost.ratio(16, 0, batch_size=16) == pytest.approx(1.0)  # plain keys keep the global ratio
+
+
+def test_the_plan_made_ahead_sees_the_batch_as_the_running_step_leaves_it() -> None:
+    """plan_ahead runs while a step executes: prompts that step completes decode next (they must be
+    in the plan, not priced as a prefill chunk that has already run), a mid-prompt chunk leaves only
+    its remainder to prefill; the plan is used once, by the next schedule."""
+    from streamsd.config import SchedulerConfig
+    from streamsd.policy import Decision, FixedPolicy
+    from streamsd.request import Request, SamplingParams
+    from streamsd.scheduler import Scheduler
+
+    seen: list[tuple[list[str], int]] = []
+
+    class Recording(FixedPolicy):
+        def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision:
+            seen.append(([r.request_id for r in decoding], prefill_tokens))
+            return super().choose(decoding, prefill_tokens, backlog)
+
+    sched = Scheduler(SchedulerConfig(num_blocks=64, max_model_len=512, max_num_batched_tokens=40),
+                      policy=Recording())
+    for rid, n in (("short", 10), ("long", 50)):
+        sched.add(Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=8), seed=0, arrival=0.0, spec_k=2))
+    plan, _ = sched.schedule()  # "short" whole (10 tokens), "long" a 30-token chunk
+    assert [(e.request.request_id, e.num_tokens) for e in plan.entries] == [("short", 10), ("long", 30)]
+    sched.plan_ahead(plan)
+    assert seen[-1] == (["short"], 20)  # decoding after this step; 20 of "long" left to prefill
+    calls = len(seen)
+    sched.schedule()
+    assert len(seen) == calls  # the next schedule used the plan made ahead, not a new one
