@@ -194,7 +194,7 @@ class AdaptivePolicy:
         if shape.width == shape.draft_steps + 1:
             self.cost.observe(decision.predicted_s, seconds, verify_tokens=shape.verify_tokens,
                               draft_steps_k=shape.draft_steps, batch_size=shape.batch,
-                              prefill_tokens=shape.prefill_tokens)
+                              prefill_tokens=shape.prefill_tokens, raw=decision.predicted_raw_s)
         speculative = int(shape.width > 1 or shape.draft_steps > 0)
         self._record_error(speculative, decision.predicted_s, decision.predicted_raw_s, seconds,
                            (shape.batch, shape.verify_tokens))

@@ -32,8 +32,9 @@ Online correction: the true step time drifts (context lengths grow, clocks chang
 start-up table has per-bucket errors.  ``CostTable.observe`` keeps a global EMA of the
 measured/predicted ratio, which carries drift to every bucket at once, and, per (verify bucket,
 draft steps) key, a relative ratio to that global one that fixes the table's shape.  Unseen keys
-use the global ratio alone, times (speculative keys) the median correction of the speculative keys
-learnt so far.  Only plain decode steps move the global ratio: a speculative step's
+use the global ratio alone: optimistic on purpose, since a shape priced too high is never chosen and
+so never corrected (pricing unseen speculative shapes like the learnt ones kept a CPU batch class
+from ever speculating), while one priced too low costs the few steps that teach it.  Only plain decode steps move the global ratio: a speculative step's
 error is mostly its own host work (proposer, rejection sampler) that the profile never timed, and
 were it drift, it would also raise the predicted price of plain decoding, the very step the planner
 compares speculation against (on the H200 at B = 64, alpha 0.3, that made speculation look cheap and
@@ -110,11 +111,6 @@ class CostTable:
     shape: ShapeTable | None = None  # the engine's own step shape, when profiled (see the module doc)
     # The last three samples per key (``_GLOBAL`` for the global ratio): see the module doc.
     recent: dict[CorrectionKey, list[float]] = field(default_factory=dict)
-    # Unseen speculative keys start from the median correction of those learnt (each seen twice):
-    # what the profile misses of a speculative step (its host work) is mostly common to all of them,
-    # and a shape priced at the bare graph lures the planner into steps that lose.
-    spec_keys: set[CorrectionKey] = field(default_factory=set)
-    spec_prior: float = 1.0
 
     @classmethod
     def from_samples(
@@ -215,26 +211,30 @@ class CostTable:
     def ratio(self, verify_tokens: int, draft_steps_k: int = 0, *, batch_size: int | None = None,
               prefill_tokens: int = 0) -> float:
         key = self.key(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
-        rel = self.relative.get(key)
-        if rel is None:  # unseen: a speculative shape is priced like the speculative shapes seen so far
-            rel = self.spec_prior if draft_steps_k > 0 and not prefill_tokens else 1.0
-        return self.global_ratio * rel
+        return self.global_ratio * self.relative.get(key, 1.0)
 
     def observe(
         self, predicted: float, measured: float, *, verify_tokens: int | None = None, draft_steps_k: int = 0,
-        batch_size: int | None = None, prefill_tokens: int = 0,
+        batch_size: int | None = None, prefill_tokens: int = 0, raw: float | None = None,
     ) -> None:
         """Feed back one step: ``predicted`` is what ``predict`` returned for it (with the same
-        ``batch_size`` and ``prefill_tokens``).
+        ``batch_size`` and ``prefill_tokens``); ``raw``, when given, what ``predict_raw`` did. Give it
+        when other steps may have been learnt since the prediction (the engine learns a step while
+        the next runs): the ratio the prediction used is then no longer the current one, and
+        measured ÷ raw is the ratio the step shows whatever was learnt in between.
 
         Without ``verify_tokens`` only the global ratio moves.
         """
         if predicted <= 0.0 or measured <= 0.0:
             return
-        used = self.global_ratio if verify_tokens is None else self.ratio(
-            verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
+        if raw is not None and raw > 0.0:
+            shown = measured / raw
+        else:
+            used = self.global_ratio if verify_tokens is None else self.ratio(
+                verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
+            shown = measured * used / predicted
         # Clamped so one outlier (a GC pause, a recompile) cannot wreck the table.
-        sample = min(max(measured * used / predicted, 0.25), 4.0)
+        sample = min(max(shown, 0.25), 4.0)
         if verify_tokens is None or (draft_steps_k == 0 and prefill_tokens == 0):  # drift: plain decode only
             self.observations += 1
             robust = self._median_of_recent(_GLOBAL, sample, self.global_ratio)
@@ -249,12 +249,9 @@ class CostTable:
         key = self.key(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         n = self.seen.get(key, 0) + 1
         self.seen[key] = n
-        rel = self.relative.get(key, self.spec_prior if draft_steps_k > 0 and not prefill_tokens else 1.0)
+        rel = self.relative.get(key, 1.0)
         robust = self._median_of_recent(key, sample / self.global_ratio, rel)
         self.relative[key] = rel + _weight(n, 4.0 * self.ema) * (robust - rel)
-        if draft_steps_k > 0 and not prefill_tokens:
-            self.spec_keys.add(key)
-            self._update_spec_prior()
 
     def _rebase(self, factor: float) -> None:
         """Keep every learnt key's price while the global ratio calibrates: what the first plain
@@ -265,11 +262,7 @@ class CostTable:
             self.relative[key] *= factor
             if key in self.recent:
                 self.recent[key] = [v * factor for v in self.recent[key]]
-        self._update_spec_prior()
 
-    def _update_spec_prior(self) -> None:
-        learnt = sorted(self.relative[k] for k in self.spec_keys if self.seen[k] >= 2)
-        self.spec_prior = learnt[len(learnt) // 2] if learnt else 1.0
 
     def _median_of_recent(self, key: CorrectionKey, value: float, current: float) -> float:
         window = self.recent.setdefault(key, [current, current])
