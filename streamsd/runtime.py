@@ -50,6 +50,8 @@ class Runtime:
 
 
 def pick_device(name: str | None) -> torch.device:
+    """The device asked for; else $STREAMSD_DEVICE; else CUDA when there is one."""
+    name = name or os.environ.get("STREAMSD_DEVICE")
     if name:
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
