@@ -52,7 +52,7 @@ class SpeculationPolicy(Protocol):
 
     def default_k(self, r: Request) -> int: ...
 
-    def commit(self, decision: Decision, shape: StepShape) -> None: ...
+    def commit(self, decision: Decision, shape: StepShape, ks: list[int]) -> None: ...
 
     def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None: ...
 
@@ -76,7 +76,7 @@ class FixedPolicy:
     def default_k(self, r: Request) -> int:
         return cap_k(r)
 
-    def commit(self, decision: Decision, shape: StepShape) -> None:
+    def commit(self, decision: Decision, shape: StepShape, ks: list[int]) -> None:
         decision.shape = shape
 
     def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None:
@@ -90,9 +90,11 @@ class AdaptivePolicy:
     draft_has_cache: bool  # a draft model must replay what it missed while at k = 0
     estimator: AcceptanceEstimator = field(init=False)
     planner: PlannerState = field(default_factory=PlannerState)
-    chosen_k: dict[int, int] = field(default_factory=dict)  # histogram, for metrics
+    # Of the steps built (`commit`): k per decoding request (a histogram, for metrics), plain steps.
+    chosen_k: dict[int, int] = field(default_factory=dict)
     plain_steps: int = 0
     steps: int = 0
+    choices: int = 0  # `choose` calls (one per step; the last one made ahead may go unused)
     idle_steps: int = 0
     last_predicted: float = 0.0
     last_measured: float = 0.0
@@ -113,18 +115,16 @@ class AdaptivePolicy:
 
     def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision:
         self.learn()
-        self.steps += 1
+        self.choices += 1
         # While plain decoding wins, re-plan every few steps only: the planner's Python time is
         # then off the plain path, which must stay as fast as a server without speculation.
         self.idle_steps = self.idle_steps + 1 if not self.planner.speculating else 0
         # ... but at once on the very first step and when the batch at least doubled since the last
         # plan (a new wave of requests): otherwise a fresh batch decodes plain for REPLAN_EVERY steps
         # before its first plan. Not on every arrival: under churn that would re-plan each step.
-        planned = (self.planner.speculating or _replan_due(self.idle_steps) or self.steps == 1
+        planned = (self.planner.speculating or _replan_due(self.idle_steps) or self.choices == 1
                    or len(decoding) >= 2 * max(self.planner.batch, 1))
         if not planned:
-            self.plain_steps += 1
-            self.chosen_k[0] = self.chosen_k.get(0, 0) + len(decoding)
             return Decision({r.request_id: 0 for r in decoding})
         for r in decoding:
             if r.acceptance is None:
@@ -136,9 +136,6 @@ class AdaptivePolicy:
             views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag))
         st = self.planner
         ks = plan(views, self.cost, self.max_k, state=st, prefill_tokens=prefill_tokens, prefill_backlog=backlog)
-        self.plain_steps += not any(ks)
-        for k in ks:
-            self.chosen_k[k] = self.chosen_k.get(k, 0) + 1
         shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens,
                           st.draft_steps + 1)
         return Decision({r.request_id: k for r, k in zip(decoding, ks, strict=True)}, True, shape,
@@ -148,11 +145,17 @@ class AdaptivePolicy:
         """Drafts for a request finishing its prompt: follow the batch's current mode."""
         return cap_k(r) if self.planner.speculating else 0
 
-    def commit(self, decision: Decision, shape: StepShape) -> None:
+    def commit(self, decision: Decision, shape: StepShape, ks: list[int]) -> None:
         """The step as the scheduler built it, which may differ from the plan: drafts verified are
         capped by those cached, requests finish or join, and a plan made while the previous step ran
-        saw that step's batch. The prediction `observe` checks is the built step's."""
+        saw that step's batch. ``ks``: the k each decoding request got. The prediction `observe`
+        checks, and the metrics, are the built step's."""
         decision.shape = shape
+        if shape.batch:
+            self.steps += 1
+            self.plain_steps += shape.width == 1 and not shape.draft_steps
+            for k in ks:
+                self.chosen_k[k] = self.chosen_k.get(k, 0) + 1
         if shape == decision.planned_shape:
             return
         extra = decision.draft_extra_tokens if shape.draft_steps else 0

@@ -155,7 +155,8 @@ class Scheduler:
             self.running.append(r)
             plan.entries.append(entry)
             budget -= entry.num_tokens + entry.num_drafts
-        self.policy.commit(decision, _shape(plan))
+        decoding_ks = [e.k_next for e in plan.entries if e.num_tokens == 1 and e.verifies]
+        self.policy.commit(decision, _shape(plan), decoding_ks)
         plan.decision = decision
         return plan, aborted
 

@@ -471,7 +471,7 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
         assert not any(decision.ks.values())  # acceptance starts pessimistic and nothing is ever drafted here
         if decision.planned:
             planned.append(step)
-        policy.commit(decision, built)
+        policy.commit(decision, built, [0] * 64)
         policy.observe(decision, [(r, 0, 0) for r in reqs], true_plain)
     policy.learn()  # the next choice would: observing is only queueing, off the step's serial path
     assert policy.plain_steps == 40
@@ -484,7 +484,8 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     # A step that carried a prompt chunk is not a plain step's cost: left out.
     decision = policy.choose(reqs, 0, False)
     assert not decision.planned
-    policy.commit(decision, StepShape(batch=64, verify_tokens=364, draft_steps=0, draft_batch=0, prefill_tokens=300))
+    policy.commit(decision, StepShape(batch=64, verify_tokens=364, draft_steps=0, draft_batch=0, prefill_tokens=300),
+                  [0] * 64)
     policy.observe(decision, [(r, 0, 0) for r in reqs], 10 * true_plain)
     policy.learn()
     assert cost.seen[cost.key(64, 0, batch_size=64)] == 40
@@ -502,7 +503,7 @@ def test_a_step_entering_speculation_is_priced_as_the_plain_graph_plus_drafting_
     assert cost.predict_with_raw(64, 320, 0, verify_width=5)[0] == pytest.approx(spec_graph)  # leaving it
     policy = AdaptivePolicy(4, cost, draft_has_cache=False)
     entering = Decision({}, planned=True)
-    policy.commit(entering, StepShape(64, 64, 4, 64, 0, verify_width=1))
+    policy.commit(entering, StepShape(64, 64, 4, 64, 0, verify_width=1), [4] * 64)
     assert entering.predicted_s == pytest.approx(plain_graph + 3e-4)
     policy.observe(entering, [], 2 * entering.predicted_s)
     policy.learn()

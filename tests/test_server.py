@@ -145,7 +145,7 @@ def test_adaptive_policy_metrics_count_every_choice(tiny_model_dir, tmp_path):
         body = {"prompt": "one two three one two three one two", "max_tokens": 24, "temperature": 0}
         assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
         chosen = metric(s.url, "streamsd:spec_decode_chosen_k_count")
-        # One choice per request and decode step: 23 after the prompt's, fewer when drafts were accepted.
+        # One per request and decode step built: 23 after the prompt's, fewer when drafts were accepted.
         assert before == 0 and 1 <= chosen <= 23
         assert metric(s.url, 'streamsd:spec_decode_chosen_k_bucket{le="3"}') == chosen  # k <= 3 always
         assert metric(s.url, 'streamsd:spec_decode_chosen_k_bucket{le="0"}') <= chosen
