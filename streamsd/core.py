@@ -18,7 +18,8 @@ from streamsd.config import SpecConfig
 from streamsd.detokenizer import Detokenizer, TokenInfo
 from streamsd.request import FinishReason, ParamError, Request, SamplingParams, SpecStats, Status
 from streamsd.runtime import Runtime
-from streamsd.scheduler import EntryResult, Scheduler, StepPlan
+from streamsd.scheduler import Scheduler
+from streamsd.step import EntryResult, StepPlan
 
 log = logging.getLogger("streamsd")
 

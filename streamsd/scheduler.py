@@ -13,11 +13,11 @@ When blocks run out, the newest running request is preempted by recompute; its d
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from streamsd.config import SchedulerConfig
-from streamsd.policy import Decision, FixedPolicy, SpeculationPolicy, StepShape
+from streamsd.policy import Decision, FixedPolicy, SpeculationPolicy
 from streamsd.request import FinishReason, Request, Status
+from streamsd.step import EntryResult, Scheduled, StepPlan
 
 
 class AdmissionError(ValueError):
@@ -44,43 +44,6 @@ class BlockPool:
 
     def give(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
-
-
-@dataclass(slots=True)
-class Scheduled:
-    request: Request
-    start: int  # first position the target computes
-    num_tokens: int  # real tokens computed (a chunk, or all pending)
-    num_drafts: int  # cached drafts verified after them (0 when this is a mid-prompt chunk)
-    k_next: int  # drafts to propose after this step
-
-    @property
-    def verifies(self) -> bool:
-        """Reaches the end of the known tokens, so this step samples new ones."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass(slots=True)
-class StepPlan:
-    entries: list[Scheduled] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    decision: Decision | None = None  # the policy's, committed to the step as built
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(e.num_tokens + e.num_drafts for e in self.entries)
-
-
-@dataclass(slots=True)
-class EntryResult:
-    """What the worker reports for one scheduled entry."""
-
-    new_tokens: list[int]  # emitted this step (accepted drafts then one target token); [] for chunks
-    num_accepted: int
-    draft_ids: list[int]  # proposed for the next step
-    draft_computed: int
-    draft_flags: list[bool] = field(default_factory=list)  # per new token: was it an accepted draft
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Scheduler:
@@ -155,8 +118,7 @@ class Scheduler:
             self.running.append(r)
             plan.entries.append(entry)
             budget -= entry.num_tokens + entry.num_drafts
-        decoding_ks = [e.k_next for e in plan.entries if e.num_tokens == 1 and e.verifies]
-        self.policy.commit(decision, _shape(plan), decoding_ks)
+        self.policy.commit(decision, plan.shape(), [e.k_next for e in plan.decoding])
         plan.decision = decision
         return plan, aborted
 
@@ -299,16 +261,3 @@ class Scheduler:
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.blocks.num_free / self.blocks.total
-
-
-def _shape(plan: StepPlan) -> StepShape:
-    batch = drafting = draft_steps = widest = decode_tokens = 0
-    for e in plan.entries:
-        if e.num_tokens == 1 and e.verifies:  # decoding (prompt chunks are the rest)
-            batch += 1
-            drafting += e.k_next > 0
-            draft_steps = max(draft_steps, e.k_next)
-            widest = max(widest, e.num_drafts)
-            decode_tokens += 1 + e.num_drafts
-    verify = plan.num_tokens
-    return StepShape(batch, verify, draft_steps, drafting, verify - decode_tokens, 1 + widest)

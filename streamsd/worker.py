@@ -21,8 +21,8 @@ from streamsd.sampling import rng
 from streamsd.sampling.rejection import VerifyInput, rejection_sample
 from streamsd.sampling.sampler import sample_rows, token_logprobs
 from streamsd.sampling.warp import WarpParams, warp
-from streamsd.scheduler import EntryResult, Scheduled, StepPlan
 from streamsd.spec.base import ProposeItem, Proposer
+from streamsd.step import EntryResult, Scheduled, StepPlan
 
 
 @dataclass(frozen=True, slots=True)
