@@ -84,8 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run a plain pass just before each speculative cell's measured pass and compare with it "
                         "(cancels the machine's drift between passes; plain_drift says how large it was)")
     p.add_argument("--pairs", type=int, default=1,
-                   help="with --paired-plain: (plain, measured) pairs per cell; the cell reports the median pair "
-                        "and every pair's ratios")
+                   help="with --paired-plain: (plain, measured) pairs per cell, the plain pass first in every "
+                        "other pair; the cell reports the median pair and every pair's ratios")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of the cells")
 

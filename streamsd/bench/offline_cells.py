@@ -96,12 +96,12 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
     else:
         rt_w = _with_policy(rt, policies, mean_ctx)
         R.engine_pass(rt_w, spec, prompts, min(8, args.max_tokens), b, speculative=True)
-    passes = []
-    for _ in range(args.pairs if rerun_plain else 1):
-        rt_m = _with_policy(rt, policies, mean_ctx, rt_w)
-        paired = rerun_plain() if rerun_plain else None
-        passes.append((R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True), paired, rt_m))
-        rt_w = rt_m
+    def measure() -> tuple[R.PassResult, Runtime]:
+        nonlocal rt_w  # each pass's policy starts from the cost table the passes before it corrected
+        rt_w = _with_policy(rt, policies, mean_ctx, rt_w)
+        return R.engine_pass(rt_w, spec, prompts, args.max_tokens, b, speculative=True), rt_w
+
+    passes = _paired_passes(args.pairs, rerun_plain, measure)
     res, paired, rt_m = _median_pair(passes, plain)
     if method == "synthetic":
         desyncs = rt.worker.proposer.counters.desyncs
@@ -144,18 +144,31 @@ def forced_plain_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, p
     speculation configured (its policy, its proposer, its paths) costs when it never drafts."""
     R.engine_pass(_with_policy(rt, policies, mean_ctx), spec, prompts, min(8, args.max_tokens), b, speculative=True,
                   k_cap=0)  # warm-up
-    passes = []
-    for _ in range(args.pairs if rerun_plain else 1):
+    def measure() -> tuple[R.PassResult, Runtime]:
         rt_m = _with_policy(rt, policies, mean_ctx)
-        paired = rerun_plain() if rerun_plain else None
-        passes.append((R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True, k_cap=0), paired,
-                       rt_m))
+        return R.engine_pass(rt_m, spec, prompts, args.max_tokens, b, speculative=True, k_cap=0), rt_m
+
+    passes = _paired_passes(args.pairs, rerun_plain, measure)
     res, paired, _ = _median_pair(passes, plain)
     return {**make_cell("streamsd", "spec k=0", b, res, floor_ms=floor_ms, tokens_per_step=1.0),
             **_against_plain(res, plain, paired), **_pair_spread(passes, plain)}
 
 
 Pair = tuple[R.PassResult, "R.PassResult | None", Runtime]
+
+
+def _paired_passes(pairs: int, rerun_plain: PlainRerun | None,
+                   measure: Callable[[], tuple[R.PassResult, Runtime]]) -> list[Pair]:
+    """(measured pass, its plain pass, runtime) × ``pairs`` (one, unpaired, without ``rerun_plain``).
+    The plain pass runs first in even pairs and second in odd ones, so that a machine drifting
+    steadily over a cell favours neither side."""
+    out: list[Pair] = []
+    for i in range(pairs if rerun_plain is not None else 1):
+        before = rerun_plain() if rerun_plain is not None and i % 2 == 0 else None
+        res, rt_m = measure()
+        after = rerun_plain() if rerun_plain is not None and i % 2 == 1 else None
+        out.append((res, before or after, rt_m))
+    return out
 
 
 def _median_pair(passes: list[Pair], plain: R.PassResult) -> Pair:
@@ -177,7 +190,7 @@ def _pair_spread(passes: list[Pair], plain: R.PassResult) -> dict[str, Any]:
 def _against_plain(res: R.PassResult, plain: R.PassResult, paired: R.PassResult | None = None) -> dict[str, Any]:
     """A pass's ratios to plain decoding: TPOT, decode step, decode-phase tokens/s.
 
-    ``paired``: a plain pass run just before this one, which the ratios then use. On the H200 the
+    ``paired``: a plain pass run beside this one (just before or just after), which the ratios then use. On the H200 the
     same plain work ran up to 30 % slower from one pass to the next at B = 256 (prefill included, so
     the GPU's, not the engine's), and passes late in a grid ran slower than the first plain pass:
     comparing each cell with its neighbour cancels that drift; ``plain_drift`` says how large it was.
