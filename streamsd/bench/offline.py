@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--forced-plain", action="store_true",
                    help="also run the speculative engine with every request's k capped at 0 (its cost when unused)")
     p.add_argument("--paired-plain", action="store_true",
-                   help="run a plain pass just before each speculative cell's measured pass and compare with it "
+                   help="run a plain pass beside each speculative cell's measured pass and compare with it "
                         "(cancels the machine's drift between passes; plain_drift says how large it was)")
     p.add_argument("--pairs", type=int, default=1,
                    help="with --paired-plain: (plain, measured) pairs per cell, the plain pass first in every "
