@@ -88,7 +88,7 @@ class Scheduler:
         aborted = self._apply_aborts()
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
-        decision, self._ahead = self._ahead or self._choose_k(), None
+        decision, self._ahead = self._ahead or self._choose_k(), None  # planned ahead, or now
         for r in list(self.running):
             if r.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
@@ -129,7 +129,7 @@ class Scheduler:
         decode next); `schedule` re-applies each request's caps (drafts cached, tokens left), gives
         requests that join decoding `default_k`, and commits the step as built. Exactness does not
         depend on k, only speed does."""
-        if self.running:
+        if self.running and self.policy.plans_ahead:
             self._ahead = self._choose_k(running)
 
     def _choose_k(self, running: StepPlan | None = None) -> Decision:

@@ -523,6 +523,8 @@ def test_the_plan_made_ahead_sees_the_batch_as_the_running_step_leaves_it() -> N
     seen: list[tuple[list[str], int]] = []
 
     class Recording(FixedPolicy):
+        plans_ahead = True
+
         def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision:
             seen.append(([r.request_id for r in decoding], prefill_tokens))
             return super().choose(decoding, prefill_tokens, backlog)
@@ -538,6 +540,12 @@ def test_the_plan_made_ahead_sees_the_batch_as_the_running_step_leaves_it() -> N
     calls = len(seen)
     sched.schedule()
     assert len(seen) == calls  # the next schedule used the plan made ahead, not a new one
+    # A draft model that replays its KV when it resumes plans after the step (see plans_ahead).
+    from streamsd.policy import AdaptivePolicy
+
+    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3})
+    assert AdaptivePolicy(4, cost, draft_has_cache=False).plans_ahead
+    assert not AdaptivePolicy(4, cost, draft_has_cache=True).plans_ahead
 
 
 def test_a_step_learnt_a_step_late_reads_its_ratio_from_the_raw_prediction() -> None:

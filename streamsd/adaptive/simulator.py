@@ -53,6 +53,9 @@ class SimConfig:
     step_noise: float = 0.02  # sd of the true step time's multiplicative noise
     table_noise: float = 0.01  # ± error of the start-up cost table, per bucket (timed medians)
     table_scale: float = 1.0  # systematic error of the start-up table (e.g. timed at another context)
+    # Whether plans are made a step ahead, as the engine does for drafters without a cache: step N+1
+    # is planned while step N runs, having learnt from steps up to N-1 (see AdaptivePolicy.plans_ahead).
+    plan_ahead: bool = True
     seed: int = 0
 
 
@@ -103,6 +106,7 @@ class AdaptivePolicy:
         self.state = PlannerState()
         self.max_k, self.hysteresis, self.draft = cfg.max_k, hysteresis, draft is not None
         self.kind = cfg.proposer.kind
+        self.pending: list[tuple] = []  # steps run and not yet learnt from
 
     def choose(self, reqs: list[SimRequest], caps: list[int], prefill: int, backlog: bool,
                oracle: list[float] | None) -> list[int]:
@@ -119,12 +123,20 @@ class AdaptivePolicy:
                     prefill_backlog=backlog)
 
     def feedback(self, reqs: list[SimRequest], ks: list[int], accepted: list[int], measured: float) -> None:
-        for r, k, a in zip(reqs, ks, accepted, strict=True):
-            assert r.acceptance is not None
-            self.estimator.observe(r.acceptance, k, a)
-        self.estimator.tick()
-        self.cost.observe(self.state.predicted_s, measured, verify_tokens=self.state.verify_tokens,
-                          draft_steps_k=self.state.draft_steps)
+        """Queues what a step showed; learnt once the plans made before it are used (`learn`)."""
+        st = self.state
+        self.pending.append((reqs, ks, accepted, measured, st.predicted_s, st.predicted_raw_s, st.verify_tokens,
+                             st.draft_steps))
+
+    def learn(self, keep: int) -> None:
+        """Learns every queued step but the newest ``keep``."""
+        while len(self.pending) > keep:
+            reqs, ks, accepted, measured, predicted, raw, verify, drafts = self.pending.pop(0)
+            for r, k, a in zip(reqs, ks, accepted, strict=True):
+                assert r.acceptance is not None
+                self.estimator.observe(r.acceptance, k, a)
+            self.estimator.tick()
+            self.cost.observe(predicted, measured, verify_tokens=verify, draft_steps_k=drafts, raw=raw)
 
 
 def simulate(cfg: SimConfig, policy: str, *, keep_records: bool = False) -> SimResult:
@@ -139,6 +151,7 @@ def simulate(cfg: SimConfig, policy: str, *, keep_records: bool = False) -> SimR
     arrivals = [] if cfg.concurrency else poisson_arrivals(cfg.arrival_rate, cfg.duration_s, cfg.seed)
     new = lambda rid: make_request(rid, cfg.seed, spec, cfg.prompt_len, cfg.output_len)  # noqa: E731
     result, now, was_spec, had_prefill = SimResult(policy), 0.0, False, False
+    ahead = cfg.plan_ahead and spec.kind != "draft"  # the engine's rule: a draft model plans after the step
     active = [_warm(new(rid)) for rid in range(cfg.concurrency or 0)] if cfg.warm_start else []
     next_rid = len(active)
     while now < cfg.duration_s:
@@ -159,6 +172,7 @@ def simulate(cfg: SimConfig, policy: str, *, keep_records: bool = False) -> SimR
         if adaptive:
             truth = [r.alpha(spec, now) for r in decoding] if policy == "oracle" else None
             backlog = any(r.prompt_left for r in active)
+            adaptive.learn(keep=int(ahead))
             ks = adaptive.choose(decoding, caps, prefill, backlog, truth)
         else:
             ks = [min(fixed_k, c) for c in caps]
