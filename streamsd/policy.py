@@ -1,10 +1,11 @@
 """How many drafts each request verifies this step: a fixed k, or the adaptive planner.
 
-Torch-free: the scheduler asks `choose` once per step for its decoding requests — on the engine's
-own loops while the previous step still runs, so that planning hides behind the GPU — `commit`s the
-decision with the shape of the step it actually built, and feeds the step back through `observe`. The adaptive policy (streamsd.adaptive) maximises expected tokens
-per second from a measured cost table and per-request acceptance estimates, with plain decoding
-(k = 0 for everyone) always a candidate.
+Torch-free: the scheduler asks `choose` once per step for its decoding requests — while the previous
+step still runs when the policy `plans_ahead`, so that planning hides behind the GPU — `commit`s the
+decision with the shape of the step it actually built, and feeds the step back through `observe`.
+The adaptive policy (streamsd.adaptive) maximises expected tokens per second from a measured cost
+table and per-request acceptance estimates, with plain decoding (k = 0 for everyone) always a
+candidate.
 """
 
 from __future__ import annotations
