@@ -198,8 +198,9 @@ class EngineCore:
         return outputs
 
     def run(self) -> Iterator[Turn]:
-        """Steps until idle, each step's text work and the next step's planning overlapping its
-        execution (the offline counterpart of AsyncEngine's loop); yields one Turn per step."""
+        """Steps until idle, each step's text work (and the next step's plan, when the policy plans
+        ahead) overlapping its execution (the offline counterpart of AsyncEngine's loop); yields one
+        Turn per step."""
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamsd-worker") as pool:
             em: Emission | None = None
             while em is not None or self.has_work:
