@@ -11,10 +11,13 @@ candidate.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from streamsd.adaptive import AcceptanceConfig, AcceptanceEstimator, CostTable, PlannerState, plan
 from streamsd.request import Request
+
+if TYPE_CHECKING:
+    from streamsd.step import StepPlan
 
 REPLAN_EVERY = 8
 
@@ -28,11 +31,7 @@ class StepShape:
     draft_steps: int  # the drafter's sequential steps after the verify (the largest k)
     draft_batch: int  # requests drafting
     prefill_tokens: int
-    verify_width: int = 0  # the widest request's 1 + drafts verified; 0: 1 + draft_steps
-
-    @property
-    def width(self) -> int:
-        return self.verify_width or self.draft_steps + 1
+    verify_width: int  # the widest request's 1 + drafts verified (1 + draft_steps but when k changes)
 
 
 @dataclass(slots=True)
@@ -56,7 +55,7 @@ class SpeculationPolicy(Protocol):
 
     def default_k(self, r: Request) -> int: ...
 
-    def commit(self, decision: Decision, shape: StepShape, ks: list[int]) -> None: ...
+    def commit(self, decision: Decision, plan: StepPlan) -> None: ...
 
     def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None: ...
 
@@ -77,13 +76,13 @@ class FixedPolicy:
     plans_ahead = False  # its choice is a lookup: nothing to hide
 
     def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision:
-        return Decision({r.request_id: cap_k(r) for r in decoding})
+        return Decision({})  # every request takes default_k
 
     def default_k(self, r: Request) -> int:
         return cap_k(r)
 
-    def commit(self, decision: Decision, shape: StepShape, ks: list[int]) -> None:
-        decision.shape = shape
+    def commit(self, decision: Decision, plan: StepPlan) -> None:
+        pass
 
     def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None:
         pass
@@ -139,7 +138,7 @@ class AdaptivePolicy:
         planned = (self.planner.speculating or _replan_due(self.idle_steps) or self.choices == 1
                    or len(decoding) >= 2 * max(self.planner.batch, 1))
         if not planned:
-            return Decision({r.request_id: 0 for r in decoding})
+            return Decision({})  # every request takes default_k: 0, since the batch is not speculating
         for r in decoding:
             if r.acceptance is None:
                 r.acceptance = self.estimator.new_request()
@@ -159,7 +158,10 @@ class AdaptivePolicy:
         """Drafts for a request finishing its prompt: follow the batch's current mode."""
         return cap_k(r) if self.planner.speculating else 0
 
-    def commit(self, decision: Decision, shape: StepShape, ks: list[int]) -> None:
+    def commit(self, decision: Decision, plan: StepPlan) -> None:
+        self.commit_shape(decision, *plan.shape())
+
+    def commit_shape(self, decision: Decision, shape: StepShape, ks: list[int]) -> None:
         """The step as the scheduler built it, which may differ from the plan: drafts verified are
         capped by those cached, requests finish or join, and a plan made while the previous step ran
         saw that step's batch. ``ks``: the k each decoding request got. The prediction `observe`
@@ -167,7 +169,7 @@ class AdaptivePolicy:
         decision.shape = shape
         if shape.batch:
             self.steps += 1
-            self.plain_steps += shape.width == 1 and not shape.draft_steps
+            self.plain_steps += shape.verify_width == 1 and not shape.draft_steps
             for k in ks:
                 self.chosen_k[k] = self.chosen_k.get(k, 0) + 1
         if shape == decision.planned_shape:
@@ -175,7 +177,7 @@ class AdaptivePolicy:
         extra = decision.draft_extra_tokens if shape.draft_steps else 0
         decision.predicted_s, decision.predicted_raw_s = self.cost.predict_with_raw(
             shape.batch, shape.verify_tokens, shape.draft_steps, draft_batch=shape.draft_batch,
-            draft_extra_tokens=extra, prefill_tokens=shape.prefill_tokens, verify_width=shape.width)
+            draft_extra_tokens=extra, prefill_tokens=shape.prefill_tokens, verify_width=shape.verify_width)
 
     def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None:
         self.unlearnt.append((decision, verified, seconds))
@@ -195,7 +197,7 @@ class AdaptivePolicy:
             # still teaches the table (a lookup, no planning), so the plain side of the next plan's
             # comparison is as well calibrated as the speculative one; steps with a prompt chunk are
             # left out, their share of the time is not the plain step's.
-            if shape.batch and not shape.prefill_tokens and shape.width == 1 and not shape.draft_steps:
+            if shape.batch and not shape.prefill_tokens:
                 self._learn_cost(decision, shape, seconds)
             return
         for r, drafted, accepted in verified:
@@ -208,11 +210,11 @@ class AdaptivePolicy:
     def _learn_cost(self, decision: Decision, shape: StepShape, seconds: float) -> None:
         # A step entering or leaving speculation (verify width and drafter steps disagree) is priced
         # as such but teaches no key: it is neither the plain step nor the speculative one.
-        if shape.width == shape.draft_steps + 1:
-            self.cost.observe(decision.predicted_s, seconds, verify_tokens=shape.verify_tokens,
+        if shape.verify_width == shape.draft_steps + 1:
+            self.cost.observe(decision.predicted_raw_s, seconds, verify_tokens=shape.verify_tokens,
                               draft_steps_k=shape.draft_steps, batch_size=shape.batch,
-                              prefill_tokens=shape.prefill_tokens, raw=decision.predicted_raw_s)
-        speculative = int(shape.width > 1 or shape.draft_steps > 0)
+                              prefill_tokens=shape.prefill_tokens)
+        speculative = int(shape.verify_width > 1 or shape.draft_steps > 0)
         self._record_error(speculative, decision.predicted_s, decision.predicted_raw_s, seconds,
                            (shape.batch, shape.verify_tokens))
 

@@ -118,7 +118,7 @@ class Scheduler:
             self.running.append(r)
             plan.entries.append(entry)
             budget -= entry.num_tokens + entry.num_drafts
-        self.policy.commit(decision, plan.shape(), [e.k_next for e in plan.decoding])
+        self.policy.commit(decision, plan)
         plan.decision = decision
         return plan, aborted
 

@@ -36,22 +36,20 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(e.num_tokens + e.num_drafts for e in self.entries)
 
-    @property
-    def decoding(self) -> list[Scheduled]:
-        """Entries of requests decoding: one pending token (prompt chunks are the rest)."""
-        return [e for e in self.entries if e.num_tokens == 1 and e.verifies]
-
-    def shape(self) -> StepShape:
-        """The step as the cost table prices it."""
-        batch = drafting = draft_steps = widest = decode_tokens = 0
-        for e in self.decoding:
-            batch += 1
-            drafting += e.k_next > 0
-            draft_steps = max(draft_steps, e.k_next)
-            widest = max(widest, e.num_drafts)
-            decode_tokens += 1 + e.num_drafts
+    def shape(self) -> tuple[StepShape, list[int]]:
+        """The step as the cost table prices it, and the k each decoding request (one pending token;
+        prompt chunks are the rest) got. One pass: it runs between two steps."""
+        ks: list[int] = []
+        widest = decode_tokens = 0
+        for e in self.entries:
+            if e.num_tokens == 1 and e.verifies:
+                ks.append(e.k_next)
+                widest = max(widest, e.num_drafts)
+                decode_tokens += 1 + e.num_drafts
         verify = self.num_tokens
-        return StepShape(batch, verify, draft_steps, drafting, verify - decode_tokens, 1 + widest)
+        shape = StepShape(len(ks), verify, max(ks, default=0), len(ks) - ks.count(0), verify - decode_tokens,
+                          1 + widest)
+        return shape, ks
 
 
 @dataclass(slots=True)

@@ -109,7 +109,7 @@ def test_cost_corrector_learns_drift_and_bucket_errors() -> None:
         n = rng.choice((64, 128, 192))
         k = rng.choice((0, 2))
         truth = table.predict_raw(64, n, k) * 1.15 * (1.1 if n == 192 else 1.0) * rng.gauss(1.0, 0.02)
-        table.observe(table.predict(64, n, k), truth, verify_tokens=n, draft_steps_k=k)
+        table.observe(table.predict_raw(64, n, k), truth, verify_tokens=n, draft_steps_k=k)
     assert table.predict(64, 128, 0) / table.predict_raw(64, 128, 0) == pytest.approx(1.15, rel=0.02)
     assert table.predict(64, 192, 2) / table.predict_raw(64, 192, 2) == pytest.approx(1.265, rel=0.02)
     # An unseen key follows the global drift only.
@@ -381,7 +381,7 @@ def test_correction_learns_each_graph_within_a_few_steps() -> None:
         predicted = cost.predict(b, n, k)
         if step >= 100:
             errors.append(abs(predicted / measured - 1))
-        cost.observe(predicted, measured, verify_tokens=n, draft_steps_k=k, batch_size=b)
+        cost.observe(cost.predict_raw(b, n, k), measured, verify_tokens=n, draft_steps_k=k, batch_size=b)
     assert median(errors) < 0.02 and max(errors) < 0.06
 
 
@@ -395,7 +395,7 @@ def test_speculative_host_work_does_not_raise_the_price_of_plain_steps() -> None
     true_plain, true_spec = shape(64, 64, 1) * 1.05, shape(64, 128, 5) * 1.5
     for k, true in [(0, true_plain)] * 3 + [(1, true_spec)] * 60:
         n = 64 * (1 + k)
-        cost.observe(cost.predict(64, n, k), true, verify_tokens=n, draft_steps_k=k, batch_size=64)
+        cost.observe(cost.predict_raw(64, n, k), true, verify_tokens=n, draft_steps_k=k, batch_size=64)
     assert cost.predict(64, 64, 0) == pytest.approx(true_plain, rel=0.02)
     assert cost.predict(64, 128, 1) == pytest.approx(true_spec, rel=0.02)
 
@@ -408,22 +408,22 @@ def test_one_slow_step_does_not_price_its_shape_out_for_good() -> None:
     shape = _graph_shape()
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
     before = cost.predict(4, 20, 4)
-    cost.observe(before, 0.3, verify_tokens=20, draft_steps_k=4, batch_size=4)  # a 300 ms stall
+    cost.observe(cost.predict_raw(4, 20, 4), 0.3, verify_tokens=20, draft_steps_k=4, batch_size=4)  # a 300 ms stall
     assert cost.predict(4, 20, 4) == before
     for _ in range(3):
-        cost.observe(cost.predict(4, 20, 4), before * 1.1, verify_tokens=20, draft_steps_k=4, batch_size=4)
+        cost.observe(cost.predict_raw(4, 20, 4), before * 1.1, verify_tokens=20, draft_steps_k=4, batch_size=4)
     assert cost.predict(4, 20, 4) == pytest.approx(before * 1.1, rel=0.01)
     settled = cost.predict(4, 20, 4)
-    cost.observe(settled, 1.6 * settled, verify_tokens=20, draft_steps_k=4, batch_size=4)  # one slow host turn
+    cost.observe(cost.predict_raw(4, 20, 4), 1.6 * settled, verify_tokens=20, draft_steps_k=4, batch_size=4)  # one slow host turn
     assert cost.predict(4, 20, 4) == pytest.approx(settled)
     # A stall on a plain step leaves the global ratio (every key's drift) alone as well.
     plain = cost.predict(4, 4, 0)
-    cost.observe(plain, 40 * plain, verify_tokens=4, batch_size=4)
+    cost.observe(cost.predict_raw(4, 4, 0), 40 * plain, verify_tokens=4, batch_size=4)
     assert cost.predict(4, 4, 0) == plain and cost.predict(4, 20, 4) == pytest.approx(settled)
     # A shape that really costs 3x its profile is learnt from its second step on.
     true = 3 * cost.predict(16, 80, 4)
     for i in range(4):
-        cost.observe(cost.predict(16, 80, 4), true, verify_tokens=80, draft_steps_k=4, batch_size=16)
+        cost.observe(cost.predict_raw(16, 80, 4), true, verify_tokens=80, draft_steps_k=4, batch_size=16)
         if i >= 1:
             assert cost.predict(16, 80, 4) == pytest.approx(true, rel=0.02)
 
@@ -437,14 +437,14 @@ def test_a_key_learnt_before_the_plain_calibration_keeps_its_price() -> None:
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
     spec_true, plain_true = 2.1 * cost.predict(1, 5, 4), 1.7 * cost.predict(1, 1, 0)
     for _ in range(3):
-        cost.observe(cost.predict(1, 5, 4), spec_true, verify_tokens=5, draft_steps_k=4, batch_size=1)
+        cost.observe(cost.predict_raw(1, 5, 4), spec_true, verify_tokens=5, draft_steps_k=4, batch_size=1)
     for _ in range(12):
-        cost.observe(cost.predict(1, 1, 0), plain_true, verify_tokens=1, batch_size=1)
+        cost.observe(cost.predict_raw(1, 1, 0), plain_true, verify_tokens=1, batch_size=1)
     assert cost.predict(1, 1, 0) == pytest.approx(plain_true, rel=0.01)
     assert cost.predict(1, 5, 4) == pytest.approx(spec_true, rel=0.01)
     # Past calibration a move of the global ratio is drift: every key follows it.
     for _ in range(200):
-        cost.observe(cost.predict(1, 1, 0), 1.1 * plain_true, verify_tokens=1, batch_size=1)
+        cost.observe(cost.predict_raw(1, 1, 0), 1.1 * plain_true, verify_tokens=1, batch_size=1)
     assert cost.predict(1, 5, 4) == pytest.approx(1.1 * spec_true, rel=0.02)
 
 
@@ -458,7 +458,7 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     shape = _graph_shape()
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
     policy = AdaptivePolicy(4, cost, draft_has_cache=False)
-    built = StepShape(batch=64, verify_tokens=64, draft_steps=0, draft_batch=0, prefill_tokens=0)
+    built = StepShape(batch=64, verify_tokens=64, draft_steps=0, draft_batch=0, prefill_tokens=0, verify_width=1)
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=500), seed=i, arrival=0.0, spec_k=4)
             for i in range(64)]
     for r in reqs:
@@ -471,7 +471,7 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
         assert not any(decision.ks.values())  # acceptance starts pessimistic and nothing is ever drafted here
         if decision.planned:
             planned.append(step)
-        policy.commit(decision, built, [0] * 64)
+        policy.commit_shape(decision, built, [0] * 64)
         policy.observe(decision, [(r, 0, 0) for r in reqs], true_plain)
     policy.learn()  # the next choice would: observing is only queueing, off the step's serial path
     assert policy.plain_steps == 40
@@ -484,7 +484,8 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     # A step that carried a prompt chunk is not a plain step's cost: left out.
     decision = policy.choose(reqs, 0, False)
     assert not decision.planned
-    policy.commit(decision, StepShape(batch=64, verify_tokens=364, draft_steps=0, draft_batch=0, prefill_tokens=300),
+    policy.commit_shape(decision, StepShape(batch=64, verify_tokens=364, draft_steps=0, draft_batch=0, prefill_tokens=300,
+                                              verify_width=1),
                   [0] * 64)
     policy.observe(decision, [(r, 0, 0) for r in reqs], 10 * true_plain)
     policy.learn()
@@ -503,7 +504,7 @@ def test_a_step_entering_speculation_is_priced_as_the_plain_graph_plus_drafting_
     assert cost.predict_with_raw(64, 320, 0, verify_width=5)[0] == pytest.approx(spec_graph)  # leaving it
     policy = AdaptivePolicy(4, cost, draft_has_cache=False)
     entering = Decision({}, planned=True)
-    policy.commit(entering, StepShape(64, 64, 4, 64, 0, verify_width=1), [4] * 64)
+    policy.commit_shape(entering, StepShape(64, 64, 4, 64, 0, verify_width=1), [4] * 64)
     assert entering.predicted_s == pytest.approx(plain_graph + 3e-4)
     policy.observe(entering, [], 2 * entering.predicted_s)
     policy.learn()
@@ -550,17 +551,16 @@ def test_the_plan_made_ahead_sees_the_batch_as_the_running_step_leaves_it() -> N
 
 def test_a_step_learnt_a_step_late_reads_its_ratio_from_the_raw_prediction() -> None:
     """The engine learns step N while step N+1 runs, after N+1 was priced: the ratio N's prediction
-    used is no longer the table's. Read as measured x current / predicted, a sample carries the
-    corrections learnt in between a second time (here: 12 % over the truth); measured / raw is the
+    used is no longer the table's. Read as measured x current / corrected prediction, a sample carried
+    the corrections learnt in between a second time (12 % over the truth here); measured / raw is the
     ratio the step shows."""
     cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape())
     truth = 1.3 * cost.predict_raw(64, 320, 4)
-    pending: list[tuple[float, float]] = []
+    pending: list[float] = []
     seen = []
     for _ in range(16):
-        pending.append(cost.predict_with_raw(64, 320, 4))  # priced before the two steps before it are learnt
+        pending.append(cost.predict_raw(64, 320, 4))  # priced before the two steps before it are learnt
         if len(pending) == 3:
-            predicted, raw = pending.pop(0)
-            cost.observe(predicted, truth, verify_tokens=320, draft_steps_k=4, batch_size=64, raw=raw)
+            cost.observe(pending.pop(0), truth, verify_tokens=320, draft_steps_k=4, batch_size=64)
             seen.append(cost.predict(64, 320, 4) / truth)
     assert max(seen) < 1.01 and seen[-1] == pytest.approx(1.0, rel=0.01)

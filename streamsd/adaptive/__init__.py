@@ -18,7 +18,7 @@ Per scheduler step::
     ks = plan(views, cost, K, state=planner, prefill_tokens=chunk, prefill_backlog=queued)
     reserve(kv_slots_needed(ks)); result = run_step(ks)              # engine
     for r, k, a in zip(decoding, ks, result.accepted): est.observe(r.acceptance, k, a)
-    est.tick(); cost.observe(planner.predicted_s, result.seconds,
+    est.tick(); cost.observe(planner.predicted_raw_s, result.seconds,
                              verify_tokens=planner.verify_tokens, draft_steps_k=planner.draft_steps)
 """
 

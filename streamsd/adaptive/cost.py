@@ -31,11 +31,12 @@ Prefill chunks then add what a one-sequence pass over their tokens costs beyond 
 Online correction: the true step time drifts (context lengths grow, clocks change) and the
 start-up table has per-bucket errors.  ``CostTable.observe`` keeps a global EMA of the
 measured/predicted ratio, which carries drift to every bucket at once, and, per (verify bucket,
-draft steps) key, a relative ratio to that global one that fixes the table's shape.  Unseen keys
-use the global ratio alone: optimistic on purpose, since a shape priced too high is never chosen and
-so never corrected (pricing unseen speculative shapes like the learnt ones kept a CPU batch class
-from ever speculating), while one priced too low costs the few steps that teach it.  Only plain decode steps move the global ratio: a speculative step's
-error is mostly its own host work (proposer, rejection sampler) that the profile never timed, and
+draft steps) key, a relative ratio to that global one that fixes the table's shape.  Each step
+is read as measured ÷ raw prediction (the start-up table alone).  Unseen keys use the global ratio
+alone: optimistic on purpose, since a shape priced too high is never chosen and so never corrected
+(pricing unseen speculative shapes like the learnt ones kept a CPU batch class from ever
+speculating), while one priced too low costs the few steps that teach it.  Only plain decode steps
+move the global ratio: a speculative step's error is mostly its own host work (proposer, rejection sampler) that the profile never timed, and
 were it drift, it would also raise the predicted price of plain decoding, the very step the planner
 compares speculation against (on the H200 at B = 64, alpha 0.3, that made speculation look cheap and
 cost 47 % of the throughput).
@@ -214,27 +215,19 @@ class CostTable:
         return self.global_ratio * self.relative.get(key, 1.0)
 
     def observe(
-        self, predicted: float, measured: float, *, verify_tokens: int | None = None, draft_steps_k: int = 0,
-        batch_size: int | None = None, prefill_tokens: int = 0, raw: float | None = None,
+        self, raw: float, measured: float, *, verify_tokens: int | None = None, draft_steps_k: int = 0,
+        batch_size: int | None = None, prefill_tokens: int = 0,
     ) -> None:
-        """Feed back one step: ``predicted`` is what ``predict`` returned for it (with the same
-        ``batch_size`` and ``prefill_tokens``); ``raw``, when given, what ``predict_raw`` did. Give it
-        when other steps may have been learnt since the prediction (the engine learns a step while
-        the next runs): the ratio the prediction used is then no longer the current one, and
-        measured ÷ raw is the ratio the step shows whatever was learnt in between.
+        """Feed back one step: ``raw`` is what ``predict_raw`` returned for it (with the same
+        ``batch_size`` and ``prefill_tokens``). measured ÷ raw is the ratio the step shows, however
+        much was learnt between its pricing and now (the engine learns a step while the next runs).
 
         Without ``verify_tokens`` only the global ratio moves.
         """
-        if predicted <= 0.0 or measured <= 0.0:
+        if raw <= 0.0 or measured <= 0.0:
             return
-        if raw is not None and raw > 0.0:
-            shown = measured / raw
-        else:
-            used = self.global_ratio if verify_tokens is None else self.ratio(
-                verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
-            shown = measured * used / predicted
         # Clamped so one outlier (a GC pause, a recompile) cannot wreck the table.
-        sample = min(max(shown, 0.25), 4.0)
+        sample = min(max(measured / raw, 0.25), 4.0)
         if verify_tokens is None or (draft_steps_k == 0 and prefill_tokens == 0):  # drift: plain decode only
             self.observations += 1
             robust = self._median_of_recent(_GLOBAL, sample, self.global_ratio)
@@ -262,7 +255,6 @@ class CostTable:
             self.relative[key] *= factor
             if key in self.recent:
                 self.recent[key] = [v * factor for v in self.recent[key]]
-
 
     def _median_of_recent(self, key: CorrectionKey, value: float, current: float) -> float:
         window = self.recent.setdefault(key, [current, current])

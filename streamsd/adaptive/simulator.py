@@ -125,18 +125,17 @@ class AdaptivePolicy:
     def feedback(self, reqs: list[SimRequest], ks: list[int], accepted: list[int], measured: float) -> None:
         """Queues what a step showed; learnt once the plans made before it are used (`learn`)."""
         st = self.state
-        self.pending.append((reqs, ks, accepted, measured, st.predicted_s, st.predicted_raw_s, st.verify_tokens,
-                             st.draft_steps))
+        self.pending.append((reqs, ks, accepted, measured, st.predicted_raw_s, st.verify_tokens, st.draft_steps))
 
     def learn(self, keep: int) -> None:
         """Learns every queued step but the newest ``keep``."""
         while len(self.pending) > keep:
-            reqs, ks, accepted, measured, predicted, raw, verify, drafts = self.pending.pop(0)
+            reqs, ks, accepted, measured, raw, verify, drafts = self.pending.pop(0)
             for r, k, a in zip(reqs, ks, accepted, strict=True):
                 assert r.acceptance is not None
                 self.estimator.observe(r.acceptance, k, a)
             self.estimator.tick()
-            self.cost.observe(predicted, measured, verify_tokens=verify, draft_steps_k=drafts, raw=raw)
+            self.cost.observe(raw, measured, verify_tokens=verify, draft_steps_k=drafts)
 
 
 def simulate(cfg: SimConfig, policy: str, *, keep_records: bool = False) -> SimResult:
