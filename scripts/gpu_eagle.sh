@@ -7,6 +7,12 @@
 #                               stream fast path, EAGLE's graphs); `streamsd train-draft --device cuda` with
 #                               time budgets (writing + answering 4 min, training 2.5 min; ~8.5 min in all);
 #                               the head, its training.json and eval_report.json into $OUT/head.
+#   scripts/gpu_eagle.sh ablate carry .gguf2b .whl (after stash + stash2): the target answers the 4539 prompts
+#                               it wrote in session 3 (2.5 min, saved with their streams to /tmp/samples.pt),
+#                               then heads that differ in one setting train 80 s each on those same answers
+#                               (train-draft --samples-cache); their validation figures -> $OUT/ablation.json.
+#   scripts/gpu_eagle.sh final  (at once after ablate) the setting with the best validation trains for 5 min
+#                               on the same answers, then the held-out evaluation; the head into $OUT/head.
 #   scripts/gpu_eagle.sh b1     carry .gguf2 .whl .head (after a fresh `stash`, or at once after `train`):
 #                               batch-1 tokens/s of plain / n-gram / eagle / HF at T=0 and T=1
 #                               (scripts/bench_eagle.py), ~3 min.
@@ -76,6 +82,39 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     ls -l "$OUT/head" | tee -a "$OUT/run.log"
     rm -rf $HEAD && cp -r "$OUT/head" $HEAD  # for `bench`, a later call while the machine is warm
     grep "eagle_train\|^\[" "$OUT/train.log" | tail -14 | tee -a "$OUT/run.log"
+    ;;
+  ablate)
+    join_gguf && sha256sum $GGUF | tee -a "$OUT/run.log"
+    timeout 90 python3 -c "from streamsd.model.loader import resolve_model; print(resolve_model('$GGUF', progress=False))" \
+      2>&1 | tail -1 | tee -a "$OUT/run.log"
+    python3 scripts/eagle_variants.py prompts docs/issue9-eagle/session3/retrain/head/training.json \
+      streamsd/assets/eagle/smollm2-135m-instruct/training.json /tmp/prompts.jsonl /tmp/heldout.jsonl | tee -a "$OUT/run.log"
+    rm -f /tmp/samples.pt
+    for v in $(python3 scripts/eagle_variants.py names); do
+      log "variant $v"
+      timeout 300 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out /tmp/variants/$v \
+        --device cuda --prompts /tmp/prompts.jsonl --no-self-prompts --eval-prompts-file /tmp/heldout.jsonl \
+        --num-prompts 6000 --max-new-tokens 512 --gen-batch 512 --gen-time-budget 2.5 --epochs 100 \
+        --time-budget 1.33 --batch-tokens 16384 --samples-cache /tmp/samples.pt --no-eval \
+        $(python3 scripts/eagle_variants.py flags $v) > "$OUT/train_$v.log" 2>&1
+      echo "exit $?" | tee -a "$OUT/run.log"
+      grep "never trained on" "$OUT/train_$v.log" | tee -a "$OUT/run.log"
+    done
+    python3 scripts/eagle_variants.py table /tmp/variants "$OUT/ablation.json" | tee -a "$OUT/run.log"
+    cp "$OUT/ablation.json" /tmp/ablation.json
+    ;;
+  final)
+    BEST=$(python3 scripts/eagle_variants.py best /tmp/ablation.json)
+    log "final: variant $BEST, 5 min on the same answers"
+    timeout 540 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out "$OUT/head" \
+      --device cuda --prompts /tmp/prompts.jsonl --no-self-prompts --eval-prompts-file /tmp/heldout.jsonl \
+      --num-prompts 6000 --max-new-tokens 512 --gen-batch 512 --epochs 100 --time-budget 5.0 \
+      --batch-tokens 16384 --samples-cache /tmp/samples.pt $(python3 scripts/eagle_variants.py flags $BEST) \
+      > "$OUT/train.log" 2>&1
+    echo "train-draft exit $?" | tee -a "$OUT/run.log"
+    grep -v "^\[" "$OUT/train.log" | tail -6 | tee -a "$OUT/run.log"
+    grep "never trained on" "$OUT/train.log" | tee -a "$OUT/run.log"
+    rm -rf $HEAD && cp -r "$OUT/head" $HEAD
     ;;
   b1)
     # batch-1 tokens/s of plain / n-gram / eagle / HF with a head: carry .gguf2 (after `stash`) and the

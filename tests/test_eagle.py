@@ -59,10 +59,11 @@ def reference(tiny_model_dir):
     return hf_greedy(tiny_model_dir, PROMPTS, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_layouts_round_trip(tiny_model_dir, tmp_path, kind):
+@pytest.mark.parametrize("kind,norm_first", [("eagle3", False), ("eagle3", True), ("eagle1", False)])
+def test_layouts_round_trip(tiny_model_dir, tmp_path, kind, norm_first):
     target = _target(tiny_model_dir)
-    head = new_head(target, kind=kind, draft_ids=list(range(0, 384, 2)) if kind == "eagle3" else None)
+    head = new_head(target, kind=kind, draft_ids=list(range(0, 384, 2)) if kind == "eagle3" else None,
+                    norm_before_residual=norm_first)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -75,12 +76,14 @@ def test_layouts_round_trip(tiny_model_dir, tmp_path, kind):
         names = set(f.keys())
     if kind == "eagle3":
         assert cfg["draft_vocab_size"] == 192 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+        assert cfg["norm_before_residual"] is norm_first
         assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
         assert any(n.startswith("midlayer.self_attn.") for n in names) and "midlayer.hidden_norm.weight" in names
     else:
         assert "fc.weight" in names and any(n.startswith("layers.0.self_attn.") for n in names)
         assert not any(n.startswith(("midlayer.", "lm_head", "norm.")) for n in names)
     loaded = load_head(tmp_path, target, CPU, torch.float32)
+    assert loaded.spec.norm_before_residual is norm_first
     a, b = head.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # Same drafts from the same states: the training unroll and the paged proposer agree too.
@@ -239,6 +242,30 @@ def test_training_lowers_loss_and_raises_tau(bigram_target, tmp_path):
     assert tau_after > tau_before + 0.5, (tau_before, tau_after)
     assert report["results"]["T=0.7"]["tau"] > before["results"]["T=0.7"]["tau"]
     assert len(report["results"]["T=0"]["accept_rate_at_depth"]) == 4
+
+
+def test_samples_cache_trains_a_second_head_on_the_same_answers(bigram_target, tmp_path):
+    """`--samples-cache`: the first run answers and saves, the second reads the very same answers
+    and streams back (no generation) and trains another head on them."""
+    from streamsd.cli import build_parser
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(CORPUS[i % 6].split()[:6])}) for i in range(24)))
+    cache = tmp_path / "samples.pt"
+    common = ["--model", str(bigram_target), "--prompts", str(prompts), "--num-prompts", "20", "--eval-prompts", "4",
+              "--max-new-tokens", "16", "--epochs", "1", "--no-self-prompts", "--threads", "1", "--no-eval",
+              "--samples-cache", str(cache)]
+    runs = []
+    for name, extra in (("a", []), ("b", ["--norm-before-residual"])):
+        args = build_parser().parse_args(["train-draft", "--out", str(tmp_path / name), *common, *extra])
+        assert args.func(args) == 0 and cache.is_file()
+        assert not (tmp_path / name / "eval_report.json").exists()
+        runs.append(json.loads((tmp_path / name / "training.json").read_text()))
+    first, second = runs
+    assert second["data"]["answer_tokens"] == first["data"]["answer_tokens"] > 0
+    assert second["seconds"]["generate"] == first["seconds"]["generate"]  # read back, not generated again
+    assert second["held_out"] == first["held_out"] and second["validation"]["answers"] == first["validation"]["answers"]
+    assert _config(tmp_path / "b")["norm_before_residual"] and not _config(tmp_path / "a")["norm_before_residual"]
 
 
 def test_mismatched_heads_are_refused(tiny_model_dir, tiny_draft_dir, heads, tmp_path):

@@ -53,15 +53,19 @@ def save_head(head: EagleHead, out_dir: Path, target_config: dict[str, Any],
 
 
 def new_head(target: Transformer, *, kind: str = EAGLE3, draft_ids: list[int] | None = None,
-             aux_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None) -> EagleHead:
+             aux_layers: tuple[int, ...] | None = None, intermediate_size: int | None = None,
+             norm_before_residual: bool = False) -> EagleHead:
     """A fresh head for `target` (float32, on its device). EAGLE-3 with `draft_ids`: its own lm_head
     over them, rows starting as the target's; without: it drafts through the target's lm_head (frozen,
-    not saved: a head of a few MiB for any vocabulary size). Its norm starts as the target's."""
+    not saved: a head of a few MiB for any vocabulary size). Its norm starts as the target's.
+    `norm_before_residual`: the decoder layer's residual starts from the normalised fused states
+    (vLLM's config flag of the same name), not from `fc`'s raw output."""
     t = target.args
     args = dataclasses.replace(t, num_layers=1, intermediate_size=intermediate_size or t.intermediate_size)
     aux = (aux_layers or default_aux_layers(t.num_layers)) if kind == EAGLE3 else (t.num_layers,)
     ids = sorted(set(draft_ids)) if draft_ids is not None else list(range(t.vocab_size))
-    spec = HeadSpec(kind, args, t.vocab_size, len(ids), t.hidden_size, tuple(aux))
+    spec = HeadSpec(kind, args, t.vocab_size, len(ids), t.hidden_size, tuple(aux),
+                    norm_before_residual=norm_before_residual and kind == EAGLE3)
     dev = target.rope_cos.device
     own = kind == EAGLE3 and draft_ids is not None
     head = EagleHead(spec, own_lm_head=own, own_embed=False).to(dev).float()

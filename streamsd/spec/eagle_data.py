@@ -13,6 +13,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,43 @@ class Sample:
     prompt_len: int
     streams: torch.Tensor | None = None  # [T, n * Ht] the head's input streams (bf16: SmolLM's reach 2e4)
     final: torch.Tensor | None = None  # [T, Ht] the target's final pre-norm stream (labels)
+
+
+@dataclass(slots=True)
+class Collected:
+    """What `train-draft` gathers before training: the answers with their streams, and where they came from."""
+
+    samples: list[Sample]
+    layers: tuple[int, ...]  # the streams' layers, ascending (HF hidden_states indices)
+    held: list[str]  # held-out prompts: never answered here
+    written: list[str]  # the prompts the target wrote itself
+    train_prompts: int
+    write_s: float
+    generate_s: float
+
+    @property
+    def answered(self) -> int:
+        return sum(len(s.ids) - s.prompt_len for s in self.samples)
+
+    def save(self, path: Path) -> None:
+        """One file: the samples' streams end to end (host memory, the samples' dtype) and the rest as lists."""
+        assert all(s.streams is not None and s.final is not None for s in self.samples), "samples need streams"
+        torch.save({"ids": [s.ids for s in self.samples], "prompt_lens": [s.prompt_len for s in self.samples],
+                    "streams": torch.cat([s.streams for s in self.samples]).cpu(),  # type: ignore[misc]
+                    "final": torch.cat([s.final for s in self.samples]).cpu(),  # type: ignore[misc]
+                    "layers": list(self.layers), "held": self.held, "written": self.written,
+                    "train_prompts": self.train_prompts, "write_s": self.write_s, "generate_s": self.generate_s},
+                   path)
+
+    @staticmethod
+    def load(path: Path, device: torch.device) -> Collected:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+        lengths = [len(ids) for ids in raw["ids"]]
+        streams, final = raw["streams"].to(device).split(lengths), raw["final"].to(device).split(lengths)
+        samples = [Sample(ids, n, s, f) for ids, n, s, f in
+                   zip(raw["ids"], raw["prompt_lens"], streams, final, strict=True)]
+        return Collected(samples, tuple(raw["layers"]), raw["held"], raw["written"], raw["train_prompts"],
+                         raw["write_s"], raw["generate_s"])
 
 
 class _Recorder:

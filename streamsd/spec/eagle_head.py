@@ -191,4 +191,5 @@ def head_config(spec: HeadSpec, target_config: dict[str, Any]) -> dict[str, Any]
     if spec.kind == EAGLE3:
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(spec.aux_layers),
                                "use_aux_hidden_state": True}
+        cfg["norm_before_residual"] = spec.norm_before_residual
     return cfg

@@ -19,6 +19,7 @@ import random
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=0, help="0: the target's lm_head over its full vocabulary")
     p.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
     p.add_argument("--head-intermediate-size", type=int, default=None, help="default: the target's")
+    p.add_argument("--norm-before-residual", action="store_true",
+                   help="EAGLE-3: the layer's residual starts from the normalised fused states (for targets whose "
+                        "residual streams carry huge values, as SmolLM2's do)")
     p.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft steps per training example")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=2048)
@@ -51,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     p.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples-cache", default=None,
+                   help="a file: the answers and their streams are saved there, or read from it when it exists "
+                        "(other heads trained on the same answers, e.g. to compare settings)")
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation (validation still runs)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,9 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
     from streamsd import LLM
     from streamsd.spec.eagle_ckpt import new_head, save_head
-    from streamsd.spec.eagle_data import answer, draft_vocabulary
+    from streamsd.spec.eagle_data import Collected, draft_vocabulary
     from streamsd.spec.eagle_head import default_aux_layers
-    from streamsd.spec.eagle_prompts import read_prompts, self_prompts
     from streamsd.spec.eagle_train import TrainConfig, train, validate
 
     if args.threads:
@@ -75,48 +82,37 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device) if args.device else None
     cuda = device.type == "cuda" if device else torch.cuda.is_available()
     gen_batch = args.gen_batch or (256 if cuda else 64)
-    llm = LLM(args.model, device=args.device, max_num_seqs=gen_batch,
-              kv_cache_tokens=gen_batch * (args.max_new_tokens + 320))
+    cache = Path(args.samples_cache) if args.samples_cache else None
+    reuse = cache is not None and cache.is_file()
+    # Reusing saved answers: the engine only lends the target and tokenizer (no batch of graphs to capture).
+    llm = LLM(args.model, device=args.device, max_num_seqs=1 if reuse else gen_batch,
+              kv_cache_tokens=args.max_new_tokens + 320 if reuse else gen_batch * (args.max_new_tokens + 320))
     if args.no_cuda_graphs:
         llm.core.rt.worker.graphs = None
     target = llm.core.rt.worker.target
     if target.rope_cos.device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the float32 head: its loss is a soft CE
     log(f"target loaded on {target.rope_cos.device}; answers {gen_batch} at a time")
-    rng = random.Random(args.seed)
-    given = read_prompts(Path(args.prompts)) if args.prompts else []
-    rng.shuffle(given)
-    if args.eval_prompts_file:
-        held = read_prompts(Path(args.eval_prompts_file))
-        seen = set(held)
-        train_prompts = [p for p in given if p not in seen][: args.num_prompts]
-        wanted = args.num_prompts - len(train_prompts)
-    else:
-        held, train_prompts = given[: args.eval_prompts], given[args.eval_prompts :][: args.num_prompts]
-        wanted = args.num_prompts - len(train_prompts) + (args.eval_prompts - len(held))
-    written: list[str] = []
-    t_write = time.monotonic()  # --gen-time-budget counts from here: writing prompts and answering them
-    if wanted > 0 and not args.no_self_prompts:
-        log(f"writing {wanted} prompts with the target itself")
-        budget = 60 * args.gen_time_budget / 3 if args.gen_time_budget else None  # a third of it at most
-        written = self_prompts(llm, wanted, args.seed, set(given) | set(held),
-                               deadline=t_write + budget if budget else None, log=log)
-        take = 0 if args.eval_prompts_file else args.eval_prompts - len(held)
-        held, train_prompts = held + written[:take], train_prompts + written[take:]
-        log(f"{len(written)} prompts written")
-    if not train_prompts or not held:
-        print("error: no training or no held-out prompts; give --prompts or allow self-written ones", file=sys.stderr)
-        return 2
-    t_gen = time.monotonic()
-    log(f"answering {len(train_prompts)} prompts (temperatures {temps}, up to {args.max_new_tokens} tokens); "
-        f"self-written: {len(written)}")
     aux = default_aux_layers(target.args.num_layers) if args.kind == "eagle3" else (target.args.num_layers,)
-    deadline = t_write + 60 * args.gen_time_budget if args.gen_time_budget else None
-    samples = answer(llm, train_prompts, args.max_new_tokens, args.seed, temps, tuple(sorted(set(aux))),
-                     deadline=deadline, log=log)
-    gen_s = time.monotonic() - t_gen
-    answered = sum(len(s.ids) - s.prompt_len for s in samples)
-    log(f"{answered} answer tokens ({len(samples)} answers) in {gen_s:.0f}s: {answered / max(gen_s, 1e-9):.0f} tokens/s")
+    if reuse:
+        assert cache is not None
+        data = Collected.load(cache, target.rope_cos.device)
+        if tuple(sorted(set(aux))) != data.layers:
+            print(f"error: {cache} holds the streams of layers {list(data.layers)}, this head reads {list(aux)}",
+                  file=sys.stderr)
+            return 2
+        log(f"{len(data.samples)} answers ({data.answered} answer tokens) read from {cache}")
+    else:
+        collected = _collect(args, llm, temps, tuple(sorted(set(aux))), log)
+        if collected is None:
+            print("error: no training or no held-out prompts; give --prompts or allow self-written ones",
+                  file=sys.stderr)
+            return 2
+        data = collected
+        if cache is not None:
+            data.save(cache)
+            log(f"answers and their streams saved to {cache} (--samples-cache reuses them)")
+    samples, held, gen_s, answered = data.samples, data.held, data.generate_s, data.answered
     tokenizer = llm.tokenizer
     del llm  # frees the engine's KV cache and graphs; the target stays for the labels
     gc.collect()
@@ -132,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         special = {t for t in tokenizer.all_special_ids if t < vocab}
         draft_ids = draft_vocabulary(samples, args.draft_vocab_size, vocab, special)
     head = new_head(target, kind=args.kind, draft_ids=draft_ids, aux_layers=aux,
-                    intermediate_size=args.head_intermediate_size)
+                    intermediate_size=args.head_intermediate_size, norm_before_residual=args.norm_before_residual)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens,
                       time_budget_s=args.time_budget * 60 if args.time_budget else None, seed=args.seed)
     t_train = time.monotonic()
@@ -156,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         "device": str(target.rope_cos.device), "gen_batch": gen_batch,
         "draft_vocab_size": len(draft_ids) if draft_ids else vocab,
         "data": {"prompts_file": args.prompts, "eval_prompts_file": args.eval_prompts_file,
-                 "train_prompts": len(train_prompts), "self_written": len(written),
+                 "samples_cache": args.samples_cache,
+                 "train_prompts": data.train_prompts, "self_written": len(data.written),
                  "held_out_prompts": len(held), "answers": len(samples), "answer_tokens": answered,
                  "tokens": sum(len(s.ids) for s in samples),
                  "temperatures": list(temps), "max_new_tokens": args.max_new_tokens},
@@ -164,26 +161,68 @@ def run(args: argparse.Namespace) -> int:
                   "batch_tokens": args.batch_tokens, "first": history[:3], "last": history[-3:],
                   "curve": history[:: max(1, len(history) // 50)]},
         "validation": {"answers": len(validation), **val},
-        "seconds": {"write_prompts": round(t_gen - t_write, 1), "generate": round(gen_s, 1),
+        "seconds": {"write_prompts": round(data.write_s, 1), "generate": round(gen_s, 1),
                     "train": round(train_s, 1)},
         "held_out": held,
-        "self_written_prompts": written,
+        "self_written_prompts": data.written,
     }
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     del target, head, samples
     gc.collect()
-    log("evaluating on the held-out prompts")
-    report = evaluate(args.model, out, held, args.max_new_tokens, args.num_speculative_tokens, args.device, args.seed,
-                      cuda_graphs=not args.no_cuda_graphs)
-    report["seconds_total"] = round(time.monotonic() - t_start, 1)
-    (out / "eval_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    for name, r in report["results"].items():
-        print(f"{name}: tau {r['tau']:.3f}, acceptance {r['acceptance_rate']:.3f}, "
-              f"per depth {[round(x, 3) for x in r['accept_rate_at_depth']]}")
+    if not args.no_eval:
+        log("evaluating on the held-out prompts")
+        report = evaluate(args.model, out, held, args.max_new_tokens, args.num_speculative_tokens, args.device,
+                          args.seed, cuda_graphs=not args.no_cuda_graphs)
+        report["seconds_total"] = round(time.monotonic() - t_start, 1)
+        (out / "eval_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        for name, r in report["results"].items():
+            print(f"{name}: tau {r['tau']:.3f}, acceptance {r['acceptance_rate']:.3f}, "
+                  f"per depth {[round(x, 3) for x in r['accept_rate_at_depth']]}")
     size = (out / "model.safetensors").stat().st_size / 2**20
     print(f"head saved to {out} ({size:.1f} MiB{'' if size < 16 else ': OVER the 16 MiB a shipped head may take'})")
     print(f"total {time.monotonic() - t_start:.0f}s (generate {gen_s:.0f}s, train {train_s:.0f}s)")
     return 0
+
+
+def _collect(args: argparse.Namespace, llm: Any, temps: tuple[float, ...], layers: tuple[int, ...],
+             log: Callable[[str], None]) -> Any:
+    """Steps 1 and 2: the prompts (given, held out, self-written) and the target's answers with their
+    streams, as a `Collected`; None when there is nothing to train or to evaluate on."""
+    from streamsd.spec.eagle_data import Collected, answer
+    from streamsd.spec.eagle_prompts import read_prompts, self_prompts
+
+    rng = random.Random(args.seed)
+    given = read_prompts(Path(args.prompts)) if args.prompts else []
+    rng.shuffle(given)
+    if args.eval_prompts_file:
+        held = read_prompts(Path(args.eval_prompts_file))
+        seen = set(held)
+        train_prompts = [p for p in given if p not in seen][: args.num_prompts]
+        wanted = args.num_prompts - len(train_prompts)
+    else:
+        held, train_prompts = given[: args.eval_prompts], given[args.eval_prompts :][: args.num_prompts]
+        wanted = args.num_prompts - len(train_prompts) + (args.eval_prompts - len(held))
+    written: list[str] = []
+    t_write = time.monotonic()  # --gen-time-budget counts from here: writing prompts and answering them
+    if wanted > 0 and not args.no_self_prompts:
+        log(f"writing {wanted} prompts with the target itself")
+        budget = 60 * args.gen_time_budget / 3 if args.gen_time_budget else None  # a third of it at most
+        written = self_prompts(llm, wanted, args.seed, set(given) | set(held),
+                               deadline=t_write + budget if budget else None, log=log)
+        take = 0 if args.eval_prompts_file else args.eval_prompts - len(held)
+        held, train_prompts = held + written[:take], train_prompts + written[take:]
+        log(f"{len(written)} prompts written")
+    if not train_prompts or not held:
+        return None
+    t_gen = time.monotonic()
+    log(f"answering {len(train_prompts)} prompts (temperatures {temps}, up to {args.max_new_tokens} tokens); "
+        f"self-written: {len(written)}")
+    deadline = t_write + 60 * args.gen_time_budget if args.gen_time_budget else None
+    samples = answer(llm, train_prompts, args.max_new_tokens, args.seed, temps, layers, deadline=deadline, log=log)
+    gen_s = time.monotonic() - t_gen
+    answered = sum(len(s.ids) - s.prompt_len for s in samples)
+    log(f"{answered} answer tokens ({len(samples)} answers) in {gen_s:.0f}s: {answered / max(gen_s, 1e-9):.0f} tokens/s")
+    return Collected(samples, layers, held, written, len(train_prompts), t_gen - t_write, gen_s)
 
 
 def _model_dir(model: str) -> Path:
