@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from streamsd.kernels.attention_tile import attend_tile
 from streamsd.kernels.prefill_attention import prefill_attention, prefill_tiles, tokens_per_tile
 from streamsd.model.kv_cache import BatchLayout
 
@@ -63,30 +64,8 @@ def _paged_attn_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     offs = tl.arange(0, TILE)
     for t in range(t_lo, t_hi):
-        kpos = t * TILE + offs  # [TILE]
-        kv_ok = kpos < ctx
-        page = tl.load(bt_ptr + seq * s_bt + kpos // PAGE, mask=kv_ok, other=0)  # [TILE]
-        slot = kpos % PAGE
-        k = tl.load(k_ptr + page[:, None] * sk_b + slot[:, None] * sk_s + kvh * sk_h + d[None, :],
-                    mask=kv_ok[:, None], other=0.0)  # [TILE, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2  # [BLOCK_M, TILE], log2 units
-        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * sv_b + slot[:, None] * sv_s + kvh * sv_h + d[None, :],
-                    mask=kv_ok[:, None], other=0.0)  # [TILE, D]
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, l_sum, acc = attend_tile(q, qpos, m, l_sum, acc, t * TILE + offs, ctx, bt_ptr + seq * s_bt, k_ptr, v_ptr,
+                                    kvh, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, d, scale_log2, PAGE, IEEE)
     if SPLITS == 1:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + (q0 + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :],

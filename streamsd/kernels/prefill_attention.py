@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from streamsd.kernels.attention_tile import attend_tile
 from streamsd.model.kv_cache import h2d
 
 BLOCK_M = 64  # query rows per program: tokens × the GROUP heads of one kv head
@@ -55,30 +56,8 @@ def _prefill_attn_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     offs = tl.arange(0, TILE_N)
     for start in range(0, end, TILE_N):
-        kpos = start + offs  # [TILE_N]
-        kv_ok = kpos < end
-        page = tl.load(bt_ptr + seq * s_bt + kpos // PAGE, mask=kv_ok, other=0)  # [TILE_N]
-        slot = kpos % PAGE
-        k = tl.load(k_ptr + page[:, None] * sk_b + slot[:, None] * sk_s + kvh * sk_h + d[None, :],
-                    mask=kv_ok[:, None], other=0.0).to(q.dtype)  # [TILE_N, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2  # [BLOCK_M, TILE_N], log2 units
-        s = tl.where((kpos[None, :] <= qpos[:, None]) & kv_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * sv_b + slot[:, None] * sv_s + kvh * sv_h + d[None, :],
-                    mask=kv_ok[:, None], other=0.0).to(q.dtype)  # [TILE_N, D]
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, l_sum, acc = attend_tile(q, qpos, m, l_sum, acc, start + offs, end, bt_ptr + seq * s_bt, k_ptr, v_ptr, kvh,
+                                    sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, d, scale_log2, PAGE, IEEE)
     out = acc / l_sum[:, None]
     tl.store(out_ptr + (row0 + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
