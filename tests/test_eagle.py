@@ -32,7 +32,9 @@ def _config(model_dir) -> dict:
 
 
 def _train_head(model_dir, out: Path, kind: str, epochs: float = 30) -> Path:
-    """A head that has seen the target's continuations of the test prompts: some drafts pass, some fail."""
+    """A head that has seen the target's continuations of the test prompts: some drafts pass, some fail.
+    "eagle3_norm_first": an EAGLE-3 head whose residual starts from the normalised fused states (the
+    shipped head's layout)."""
     torch.manual_seed(0)  # the same head whichever tests ran before
     llm = LLM(str(model_dir))
     prompts = PROMPTS + CORPUS[:6]
@@ -41,8 +43,10 @@ def _train_head(model_dir, out: Path, kind: str, epochs: float = 30) -> Path:
     res = llm.generate(prompts * 2, params)
     samples = [Sample(r.prompt_token_ids + r.outputs[0].token_ids, len(r.prompt_token_ids)) for r in res]
     target = llm.core.rt.worker.target
+    norm_first = kind == "eagle3_norm_first"
+    kind = "eagle3" if norm_first else kind
     draft_ids = sorted({t for s in samples for t in s.ids} | {0, 1, 2}) if kind == "eagle3" else None
-    head = new_head(target, kind=kind, draft_ids=draft_ids)
+    head = new_head(target, kind=kind, draft_ids=draft_ids, norm_before_residual=norm_first)
     attach_streams(target, samples, head.input_layers)
     train(head, target, samples, draft_ids or list(range(target.args.vocab_size)),
           TrainConfig(epochs=epochs, lr=1e-2, batch_tokens=1024))
@@ -51,7 +55,8 @@ def _train_head(model_dir, out: Path, kind: str, epochs: float = 30) -> Path:
 
 @pytest.fixture(scope="module")
 def heads(tiny_model_dir, tmp_path_factory):
-    return {kind: _train_head(tiny_model_dir, tmp_path_factory.mktemp(kind), kind) for kind in ("eagle3", "eagle1")}
+    return {kind: _train_head(tiny_model_dir, tmp_path_factory.mktemp(kind), kind)
+            for kind in ("eagle3", "eagle1", "eagle3_norm_first")}
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +123,7 @@ def test_eagle3_head_without_a_draft_vocabulary_drafts_through_the_targets_lm_he
     _assert_free(llm)
 
 
-@pytest.mark.parametrize("kind,k", [("eagle3", 1), ("eagle3", 4), ("eagle1", 4)])
+@pytest.mark.parametrize("kind,k", [("eagle3", 1), ("eagle3", 4), ("eagle1", 4), ("eagle3_norm_first", 4)])
 def test_greedy_eagle_is_token_identical(tiny_model_dir, heads, reference, kind, k):
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]), num_speculative_tokens=k)
     res = llm.generate(PROMPTS, greedy_params())
@@ -128,7 +133,7 @@ def test_greedy_eagle_is_token_identical(tiny_model_dir, heads, reference, kind,
     _assert_free(llm)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "eagle3_norm_first"])
 def test_engine_drafts_are_what_training_time_test_predicts(tiny_model_dir, heads, kind):
     """Train and inference see the same thing: each draft the engine makes (catch-up then k steps)
     equals the head's prediction at that slot in `ttt_outputs` over the finished greedy answer,
@@ -313,7 +318,7 @@ def test_cuda_eagle_greedy_is_exact_through_graphs(tiny_model_dir, heads):
     fast forward computes them in eager steps): greedy eagle still equals plain decoding."""
     plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32")
     want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS, greedy_params())]
-    for kind in ("eagle3", "eagle1"):
+    for kind in ("eagle3", "eagle1", "eagle3_norm_first"):
         llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]), device="cuda",
                   dtype="float32")
         assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, greedy_params())] == want
@@ -325,7 +330,7 @@ def test_cuda_eagle_greedy_is_exact_through_graphs(tiny_model_dir, heads):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "eagle3_norm_first"])
 def test_cuda_eagle_graph_drafts_equal_eager_drafts(tiny_model_dir, heads, kind):
     """A propose call as one replay (catch-up + greedy draft chain, spec/eagle_graphs.py) drafts what the
     eager head drafts: the same drafted and accepted counts at every depth, for every request, and
