@@ -316,11 +316,12 @@ def test_adaptive_k_keeps_eagle_exact(tiny_model_dir, heads, reference):
 def test_cuda_eagle_greedy_is_exact_through_graphs(tiny_model_dir, heads):
     """On CUDA the target's verify steps replay graphs that also return the head's streams (and the
     fast forward computes them in eager steps): greedy eagle still equals plain decoding."""
-    plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32")
+    # A small KV cache each: a CUDA engine's default takes most of the free memory, four would not fit.
+    plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=4096)
     want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS, greedy_params())]
     for kind in ("eagle3", "eagle1", "eagle3_norm_first"):
         llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]), device="cuda",
-                  dtype="float32")
+                  dtype="float32", kv_cache_tokens=4096)
         assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, greedy_params())] == want
         worker = llm.core.rt.worker
         assert worker.graphs.hidden_layers == worker.proposer.hidden_layers and worker.graphs.replays > 0
