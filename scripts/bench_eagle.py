@@ -6,9 +6,13 @@ prompt so a noisy machine slows them alike; every engine first answers one warm-
 graphs are captured and Triton kernels compiled there, not in a timing). tokens/s = generated
 tokens / wall time of the request (prefill included), summed over the prompts.
 
+`--phases`: afterwards one more greedy answer per engine with the host time of each phase of a step
+timed (scheduling, the target's forward and its graph replay, verification, the host reads that wait
+for the GPU, the proposer, the engine's emit), in ms per step: where an EAGLE step's time goes.
+
 Usage (from the repo root, streamsd importable, e.g. PYTHONPATH=.):
   python scripts/bench_eagle.py --model M --head DIR [--held-out training.json] [--prompts N]
-         [--max-tokens N] [--temperatures 0,1] [--device cuda] [--out FILE]
+         [--max-tokens N] [--temperatures 0,1] [--device cuda] [--out FILE] [--phases]
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--phases", action="store_true", help="then time each phase of a step (ms per step)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -98,6 +103,8 @@ def main() -> None:
            "dtype": str(worker.target.model.embed_tokens.weight.dtype).removeprefix("torch."),
            "cuda_graphs": worker.graphs is not None, "k": a.k, "prompts": len(prompts), "max_tokens": a.max_tokens,
            "rows": rows}
+    if a.phases:
+        doc["phases_ms_per_step"] = _phases(engines, prompts[0], a.max_tokens)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=2)
@@ -107,6 +114,68 @@ def main() -> None:
     for r in rows:
         print(f"{r['method']:8} {r['temperature']:>4g} {r['tokens']:>7} {r['tokens_per_s']:>8} {r['vs_plain']:>8} "
               f"{r['tau'] if r['tau'] is not None else '-':>6} {r.get('same_as_plain', '')}")
+
+
+def _phases(engines: dict[str, Any], prompt: str, max_tokens: int) -> dict[str, dict[str, float]]:
+    """Host seconds per phase of a step, per engine: the methods below are wrapped with a timer for
+    one greedy answer. Nested phases are included in their callers' (the worker's `_verify` holds the
+    read of its tokens); `Tensor.tolist` is where the host waits for the GPU."""
+    from streamsd import SamplingParams
+    from streamsd.core import EngineCore
+    from streamsd.model.graphs import GraphRunner
+    from streamsd.scheduler import Scheduler
+    from streamsd.spec.eagle import EagleProposer
+    from streamsd.spec.eagle_graphs import EagleGraphs
+    from streamsd.worker import Worker
+
+    wrapped = {Worker: ["step", "_forward", "_verify", "_sample_plain", "_propose"], Scheduler: ["schedule", "update"],
+               EngineCore: ["emit"], GraphRunner: ["_replay"], EagleProposer: ["propose"], EagleGraphs: ["run"],
+               torch.Tensor: ["tolist"]}
+    seconds: dict[str, float] = {}
+    originals = []
+
+    def timer(cls: type, name: str) -> None:
+        fn = getattr(cls, name)
+        originals.append((cls, name, cls.__dict__.get(name)))  # None: inherited, restored by deleting
+        key = f"{cls.__name__}.{name}"
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(cls, name, run)
+
+    out: dict[str, dict[str, float]] = {}
+    conv = [{"role": "user", "content": prompt}]
+    for m, llm in engines.items():
+        for cls, names in wrapped.items():
+            for name in names:
+                timer(cls, name)
+        seconds.clear()
+        try:
+            t0 = time.perf_counter()
+            r = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0))[0]
+            wall = time.perf_counter() - t0
+        finally:
+            for cls, name, own in reversed(originals):
+                if own is None:
+                    delattr(cls, name)
+                else:
+                    setattr(cls, name, own)
+            originals.clear()
+        steps = max(1, r.spec_stats.steps)
+        out[m] = {"steps": steps, "wall": round(1e3 * wall / steps, 3),
+                  **{k: round(1e3 * v / steps, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}}
+    names = sorted({k for row in out.values() for k in row if k not in ("steps", "wall")},
+                   key=lambda k: -max(row.get(k, 0.0) for row in out.values()))
+    print("\nms per step (host time; nested phases are inside their callers')")
+    print(f"{'phase':26}" + "".join(f"{m:>10}" for m in out))
+    for k in ("wall", *names):
+        print(f"{k:26}" + "".join(f"{row.get(k, 0.0):>10.3f}" for row in out.values()))
+    return out
 
 
 def _hf(llm: Any, dev: torch.device) -> Any:

@@ -44,6 +44,8 @@ class Collected:
     train_prompts: int
     write_s: float
     generate_s: float
+    temperatures: tuple[float, ...]  # the answers alternate over these
+    max_new_tokens: int
 
     @property
     def answered(self) -> int:
@@ -56,7 +58,8 @@ class Collected:
                     "streams": torch.cat([s.streams for s in self.samples]).cpu(),  # type: ignore[misc]
                     "final": torch.cat([s.final for s in self.samples]).cpu(),  # type: ignore[misc]
                     "layers": list(self.layers), "held": self.held, "written": self.written,
-                    "train_prompts": self.train_prompts, "write_s": self.write_s, "generate_s": self.generate_s},
+                    "train_prompts": self.train_prompts, "write_s": self.write_s, "generate_s": self.generate_s,
+                    "temperatures": list(self.temperatures), "max_new_tokens": self.max_new_tokens},
                    path)
 
     @staticmethod
@@ -67,7 +70,7 @@ class Collected:
         samples = [Sample(ids, n, s, f) for ids, n, s, f in
                    zip(raw["ids"], raw["prompt_lens"], streams, final, strict=True)]
         return Collected(samples, tuple(raw["layers"]), raw["held"], raw["written"], raw["train_prompts"],
-                         raw["write_s"], raw["generate_s"])
+                         raw["write_s"], raw["generate_s"], tuple(raw["temperatures"]), raw["max_new_tokens"])
 
 
 class _Recorder:

@@ -21,7 +21,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from streamsd.spec.eagle_data import Collected
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -156,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
                  "train_prompts": data.train_prompts, "self_written": len(data.written),
                  "held_out_prompts": len(held), "answers": len(samples), "answer_tokens": answered,
                  "tokens": sum(len(s.ids) for s in samples),
-                 "temperatures": list(temps), "max_new_tokens": args.max_new_tokens},
+                 "temperatures": list(data.temperatures), "max_new_tokens": data.max_new_tokens},
         "train": {"epochs": args.epochs, "steps": len(history), "ttt_steps": args.ttt_steps, "lr": args.lr,
                   "batch_tokens": args.batch_tokens, "first": history[:3], "last": history[-3:],
                   "curve": history[:: max(1, len(history) // 50)]},
@@ -185,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _collect(args: argparse.Namespace, llm: Any, temps: tuple[float, ...], layers: tuple[int, ...],
-             log: Callable[[str], None]) -> Any:
+             log: Callable[[str], None]) -> Collected | None:
     """Steps 1 and 2: the prompts (given, held out, self-written) and the target's answers with their
     streams, as a `Collected`; None when there is nothing to train or to evaluate on."""
     from streamsd.spec.eagle_data import Collected, answer
@@ -222,7 +225,8 @@ def _collect(args: argparse.Namespace, llm: Any, temps: tuple[float, ...], layer
     gen_s = time.monotonic() - t_gen
     answered = sum(len(s.ids) - s.prompt_len for s in samples)
     log(f"{answered} answer tokens ({len(samples)} answers) in {gen_s:.0f}s: {answered / max(gen_s, 1e-9):.0f} tokens/s")
-    return Collected(samples, layers, held, written, len(train_prompts), t_gen - t_write, gen_s)
+    return Collected(samples, layers, held, written, len(train_prompts), t_gen - t_write, gen_s, temps,
+                     args.max_new_tokens)
 
 
 def _model_dir(model: str) -> Path:
