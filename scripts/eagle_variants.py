@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 VARIANTS = {
-    "base": ["--lr", "2e-3"],  # the session 3 head's settings
-    "norm_first": ["--lr", "2e-3", "--norm-before-residual"],
-    "norm_first_mlp2x": ["--lr", "2e-3", "--norm-before-residual", "--head-intermediate-size", "3072"],
+    "base": ["--lr", "2e-3", "--norm-before-residual", "off"],  # the session 3 head's settings
+    "norm_first": ["--lr", "2e-3", "--norm-before-residual", "on"],
+    "norm_first_mlp2x": ["--lr", "2e-3", "--norm-before-residual", "on", "--head-intermediate-size", "3072"],
 }
 
 

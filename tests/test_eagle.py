@@ -270,6 +270,9 @@ def test_samples_cache_trains_a_second_head_on_the_same_answers(bigram_target, t
     assert second["data"]["answer_tokens"] == first["data"]["answer_tokens"] > 0
     assert second["seconds"]["generate"] == first["seconds"]["generate"]  # read back, not generated again
     assert second["held_out"] == first["held_out"] and second["validation"]["answers"] == first["validation"]["answers"]
+    # "auto" (a): the tiny target's streams are nowhere near SmolLM2's ~2e4, so the residual starts from fc;
+    # the bare flag (b) turns it on.
+    assert first["stream_peak"] < 1e3 and not first["norm_before_residual"] and second["norm_before_residual"]
     assert _config(tmp_path / "b")["norm_before_residual"] and not _config(tmp_path / "a")["norm_before_residual"]
 
 

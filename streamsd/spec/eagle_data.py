@@ -29,7 +29,7 @@ from streamsd.spec.waves import in_waves
 class Sample:
     ids: list[int]  # chat-formatted prompt + the target's answer
     prompt_len: int
-    streams: torch.Tensor | None = None  # [T, n * Ht] the head's input streams (bf16: SmolLM's reach 2e4)
+    streams: torch.Tensor | None = None  # [T, n * Ht] the head's input streams (bf16: SmolLM2's reach 2.5e4)
     final: torch.Tensor | None = None  # [T, Ht] the target's final pre-norm stream (labels)
 
 
