@@ -17,6 +17,7 @@ from streamsd.model.loader import ModelLoadError
 from streamsd.runtime import load_model
 from streamsd.spec.eagle_ckpt import load_head, new_head, save_head
 from streamsd.spec.eagle_data import Sample, attach_streams
+from streamsd.spec.eagle_eval import evaluate
 from streamsd.spec.eagle_prompts import is_degenerate, read_prompts, user_prefix
 from streamsd.spec.eagle_train import TrainConfig, train, ttt_outputs
 
@@ -242,7 +243,7 @@ def test_training_lowers_loss_and_raises_tau(bigram_target, tmp_path):
     # Answers kept out of training: the bigram target is learnable, so the head drafts them well too.
     assert meta["validation"]["answers"] >= 1 and meta["validation"]["match_0"] > 0.5, meta["validation"]
     untrained = save_head(new_head(_target(bigram_target)), tmp_path / "untrained", _config(bigram_target))
-    before = train_eagle.evaluate(str(bigram_target), untrained, meta["held_out"], 40, 4, None, 0)
+    before = evaluate(str(bigram_target), untrained, meta["held_out"], 40, 4, None, 0)
     tau_before, tau_after = before["results"]["T=0"]["tau"], report["results"]["T=0"]["tau"]
     assert tau_after > tau_before + 0.5, (tau_before, tau_after)
     assert report["results"]["T=0.7"]["tau"] > before["results"]["T=0.7"]["tau"]
