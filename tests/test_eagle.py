@@ -250,6 +250,19 @@ def test_training_lowers_loss_and_raises_tau(bigram_target, tmp_path):
     assert len(report["results"]["T=0"]["accept_rate_at_depth"]) == 4
 
 
+def test_train_draft_defaults_follow_the_device():
+    """Unset settings take the device's defaults (on CUDA the shipped head's recipe); given ones stay."""
+    from streamsd.cli import build_parser
+    from streamsd.spec.train_eagle import DEFAULTS, apply_defaults
+
+    for cuda, key in ((True, "cuda"), (False, "cpu")):
+        args = build_parser().parse_args(["train-draft", "--model", "m", "--out", "o", "--lr", "5e-4"])
+        apply_defaults(args, cuda)
+        assert args.lr == 5e-4
+        assert {k: getattr(args, k) for k in DEFAULTS[key] if k != "lr"} == {k: v for k, v in DEFAULTS[key].items()
+                                                                             if k != "lr"}
+
+
 def test_samples_cache_trains_a_second_head_on_the_same_answers(bigram_target, tmp_path):
     """`--samples-cache`: the first run answers and saves, the second reads the very same answers
     and streams back (no generation) and trains another head on them."""

@@ -33,18 +33,33 @@ if TYPE_CHECKING:
 MASSIVE_STREAM = 1e3
 
 
+# Defaults by device. CUDA: the recipe of the head shipped for SmolLM2 (thousands of prompts, 512-token
+# answers at batch 512, ~20 epochs in 16k-token steps; its README has the run), a few minutes on an H200.
+# CPU: a small run that finishes in reasonable time.
+DEFAULTS = {
+    "cuda": {"num_prompts": 4500, "max_new_tokens": 512, "epochs": 20.0, "lr": 2e-3, "batch_tokens": 16384,
+             "gen_batch": 512},
+    "cpu": {"num_prompts": 256, "max_new_tokens": 256, "epochs": 2.0, "lr": 1e-3, "batch_tokens": 2048,
+            "gen_batch": 64},
+}
+
+
+def _dflt(name: str) -> str:
+    return f"; default {DEFAULTS['cuda'][name]:g} on CUDA, {DEFAULTS['cpu'][name]:g} on the CPU"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="the target: smollm2-135m-instruct, an HF directory, .gguf or hub id")
     p.add_argument("--out", required=True, help="directory for the head (config.json + model.safetensors)")
     p.add_argument("--prompts", default=None, help="JSONL (first of `turns`, or prompt/question/text) or text lines")
-    p.add_argument("--num-prompts", type=int, default=256, help="training prompts (self-written ones fill up)")
+    p.add_argument("--num-prompts", type=int, default=None, help="training prompts (self-written ones fill up)" + _dflt("num_prompts"))
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the evaluation")
     p.add_argument("--eval-prompts-file", default=None,
                    help="the held-out prompts, all of them (JSONL or text as --prompts); those are then never trained on")
     p.add_argument("--no-self-prompts", action="store_true", help="use only the prompts of --prompts")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="longest answer" + _dflt("max_new_tokens"))
     p.add_argument("--temperatures", default="0,0.7", help="answers alternate over these temperatures")
-    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--epochs", type=float, default=None, help=_dflt("epochs").lstrip("; "))
     p.add_argument("--draft-vocab-size", type=int, default=0, help="0: the target's lm_head over its full vocabulary")
     p.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
     p.add_argument("--head-intermediate-size", type=int, default=None, help="default: the target's")
@@ -53,12 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "norm_before_residual); auto: on when the target's streams carry values above "
                         f"{MASSIVE_STREAM:g} in magnitude, as SmolLM2's do (~2.5e4); the bare flag: on")
     p.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft steps per training example")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=None, help=_dflt("lr").lstrip("; "))
+    p.add_argument("--batch-tokens", type=int, default=None, help="tokens per optimiser step" + _dflt("batch_tokens"))
     p.add_argument("--time-budget", type=float, default=None, help="minutes of training at most")
     p.add_argument("--gen-time-budget", type=float, default=None,
                    help="minutes of answering at most: then running answers are cut short (and kept)")
-    p.add_argument("--gen-batch", type=int, default=None, help="answers generated at once (default 64; 256 on CUDA)")
+    p.add_argument("--gen-batch", type=int, default=None, help="answers generated at once" + _dflt("gen_batch"))
     p.add_argument("--no-cuda-graphs", action="store_true", help="eager CUDA steps (generation and evaluation)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k for the evaluation")
     p.add_argument("--device", default=None)
@@ -71,10 +86,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation (validation still runs)")
 
 
+def apply_defaults(args: argparse.Namespace, cuda: bool) -> None:
+    """Fills the settings left unset with the device's defaults (DEFAULTS), so training.json records them."""
+    for name, value in DEFAULTS["cuda" if cuda else "cpu"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from streamsd import LLM
+    from streamsd.runtime import pick_device
     from streamsd.spec.eagle_ckpt import new_head, save_head
     from streamsd.spec.eagle_data import Collected, draft_vocabulary
     from streamsd.spec.eagle_eval import evaluate
@@ -90,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     temps = tuple(float(x) for x in args.temperatures.split(","))
-    device = torch.device(args.device) if args.device else None
-    cuda = device.type == "cuda" if device else torch.cuda.is_available()
-    gen_batch = args.gen_batch or (256 if cuda else 64)
+    cuda = pick_device(args.device).type == "cuda"  # where LLM will put the target
+    apply_defaults(args, cuda)
+    gen_batch = args.gen_batch
     cache = Path(args.samples_cache) if args.samples_cache else None
     reuse = cache is not None and cache.is_file()
     # Reusing saved answers: the engine only lends the target and tokenizer (no batch of graphs to capture).
