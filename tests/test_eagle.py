@@ -288,6 +288,10 @@ def test_samples_cache_trains_a_second_head_on_the_same_answers(bigram_target, t
     # the bare flag (b) turns it on.
     assert first["stream_peak"] < 1e3 and not first["norm_before_residual"] and second["norm_before_residual"]
     assert _config(tmp_path / "b")["norm_before_residual"] and not _config(tmp_path / "a")["norm_before_residual"]
+    # Answers of one target do not train another's head: refused with the reason, nothing written.
+    other = build_model(tmp_path / "other", seed=3, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    args = build_parser().parse_args(["train-draft", "--out", str(tmp_path / "c"), *common, "--model", str(other)])
+    assert args.func(args) == 2 and not (tmp_path / "c").exists()
 
 
 def test_mismatched_heads_are_refused(tiny_model_dir, tiny_draft_dir, heads, tmp_path):

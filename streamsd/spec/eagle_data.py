@@ -51,6 +51,18 @@ class Collected:
     def answered(self) -> int:
         return sum(len(s.ids) - s.prompt_len for s in self.samples)
 
+    def mismatch(self, layers: tuple[int, ...], hidden: int, vocab: int) -> str | None:
+        """Why these answers cannot train a head that reads `layers` of a target of this hidden size
+        and vocabulary (answers of another target, say), or None."""
+        if layers != self.layers:
+            return f"it holds the streams of layers {list(self.layers)}, this head reads {list(layers)}"
+        first = self.samples[0] if self.samples else None
+        if first is not None and first.streams is not None and first.streams.shape[-1] != len(layers) * hidden:
+            return f"its streams are {first.streams.shape[-1] // len(layers)} wide, this target's {hidden}"
+        if any(t >= vocab for s in self.samples for t in s.ids):
+            return f"its answers hold token ids outside this target's vocabulary of {vocab}"
+        return None
+
     def save(self, path: Path) -> None:
         """One file: the samples' streams end to end (host memory, the samples' dtype) and the rest as lists."""
         assert all(s.streams is not None and s.final is not None for s in self.samples), "samples need streams"

@@ -131,9 +131,9 @@ def run(args: argparse.Namespace) -> int:
     if reuse:
         assert cache is not None
         data = Collected.load(cache, target.rope_cos.device)
-        if tuple(sorted(set(aux))) != data.layers:
-            print(f"error: {cache} holds the streams of layers {list(data.layers)}, this head reads {list(aux)}",
-                  file=sys.stderr)
+        why = data.mismatch(tuple(sorted(set(aux))), target.args.hidden_size, target.args.vocab_size)
+        if why:
+            print(f"error: {cache} does not fit this run: {why}", file=sys.stderr)
             return 2
         log(f"{len(data.samples)} answers ({data.answered} answer tokens) read from {cache}")
     else:
