@@ -98,8 +98,10 @@ class EagleProposer:
             key = self.graphs.key_for(counts, tables, max(wants), rows)
         if key is not None:
             assert self.graphs is not None
-            drafts = self.graphs.run(key, ids, torch.cat(feats), starts, counts, tables, wants,
-                                     [len(it.tokens) for _, it in work], rows).tolist()  # [n, steps]
+            out = self.graphs.run(key, ids, torch.cat(feats), starts, counts, tables, wants,
+                                  [len(it.tokens) for _, it in work], rows)  # [n, steps]
+            # A catch-up-only call (every k = 0: the policy chose a plain step) has nothing to read back.
+            drafts = out.tolist() if max(wants) else [[] for _ in work]
             for w, (i, _) in enumerate(work):
                 results[i] = Proposal(drafts[w][: wants[w]], starts[w] + counts[w])
             return results
