@@ -14,7 +14,8 @@
 #   scripts/gpu_eagle.sh final  (at once after ablate) the setting with the best validation trains for 5 min
 #                               on the same answers, then the held-out evaluation; the head into $OUT/head.
 #   scripts/gpu_eagle.sh b1     carry .gguf2 .whl .head (after a fresh `stash`, or at once after `train`):
-#                               batch-1 tokens/s of plain / n-gram / eagle / HF at T=0 and T=1
+#                               batch-1 tokens/s of plain / n-gram / eagle / HF at T=0 and T=1, then host ms per
+#                               step by phase for each engine (bench_eagle.py --phases)
 #                               (scripts/bench_eagle.py), ~3 min.
 #   scripts/gpu_eagle.sh bench  (optional, while still warm; carry .whl) `streamsd bench offline` with the
 #                               new head: plain vs eagle vs HF, then plain vs n-gram vs HF + prompt lookup
@@ -124,9 +125,9 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     if [ -d "$SRC" ]; then rm -rf $HEAD && cp -r "$SRC" $HEAD; fi  # else the head `train` left in /tmp
     log "batch 1, plain / n-gram / eagle / HF, T=0 and T=1 (held-out prompts)"
     timeout 240 python3 scripts/bench_eagle.py --model $GGUF --head $HEAD --held-out $HEAD/training.json \
-      --prompts 6 --max-tokens 128 --device cuda --out "$OUT/bench_b1.json" > "$OUT/bench_b1.log" 2>&1
+      --prompts 6 --max-tokens 128 --device cuda --phases --out "$OUT/bench_b1.json" > "$OUT/bench_b1.log" 2>&1
     echo "bench exit $?" | tee -a "$OUT/run.log"
-    tail -10 "$OUT/bench_b1.log" | tee -a "$OUT/run.log"
+    tail -28 "$OUT/bench_b1.log" | tee -a "$OUT/run.log"
     ;;
   bench)
     B="python3 -m streamsd.cli --log-level warning bench offline --model $GGUF --batch-sizes 1,16 --max-tokens 128"
