@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from streamsd.kernels.attention_tile import attend_tile
-from streamsd.kernels.prefill_attention import prefill_attention, prefill_tiles, tokens_per_tile
+from streamsd.kernels.prefill_attention import prefill_attention, prefill_tiles, tiles_tensor, tokens_per_tile
 from streamsd.model.kv_cache import BatchLayout
 
 KERNEL_MAX_QUERY = 16  # longest query (1 + k) the kernel takes; longer ones are prefill_attention's
@@ -166,15 +166,24 @@ def cuda_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """The GPU `AttentionFn`: short queries through this kernel, prompt chunks through the prefill
     kernel, one launch each.
 
-    Routing reads only the host list of query lengths, which a CUDA-graph capture fixes per bucket.
+    Routing reads only the host list of query lengths, which a CUDA-graph capture fixes per bucket;
+    it is worked out by the step's first layer and kept in the layout for the others.
     """
     out = torch.empty_like(q)  # [T, H, D]
-    short = [n for n in layout.query_lens if 0 < n <= KERNEL_MAX_QUERY]
-    if short:
+    key = ("cuda_attention", q.shape[1], k_cache.shape[2])  # the tiles depend on the GQA group
+    route = layout.derived.get(key)
+    if route is None:
+        short = [n for n in layout.query_lens if 0 < n <= KERNEL_MAX_QUERY]
+        tiles = None
+        if len(short) < len(layout.query_lens):
+            tiles = tiles_tensor(prefill_tiles(layout.query_starts, layout.query_lens, layout.context_lens,
+                                               KERNEL_MAX_QUERY, tokens_per_tile(q.shape[1], k_cache.shape[2])),
+                                 q.device)
+        route = layout.derived[key] = (max(short, default=0), tiles)
+    longest_short, tiles = route
+    if longest_short:
         paged_attention(q, k_cache, v_cache, layout.block_table, layout.context_lens_t, layout.query_starts_t,
-                        scale, max(short), out=out)
-    if len(short) < len(layout.query_lens):
-        tiles = prefill_tiles(layout.query_starts, layout.query_lens, layout.context_lens, KERNEL_MAX_QUERY,
-                              tokens_per_tile(q.shape[1], k_cache.shape[2]))
+                        scale, longest_short, out=out)
+    if tiles is not None:
         prefill_attention(q, k_cache, v_cache, layout.block_table, tiles, scale, out)
     return out

@@ -81,17 +81,17 @@ def prefill_attention(
     k_cache: torch.Tensor,  # [NB, BS, KVH, D]
     v_cache: torch.Tensor,  # [NB, BS, KVH, D]
     block_table: torch.Tensor,  # [S, max_blocks]
-    tiles: list[tuple[int, int, int, int]],  # from prefill_tiles
+    tiles: list[tuple[int, int, int, int]] | torch.Tensor,  # from prefill_tiles, or tiles_tensor of them
     scale: float,
     out: torch.Tensor,  # [T, H, D]; rows of the tiles' tokens are written
 ) -> torch.Tensor:
-    if not tiles:
+    tiles_t = tiles if isinstance(tiles, torch.Tensor) else tiles_tensor(tiles, q.device)  # [n_tiles * 4]
+    if not tiles_t.numel():
         return out
     heads, dim = q.shape[1], q.shape[2]
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    tiles_t = h2d([x for t in tiles for x in t], torch.int32, q.device)  # [n_tiles * 4]
-    _prefill_attn_kernel[(len(tiles), kv_heads)](
+    _prefill_attn_kernel[(tiles_t.numel() // 4, kv_heads)](
         q, k_cache, v_cache, out, block_table, tiles_t, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
@@ -99,6 +99,11 @@ def prefill_attention(
         num_warps=4, num_stages=2,
     )
     return out
+
+
+def tiles_tensor(tiles: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
+    """The kernel's tile list, [n_tiles * 4] int32 on `device`: made once per step, read by every layer."""
+    return h2d([x for t in tiles for x in t], torch.int32, device)
 
 
 def tokens_per_tile(heads: int, kv_heads: int) -> int:

@@ -7,7 +7,8 @@ entries past it are never read and are overwritten when the positions are writte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,6 +46,9 @@ class BatchLayout:
     block_table: torch.Tensor  # [S, max_blocks] int32, padded with 0
     context_lens_t: torch.Tensor  # [S] int32
     query_starts_t: torch.Tensor  # [S + 1] int32, prefix sums of query_lens
+    # What an attention backend derives from the step once and every layer reuses (e.g. the CUDA
+    # backend's routing and prompt tiles), keyed by the backend.
+    derived: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(
