@@ -231,14 +231,23 @@ class AdaptivePolicy:
         e[1] += abs(raw / seconds - 1.0)
         e[2] += 1
 
+    @property
+    def plain_step_share(self) -> float:
+        return self.plain_steps / self.steps if self.steps else 0.0
+
+    @property
+    def mean_abs_prediction_error(self) -> float | None:
+        """Mean |predicted / measured − 1| over the steps learnt from so far."""
+        return self.abs_error_sum / self.observed_steps if self.observed_steps else None
+
     def summary(self) -> dict[str, object]:
-        """For benchmarks and metrics: how the policy decided and how well it predicted."""
+        """For benchmarks: how the policy decided and how well it predicted (every observed step learnt)."""
         self.learn()
         return {
             "steps": self.steps,
-            "plain_step_share": self.plain_steps / self.steps if self.steps else 0.0,
+            "plain_step_share": self.plain_step_share,
             "chosen_k": dict(sorted(self.chosen_k.items())),
-            "mean_abs_prediction_error": self.abs_error_sum / self.observed_steps if self.observed_steps else None,
+            "mean_abs_prediction_error": self.mean_abs_prediction_error,
             "observed_steps": self.observed_steps,
             # Corrected (what the planner used) and raw (the start-up table alone), per kind of step.
             "prediction_error": {

@@ -79,8 +79,8 @@ class Metrics:
 
 class _AdaptiveCollector:
     """The adaptive policy's decisions, read from it at scrape time (on the event loop, the thread
-    that plans): the k it chose per request and step, its share of plain steps, and how well it
-    predicted step times. Absent under a fixed k."""
+    that plans; a scrape only reads, the policy learns at its next choice): the k it chose per request
+    and step, its share of plain steps, and how well it predicted step times. Absent under a fixed k."""
 
     def __init__(self, state: ServerState):
         self.state = state
@@ -90,7 +90,6 @@ class _AdaptiveCollector:
         policy = engine.core.scheduler.policy if engine else None
         if not isinstance(policy, AdaptivePolicy):
             return
-        summary = policy.summary()
         chosen = policy.chosen_k
         buckets, running = [], 0
         for k in range(policy.max_k + 1):
@@ -100,12 +99,12 @@ class _AdaptiveCollector:
         yield HistogramMetricFamily("streamsd:spec_decode_chosen_k", "Drafts chosen per request and step",
                                     buckets=buckets, sum_value=sum(k * n for k, n in chosen.items()))
         yield GaugeMetricFamily("streamsd:spec_decode_plain_step_share", "Share of steps in which nobody drafted",
-                                value=float(summary["plain_step_share"]))  # type: ignore[arg-type]
+                                value=policy.plain_step_share)
         yield GaugeMetricFamily("streamsd:spec_decode_step_predicted_seconds", "The last observed step's predicted time",
                                 value=policy.last_predicted)
         yield GaugeMetricFamily("streamsd:spec_decode_step_measured_seconds", "The last observed step's measured time",
                                 value=policy.last_measured)
-        err = summary["mean_abs_prediction_error"]
+        err = policy.mean_abs_prediction_error
         yield GaugeMetricFamily("streamsd:spec_decode_step_prediction_error",
                                 "Mean |predicted / measured - 1| of the step times observed",
-                                value=float(err) if isinstance(err, float) else 0.0)
+                                value=err if err is not None else 0.0)
