@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from streamsd.adaptive import expected_tokens
+
 VARIANTS = {
     "base": ["--lr", "2e-3", "--norm-before-residual", "off"],  # the session 3 head's settings
     "norm_first": ["--lr", "2e-3", "--norm-before-residual", "on"],
@@ -25,12 +27,8 @@ VARIANTS = {
 
 
 def tau_estimate(validation: dict[str, float]) -> float:
-    tau, run, j = 1.0, 1.0, 0
-    while f"match_{j}" in validation:
-        run *= validation[f"match_{j}"]
-        tau += run
-        j += 1
-    return tau
+    matches = [validation[f"match_{j}"] for j in range(len(validation)) if f"match_{j}" in validation]
+    return expected_tokens(matches, len(matches))
 
 
 def main(argv: list[str]) -> None:
