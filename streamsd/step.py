@@ -40,13 +40,13 @@ class StepPlan:
         """The step as the cost table prices it, and the k each decoding request (one pending token;
         prompt chunks are the rest) got. One pass: it runs between two steps."""
         ks: list[int] = []
-        widest = decode_tokens = 0
+        widest = decode_tokens = verify = 0
         for e in self.entries:
+            verify += e.num_tokens + e.num_drafts
             if e.num_tokens == 1 and e.verifies:
                 ks.append(e.k_next)
                 widest = max(widest, e.num_drafts)
                 decode_tokens += 1 + e.num_drafts
-        verify = self.num_tokens
         shape = StepShape(len(ks), verify, max(ks, default=0), len(ks) - ks.count(0), verify - decode_tokens,
                           1 + widest)
         return shape, ks
