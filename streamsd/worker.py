@@ -8,6 +8,7 @@ emitted tokens -> propose the next drafts. Runs on one dedicated thread; never t
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,11 @@ class Verified:
     tokens: list[list[int]]  # per verifying entry, the emitted tokens
     accepted: list[int]
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
+    drafts: list[list[int]] | None = None  # the next drafts, when the proposer ran behind the verify (chain)
+
+
+# (tokens [B, K+1], accepted [B]) on the device -> the next drafts [B, k] queued behind them, or None
+Chain = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 class Worker:
@@ -53,14 +59,25 @@ class Worker:
             self.rejection = rejection_sample_triton  # same decisions as the reference, one launch
 
     def step(self, plan: StepPlan) -> list[EntryResult]:
-        entries = plan.entries
-        verify_entries = [e for e in entries if e.verifies]
-        logits, hidden = self._forward(entries)  # [rows, V], per entry [its tokens, layers * hidden] | None
-        verified = self._verify(verify_entries, logits)
-        return self._propose(entries, verified, hidden)
+        logits, hidden = self._forward(plan.entries)  # [rows, V], [tokens, layers * hidden] | None
+        verified = self._verify([e for e in plan.entries if e.verifies], logits, self._chain(plan.entries, hidden))
+        return self._propose(plan.entries, verified, hidden)
+
+    def _chain(self, entries: list[Scheduled], hidden: torch.Tensor | None) -> Chain | None:
+        """An EAGLE head's catch-up and drafts queued straight behind the verify (no host read in
+        between, one read for both): when every entry verifies its last token and the same k drafts,
+        so the head catches up on all 1 + k rows of each (spec/eagle_graphs.py says why that is safe)."""
+        chain = getattr(self.proposer, "chain", None)
+        if chain is None or hidden is None or not entries:
+            return None
+        k = entries[0].num_drafts
+        if k == 0 or any(not e.verifies or e.num_tokens != 1 or e.num_drafts != k for e in entries):
+            return None
+        reqs, starts, ks = [e.request for e in entries], [e.start for e in entries], [e.k_next for e in entries]
+        return lambda tokens, accepted: chain(reqs, starts, ks, tokens, accepted, hidden)
 
     # -- target forward -------------------------------------------------------------------------
-    def _forward(self, entries: list[Scheduled]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    def _forward(self, entries: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids: list[int] = []
         rows: list[int] = []
         starts, counts, tables = [], [], []
@@ -82,19 +99,15 @@ class Worker:
         if self.graphs is not None and key is not None:
             if not layers:
                 return self.graphs.run(key, ids, starts, counts, tables, rows), None
-            logits, streams = self.graphs.run_hidden(key, ids, starts, counts, tables, rows)
-            return logits, list(streams.split(counts))  # views: read before the next replay
+            return self.graphs.run_hidden(key, ids, starts, counts, tables, rows)  # views: read before the next replay
         layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
         out = self.target(h2d(ids, torch.int64, self.device), layout, self.cache,
                           h2d(rows, torch.int64, self.device), hidden_layers=layers,
                           hidden_rows=torch.arange(len(ids), device=self.device) if layers else None)
-        if not out.hidden:
-            return out.logits, None
-        hidden = torch.cat(out.hidden, dim=-1)  # [T, layers * hidden]
-        return out.logits, list(hidden.split(counts))
+        return out.logits, torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
 
     # -- verification -------------------------------------------------------------------------
-    def _verify(self, entries: list[Scheduled], logits: torch.Tensor) -> Verified:
+    def _verify(self, entries: list[Scheduled], logits: torch.Tensor, chain: Chain | None = None) -> Verified:
         if not entries:
             self.launched.set()  # a prompt-chunk step: nothing to read back, its work is queued
             return Verified([], [], [])
@@ -150,12 +163,19 @@ class Worker:
             uniforms=rng.uniforms(seeds, positions[:, :k], rng.ACCEPT) if probs is not None else draft_ids,
             noise=noise,
         ))
+        drafts = chain(tokens, accepted) if chain is not None else None  # [B, k'] queued behind the sampler
         lp = self._logprobs(reqs, rows, tokens)
         self.launched.set()
-        host_tokens, host_acc = tokens.tolist(), accepted.tolist()  # the step's one host read
+        next_drafts = None
+        if drafts is None:
+            host_tokens, host_acc = tokens.tolist(), accepted.tolist()  # the step's one host read
+        else:
+            host = torch.cat([tokens, accepted.unsqueeze(1), drafts], dim=1).tolist()  # the step's one host read
+            host_tokens, host_acc = [r[: k + 1] for r in host], [r[k + 1] for r in host]
+            next_drafts = [r[k + 2 :] for r in host]
         emitted = [t[: n + 1] for t, n in zip(host_tokens, host_acc, strict=True)]
         logprobs = [None if x is None else x[: n + 1] for x, n in zip(lp, host_acc, strict=True)]
-        return Verified(emitted, host_acc, logprobs)
+        return Verified(emitted, host_acc, logprobs, next_drafts)
 
     def _sample_plain(self, reqs: list[Request], rows: torch.Tensor) -> Verified:
         """A step with no drafts is plain decoding: no rejection sampler, and on all-greedy steps
@@ -215,30 +235,37 @@ class Worker:
 
     # -- proposing ------------------------------------------------------------------------------
     def _propose(self, entries: list[Scheduled], verified: Verified,
-                 hidden: list[torch.Tensor] | None = None) -> list[EntryResult]:
+                 hidden: torch.Tensor | None = None) -> list[EntryResult]:
         results: list[EntryResult] = []
         items: list[ProposeItem] = []
         owners: list[int] = []
+        # Each entry's rows of the flat streams [T, layers * hidden] (views).
+        streams = hidden.split([e.num_tokens + e.num_drafts for e in entries]) if hidden is not None else None
         v = 0
         for i, e in enumerate(entries):
             r = e.request
             if not e.verifies:
                 results.append(EntryResult([], 0, list(r.draft_ids), r.draft_computed))
                 items.append(ProposeItem(r, [], 0, e.start + e.num_tokens, r.draft_computed,
-                                         hidden[i] if hidden else None, e.start))
+                                         streams[i] if streams else None, e.start))
                 owners.append(i)
                 continue
             new, acc = verified.tokens[v], verified.accepted[v]
             flags = [j < acc for j in range(len(new))]
             computed = e.start + e.num_tokens + acc
             results.append(EntryResult(new, acc, [], min(r.draft_computed, computed), flags, verified.logprobs[v]))
+            if verified.drafts is not None:  # proposed behind the verify: caught up to `computed`
+                results[-1].draft_computed = computed
+                results[-1].draft_ids = [] if _will_stop(r, new) else verified.drafts[v][: e.k_next]
+                v += 1
+                continue
             v += 1
             # A head that reads hidden states catches up even when it drafts nothing this step (k
             # chosen per step): those states exist only now.
-            if (e.k_next > 0 or (hidden and r.spec_k > 0)) and not _will_stop(r, new):
+            if (e.k_next > 0 or (streams and r.spec_k > 0)) and not _will_stop(r, new):
                 items.append(ProposeItem(r, [*r.prompt_ids, *r.output_ids, *new], e.k_next, computed,
                                          min(r.draft_computed, computed),
-                                         hidden[i] if hidden else None, e.start))
+                                         streams[i] if streams else None, e.start))
                 owners.append(i)
         if self.proposer is None:
             return results

@@ -372,8 +372,9 @@ def test_cuda_eagle_graph_drafts_equal_eager_drafts(tiny_model_dir, heads, kind)
         assert [r.outputs[0].token_ids for r in res] == want
         stats[graphs] = [(r.spec_stats.drafted, r.spec_stats.accepted, list(r.spec_stats.accepted_per_pos))
                          for r in res]
-        if graphs:
-            assert proposer.graphs.replays > 0 and len({k[1] for k in proposer.graphs.graphs}) > 1
+        if graphs:  # the head on the fused kernels, mostly queued behind the verify (chained)
+            assert proposer.graphs.replays > proposer.graphs.chained > 0 and proposer.fast is not None
+            assert len({k[1] for k in proposer.graphs.graphs}) > 1
         _assert_free(llm)
     assert stats[True] == stats[False] and sum(s[1] for s in stats[True]) > 0
 
@@ -401,28 +402,99 @@ def test_cuda_eagle_sampled_graph_drafts_equal_eager_drafts(tiny_model_dir, head
         res = llm.generate(PROMPTS, params)
         runs[graphs] = [(r.outputs[0].token_ids, r.spec_stats.drafted, r.spec_stats.accepted) for r in res]
         if graphs:
-            assert any(mode != GREEDY for _, _, mode in proposer.graphs.graphs)
+            assert any(mode != GREEDY for _, _, mode in proposer.graphs.graphs) and proposer.graphs.chained > 0
         _assert_free(llm)
     assert runs[True] == runs[False]
     assert sum(r[2] for r in runs[True]) > 0 and sum(r[1] - r[2] for r in runs[True]) > 0
 
 
 def test_graph_chain_steps_write_only_where_a_draft_is_wanted(tiny_model_dir, heads):
-    """The host layout of chain step j: a row that wants more than j + 1 drafts writes its head slot at
-    (first draft's position - 1 + j) in its own blocks; a row that wants fewer writes to the scratch
-    block (its KV past its reservation is not its own), and so do the bucket's padding rows."""
-    from streamsd.spec.eagle_graphs import EagleGraphs
+    """The chain layouts the graph works out on the device: step j of a row that wants more than
+    j + 1 drafts writes its head slot at (first draft's position - 1 + j) in its own blocks, shifted by
+    the accepted count a chained call leaves on the device; a row that wants fewer writes to the
+    scratch block (its KV past its reservation is not its own), and so do the bucket's padding rows."""
+    from streamsd.spec.eagle_graphs import GREEDY, EagleGraphs
 
     head = load_head(heads["eagle3"], _target(tiny_model_dir), CPU, torch.float32)
     graphs = EagleGraphs(head, None, 16, scratch=9, max_blocks=8, width=5, stream_dtype=torch.float32, device=CPU)
-    table, ks, first = np.array([[3, 4], [5, 0]], dtype=np.int32), [4, 1], [20, 7]
-    layouts = graphs._chain_layouts(table, ks, first, bucket=4, steps=3)
-    for j, (pos0, slot0) in enumerate([(19, 4 * 16 + 3), (20, 4 * 16 + 4), (21, 4 * 16 + 5)]):
-        host = layouts[j]
-        positions, slots, ctx = host[4:8], host[8:12], host[12:16]
-        assert positions[0] == pos0 and slots[0] == slot0 and ctx[0] == pos0 + 1
-        assert slots[1] // 16 == 9 and all(s // 16 == 9 for s in slots[2:])  # row 1 wants 1 draft: no chain
-        assert list(host[16:]) == [0, 1, 2, 2, 2]  # query starts: one token per live row, padding empty
+    g = graphs._load((4, 4, GREEDY), [1, 2, 3], [17, 5], [2, 1], [[3, 4], [5]], np.array([1, 2]), [20, 7],
+                     [4, 1], None)
+    for accepted in (0, 2):
+        g.accepted[:2] = torch.tensor([accepted, 0])
+        layouts = graphs.chain_layouts(g)  # [J, 3, B]
+        assert layouts.shape == (3, 3, 4)
+        for j in range(3):
+            pos0 = 19 + accepted + j
+            positions, slots, ctx = layouts[j].tolist()
+            assert positions[0] == pos0 and slots[0] == 4 * 16 + pos0 % 16 and ctx[0] == pos0 + 1
+            assert slots[1] // 16 == 9 and all(s // 16 == 9 for s in slots[2:])  # row 1 wants 1 draft: no chain
+            assert positions[1:] == [0, 0, 0] and ctx[1:] == [1, 1, 1]  # they attend to a first slot only
+
+
+def _tensor_layout(layout):
+    """A graph's layout (its host lists are placeholders) with host lists read from its tensors, so the
+    CPU reference attention can run what the graph body computes."""
+    from streamsd.model.kv_cache import BatchLayout
+
+    ctx, qs = layout.context_lens_t.tolist(), layout.query_starts_t.tolist()
+    lens = [b - a for a, b in zip(qs, qs[1:], strict=False)]
+    tables = [row[: -(-c // 16)] if c else [] for row, c in zip(layout.block_table.tolist(), ctx, strict=False)]
+    return BatchLayout(layout.positions, layout.slot_mapping, qs[:-1], lens, ctx, tables, layout.block_table,
+                       layout.context_lens_t, layout.query_starts_t)
+
+
+def _chained_engine(model_dir, head_dir, k: int = 4) -> LLM:
+    """An eagle engine whose propose calls run the graph bodies eagerly on the CPU (no capture), so the
+    worker's chained path (the head queued behind the verify) runs here as it does on CUDA."""
+    from streamsd.spec.eagle_graphs import EagleGraphs
+
+    llm = LLM(str(model_dir), speculative_method="eagle", draft_model=str(head_dir), num_speculative_tokens=k)
+    worker = llm.core.rt.worker
+    proposer = worker.proposer
+
+    def run_layer(ids, feats, layout):
+        return proposer.head.run_layer(ids, feats, layout.positions, proposer._attend(_tensor_layout(layout)))
+
+    proposer.graphs = EagleGraphs(proposer.head, run_layer, worker.cache.block_size, worker.cache.data.shape[2] - 1,
+                                  max_blocks=64, width=k + 1, stream_dtype=torch.float32, device=CPU,
+                                  q_pool=proposer.q_pool)
+    return llm
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_chained_drafts_equal_drafts_proposed_after_the_read(tiny_model_dir, heads, reference, kind):
+    """The head queued straight behind the verify (catching up on every verified row, rejected ones
+    included, and drafting from the row the device's accepted count picks) drafts what the head
+    proposing after the host read drafts: the same output, drafted and accepted counts at every
+    depth, for every request; greedy output equal to the target's; nothing leaked."""
+    plain = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]))
+    chained = _chained_engine(tiny_model_dir, heads[kind])
+    runs = []
+    for llm in (plain, chained):
+        res = llm.generate(PROMPTS, greedy_params())
+        assert [r.outputs[0].token_ids for r in res] == reference
+        runs.append([(r.spec_stats.drafted, r.spec_stats.accepted, list(r.spec_stats.accepted_per_pos)) for r in res])
+        _assert_free(llm)
+    graphs = chained.core.rt.worker.proposer.graphs
+    assert graphs.chained > 0 and graphs.replays > graphs.chained  # both ways in ran (the first drafts: `run`)
+    assert runs[0] == runs[1] and sum(r[1] for r in runs[0]) > 0 and sum(r[0] - r[1] for r in runs[0]) > 0
+
+
+def test_chained_sampled_drafts_equal_drafts_proposed_after_the_read(tiny_model_dir, heads):
+    """Sampled drafts behind the verify: their noise is keyed by positions the device's accepted count
+    sets, their q goes to the pool the next verify reads; the same seeds give the same outputs and
+    counts as proposing after the read, in a batch mixing T = 1, top-k + top-p + min-p and greedy."""
+    kinds = [dict(temperature=1.0), dict(temperature=0.9, top_k=20, top_p=0.8, min_p=0.05), dict(temperature=0.0)]
+    params = [SamplingParams(max_tokens=n, seed=100 + i, ignore_eos=True, **kinds[i % 3])
+              for i, n in enumerate(MAX_TOKENS)]
+    runs = []
+    for llm in (LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"])),
+                _chained_engine(tiny_model_dir, heads["eagle3"])):
+        res = llm.generate(PROMPTS, params)
+        runs.append([(r.outputs[0].token_ids, r.spec_stats.drafted, r.spec_stats.accepted) for r in res])
+        _assert_free(llm)
+    assert runs[0] == runs[1]
+    assert sum(r[2] for r in runs[0]) > 0 and sum(r[1] - r[2] for r in runs[0]) > 0
 
 
 def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadline(tiny_model_dir):

@@ -388,3 +388,57 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
         prefill_attention(q, cache, cache, table, tiles, 0.1, torch.empty_like(q))
     torch.cuda.synchronize()
     assert compiled_variants() == before
+
+
+@pytest.mark.parametrize("kind,norm_first", [("eagle3", False), ("eagle3", True), ("eagle1", False)])
+def test_fast_eagle_head_matches_its_reference_layer(tiny_model_dir, kind, norm_first):
+    """The EAGLE head's layer on the fused kernels (spec/eagle_fast.py) gives the autograd layer's
+    output, head KV and draft logits, over a prompt chunk (the prefill kernel) and then a catch-up of
+    a verify's rows and a one-token chain step (the decode kernel), for both EAGLE-3 residuals and EAGLE-1."""
+    from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.runtime import load_model
+    from streamsd.spec.eagle_ckpt import new_head
+    from streamsd.spec.eagle_fast import fast_head
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    target, _ = load_model(str(tiny_model_dir), DEV, dtype)
+    torch.manual_seed(0)
+    head = new_head(target, kind=kind, norm_before_residual=norm_first)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    head = head.to(dtype)
+    bs, tables = 16, [[3, 0], [2]]
+    steps = [([0, 0], [20, 9]), ([20, 9], [5, 1])]  # (starts, counts)
+    g = torch.Generator().manual_seed(1)
+    width = head.fc.in_features if kind == "eagle3" else target.args.hidden_size
+    inputs = [(torch.randint(3, target.args.vocab_size, (sum(c),), generator=g).to(DEV),
+               torch.randn(sum(c), width, generator=g).to(DEV, dtype)) for _, c in steps]
+    scale = head.spec.args.head_dim ** -0.5
+    results = []
+    with torch.no_grad():  # the head's parameters train elsewhere; here they only infer
+        for fast in (False, True):
+            cache = PagedKVCache(head.spec.args, 5, bs, dtype, DEV)
+            kv = cache.layer(0)
+            runner = fast_head(head, pa.cuda_attention) if fast else None
+            outs = []
+            for (s, c), (ids, streams) in zip(steps, inputs, strict=True):
+                layout = BatchLayout.build(s, c, tables, bs, DEV)
+                feats = head.features(streams)
+                if runner is not None:
+                    out = runner.run_layer(ids, feats, layout, kv)
+                else:
+                    def attend(q, k, v, layout=layout, kv=kv):
+                        PagedKVCache.write(kv[0], kv[1], k, v, layout.slot_mapping)
+                        return paged_attention_reference(q, kv[0], kv[1], layout, scale)
+
+                    out = head.run_layer(ids, feats, layout.positions, attend)
+                outs.extend([out, head.draft_logits(out[-2:])])
+            results.append((outs, cache.data.clone()))
+    (ref, ref_cache), (out, out_cache) = results
+    tol = 2e-2 if CUDA else 1e-5
+    for a, b in zip(out, ref, strict=True):
+        assert a.shape == b.shape and _rel(a, b) < tol
+    assert _rel(out_cache, ref_cache) < tol
+    assert (head.fast_norm is not None) == (kind == "eagle3")
+

@@ -29,7 +29,7 @@ class FusedLayer:
     gate_up_weight: torch.Tensor  # [2 I, hidden]
 
 
-def _concat_params(mods: list[nn.Linear], attr: str) -> torch.Tensor | None:
+def concat_params(mods: list[nn.Linear], attr: str) -> torch.Tensor | None:
     parts = [getattr(m, attr) for m in mods]
     if parts[0] is None:
         return None
@@ -46,9 +46,9 @@ def fuse_weights(model: Transformer) -> list[FusedLayer]:
     fused = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        qkv_w = _concat_params([a.q_proj, a.k_proj, a.v_proj], "weight")
-        qkv_b = _concat_params([a.q_proj, a.k_proj, a.v_proj], "bias")
-        gate_up = _concat_params([m.gate_proj, m.up_proj], "weight")
+        qkv_w = concat_params([a.q_proj, a.k_proj, a.v_proj], "weight")
+        qkv_b = concat_params([a.q_proj, a.k_proj, a.v_proj], "bias")
+        gate_up = concat_params([m.gate_proj, m.up_proj], "weight")
         assert qkv_w is not None and gate_up is not None
         fused.append(FusedLayer(qkv_w, qkv_b, gate_up))
     return fused

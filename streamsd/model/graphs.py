@@ -225,6 +225,8 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
     n, seconds = warm_up(kernel_models, worker.cache.data.dtype, worker.cache.block_size, worker.vocab, k,
                          worker.device)
     log.info("compiled %d Triton kernel variants in %.1fs", n, seconds)
+    if hasattr(proposer, "enable_kernels"):  # an EAGLE head's layer on the target's fused kernels
+        proposer.enable_kernels()
     if not graphs:
         return
     bs = worker.cache.block_size

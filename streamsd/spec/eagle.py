@@ -8,13 +8,16 @@ gives the first draft; drafts 2..k feed the head's own output back as h. Those d
 the head's guesses, not the target's states, so they are never kept: `draft_computed` reports
 only the caught-up slots and the next call recomputes the accepted ones from the target's states.
 
-Drafts follow the draft policy (spec/drafting.py). On CUDA a call is one graph replay, greedy or
-sampled drafts alike (spec/eagle_graphs.py); catch-ups over prefill chunks run eagerly.
+Drafts follow the draft policy (spec/drafting.py). On CUDA the layer runs on fused kernels
+(spec/eagle_fast.py) and a call is one graph replay, greedy or sampled drafts alike
+(spec/eagle_graphs.py); catch-ups over prefill chunks run eagerly. `chain` queues that replay
+straight behind the verify, before the host has read which drafts passed (the worker's fast path).
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +29,9 @@ from streamsd.spec.base import Proposal, ProposeItem
 from streamsd.spec.drafting import DraftPicker
 from streamsd.spec.eagle_graphs import DraftRow, EagleGraphs
 from streamsd.spec.eagle_head import EagleHead, HeadAttention
+
+if TYPE_CHECKING:
+    from streamsd.spec.eagle_fast import FastHead
 
 
 class EagleProposer:
@@ -43,13 +49,26 @@ class EagleProposer:
         #: residual streams the worker must return for every computed token row
         self.hidden_layers: tuple[int, ...] = head.input_layers
         self.graphs: EagleGraphs | None = None
+        self.fast: FastHead | None = None
+
+    @property
+    def _fits_kernels(self) -> bool:
+        """The head can use the target's attention kernel (set up by setup_cuda before this is asked)."""
+        a = self.head.spec.args
+        return self.device.type == "cuda" and a.head_dim == self.target.args.head_dim and self.target.fast is not None
+
+    def enable_kernels(self) -> None:
+        """The head's layer on the fused kernels, when it fits them and has the target's dtype."""
+        if self._fits_kernels and self.head.fc.weight.dtype == self.target.model.embed_tokens.weight.dtype:
+            from streamsd.spec.eagle_fast import fast_head  # Triton: imported only where it runs
+
+            self.fast = fast_head(self.head, self.target.attend)
 
     def enable_graphs(self, scratch_block: int, max_blocks: int, width: int) -> None:
-        """CUDA graphs for greedy calls whose catch-ups fit `width` tokens (see spec/eagle_graphs.py);
-        only when the head can use the target's attention kernel."""
-        if self.head.spec.args.head_dim == self.target.args.head_dim and self.device.type == "cuda":
+        """CUDA graphs for calls whose catch-ups fit `width` tokens (see spec/eagle_graphs.py)."""
+        if self._fits_kernels:
             dtype = self.target.model.embed_tokens.weight.dtype
-            self.graphs = EagleGraphs(self.head, self._attend, self.cache.block_size, scratch_block, max_blocks,
+            self.graphs = EagleGraphs(self.head, self._run, self.cache.block_size, scratch_block, max_blocks,
                                       width, dtype, self.device, self.q_pool)
 
     def _attend(self, layout: BatchLayout) -> HeadAttention:
@@ -65,7 +84,28 @@ class EagleProposer:
         return attend
 
     def _run(self, ids: torch.Tensor, feats: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast.run_layer(ids, feats, layout, self.cache.layer(0))  # [T, H]
         return self.head.run_layer(ids, feats, layout.positions, self._attend(layout))  # [T, H]
+
+    @torch.inference_mode()
+    def chain(self, reqs: list[Request], starts: list[int], ks: list[int], tokens: torch.Tensor,
+              accepted: torch.Tensor, streams: torch.Tensor) -> torch.Tensor | None:
+        """Queue the catch-up and the drafts behind a verify whose results are still on the device:
+        request i verified K + 1 tokens from starts[i] (tokens [B, K + 1] and accepted [B] from the
+        rejection sampler, the target's streams [B (K + 1), n * Ht]) and wants ks[i] drafts. Returns
+        the drafts [B, max k] (device), or None when no graph fits (the caller then proposes as usual,
+        after its read). Its caller reports each request's head as caught up to start + accepted + 1."""
+        if self.graphs is None or not reqs:
+            return None
+        k1 = tokens.shape[1]
+        tables = [r.blocks for r in reqs]
+        sampling = any(k and not r.greedy_draft for r, k in zip(reqs, ks, strict=True))
+        rows = [self._draw(r, k) for r, k in zip(reqs, ks, strict=True)] if sampling else None
+        key = self.graphs.key_for([k1] * len(reqs), tables, max(ks), rows)
+        if key is None:
+            return None
+        return self.graphs.run_chained(key, tokens, accepted, streams, starts, tables, ks, rows)
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:

@@ -1,17 +1,25 @@
 """One CUDA graph per EAGLE propose call: the head's catch-up and its whole draft chain.
 
-Eagerly, a propose call of a one-layer head is about 60 kernel launches per head forward, five
-forwards per step, plus a host-built layout per draft: on a small target that costs ten times the
-verify itself. Here a call is one replay. Its inputs live in static buffers refreshed by queued
+Eagerly, a propose call of a one-layer head is dozens of kernel launches per head forward, one
+forward per draft, plus a host-built layout per draft: on a small target that costs several times
+the verify itself. Here a call is one replay. Its inputs live in static buffers refreshed by queued
 host-to-device copies, as the target's graphs do (model/graphs.py); every int64 input shares one
 buffer, so a call costs one copy of them (plus the block table and, when sampling, the warp floats):
 
-- the catch-up tokens of every request packed `width` (= K + 1, the most a verify can accept) per
-  row: ids, positions, KV slots, context lengths; the target's streams for them; the row of each
-  request's last caught-up token, whose output gives draft 0;
-- per chain step j (draft j fed back to predict draft j + 1): positions, slots and context lengths
-  of width 1. A request that wants fewer drafts than the graph makes (k_i < steps) still runs
-  every step, but its surplus steps write to the scratch block and their drafts are dropped.
+- the catch-up tokens of every request packed from the front (graphs.pack_step, at most `width` =
+  K + 1 each): ids, positions, KV slots, context lengths; the target's streams for them;
+- per request: the catch-up row that gives draft 0 (`first_row + accepted`), the position of draft 0
+  (`base + accepted`), the drafts it wants, and its draws. Chain step j (draft j fed back to predict
+  draft j + 1) writes the head's slot one before draft j + 1; its layout is worked out inside the
+  graph from those, so it may depend on a count the host has not read yet. A request that wants
+  fewer drafts than the graph makes still runs every step, but its surplus steps write to the
+  scratch block and their drafts are dropped.
+
+Two ways in. `run`: the host knows every token (after it read the verify's result; accepted = 0).
+`run_chained`: straight after the rejection sampler, before any host read: the catch-up covers
+all 1 + k verified rows with the sampler's output tokens (rows past the accepted prefix write head
+slots that the chain, or the next call's catch-up, overwrites before anything reads them) and the
+accepted counts stay on the device. The verify's tokens and the drafts then come back in one read.
 
 Captured per (batch bucket, steps, mode). GREEDY: argmax drafts (one-hot q). SAMPLED (SORTED when
 some row uses top-k or top-p): each row is warped at its own parameters, drafts race with noise keyed
@@ -32,9 +40,11 @@ from streamsd.model.graphs import BUCKETS, buckets_up_to, pack_step, static_layo
 from streamsd.model.kv_cache import BatchLayout
 from streamsd.sampling.warp import WarpParams
 from streamsd.spec.drafting import draw_drafts
-from streamsd.spec.eagle_head import EagleHead, HeadAttention
+from streamsd.spec.eagle_head import EagleHead
 
 GREEDY, SAMPLED, SORTED = 0, 1, 2
+# (ids [T], feats [T, H], layout) -> the head layer's output [T, H], its K/V written (the proposer's)
+HeadLayer = Callable[[torch.Tensor, torch.Tensor, BatchLayout], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,30 +62,33 @@ class DraftRow:
 
 @dataclass(slots=True)
 class _ChainGraph:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None
     bucket: int
     steps: int
     mode: int
-    # Every int64 input in one buffer, refreshed by one copy: catch-up layout | last rows | chain
-    # layouts | draws. The fields below are views of it.
+    # Every int64 input in one buffer, refreshed by one copy: catch-up layout | per-request rows.
+    # The fields below are views of it.
     inputs: torch.Tensor
     packed: torch.Tensor  # [3T + 2B + 1] the catch-up layout (graphs.pack_step)
-    last_rows: torch.Tensor  # [B] the catch-up row whose output gives draft 0
-    chain: torch.Tensor  # [max(steps - 1, 1), 3B + 2B + 1] one width-1 layout per chain step
-    draw_i: torch.Tensor  # [B, 4]: greedy, seed, draft 0's position, q slot (sampling modes)
+    first_row: torch.Tensor  # [B] the catch-up row that gives draft 0 when nothing more is accepted
+    base: torch.Tensor  # [B] draft 0's position when nothing more is accepted
+    accepted: torch.Tensor  # [B] added to both (run_chained overwrites it on the device)
+    wants: torch.Tensor  # [B] drafts each request wants (0 for padding)
+    draws: torch.Tensor  # [B, 3]: greedy, seed, q slot (sampling modes)
     block_table: torch.Tensor  # [B, max_blocks] int32
     streams: torch.Tensor  # [T, n * Ht] the target's streams at the catch-up tokens
     warp_f: torch.Tensor  # [B, 4] float32: temperature, top-k, top-p, min-p (sampling modes)
+    query_starts: torch.Tensor  # [B + 1] arange: every chain step is one token per row
     drafts: torch.Tensor | None = None  # [B, steps] int64, written by each replay
 
 
 class EagleGraphs:
-    def __init__(self, head: EagleHead, attend_for: Callable[[BatchLayout], HeadAttention], block_size: int,
-                 scratch: int, max_blocks: int, width: int, stream_dtype: torch.dtype, device: torch.device,
-                 q_pool: torch.Tensor | None = None, buckets: tuple[int, ...] = BUCKETS):
+    def __init__(self, head: EagleHead, run_layer: HeadLayer, block_size: int, scratch: int, max_blocks: int,
+                 width: int, stream_dtype: torch.dtype, device: torch.device, q_pool: torch.Tensor | None = None,
+                 buckets: tuple[int, ...] = BUCKETS):
         self.head = head
         self.q_pool = q_pool  # [slots + 1, K, V]: the last row takes the q nobody reads
-        self.attend_for = attend_for  # layout -> the head layer's attention over its paged KV (the proposer's)
+        self.run_layer = run_layer
         self.block_size = block_size
         self.scratch = scratch
         self.max_blocks = max_blocks
@@ -86,6 +99,7 @@ class EagleGraphs:
         self.graphs: dict[tuple[int, int, int], _ChainGraph] = {}
         self.pool: tuple[int, int] | None = None  # made at the first capture
         self.replays = 0
+        self.chained = 0  # replays queued straight after a verify (run_chained)
 
     @property
     def spare_q_slot(self) -> int:
@@ -120,99 +134,131 @@ class EagleGraphs:
         """Drafts [len(counts), steps] (a view valid until the next replay). Request i caught up on
         counts[i] slots from starts[i]; it wants ks[i] drafts, the first at position draft_starts[i],
         drawn as rows[i] says (sampling modes)."""
+        last = np.cumsum(counts) - 1
+        g = self._load(key, ids, starts, counts, tables, last, draft_starts, ks, rows)
+        g.streams[: streams.shape[0]].copy_(streams)
+        return self._replay(g, len(counts))
+
+    def run_chained(self, key: tuple[int, int, int], tokens: torch.Tensor, accepted: torch.Tensor,
+                    streams: torch.Tensor, starts: list[int], tables: list[list[int]], ks: list[int],
+                    rows: list[DraftRow] | None = None) -> torch.Tensor:
+        """Drafts [B, steps] right after a verify whose sampler left `tokens` [B, K + 1] (-1 past the
+        emitted ones) and `accepted` [B] on the device: request i verified K + 1 tokens from starts[i]
+        (its last token and K drafts, some perhaps padding), and `streams` [B (K + 1), n * Ht] are the
+        target's at them. Nothing is read back here."""
+        b, k1 = tokens.shape
+        counts = [k1] * b
+        first = np.arange(b, dtype=np.int64) * k1
+        # Accepting a tokens puts draft 0 at start + a + 2 (the last token, a drafts, the bonus).
+        g = self._load(key, None, starts, counts, tables, first, [s + 2 for s in starts], ks, rows)
+        g.accepted[:b].copy_(accepted)
+        torch.clamp(tokens.view(-1), min=0, out=g.packed[: b * k1])  # -1 past the emitted tokens: any id
+        g.streams[: streams.shape[0]].copy_(streams)
+        self.chained += 1
+        return self._replay(g, b)
+
+    def _load(self, key: tuple[int, int, int], ids: list[int] | None, starts: list[int], counts: list[int],
+              tables: list[list[int]], first_row: np.ndarray, draft_starts: list[int], ks: list[int],
+              rows: list[DraftRow] | None) -> _ChainGraph:
+        """The graph for `key` with its host inputs queued (accepted = 0)."""
         g = self.graphs.get(key) or self._capture(*key)
         n, bucket = len(counts), g.bucket
-        host = np.empty(g.inputs.shape[0], dtype=np.int64)
+        host = np.zeros(g.inputs.shape[0], dtype=np.int64)
         packed, table = pack_step(ids, starts, counts, tables, bucket, self.width, self.scratch, self.block_size)
         end = packed.shape[0]
         host[:end] = packed
-        last = host[end : end + bucket]
-        last[:n] = np.cumsum(counts) - 1
-        last[n:] = 0
-        end += bucket
-        chain = self._chain_layouts(table, ks, draft_starts, bucket, g.chain.shape[0])
-        host[end : end + chain.size] = chain.reshape(-1)
-        end += chain.size
-        draws = host[end:].reshape(bucket, 4)
-        draws[:] = (1, 0, 0, self.spare_q_slot)  # greedy, q to the spare slot (and all padding rows)
+        per_row = host[end : end + 4 * bucket].reshape(4, bucket)  # first row, base, accepted, wants
+        per_row[0, :n] = first_row
+        per_row[1, :n] = np.asarray(draft_starts, dtype=np.int64) - 1  # the head slot before draft 0
+        per_row[3, :n] = ks
+        draws = host[end + 4 * bucket :].reshape(bucket, 3)
+        draws[:] = (1, 0, self.spare_q_slot)  # greedy, q to the spare slot (and all padding rows)
         if rows is not None and g.mode != GREEDY:
             # Whole arrays from Python lists: per-row numpy assignments cost ~5 us a request.
             wf = np.zeros((bucket, 4), dtype=np.float32)
             wf[:n] = [(r.temperature, r.top_k, r.top_p, r.min_p) for r in rows]
-            draws[:n] = [(r.greedy, r.seed, d, self.spare_q_slot if r.greedy else r.q_slot)
-                         for r, d in zip(rows, draft_starts, strict=True)]
+            draws[:n] = [(r.greedy, r.seed, self.spare_q_slot if r.greedy else r.q_slot) for r in rows]
             g.warp_f.copy_(torch.from_numpy(wf), non_blocking=True)
         g.inputs.copy_(torch.from_numpy(host), non_blocking=True)
         g.block_table[: table.shape[0], : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
-        g.streams[: streams.shape[0]].copy_(streams)
-        g.graph.replay()
+        return g
+
+    def _replay(self, g: _ChainGraph, n: int) -> torch.Tensor:
+        if g.graph is None:  # no CUDA: the same work, eagerly (tests of the layouts on the CPU)
+            g.drafts = self._forward(g)
+        else:
+            g.graph.replay()
         self.replays += 1
         assert g.drafts is not None
         return g.drafts[:n]
 
-    def _chain_layouts(self, table: np.ndarray, ks: list[int], draft_starts: list[int], bucket: int,
-                       steps: int) -> np.ndarray:
-        """[steps, 5B + 1]: chain step j's width-1 layout (graphs.pack_step's) in row j. Draft j goes
-        into the head's slot one before its position. Rows that need no step j (ks[i] <= j + 1)
-        attend to their first slot and write to the scratch block, as do the bucket's padding rows.
-        `table` [n, w]: the requests' block tables."""
-        bs, n, b = self.block_size, len(ks), bucket
-        out = np.zeros((steps, 5 * b + 1), dtype=np.int64)
-        j = np.arange(steps)[:, None]  # [J, 1]
-        live = np.asarray(ks, dtype=np.int64)[None, :] > j + 1  # [J, n]
-        pos = np.where(live, np.asarray(draft_starts, dtype=np.int64)[None, :] - 1 + j, 0)  # [J, n]
-        block = table[np.arange(n)[None, :], pos // bs].astype(np.int64)  # [J, n]
-        scratch = self.scratch * bs + np.arange(b) % bs  # [B]
-        out[:, b : b + n] = pos
-        out[:, 2 * b : 2 * b + n] = np.where(live, block * bs + pos % bs, scratch[:n])
-        out[:, 2 * b + n : 3 * b] = scratch[: b - n]
-        out[:, 3 * b : 3 * b + n] = pos + 1
-        out[:, 4 * b : 4 * b + n] = np.arange(n)
-        out[:, 4 * b + n :] = n
-        return out
+    def chain_layouts(self, g: _ChainGraph) -> torch.Tensor:
+        """[J, 3, B] positions, KV slots and context lengths of chain steps j = 0..J-1, on the device.
+        Step j feeds draft j at its head slot, one before its position; rows that want no more than
+        j + 1 drafts attend to their first slot and write to the scratch block (their KV past their
+        reservation is not their own), as do the bucket's padding rows."""
+        bs, b, steps = self.block_size, g.bucket, max(g.steps - 1, 1)
+        j = torch.arange(steps, device=g.inputs.device).unsqueeze(1)  # [J, 1]
+        live = g.wants.unsqueeze(0) > j + 1  # [J, B]
+        pos = torch.where(live, (g.base + g.accepted).unsqueeze(0) + j, 0)  # [J, B]
+        block = g.block_table.gather(1, (pos // bs).T).T.long()  # [J, B]
+        scratch = self.scratch * bs + torch.arange(b, device=pos.device) % bs  # [B]
+        slots = torch.where(live, block * bs + pos % bs, scratch)  # [J, B]
+        return torch.stack([pos, slots, pos + 1], dim=1)  # [J, 3, B]
 
     def _forward(self, g: _ChainGraph) -> torch.Tensor:
-        """The captured work: catch-up, then `steps` greedy drafts -> [B, steps]."""
+        """The captured work: catch-up, then `steps` drafts -> [B, steps]."""
         head, bucket = self.head, g.bucket
         ids, layout = static_layout(g.packed, g.block_table, bucket, self.width, self.scratch)
-        out = head.run_layer(ids, head.features(g.streams), layout.positions, self.attend_for(layout))  # [T, H]
-        h = out.index_select(0, g.last_rows)  # [B, H]
+        out = self.run_layer(ids, head.features(g.streams), layout)  # [T, H]
+        h = out.index_select(0, g.first_row + g.accepted)  # [B, H]
+        chain = self.chain_layouts(g) if g.steps > 1 else None  # [J, 3, B]
         drafts = []
         for j in range(g.steps):
             tok = head.greedy_draft(h) if g.mode == GREEDY else self._sample(g, h, j)  # [B]
             drafts.append(tok)
-            if j + 1 < g.steps:
-                _, lay = static_layout(g.chain[j], g.block_table, bucket, 1, self.scratch)
-                h = head.run_layer(tok, h, lay.positions, self.attend_for(lay))  # [B, H]
+            if chain is not None and j + 1 < g.steps:
+                h = self.run_layer(tok, h, self._step_layout(g, chain[j]))  # [B, H]
         if not drafts:  # a catch-up-only call (every k = 0)
             return h.new_zeros(bucket, 0, dtype=torch.int64)
         return torch.stack(drafts, dim=1)  # [B, steps]
 
+    def _step_layout(self, g: _ChainGraph, step: torch.Tensor) -> BatchLayout:
+        """step [3, B] -> the width-1 layout of one chain step (the host lists only steer the kernel
+        dispatch: every query is one token)."""
+        b = g.bucket
+        return BatchLayout(positions=step[0], slot_mapping=step[1], query_starts=list(range(b)), query_lens=[1] * b,
+                           context_lens=[1] * b, block_tables=[[self.scratch]] * b, block_table=g.block_table,
+                           context_lens_t=step[2], query_starts_t=g.query_starts)
+
     def _sample(self, g: _ChainGraph, h: torch.Tensor, j: int) -> torch.Tensor:
         """Draft j of every row as spec/drafting.py's DraftPicker draws it; q into the pool. h [B, H] -> [B]."""
         assert self.q_pool is not None
-        wf, wi = g.warp_f, g.draw_i
+        wf, wi = g.warp_f, g.draws
         wp = WarpParams(wf[:, 0], wf[:, 1].long(), wf[:, 2], wf[:, 3], g.mode == SORTED)
-        tokens, q = draw_drafts(self.head.target_logits(h), wp, wi[:, 0].bool(), wi[:, 1], wi[:, 2] + j)  # [B], [B, V]
-        self.q_pool[wi[:, 3], j] = q
+        position = g.base + g.accepted + 1 + j  # [B] draft j's
+        tokens, q = draw_drafts(self.head.target_logits(h), wp, wi[:, 0].bool(), wi[:, 1], position)  # [B], [B, V]
+        self.q_pool[wi[:, 2], j] = q
         return tokens
 
     def _capture(self, bucket: int, steps: int, mode: int = GREEDY) -> _ChainGraph:
-        dev, bs, t_all = self.device, self.block_size, bucket * self.width
-        empty = pack_step([], [], [], [], bucket, self.width, self.scratch, bs)[0]  # all padding: safe to run
-        chain0 = pack_step([], [], [], [], bucket, 1, self.scratch, bs)[0]
-        n_chain = max(steps - 1, 1)
-        host = np.concatenate([empty, np.zeros(bucket, dtype=np.int64), np.tile(chain0, n_chain),
-                               np.tile(np.array([1, 0, 0, self.spare_q_slot], dtype=np.int64), bucket)])
-        inputs = torch.from_numpy(host).to(dev)
-        p, c = empty.shape[0], chain0.shape[0]
+        dev, t_all = self.device, bucket * self.width
+        empty = pack_step([], [], [], [], bucket, self.width, self.scratch, self.block_size)[0]  # all padding
+        draws = np.tile(np.array([1, 0, self.spare_q_slot], dtype=np.int64), bucket)
+        inputs = torch.from_numpy(np.concatenate([empty, np.zeros(4 * bucket, dtype=np.int64), draws])).to(dev)
+        p = empty.shape[0]
+        rows = inputs[p : p + 4 * bucket].view(4, bucket)
         n_in = len(self.head.input_layers) * self.head.spec.target_hidden_size
         g = _ChainGraph(
-            torch.cuda.CUDAGraph(), bucket, steps, mode, inputs, inputs[:p], inputs[p : p + bucket],
-            inputs[p + bucket : p + bucket + n_chain * c].view(n_chain, c), inputs[p + bucket + n_chain * c :].view(bucket, 4),
+            torch.cuda.CUDAGraph() if dev.type == "cuda" else None, bucket, steps, mode, inputs, inputs[:p],
+            rows[0], rows[1], rows[2], rows[3], inputs[p + 4 * bucket :].view(bucket, 3),
             torch.full((bucket, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
             torch.zeros(t_all, n_in, dtype=self.stream_dtype, device=dev),
-            torch.zeros(bucket, 4, dtype=torch.float32, device=dev))
+            torch.zeros(bucket, 4, dtype=torch.float32, device=dev),
+            torch.arange(bucket + 1, device=dev))
+        self.graphs[(bucket, steps, mode)] = g
+        if g.graph is None:
+            return g
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(dev)
@@ -222,5 +268,4 @@ class EagleGraphs:
         torch.cuda.current_stream(dev).wait_stream(side)
         with torch.cuda.graph(g.graph, pool=self.pool):
             g.drafts = self._forward(g)
-        self.graphs[(bucket, steps, mode)] = g
         return g

@@ -92,6 +92,8 @@ class EagleHead(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.shared: Shared | None = None
+        # The final norm on the fused kernel (spec/eagle_fast.py sets it on CUDA); None: `norm`.
+        self.fast_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
         #: the streams the target returns (ascending, as its forward captures them)
         self.input_layers = tuple(sorted(set(spec.aux_layers)))
         self._order = [self.input_layers.index(i) for i in spec.aux_layers]
@@ -149,7 +151,7 @@ class EagleHead(nn.Module):
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Pre-norm output [N, H] -> logits [N, Vd] over the draft vocabulary (float32)."""
-        x = out if self.spec.kind == EAGLE1 else self.norm(out)
+        x = out if self.spec.kind == EAGLE1 else (self.fast_norm or self.norm)(out)
         head = self.lm_head if hasattr(self, "lm_head") else self.shared.lm_head  # type: ignore[union-attr]
         return head(x.to(head.weight.dtype)).float()  # a float32 head in training may share a bf16 lm_head
 
