@@ -6,7 +6,7 @@ prompt so a noisy machine slows them alike; every engine first answers one warm-
 graphs are captured and Triton kernels compiled there, not in a timing). tokens/s = generated
 tokens / wall time of the request (prefill included), summed over the prompts.
 
-`--phases`: afterwards one more greedy answer per engine with the host time of each phase of a step
+`--phases`: afterwards one more answer per engine and temperature with the host time of each phase of a step
 timed (scheduling, the target's forward and its graph replay, verification, the host reads that wait
 for the GPU, the proposer, the engine's emit), in ms per step: where an EAGLE step's time goes.
 
@@ -104,7 +104,8 @@ def main() -> None:
            "cuda_graphs": worker.graphs is not None, "k": a.k, "prompts": len(prompts), "max_tokens": a.max_tokens,
            "rows": rows}
     if a.phases:
-        doc["phases_ms_per_step"] = _phases(engines, prompts[0], a.max_tokens)
+        doc["phases_ms_per_step"] = {f"T={t:g}": _phases(engines, prompts[0], a.max_tokens, t)
+                                     for t in (float(x) for x in a.temperatures.split(","))}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=2)
@@ -116,21 +117,24 @@ def main() -> None:
               f"{r['tau'] if r['tau'] is not None else '-':>6} {r.get('same_as_plain', '')}")
 
 
-def _phases(engines: dict[str, Any], prompt: str, max_tokens: int) -> dict[str, dict[str, float]]:
+def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: float) -> dict[str, dict[str, float]]:
     """Host seconds per phase of a step, per engine: the methods below are wrapped with a timer for
-    one greedy answer. Nested phases are included in their callers' (the worker's `_verify` holds the
+    one answer at `temperature`. Nested phases are included in their callers' (the worker's `_verify` holds the
     read of its tokens); `Tensor.tolist` is where the host waits for the GPU."""
+    import streamsd.worker as worker_module
     from streamsd import SamplingParams
     from streamsd.core import EngineCore
     from streamsd.model.graphs import GraphRunner
+    from streamsd.sampling import rng
     from streamsd.scheduler import Scheduler
     from streamsd.spec.eagle import EagleProposer
     from streamsd.spec.eagle_graphs import EagleGraphs
     from streamsd.worker import Worker
 
     wrapped = {Worker: ["step", "_forward", "_verify", "_sample_plain", "_propose"], Scheduler: ["schedule", "update"],
-               EngineCore: ["emit"], GraphRunner: ["_replay"], EagleProposer: ["propose"], EagleGraphs: ["run"],
-               torch.Tensor: ["tolist"]}
+               EngineCore: ["emit"], GraphRunner: ["_replay"], EagleProposer: ["propose", "chain"],
+               EagleGraphs: ["run", "run_chained"], torch.Tensor: ["tolist"], rng: ["exponentials", "uniforms"],
+               worker_module: ["warp"]}
     seconds: dict[str, float] = {}
     originals = []
 
@@ -157,7 +161,7 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int) -> dict[str, 
         seconds.clear()
         try:
             t0 = time.perf_counter()
-            r = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0))[0]
+            r = llm.chat(conv, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0))[0]
             wall = time.perf_counter() - t0
         finally:
             for cls, name, own in reversed(originals):
@@ -171,7 +175,7 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int) -> dict[str, 
                   **{k: round(1e3 * v / steps, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}}
     names = sorted({k for row in out.values() for k in row if k not in ("steps", "wall")},
                    key=lambda k: -max(row.get(k, 0.0) for row in out.values()))
-    print("\nms per step (host time; nested phases are inside their callers')")
+    print(f"\nms per step at T={temperature:g} (host time; nested phases are inside their callers')")
     print(f"{'phase':26}" + "".join(f"{m:>10}" for m in out))
     for k in ("wall", *names):
         print(f"{k:26}" + "".join(f"{row.get(k, 0.0):>10.3f}" for row in out.values()))

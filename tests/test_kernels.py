@@ -350,6 +350,7 @@ def test_graph_replay_returns_the_eager_hidden_streams(tiny_model_dir):
 def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
     """After the start-up warm-up, steps of any batch size, draft count, query width and block-table
     width compile nothing (a compile inside a step stalled it for a few hundred ms on the H200)."""
+    import streamsd.kernels.rng as krng
     from streamsd.kernels.rejection import rejection_sample_triton
     from streamsd.kernels.warmup import compiled_variants, warm_up
     from streamsd.runtime import load_model
@@ -365,6 +366,8 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
             # per-request rows sliced out of one packed buffer, as the worker sends them
             ints = torch.randint(0, 2, (3 * b + b * k,), generator=g).to(DEV)
             drafts, greedy = ints[3 * b :].view(b, k), ints[:b].bool()
+            krng.exponentials(ints[b : 2 * b], drafts, rng.TARGET, vocab)  # seeds, positions: packed slices
+            krng.uniforms(ints[b : 2 * b], drafts[:, : max(k - 1, 1)], rng.ACCEPT)
             for sampled in (False, True):
                 p = torch.softmax(torch.randn(b, k + 1, vocab, generator=g), -1).to(DEV) if sampled else None
                 rejection_sample_triton(VerifyInput(
@@ -442,3 +445,23 @@ def test_fast_eagle_head_matches_its_reference_layer(tiny_model_dir, kind, norm_
     assert _rel(out_cache, ref_cache) < tol
     assert (head.fast_norm is not None) == (kind == "eagle3")
 
+
+def test_rng_kernels_give_the_torch_oracles_bits():
+    """Exp(1) noise and acceptance uniforms from kernels/rng.py equal sampling/rng.py's torch hash (the
+    oracle, and the CPU path): the uniforms bit for bit, the noise up to how -log rounds (the same 23-bit
+    uniforms underneath: a hash off by one bit is a different number), over seeds past 2**32 and negative
+    ones, every stream, ragged vocabularies."""
+    import streamsd.kernels.rng as krng
+    from streamsd.sampling import rng as trng
+
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.tensor([0, 7, 2**40 + 3, -5, 123456789], dtype=torch.int64)
+    positions = torch.randint(0, 100_000, (5, 3), generator=g, dtype=torch.int64)
+    for stream in (trng.ACCEPT, trng.TARGET, trng.DRAFT):
+        want_u = trng.uniforms(seeds, positions, stream)  # the torch path (CPU tensors)
+        got_u = krng.uniforms(seeds.to(DEV), positions.to(DEV), stream).cpu()
+        assert torch.equal(got_u, want_u)
+        for vocab in (1, 37, 5000):
+            want = trng.exponentials(seeds, positions, stream, vocab)
+            got = krng.exponentials(seeds.to(DEV), positions.to(DEV), stream, vocab).cpu()
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -35,6 +35,7 @@ from streamsd.kernels.prefill_attention import (
     tokens_per_tile,
 )
 from streamsd.kernels.rejection import _rejection_kernel, rejection_sample_triton
+from streamsd.kernels.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
 from streamsd.sampling.rejection import VerifyInput
 
 _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
@@ -43,15 +44,16 @@ _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
 def compiled_variants() -> int:
     """Kernel binaries compiled in this process so far (a step that raises it stalled on a compile)."""
     total = 0
-    for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel):
+    for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel,
+               _exponentials_kernel, _uniforms_kernel):
         total += sum(len(cache[0]) for cache in fn.device_caches.values())
     return total
 
 
 def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab: int, max_k: int,
             device: torch.device) -> tuple[int, float]:
-    """Compiles the attention kernel of each model (head layout) and the rejection sampler for every
-    k ≤ ``max_k``; returns (variants compiled, seconds)."""
+    """Compiles the attention kernel of each model (head layout), the rejection sampler for every
+    k ≤ ``max_k`` and the sampling noise; returns (variants compiled, seconds)."""
     t0, before = time.perf_counter(), compiled_variants()
     layouts = {(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in models}
     for heads, kv_heads, dim in sorted(layouts):
@@ -59,6 +61,9 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
     for k in range(1, max_k + 1):
         for has_p, has_q in ((False, False), (True, False), (True, True)):
             rejection_sample_triton(_verify_input(k, vocab, has_p, has_q, device))
+    seeds, positions = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, 1, dtype=torch.int64, device=device)
+    exponentials(seeds, positions, 1, vocab)  # the sampling noise (one BLOCK per vocabulary size)
+    uniforms(seeds, positions, 1)
     torch.cuda.synchronize(device)
     return compiled_variants() - before, time.perf_counter() - t0
 

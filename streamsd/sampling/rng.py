@@ -54,11 +54,19 @@ def _to_unit(h: torch.Tensor) -> torch.Tensor:
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """U(0,1) per (seed, position): [B], [B, P] -> [B, P] float32."""
+    if positions.is_cuda:  # the same bits in one launch (kernels/rng.py), not ~50
+        from streamsd.kernels import rng as kernel
+
+        return kernel.uniforms(seeds, positions, stream)
     return _to_unit(_mix(row_keys(seeds, positions, stream) ^ 0x5F356495))
 
 
 def exponentials(seeds: torch.Tensor, positions: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
     """Exp(1) noise over the vocabulary per (seed, position): [B], [B, P] -> [B, P, V] float32."""
+    if positions.is_cuda:  # the same bits in one launch (kernels/rng.py), not ~70
+        from streamsd.kernels import rng as kernel
+
+        return kernel.exponentials(seeds, positions, stream, vocab)
     keys = row_keys(seeds, positions, stream).unsqueeze(-1)  # [B, P, 1]
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)  # [V]
     h = _mix(keys ^ ((idx * _GOLDEN) & _MASK32))  # [B, P, V]
