@@ -26,7 +26,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--model", default=model_default, help=f"{DEFAULT_MODEL}, a local HF directory, a .gguf file or a hub id")
     p.add_argument("--draft-model", default=None, help="a small draft model with the same tokenizer, or an EAGLE head")
     p.add_argument("--speculative-method", choices=["draft", "ngram", "eagle", "none"], default=None,
-                   help="default: draft with --draft-model, ngram for the embedded default model, else none")
+                   help="default: draft with --draft-model; for the embedded default model its shipped EAGLE "
+                        "head on CUDA, ngram on a CPU; else none")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K, the most drafts verified per step")
     p.add_argument("--speculation-policy", choices=["adaptive", "fixed"], default="adaptive",
                    help="adaptive: k per request and step from measured costs and acceptance; fixed: always K")
@@ -40,12 +41,24 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
 
 
+def default_speculation(model: str, draft_model: str | None, device: str | None) -> str:
+    """--speculative-method when none is given. For the embedded default model: its shipped EAGLE head
+    on CUDA (batch 1 on the H200, 16 held-out prompts: 1.64x plain at T=0 and 1.08x at T=1, n-gram
+    1.45x and 1.04x) and n-gram lookup on a CPU, where the head's extra layer and its full-vocabulary
+    lm_head cost more than they save (1.06x plain against n-gram's 1.41x)."""
+    if draft_model:
+        return "draft"
+    if model != DEFAULT_MODEL:
+        return "none"
+    from streamsd.runtime import pick_device
+
+    return "eagle" if pick_device(device).type == "cuda" else "ngram"
+
+
 def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     from streamsd.config import EngineConfig, SpecConfig
 
-    method = a.speculative_method
-    if method is None:
-        method = "draft" if a.draft_model else ("ngram" if a.model == DEFAULT_MODEL else "none")
+    method = a.speculative_method or default_speculation(a.model, a.draft_model, a.device)
     spec = SpecConfig(method=None if method == "none" else method, num_tokens=a.num_speculative_tokens,
                       draft_model=a.draft_model, draft_greedy_threshold=a.draft_greedy_threshold,
                       policy=a.speculation_policy)

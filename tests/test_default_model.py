@@ -27,7 +27,7 @@ def test_serve_with_no_arguments_pulls_and_answers_paris(tmp_path):
 
 @pytest.mark.slow
 def test_our_forward_answers_paris_greedily_with_and_without_speculation():
-    for method in (None, "ngram"):
+    for method in (None, "ngram", "eagle"):  # eagle: the head shipped for this model
         llm = LLM("smollm2-135m-instruct", speculative_method=method, kv_cache_tokens=4096)
         out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
         assert "Paris" in out.text, out.text

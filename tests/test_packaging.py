@@ -18,3 +18,14 @@ def test_installed_ui_dir_has_the_page():
     from streamsd.cli import default_web_dir
 
     assert (default_web_dir() / "index.html").exists()
+
+
+def test_default_speculation_follows_the_model_and_the_device():
+    """The embedded default model speculates with its shipped EAGLE head on CUDA and with n-gram lookup
+    on a CPU; a draft model given means draft; any other model speculates only when asked."""
+    from streamsd.cli import DEFAULT_MODEL, default_speculation
+
+    assert default_speculation(DEFAULT_MODEL, None, "cuda") == "eagle"
+    assert default_speculation(DEFAULT_MODEL, None, "cpu") == "ngram"
+    assert default_speculation(DEFAULT_MODEL, "some/draft", "cuda") == "draft"
+    assert default_speculation("some/other-model", None, "cuda") == "none"
