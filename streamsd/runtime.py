@@ -172,9 +172,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     policy = build_policy(cfg, worker, sched)
     seconds = time.perf_counter() - t0
     q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0
-    log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB",
-             path, device, dtype, seconds, num_blocks, max_len, q_slots, cfg.spec.num_tokens, args.vocab_size,
-             q_bytes / 2**20)
+    log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB; "
+             "speculation: %s", path, device, dtype, seconds, num_blocks, max_len, q_slots, cfg.spec.num_tokens,
+             args.vocab_size, q_bytes / 2**20,
+             f"{cfg.spec.method}, k <= {cfg.spec.num_tokens}, {cfg.spec.policy}" if cfg.spec.enabled else "none")
     # Everything loaded so far (modules, the tokenizer's vocabulary, graphs) lives as long as the
     # process: frozen, a full collection no longer walks it, which made it a step-sized pause.
     gc.collect()
