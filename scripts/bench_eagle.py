@@ -119,7 +119,7 @@ def main() -> None:
 
 def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: float) -> dict[str, dict[str, float]]:
     """Host seconds per phase of a step, per engine: the methods below are wrapped with a timer for
-    one answer at `temperature`. Nested phases are included in their callers' (the worker's `_verify` holds the
+    one answer at `temperature`. Nested phases are included in their callers' (`Verifier.verify` holds the
     read of its tokens); `Tensor.tolist` is where the host waits for the GPU."""
     import streamsd.worker as worker_module
     from streamsd import SamplingParams
@@ -129,9 +129,10 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: 
     from streamsd.scheduler import Scheduler
     from streamsd.spec.eagle import EagleProposer
     from streamsd.spec.eagle_graphs import EagleGraphs
+    from streamsd.verify import Verifier
     from streamsd.worker import Worker
 
-    wrapped = {Worker: ["step", "_forward", "_verify", "_sample_plain", "_propose"], Scheduler: ["schedule", "update"],
+    wrapped = {Worker: ["step", "_forward", "_propose"], Verifier: ["verify", "_sample_plain"], Scheduler: ["schedule", "update"],
                EngineCore: ["emit"], GraphRunner: ["_replay"], EagleProposer: ["propose", "chain"],
                EagleGraphs: ["run", "run_chained"], torch.Tensor: ["tolist"], rng: ["exponentials", "uniforms"],
                worker_module: ["warp"]}

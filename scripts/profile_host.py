@@ -29,9 +29,10 @@ from streamsd.policy import AdaptivePolicy  # noqa: E402
 from streamsd.runtime import build_runtime  # noqa: E402
 from streamsd.scheduler import Scheduler  # noqa: E402
 from streamsd.spec.synthetic import SyntheticProposer  # noqa: E402
+from streamsd.verify import Verifier  # noqa: E402
 from streamsd.worker import Worker  # noqa: E402
 
-PHASES = {Worker: ["_forward", "_verify", "_sample_plain", "_propose"], Scheduler: ["schedule", "update"],
+PHASES = {Worker: ["_forward", "_propose"], Verifier: ["verify", "_sample_plain"], Scheduler: ["schedule", "update"],
           EngineCore: ["emit", "finish_step"], AdaptivePolicy: ["choose", "observe"],
           SyntheticProposer: ["propose"]}
 
