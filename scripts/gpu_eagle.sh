@@ -133,6 +133,8 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     tail -28 "$OUT/bench_b1.log" | tee -a "$OUT/run.log"
     ;;
   serve)
+    # The lent machine has torch but not the server's packages: say so at once rather than wait for a port.
+    python3 -c "import uvicorn, starlette, msgspec" 2>/dev/null || { log "serve: uvicorn/starlette/msgspec missing here"; exit 1; }
     [ -f $GGUF ] || join_gguf
     python3 -c "
 from pathlib import Path
