@@ -45,16 +45,16 @@ class Worker:
 
     def _chain(self, entries: list[Scheduled], hidden: torch.Tensor | None) -> Chain | None:
         """An EAGLE head's catch-up and drafts queued straight behind the verify (no host read in
-        between, one read for both): when every entry verifies its last token and the same k drafts,
-        so the head catches up on all 1 + k rows of each (spec/eagle_graphs.py says why that is safe)."""
+        between, one read for both): when every entry verifies its last token and its drafts, so the
+        head catches up on all of each one's rows (spec/eagle_graphs.py says why that is safe)."""
         chain = getattr(self.proposer, "chain", None)
         if chain is None or hidden is None or not entries:
             return None
-        k = entries[0].num_drafts
-        if k == 0 or any(not e.verifies or e.num_tokens != 1 or e.num_drafts != k for e in entries):
-            return None
+        if not any(e.num_drafts for e in entries) or any(not e.verifies or e.num_tokens != 1 for e in entries):
+            return None  # a plain step (the verifier samples, no rejection) or prompt chunks: propose after
         reqs, starts, ks = [e.request for e in entries], [e.start for e in entries], [e.k_next for e in entries]
-        return lambda tokens, accepted: chain(reqs, starts, ks, tokens, accepted, hidden)
+        counts = [1 + e.num_drafts for e in entries]
+        return lambda tokens, accepted: chain(reqs, starts, counts, ks, tokens, accepted, hidden)
 
     # -- target forward -------------------------------------------------------------------------
     def _forward(self, entries: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None]:

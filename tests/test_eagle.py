@@ -443,12 +443,12 @@ def _tensor_layout(layout):
                        layout.context_lens_t, layout.query_starts_t)
 
 
-def _chained_engine(model_dir, head_dir, k: int = 4) -> LLM:
+def _chained_engine(model_dir, head_dir, k: int = 4, **kwargs) -> LLM:
     """An eagle engine whose propose calls run the graph bodies eagerly on the CPU (no capture), so the
     worker's chained path (the head queued behind the verify) runs here as it does on CUDA."""
     from streamsd.spec.eagle_graphs import EagleGraphs
 
-    llm = LLM(str(model_dir), speculative_method="eagle", draft_model=str(head_dir), num_speculative_tokens=k)
+    llm = LLM(str(model_dir), speculative_method="eagle", draft_model=str(head_dir), num_speculative_tokens=k, **kwargs)
     worker = llm.core.rt.worker
     proposer = worker.proposer
 
@@ -461,23 +461,35 @@ def _chained_engine(model_dir, head_dir, k: int = 4) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_chained_drafts_equal_drafts_proposed_after_the_read(tiny_model_dir, heads, reference, kind):
+@pytest.mark.parametrize("kind,policy", [("eagle3", "fixed"), ("eagle1", "fixed"), ("eagle3", "adaptive")])
+def test_chained_drafts_equal_drafts_proposed_after_the_read(tiny_model_dir, heads, reference, kind, policy):
     """The head queued straight behind the verify (catching up on every verified row, rejected ones
-    included, and drafting from the row the device's accepted count picks) drafts what the head
-    proposing after the host read drafts: the same output, drafted and accepted counts at every
-    depth, for every request; greedy output equal to the target's; nothing leaked."""
-    plain = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]))
-    chained = _chained_engine(tiny_model_dir, heads[kind])
+    included, and drafting from the row the device's accepted count picks; rows with fewer drafts
+    than others packed like the target's streams) drafts what the head proposing after the host read
+    drafts, eagerly or through the graph body (`run`): the same output, drafted and accepted counts at
+    every depth, for every request; greedy output equal to the target's; nothing leaked. The adaptive
+    policy gives steps whose requests verify different numbers of drafts (its k follow timings, so
+    there only the output and the cleanup are compared)."""
+    eager = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]),
+                speculation_policy=policy)
+    after_read = _chained_engine(tiny_model_dir, heads[kind], speculation_policy=policy)
+    after_read.core.rt.worker._chain = lambda entries, hidden: None  # every propose call through `run`
+    chained = _chained_engine(tiny_model_dir, heads[kind], speculation_policy=policy)
+    counts = []
+    graphs = chained.core.rt.worker.proposer.graphs
+    run_chained = graphs.run_chained
+    graphs.run_chained = lambda *a, **kw: counts.append(a[5]) or run_chained(*a, **kw)
     runs = []
-    for llm in (plain, chained):
+    for llm in (eager, after_read, chained):
         res = llm.generate(PROMPTS, greedy_params())
         assert [r.outputs[0].token_ids for r in res] == reference
         runs.append([(r.spec_stats.drafted, r.spec_stats.accepted, list(r.spec_stats.accepted_per_pos)) for r in res])
         _assert_free(llm)
-    graphs = chained.core.rt.worker.proposer.graphs
-    assert graphs.chained > 0 and graphs.replays > graphs.chained  # both ways in ran (the first drafts: `run`)
-    assert runs[0] == runs[1] and sum(r[1] for r in runs[0]) > 0 and sum(r[0] - r[1] for r in runs[0]) > 0
+    assert after_read.core.rt.worker.proposer.graphs.replays > 0 and graphs.chained == len(counts) > 0
+    assert any(len(set(c)) > 1 for c in counts)  # some steps verified different numbers of drafts per request
+    if policy == "fixed":
+        assert runs[0] == runs[1] == runs[2]
+        assert sum(r[1] for r in runs[0]) > 0 and sum(r[0] - r[1] for r in runs[0]) > 0
 
 
 def test_chained_sampled_drafts_equal_drafts_proposed_after_the_read(tiny_model_dir, heads):

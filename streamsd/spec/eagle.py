@@ -89,23 +89,22 @@ class EagleProposer:
         return self.head.run_layer(ids, feats, layout.positions, self._attend(layout))  # [T, H]
 
     @torch.inference_mode()
-    def chain(self, reqs: list[Request], starts: list[int], ks: list[int], tokens: torch.Tensor,
+    def chain(self, reqs: list[Request], starts: list[int], counts: list[int], ks: list[int], tokens: torch.Tensor,
               accepted: torch.Tensor, streams: torch.Tensor) -> torch.Tensor | None:
         """Queue the catch-up and the drafts behind a verify whose results are still on the device:
-        request i verified K + 1 tokens from starts[i] (tokens [B, K + 1] and accepted [B] from the
-        rejection sampler, the target's streams [B (K + 1), n * Ht]) and wants ks[i] drafts. Returns
+        request i verified counts[i] tokens from starts[i] (tokens [B, K + 1] and accepted [B] from the
+        rejection sampler, the target's streams [sum(counts), n * Ht]) and wants ks[i] drafts. Returns
         the drafts [B, max k] (device), or None when no graph fits (the caller then proposes as usual,
         after its read). Its caller reports each request's head as caught up to start + accepted + 1."""
         if self.graphs is None or not reqs:
             return None
-        k1 = tokens.shape[1]
         tables = [r.blocks for r in reqs]
         sampling = any(k and not r.greedy_draft for r, k in zip(reqs, ks, strict=True))
         rows = [self._draw(r, k) for r, k in zip(reqs, ks, strict=True)] if sampling else None
-        key = self.graphs.key_for([k1] * len(reqs), tables, max(ks), rows)
+        key = self.graphs.key_for(counts, tables, max(ks), rows)
         if key is None:
             return None
-        return self.graphs.run_chained(key, tokens, accepted, streams, starts, tables, ks, rows)
+        return self.graphs.run_chained(key, tokens, accepted, streams, starts, counts, tables, ks, rows)
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:

@@ -17,7 +17,7 @@ buffer, so a call costs one copy of them (plus the block table and, when samplin
 
 Two ways in. `run`: the host knows every token (after it read the verify's result; accepted = 0).
 `run_chained`: straight after the rejection sampler, before any host read: the catch-up covers
-all 1 + k verified rows with the sampler's output tokens (rows past the accepted prefix write head
+all 1 + k_i verified rows of each request with the sampler's output tokens (rows past the accepted prefix write head
 slots that the chain, or the next call's catch-up, overwrites before anything reads them) and the
 accepted counts stay on the device. The verify's tokens and the drafts then come back in one read.
 
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from streamsd.model.graphs import BUCKETS, buckets_up_to, pack_step, static_layout
-from streamsd.model.kv_cache import BatchLayout
+from streamsd.model.kv_cache import BatchLayout, h2d
 from streamsd.sampling.warp import WarpParams
 from streamsd.spec.drafting import draw_drafts
 from streamsd.spec.eagle_head import EagleHead
@@ -140,19 +140,22 @@ class EagleGraphs:
         return self._replay(g, len(counts))
 
     def run_chained(self, key: tuple[int, int, int], tokens: torch.Tensor, accepted: torch.Tensor,
-                    streams: torch.Tensor, starts: list[int], tables: list[list[int]], ks: list[int],
-                    rows: list[DraftRow] | None = None) -> torch.Tensor:
+                    streams: torch.Tensor, starts: list[int], counts: list[int], tables: list[list[int]],
+                    ks: list[int], rows: list[DraftRow] | None = None) -> torch.Tensor:
         """Drafts [B, steps] right after a verify whose sampler left `tokens` [B, K + 1] (-1 past the
-        emitted ones) and `accepted` [B] on the device: request i verified K + 1 tokens from starts[i]
-        (its last token and K drafts, some perhaps padding), and `streams` [B (K + 1), n * Ht] are the
-        target's at them. Nothing is read back here."""
+        emitted ones) and `accepted` [B] on the device: request i verified counts[i] tokens from
+        starts[i] (its last token and its drafts), and `streams` [sum(counts), n * Ht] are the target's
+        at them, packed from the front. Nothing is read back here."""
         b, k1 = tokens.shape
-        counts = [k1] * b
-        first = np.arange(b, dtype=np.int64) * k1
+        first = np.cumsum(counts) - np.asarray(counts)
         # Accepting a tokens puts draft 0 at start + a + 2 (the last token, a drafts, the bonus).
         g = self._load(key, None, starts, counts, tables, first, [s + 2 for s in starts], ks, rows)
         g.accepted[:b].copy_(accepted)
-        torch.clamp(tokens.view(-1), min=0, out=g.packed[: b * k1])  # -1 past the emitted tokens: any id
+        n, flat = sum(counts), tokens.view(-1)
+        if n < b * k1:  # fewer drafts than K in some rows: their emitted tokens, packed like the streams
+            index = np.concatenate([i * k1 + np.arange(c) for i, c in enumerate(counts)])
+            flat = flat.index_select(0, h2d(torch.from_numpy(index), torch.int64, tokens.device))
+        torch.clamp(flat, min=0, out=g.packed[:n])  # -1 past the emitted tokens: any id will do
         g.streams[: streams.shape[0]].copy_(streams)
         self.chained += 1
         return self._replay(g, b)
