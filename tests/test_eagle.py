@@ -373,7 +373,7 @@ def test_cuda_eagle_graph_drafts_equal_eager_drafts(tiny_model_dir, heads, kind)
         stats[graphs] = [(r.spec_stats.drafted, r.spec_stats.accepted, list(r.spec_stats.accepted_per_pos))
                          for r in res]
         if graphs:  # the head on the fused kernels, mostly queued behind the verify (chained)
-            assert proposer.graphs.replays > proposer.graphs.chained > 0 and proposer.fast is not None
+            assert proposer.graphs.chained > 0 and proposer.fast is not None
             assert len({k[1] for k in proposer.graphs.graphs}) > 1
         _assert_free(llm)
     assert stats[True] == stats[False] and sum(s[1] for s in stats[True]) > 0

@@ -3,7 +3,7 @@
 Methods run round-robin per prompt so a shared, noisy machine slows them alike. tokens/s =
 generated tokens / wall time of the request (prefill included), summed over the prompts.
 Usage: python bench_cpu.py [--held-out training.json] [--prompts N] [--max-tokens N] [--threads N]
-       [--temperatures 0,1] [--ignore-eos] [--out FILE]
+       [--temperatures 0,1] [--ignore-eos] [--dtype float32|bfloat16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="ours and HF alike (bfloat16: where the CPU has native bf16 matmuls)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -38,9 +40,9 @@ def main() -> None:
     else:
         prompts = [json.loads(line)["turns"][0] for line in open(a.questions)][: a.prompts]
     engines = {m: LLM(a.model, speculative_method=None if m == "plain" else m, device="cpu", max_num_seqs=4,
-                      kv_cache_tokens=4096) for m in ("plain", "ngram", "eagle")}
+                      kv_cache_tokens=4096, dtype=a.dtype) for m in ("plain", "ngram", "eagle")}
     path = resolve_model(a.model)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype)).eval()
     tok = engines["plain"].tokenizer
     rows = []
     for temp in (float(x) for x in a.temperatures.split(",")):
@@ -71,7 +73,7 @@ def main() -> None:
                          "tau": round(emitted / steps, 3) if steps else None})
             print(json.dumps(rows[-1]), flush=True)
     if a.out:
-        json.dump({"threads": a.threads, "prompts": len(prompts), "max_tokens": a.max_tokens,
+        json.dump({"threads": a.threads, "dtype": a.dtype, "prompts": len(prompts), "max_tokens": a.max_tokens,
                    "ignore_eos": a.ignore_eos, "rows": rows},
                   open(a.out, "w"), indent=2)
 
