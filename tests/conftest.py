@@ -19,8 +19,10 @@ from tiny import build_model, build_perturbed, build_tokenizer  # noqa: E402
 
 # The engine tests compare against HF transformers on the CPU in float32, token for token: on a GPU
 # machine an engine left to choose would run CUDA in bf16 and differ by numerics, not by a bug. The
-# CUDA tests name their device.
+# CUDA tests name their device (and dtype).
 os.environ.setdefault("STREAMSD_DEVICE", "cpu")
+# ... and in float32: `auto` would take bf16 on CPUs that multiply it natively.
+os.environ.setdefault("STREAMSD_DTYPE", "float32")
 
 # Tiny models run fastest single-threaded, and the CI machine has two cores shared with servers.
 torch.set_num_threads(1)
