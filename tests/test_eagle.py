@@ -512,13 +512,24 @@ def test_chained_sampled_drafts_equal_drafts_proposed_after_the_read(tiny_model_
 def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadline(tiny_model_dir):
     """`answer` keeps the streams its generating forwards computed: they equal a separate prefill pass
     over each answer, with preemption by recompute in between (a small KV pool), and when a deadline
-    cuts the answers short (partial answers are kept, every request is freed)."""
+    cuts the answers short (partial answers are kept, every request is freed). The forward hands its
+    streams over in one reused buffer, as a CUDA graph's static output does: what `answer` keeps must
+    be its own copy."""
     import time
 
     from streamsd.spec.eagle_data import answer
 
     prompts = [" ".join(CORPUS[i].split()[:6]) for i in range(6)]
     llm = LLM(str(tiny_model_dir), max_num_seqs=4, kv_cache_tokens=160)
+    worker, static = llm.core.rt.worker, torch.empty(4096, 3 * 64)
+    forward = worker._forward
+
+    def graph_like(entries):
+        logits, hidden = forward(entries)
+        static[: hidden.shape[0], : hidden.shape[1]] = hidden
+        return logits, static[: hidden.shape[0], : hidden.shape[1]]
+
+    worker._forward = graph_like
     target, sched = llm.core.rt.worker.target, llm.core.scheduler
     preempted = []
     preempt = sched._preempt

@@ -118,7 +118,7 @@ def answer(llm: Any, prompts: list[str], max_new_tokens: int, seed: int, tempera
     def recording(entries: list[Any]) -> tuple[torch.Tensor, Any]:
         logits, hidden = forward(entries)
         # One copy per step (not per request): a graph's output is overwritten by its next replay.
-        full = hidden.to(dtype)  # [T, layers * Ht]
+        full = hidden.to(dtype, copy=True)  # [T, layers * Ht]
         for e, h in zip(entries, full.split([e.num_tokens + e.num_drafts for e in entries]), strict=True):
             chunks.setdefault(e.request.request_id, []).append((e.start, h[: e.num_tokens]))  # from e.start
         return logits, hidden
