@@ -28,7 +28,6 @@ class Worker:
         self.target = target
         self.cache = cache
         self.proposer = proposer
-        self.q_pool = q_pool  # [slots, K, V] dense draft distributions, or None
         self.device = device
         self.vocab = target.args.vocab_size
         # CUDA graphs for decode/verify steps; build_runtime sets them on CUDA.
@@ -36,7 +35,7 @@ class Worker:
         # Set once a step's GPU work is queued, just before its host read: the engine then does the
         # previous step's text work while the GPU runs (see EngineCore.run).
         self.launched = threading.Event()
-        self.verifier = Verifier(q_pool, self.vocab, device, self.launched)
+        self.verifier = Verifier(q_pool, self.vocab, device, self.launched)  # q_pool: [slots, K, V] or None
 
     def step(self, plan: StepPlan) -> list[EntryResult]:
         logits, hidden = self._forward(plan.entries)  # [rows, V], [tokens, layers * hidden] | None
@@ -92,8 +91,11 @@ class Worker:
         results: list[EntryResult] = []
         items: list[ProposeItem] = []
         owners: list[int] = []
-        # Each entry's rows of the flat streams [T, layers * hidden] (views).
-        streams = hidden.split([e.num_tokens + e.num_drafts for e in entries]) if hidden is not None else None
+        # Each entry's rows of the flat streams [T, layers * hidden] (views), for the proposer that runs
+        # after the read; drafts chained behind the verify already used them (B views a step saved).
+        streams = None
+        if hidden is not None and verified.drafts is None:
+            streams = hidden.split([e.num_tokens + e.num_drafts for e in entries])
         v = 0
         for i, e in enumerate(entries):
             r = e.request

@@ -60,6 +60,15 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
+def _assert_fast_matches_reference(results: list) -> None:
+    """results: [(reference outputs, reference cache), (fast outputs, fast cache)], fused vs eager."""
+    (ref, ref_cache), (out, out_cache) = results
+    tol = 2e-2 if CUDA else 1e-5
+    for a, b in zip(out, ref, strict=True):
+        assert a.shape == b.shape and _rel(a, b) < tol
+    assert _rel(out_cache, ref_cache) < tol
+
+
 def _random_batch(counts: list[int], ctx_extra: list[int], kv_heads: int, heads: int, dim: int, dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     bs = 16
@@ -298,11 +307,7 @@ def test_fast_forward_matches_reference_forward(tiny_model_dir):
             assert o.hidden is not None and len(o.hidden) == 3
             outs.extend([o.logits, *o.hidden])
         results.append((outs, cache.data.clone()))
-    (ref, ref_cache), (out, out_cache) = results
-    tol = 2e-2 if CUDA else 1e-5
-    for a, b in zip(out, ref, strict=True):
-        assert a.shape == b.shape and _rel(a, b) < tol
-    assert _rel(out_cache, ref_cache) < tol
+    _assert_fast_matches_reference(results)
 
 
 @pytest.mark.gpu
@@ -438,11 +443,7 @@ def test_fast_eagle_head_matches_its_reference_layer(tiny_model_dir, kind, norm_
                     out = head.run_layer(ids, feats, layout.positions, attend)
                 outs.extend([out, head.draft_logits(out[-2:])])
             results.append((outs, cache.data.clone()))
-    (ref, ref_cache), (out, out_cache) = results
-    tol = 2e-2 if CUDA else 1e-5
-    for a, b in zip(out, ref, strict=True):
-        assert a.shape == b.shape and _rel(a, b) < tol
-    assert _rel(out_cache, ref_cache) < tol
+    _assert_fast_matches_reference(results)
     assert (head.fast_norm is not None) == (kind == "eagle3")
 
 

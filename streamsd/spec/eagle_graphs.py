@@ -153,7 +153,7 @@ class EagleGraphs:
         g.accepted[:b].copy_(accepted)
         n, flat = sum(counts), tokens.view(-1)
         if n < b * k1:  # fewer drafts than K in some rows: their emitted tokens, packed like the streams
-            index = np.concatenate([i * k1 + np.arange(c) for i, c in enumerate(counts)])
+            index = np.repeat(np.arange(b) * k1 - first, counts) + np.arange(n)  # row i, column j -> i * k1 + j
             flat = flat.index_select(0, h2d(torch.from_numpy(index), torch.int64, tokens.device))
         torch.clamp(flat, min=0, out=g.packed[:n])  # -1 past the emitted tokens: any id will do
         g.streams[: streams.shape[0]].copy_(streams)
