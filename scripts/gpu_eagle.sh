@@ -17,9 +17,6 @@
 #                               batch-1 tokens/s of plain / n-gram / eagle / HF at T=0 and T=1, then host ms per
 #                               step by phase for each engine (bench_eagle.py --phases)
 #                               (scripts/bench_eagle.py), ~3 min.
-#   scripts/gpu_eagle.sh serve  carry .gguf2b .whl (after stash + stash2): the GGUF converted where `streamsd serve`
-#                               looks for the default model, `streamsd serve` with no arguments (its default
-#                               speculation on CUDA: the shipped EAGLE head), scripts/serve_smoke.py against it.
 #   scripts/gpu_eagle.sh bench  (optional, while still warm; carry .whl) `streamsd bench offline` with the
 #                               new head: plain vs eagle vs HF, then plain vs n-gram vs HF + prompt lookup
 # Writes logs and JSON under $OUT (./out here). Tables print last.
@@ -131,25 +128,6 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
       --prompts 6 --max-tokens 128 --device cuda --phases --out "$OUT/bench_b1.json" > "$OUT/bench_b1.log" 2>&1
     echo "bench exit $?" | tee -a "$OUT/run.log"
     tail -28 "$OUT/bench_b1.log" | tee -a "$OUT/run.log"
-    ;;
-  serve)
-    # The lent machine has torch but not the server's packages: say so at once rather than wait for a port.
-    python3 -c "import uvicorn, starlette, msgspec" 2>/dev/null || { log "serve: uvicorn/starlette/msgspec missing here"; exit 1; }
-    [ -f $GGUF ] || join_gguf
-    python3 -c "
-from pathlib import Path
-from streamsd.model.default_model import default_model_dir
-from streamsd.model.gguf_convert import convert_gguf_to_hf, is_converted
-d = default_model_dir()
-print(d if is_converted(d) else convert_gguf_to_hf(Path('$GGUF'), d, progress=False))" 2>&1 | tail -1 | tee -a "$OUT/run.log"
-    python3 -m streamsd.cli serve > "$OUT/serve.log" 2>&1 &
-    for _ in $(seq 240); do
-      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null && break
-      sleep 1
-    done
-    grep -i "loaded\|speculation" "$OUT/serve.log" | tail -3 | tee -a "$OUT/run.log"
-    timeout 180 python3 scripts/serve_smoke.py 2>&1 | tee -a "$OUT/run.log"
-    kill %1; wait
     ;;
   bench)
     B="python3 -m streamsd.cli --log-level warning bench offline --model $GGUF --batch-sizes 1,16 --max-tokens 128"
