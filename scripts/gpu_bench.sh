@@ -4,6 +4,8 @@
 #   scripts/gpu_bench.sh full   stashes .gguf1/part1 in /tmp, an 8B step profile,
 #                               8B plain B=1/16/64 + HF, synthetic a=0.8 k=4 with the 1B draft at B=1/16
 #   scripts/gpu_bench.sh adaptive  issue 10: 8B synthetic, adaptive k vs plain, B 1..256 x alpha 0.3..0.9 (one call)
+#   scripts/gpu_bench.sh pipeline  GPU tests (lookahead, kernels, EAGLE's CUDA paths); 8B plain B=1/16/64, pipelined
+#                               plain steps vs not (--unpipelined-plain), one call
 #   scripts/gpu_bench.sh smol   joins /tmp/part1 + .gguf2/part2 (call it at once after `full`), converts,
 #                               SmolLM2-135M B=1/16: plain, n-gram, HF plain and prompt lookup; GPU tests
 # Writes logs, JSON and PNG under $OUT (./out here). Tables print last.
@@ -44,6 +46,15 @@ case "$MODE" in
     timeout 240 $B --model llama-3.1-8b --draft-model llama-3.2-1b --speculative-method synthetic \
       --acceptance-rate 0.8 --num-speculative-tokens 4 --batch-sizes 1,16 --max-tokens 128 --no-hf \
       --output-json "$OUT/synth_8b.json" --plot "$OUT/synth_8b.png" 2>&1 | tail -11 | tee -a "$OUT/run.log"
+    ;;
+  pipeline)
+    log "GPU tests: lookahead, kernels, EAGLE on CUDA"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_lookahead.py tests/test_kernels.py tests/test_eagle.py \
+      -k "cuda or fast_eagle or chain or hidden or fast_forward or rng or warm or rejection" 2>&1 | tail -4 \
+      | tee -a "$OUT/run.log"
+    log "8B plain, pipelined vs not"
+    timeout 300 $B --model llama-3.1-8b --batch-sizes 1,16,64 --max-tokens 128 --no-hf --unpipelined-plain \
+      --output-json "$OUT/pipeline_8b.json" 2>&1 | tail -12 | tee -a "$OUT/run.log"
     ;;
   smol)
     cat /tmp/part1 .gguf2/part2 > /tmp/smollm2.gguf && sha256sum /tmp/smollm2.gguf | tee -a "$OUT/run.log"

@@ -39,6 +39,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="do not queue the next plain decode step before reading this one (default: queued on CUDA)")
 
 
 def default_speculation(model: str, draft_model: str | None, device: str | None) -> str:
@@ -65,7 +67,7 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
                       policy=a.speculation_policy)
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                        max_queue=max_queue, cpu_threads=a.cpu_threads)
+                        max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline=False if a.no_pipeline else None)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

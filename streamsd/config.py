@@ -60,4 +60,5 @@ class EngineConfig:
     max_model_len: int | None = None
     max_queue: int = 1024
     cuda_graphs: bool = True
+    pipeline: bool | None = None  # plain decode steps queued one ahead (lookahead.py); None: on CUDA
     cpu_threads: int | None = None  # CPU only; default: all cores but one, left for the event loop

@@ -50,6 +50,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         speculation_policy: str = "fixed",
+        pipeline: bool | None = None,
     ):
         if speculative_method is None and draft_model is not None:
             speculative_method = "draft"
@@ -58,7 +59,7 @@ class LLM:
                           policy=speculation_policy)  # type: ignore[arg-type]
         cfg = EngineConfig(model=model, spec=spec, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           max_queue=1 << 40)  # offline: every prompt waits its turn
+                           max_queue=1 << 40, pipeline=pipeline)  # offline: every prompt waits its turn
         self.core = EngineCore(build_runtime(cfg), spec)
         self.tokenizer = self.core.tokenizer
         self._ids = itertools.count()

@@ -175,7 +175,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         max_num_batched_tokens=max(cfg.max_num_batched_tokens, 2 * (cfg.spec.num_tokens + 1)),
         max_queue=cfg.max_queue,
     )
-    worker = Worker(target, cache, proposer, q_pool, device)
+    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline)
     if device.type == "cuda":
         from streamsd.model.graphs import setup_cuda
 

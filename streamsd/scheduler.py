@@ -6,7 +6,9 @@ target and the draft model share one block table per request: both caches are po
 block ids, so one accounting covers both (the draft cache never runs ahead of target + k).
 
 Blocks are reserved before a step for the most it can write (pending + drafts + the next
-drafts) and trimmed after it to the tokens actually kept, so the cache holds accepted tokens only.
+drafts) and trimmed after it to the tokens actually kept (the pending one included: every running
+request computes it next, and a plain step queued ahead already writes it), so the cache holds
+accepted tokens only.
 When blocks run out, the newest running request is preempted by recompute; its drafts stay.
 """
 
@@ -228,7 +230,7 @@ class Scheduler:
         return kept
 
     def _trim(self, r: Request) -> None:
-        keep = self._blocks_for(max(r.computed, r.draft_computed))
+        keep = self._blocks_for(max(r.num_tokens, r.draft_computed))
         if len(r.blocks) > keep:
             self.blocks.give(r.blocks[keep:])
             del r.blocks[keep:]

@@ -63,7 +63,7 @@ class Verifier:
             first = np.cumsum(1 + nd) - (1 + nd)  # [B] each entry's first row
             index = first[:, None] + np.minimum(np.arange(k + 1), nd[:, None])  # [B, K+1]
             rows = logits[h2d(torch.from_numpy(index), torch.int64, dev)]  # [B, K+1, V]
-        rows = self._suppress_early_stops(entries, rows)
+        rows = self.suppress_early_stops(entries, rows)
         if k == 0:
             return self._sample_plain(reqs, rows)
         dense = [r.q_slot is not None and not r.greedy_draft and e.num_drafts > 0
@@ -119,37 +119,41 @@ class Verifier:
         return Verified(emitted, host_acc, logprobs, next_drafts)
 
     def _sample_plain(self, reqs: list[Request], rows: torch.Tensor) -> Verified:
-        """A step with no drafts is plain decoding: no rejection sampler, and on all-greedy steps
-        nothing but an argmax. Sampled rows race with the noise the rejection sampler would use for
-        a bonus token at the same position, so a seeded request's output does not depend on which
-        of the two paths a step took."""
-        logits = rows[:, 0]  # [B, V]
-        if all(r.params.greedy for r in reqs):
-            tokens = logits.argmax(dim=-1)  # [B]
-        else:
-            dev = self.device
-            wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
-                                   for r in reqs], dev)
-            ints = h2d([[r.seed for r in reqs], [r.num_tokens for r in reqs], [r.params.greedy for r in reqs]],
-                       torch.int64, dev)  # [3, B]: seeds, positions, greedy
-            noise = rng.exponentials(ints[0], ints[1].unsqueeze(-1), rng.TARGET, self.vocab)[:, 0]  # [B, V]
-            tokens = sample_rows(warp(logits, wp), logits, ints[2].bool(), noise)  # [B]
+        """A step with no drafts is plain decoding: no rejection sampler (`plain_tokens`)."""
+        tokens = self.plain_tokens(reqs, rows[:, 0])  # [B]
         lp = self._logprobs(reqs, rows, tokens.unsqueeze(-1))
         self.launched.set()
         host_tokens = tokens.tolist()  # the step's one host read
         logprobs = [None if x is None else x[:1] for x in lp]
         return Verified([[t] for t in host_tokens], [0] * len(reqs), logprobs)
 
-    def _suppress_early_stops(self, entries: list[Scheduled], rows: torch.Tensor) -> torch.Tensor:
-        """Below min_tokens, EOS and stop ids are impossible in the target distribution itself."""
+    def plain_tokens(self, reqs: list[Request], logits: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+        """[B] tokens of a plain step on the device, from its logits [B, V] (early stops already
+        suppressed), `ahead` tokens past each request's current end. All-greedy steps are an argmax;
+        sampled rows race with the noise the rejection sampler would use for a bonus token at the
+        same position, so a seeded request's output does not depend on which path a step took."""
+        if all(r.params.greedy for r in reqs):
+            return logits.argmax(dim=-1)  # [B]
+        dev = self.device
+        wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
+                               for r in reqs], dev)
+        ints = h2d([[r.seed for r in reqs], [r.num_tokens + ahead for r in reqs], [r.params.greedy for r in reqs]],
+                   torch.int64, dev)  # [3, B]: seeds, positions, greedy
+        noise = rng.exponentials(ints[0], ints[1].unsqueeze(-1), rng.TARGET, self.vocab)[:, 0]  # [B, V]
+        return sample_rows(warp(logits, wp), logits, ints[2].bool(), noise)  # [B]
+
+    def suppress_early_stops(self, entries: list[Scheduled], rows: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+        """Below min_tokens, EOS and stop ids are impossible in the target distribution itself.
+        rows [B, K+1, V]; `ahead`: tokens the requests will have gained before these rows."""
         cells = []
         for b, e in enumerate(entries):
             p, r = e.request.params, e.request
-            if p.min_tokens <= len(r.output_ids):
+            made = len(r.output_ids) + ahead
+            if p.min_tokens <= made:
                 continue
             banned = ([] if p.ignore_eos else list(r.eos_ids)) + list(p.stop_token_ids or [])
             for j in range(e.num_drafts + 1):
-                if len(r.output_ids) + j < p.min_tokens:
+                if made + j < p.min_tokens:
                     cells.extend((b, j, t) for t in banned if t < self.vocab)
         if not cells:
             return rows

@@ -3,8 +3,9 @@
 One target forward over every scheduled token (prefill chunks, decode tokens, the last token +
 cached drafts of each verifying request) -> verification (verify.py: rejection sampling, one host
 read of the emitted tokens) -> the next drafts. An EAGLE head's are queued behind the sampler and
-come back in that read; other proposers run after it. Runs on one dedicated thread; never touches
-asyncio.
+come back in that read; other proposers run after it. Plain decode steps are pipelined
+(lookahead.py): the next one is queued before this one is read. Runs on one dedicated thread; never
+touches asyncio.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import threading
 
 import torch
 
-from streamsd.model.graphs import GraphRunner
+from streamsd.lookahead import Lookahead, Readback
+from streamsd.model.graphs import GraphRunner, forward_logits
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.request import Request
@@ -24,7 +26,7 @@ from streamsd.verify import Chain, Verified, Verifier
 
 class Worker:
     def __init__(self, target: Transformer, cache: PagedKVCache, proposer: Proposer | None,
-                 q_pool: torch.Tensor | None, device: torch.device):
+                 q_pool: torch.Tensor | None, device: torch.device, pipeline: bool | None = None):
         self.target = target
         self.cache = cache
         self.proposer = proposer
@@ -36,11 +38,58 @@ class Worker:
         # previous step's text work while the GPU runs (see EngineCore.run).
         self.launched = threading.Event()
         self.verifier = Verifier(q_pool, self.vocab, device, self.launched)  # q_pool: [slots, K, V] or None
+        # Pipelined plain steps: on by default where the device runs ahead of the host (CUDA).
+        self.lookahead = Lookahead(cache.block_size, device.type == "cuda" if pipeline is None else pipeline)
+        self.readback = Readback(device)
 
     def step(self, plan: StepPlan) -> list[EntryResult]:
-        logits, hidden = self._forward(plan.entries)  # [rows, V], [tokens, layers * hidden] | None
-        verified = self.verifier.verify([e for e in plan.entries if e.verifies], logits, self._chain(plan.entries, hidden))
-        return self._propose(plan.entries, verified, hidden)
+        try:
+            # An EAGLE head catches up on every step's streams: its plain steps take the full path.
+            if Lookahead.serves(plan.entries) and not getattr(self.proposer, "hidden_layers", ()):
+                return self._plain(plan.entries)
+            self.lookahead.drop()
+            return self._step(plan.entries)
+        except BaseException:
+            self.lookahead.drop()
+            raise
+
+    def _step(self, entries: list[Scheduled]) -> list[EntryResult]:
+        logits, hidden = self._forward(entries)  # [rows, V], [tokens, layers * hidden] | None
+        verified = self.verifier.verify([e for e in entries if e.verifies], logits, self._chain(entries, hidden))
+        return self._propose(entries, verified, hidden)
+
+    def _plain(self, entries: list[Scheduled]) -> list[EntryResult]:
+        """A plain decode step, taken from the step queued ahead when it fits, and the next one
+        queued before this one is read."""
+        reqs = [e.request for e in entries]
+        taken = self.lookahead.take(entries)
+        if taken is None:
+            logits, _ = self._forward(entries)  # [B, V]
+            rows = self.verifier.suppress_early_stops(entries, logits.unsqueeze(1))  # [B, 1, V]
+            tokens = self.verifier.plain_tokens(reqs, rows[:, 0])  # [B]
+        else:
+            queued, picked = taken
+            same = len(picked) == len(queued.requests)
+            tokens = queued.tokens if same else queued.tokens[h2d(picked, torch.int64, self.device)]  # [B]
+        self.readback.start(tokens)
+        self._queue_next(entries, tokens)
+        self.launched.set()
+        verified = Verified([[t] for t in self.readback.wait()], [0] * len(entries), [None] * len(entries))
+        return self._propose(entries, verified)
+
+    def _queue_next(self, entries: list[Scheduled], tokens: torch.Tensor) -> None:
+        """Queues the step after this plain one for every entry that may continue, from the tokens
+        [B] this step sampled on the device (lookahead.py)."""
+        keep = self.lookahead.next_rows(entries)
+        if not keep:
+            return
+        nxt = [Scheduled(entries[i].request, entries[i].start + 1, 1, 0, 0) for i in keep]
+        ids = tokens if len(keep) == len(entries) else tokens[h2d(keep, torch.int64, self.device)]  # [B']
+        n = len(nxt)
+        logits = forward_logits(self.target, self.graphs, self.cache, ids, [e.start for e in nxt], [1] * n,
+                                [e.request.blocks for e in nxt], list(range(n)), self.device)  # [B', V]
+        rows = self.verifier.suppress_early_stops(nxt, logits.unsqueeze(1), ahead=1)  # [B', 1, V]
+        self.lookahead.queue(nxt, self.verifier.plain_tokens([e.request for e in nxt], rows[:, 0], ahead=1))
 
     def _chain(self, entries: list[Scheduled], hidden: torch.Tensor | None) -> Chain | None:
         """An EAGLE head's catch-up and drafts queued straight behind the verify (no host read in

@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pairs", type=int, default=1,
                    help="with --paired-plain: (plain, measured) pairs per cell, the plain pass first in every "
                         "other pair; the cell reports the median pair and every pair's ratios")
+    p.add_argument("--unpipelined-plain", action="store_true",
+                   help="also run each plain pass without queueing the next plain step before reading this one "
+                        "(method plain-unpipelined: the gain of the pipelined step, side by side)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of the cells")
 
@@ -112,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
         R.engine_pass(rt, plain_spec, prompts, min(8, max_tokens), b, speculative=False)  # warm-up
         plain = R.engine_pass(rt, plain_spec, prompts, max_tokens, b, speculative=False)
         cells.append(make_cell("streamsd", "plain", b, plain, floor_ms=floor_plain, tokens_per_step=1.0))
+        if args.unpipelined_plain:
+            off = R.unpipelined_pass(rt, plain_spec, prompts, max_tokens, b)
+            cells.append(make_cell("streamsd", "plain-unpipelined", b, off, floor_ms=floor_plain, tokens_per_step=1.0))
+            cells[-1]["requests_differing_from_plain"] = sum(x != y for x, y in
+                                                             zip(plain.outputs, off.outputs, strict=True))
         rerun = functools.partial(R.engine_pass, rt, plain_spec, prompts, max_tokens, b, speculative=False) \
             if args.paired_plain else None
         for alpha in alphas if method == "synthetic" else [None] if method != "none" else []:

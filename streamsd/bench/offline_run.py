@@ -143,6 +143,17 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
     )
 
 
+def unpipelined_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tokens: int,
+                     batch: int) -> PassResult:
+    """A plain pass with the worker's lookahead off (each step read before the next is queued)."""
+    lookahead = rt.worker.lookahead
+    was, lookahead.enabled = lookahead.enabled, False
+    try:
+        return engine_pass(rt, spec, prompts, max_tokens, batch, speculative=False)
+    finally:
+        lookahead.enabled = was
+
+
 class _GcWatch:
     """A gc callback summing the time spent in collections."""
 

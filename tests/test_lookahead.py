@@ -1,0 +1,150 @@
+"""Pipelined plain steps (streamsd/lookahead.py): the next plain decode step is queued before this
+one is read. On the CPU the queued step runs at once, which is enough to check that it changes no
+output, no KV accounting, and that the engine really takes queued steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamsd import LLM, SamplingParams
+from tests.test_engine import MAX_TOKENS, PROMPTS, _assert_free, greedy_params, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return hf_greedy(tiny_model_dir, PROMPTS, MAX_TOKENS)
+
+
+def _ids(results) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in results]
+
+
+def _mixed_params() -> list[SamplingParams]:
+    """Greedy and sampled (seeded, warped) requests, min_tokens, EOS allowed, stop ids: requests end
+    at different steps, several by a token the host cannot foresee."""
+    out = []
+    for i, n in enumerate(MAX_TOKENS * 2):
+        kw = dict(max_tokens=n + 6, seed=100 + i)
+        if i % 3 == 0:
+            out.append(SamplingParams(temperature=0.0, **kw))
+        elif i % 3 == 1:
+            out.append(SamplingParams(temperature=1.0, top_k=40, top_p=0.9, min_tokens=4, **kw))
+        else:
+            out.append(SamplingParams(temperature=0.8, min_p=0.02, stop_token_ids=[7, 11, 13], **kw))
+    return out
+
+
+def test_greedy_pipelined_plain_is_token_identical_to_hf(tiny_model_dir, reference):
+    llm = LLM(str(tiny_model_dir), pipeline=True)
+    la = llm.core.rt.worker.lookahead
+    assert _ids(llm.generate(PROMPTS, greedy_params())) == reference
+    # Steps were really served by queued ones, and requests ending at different lengths dropped out
+    # of them (subset plans) rather than dropping every queued step.
+    assert la.taken >= max(MAX_TOKENS) - 2, (la.taken, la.dropped)
+    assert la.queued is None or la.queued.requests  # nothing else left behind
+    _assert_free(llm)
+
+
+def test_sampled_stops_and_min_tokens_match_unpipelined(tiny_model_dir):
+    prompts = PROMPTS * 2
+    on = LLM(str(tiny_model_dir), pipeline=True)
+    off = LLM(str(tiny_model_dir), pipeline=False)
+    got = on.generate(prompts, _mixed_params())
+    want = off.generate(prompts, _mixed_params())
+    assert _ids(got) == _ids(want)
+    assert [r.outputs[0].finish_reason for r in got] == [r.outputs[0].finish_reason for r in want]
+    assert {r.outputs[0].finish_reason for r in want} == {"stop", "length"}  # both kinds of end happened
+    assert on.core.rt.worker.lookahead.taken > 10
+    assert off.core.rt.worker.lookahead.taken == 0
+    _assert_free(on)
+
+
+def test_arrivals_aborts_and_stop_strings_under_the_engine_loop(tiny_model_dir):
+    """EngineCore.run (the server's loop shape): requests join and are aborted mid-run, a stop string
+    ends one under a running step; every output equals the unpipelined engine's."""
+
+    def drive(llm: LLM) -> dict[str, tuple[list[int], str | None]]:
+        core = llm.core
+        got: dict[str, tuple[list[int], str | None]] = {}
+        params = _mixed_params()
+        core.add_request("a0", core.encode_prompt(PROMPTS[0]), params[0])
+        core.add_request("a1", core.encode_prompt(PROMPTS[1]), SamplingParams(temperature=0, max_tokens=30,
+                                                                              stop=[" t"], ignore_eos=True))
+        for n, turn in enumerate(core.run()):
+            if n in (5, 9, 14):  # joins while steps are queued ahead
+                i = n % len(PROMPTS)
+                core.add_request(f"j{n}", core.encode_prompt(PROMPTS[i]), params[i + 1])
+            if n == 11:
+                core.abort("j5")
+            for o in turn.outputs:
+                ids, _ = got.setdefault(o.request_id, ([], None))
+                ids.extend(o.token_ids)
+                if o.finished:
+                    got[o.request_id] = (ids, o.finish_reason)
+        _assert_free(llm)
+        return got
+
+    on, off = LLM(str(tiny_model_dir), pipeline=True), LLM(str(tiny_model_dir), pipeline=False)
+    got, want = drive(on), drive(off)
+    assert got == want
+    assert got["j5"][1] == "cancelled" and len(got) == 5
+    la = on.core.rt.worker.lookahead
+    assert la.taken > 10 and la.dropped >= 3, (la.taken, la.dropped)  # joins and the abort dropped some
+
+
+@pytest.mark.parametrize("kw", [{"speculative_method": "ngram"}, {"draft_model": "close"}], ids=["ngram", "draft"])
+def test_adaptive_speculation_with_pipelined_plain_steps_stays_exact(tiny_model_dir, close_draft_dir, reference, kw):
+    if kw.get("draft_model") == "close":
+        kw = {"draft_model": str(close_draft_dir)}
+    llm = LLM(str(tiny_model_dir), speculation_policy="adaptive", pipeline=True, **kw)
+    assert _ids(llm.generate(PROMPTS, greedy_params())) == reference
+    _assert_free(llm)
+
+
+def test_tiny_pool_preempts_and_stays_exact(tiny_model_dir, reference):
+    """6 blocks of 16 tokens for six requests: preemption by recompute, blocks handed from request to
+    request while steps are queued ahead of them."""
+    llm = LLM(str(tiny_model_dir), kv_cache_tokens=96, pipeline=True)
+    sched = llm.core.scheduler
+    preempted: list[str] = []
+    original = sched._preempt
+
+    def spy(r):
+        preempted.append(r.request_id)
+        original(r)
+
+    sched._preempt = spy
+    assert _ids(llm.generate(PROMPTS, greedy_params())) == reference
+    la = llm.core.rt.worker.lookahead
+    assert len(preempted) >= 2 and la.taken > 10, (preempted, la.taken)
+    _assert_free(llm)
+
+
+def test_a_failing_step_drops_the_queued_one(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), pipeline=True)
+    core, worker = llm.core, llm.core.rt.worker
+    core.add_request("x", core.encode_prompt(PROMPTS[0]), SamplingParams(temperature=0, max_tokens=20))
+    core.step()  # prompt
+    core.step()  # plain: the next one is queued
+    assert worker.lookahead.queued is not None
+    real = worker.verifier.plain_tokens
+    worker.verifier.plain_tokens = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    core.add_request("y", core.encode_prompt(PROMPTS[1]), SamplingParams(temperature=0, max_tokens=5))
+    outs = core.step()  # a prompt chunk joins: the queued step is dropped, the step fails
+    worker.verifier.plain_tokens = real
+    assert worker.lookahead.queued is None
+    assert {o.request_id for o in outs if o.finished} <= {"x", "y"}
+    while core.has_work:
+        core.step()
+    _assert_free(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pipelined_steps_match_unpipelined(tiny_model_dir):
+    prompts = PROMPTS * 2
+    on = LLM(str(tiny_model_dir), device="cuda", dtype="float32", pipeline=True)
+    off = LLM(str(tiny_model_dir), device="cuda", dtype="float32", pipeline=False)
+    assert _ids(on.generate(prompts, _mixed_params())) == _ids(off.generate(prompts, _mixed_params()))
+    assert on.core.rt.worker.lookahead.taken > 10
+    _assert_free(on)
