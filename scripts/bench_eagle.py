@@ -46,9 +46,11 @@ def main() -> None:
     from streamsd import LLM, SamplingParams
 
     prompts = json.load(open(a.held_out))["held_out"][: a.prompts]
-    methods = {"plain": None, "ngram": "ngram", "eagle": "eagle"}
+    # plain-seq: plain decoding with each step read before the next is queued (no lookahead.py)
+    methods = {"plain": None, "plain-seq": None, "ngram": "ngram", "eagle": "eagle"}
     engines = {m: LLM(a.model, speculative_method=s, draft_model=a.head if s == "eagle" else None,
-                      num_speculative_tokens=a.k, device=a.device, max_num_seqs=4, kv_cache_tokens=8192)
+                      num_speculative_tokens=a.k, device=a.device, max_num_seqs=4, kv_cache_tokens=8192,
+                      pipeline=False if m == "plain-seq" else None)
                for m, s in methods.items()}
     worker = engines["plain"].core.rt.worker
     dev = worker.device
@@ -67,6 +69,7 @@ def main() -> None:
     for temp in (float(x) for x in a.temperatures.split(",")):
         totals = {m: [0, 0.0, 0, 0] for m in (*engines, *(["hf"] if hf is not None else []))}
         same = 0  # T=0: eagle's answers token-identical to plain's (bf16 verify numerics may differ)
+        same_seq = 0  # plain-seq's answers identical to plain's (seeded: at every temperature)
         for i, prompt in enumerate(prompts):
             conv = [{"role": "user", "content": prompt}]
             outs = {}
@@ -81,6 +84,7 @@ def main() -> None:
                 totals[m][3] += r.spec_stats.emitted
                 outs[m] = r.outputs[0].token_ids
             same += outs["eagle"] == outs["plain"]
+            same_seq += outs["plain-seq"] == outs["plain"]
             if hf is not None:
                 ids = tok.apply_chat_template(conv, add_generation_prompt=True, return_tensors="pt",
                                               return_dict=True).to(dev)
@@ -98,11 +102,15 @@ def main() -> None:
             rows.append({"method": m, "temperature": temp, "tokens": n, "seconds": round(s, 3),
                          "tokens_per_s": round(n / s, 1), "vs_plain": round(n / s / base, 2),
                          "tau": round(emitted / steps, 3) if steps else None,
-                         **({"same_as_plain": f"{same}/{len(prompts)}"} if m == "eagle" and temp == 0 else {})})
+                         **({"same_as_plain": f"{same}/{len(prompts)}"} if m == "eagle" and temp == 0 else {}),
+                         **({"same_as_plain": f"{same_seq}/{len(prompts)}"} if m == "plain-seq" else {})})
     doc = {"model": a.model, "head": a.head, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dtype": str(worker.target.model.embed_tokens.weight.dtype).removeprefix("torch."),
            "cuda_graphs": worker.graphs is not None, "k": a.k, "prompts": len(prompts), "max_tokens": a.max_tokens,
            "rows": rows}
+    if a.out:  # first without the phases: a failure there keeps the figures
+        with open(a.out, "w") as f:
+            json.dump(doc, f, indent=2)
     if a.phases:
         doc["phases_ms_per_step"] = {f"T={t:g}": _phases(engines, prompts[0], a.max_tokens, t)
                                      for t in (float(x) for x in a.temperatures.split(","))}
@@ -121,9 +129,10 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: 
     """Host seconds per phase of a step, per engine: the methods below are wrapped with a timer for
     one answer at `temperature`. Nested phases are included in their callers' (`Verifier.verify` holds the
     read of its tokens); `Tensor.tolist` is where the host waits for the GPU."""
-    import streamsd.worker as worker_module
+    import streamsd.verify as verify_module
     from streamsd import SamplingParams
     from streamsd.core import EngineCore
+    from streamsd.lookahead import Readback
     from streamsd.model.graphs import GraphRunner
     from streamsd.sampling import rng
     from streamsd.scheduler import Scheduler
@@ -132,10 +141,11 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: 
     from streamsd.verify import Verifier
     from streamsd.worker import Worker
 
-    wrapped = {Worker: ["step", "_forward", "_propose"], Verifier: ["verify", "_sample_plain"], Scheduler: ["schedule", "update"],
+    wrapped = {Worker: ["step", "_forward", "_propose", "_plain", "_queue_next"], Verifier: ["verify", "_sample_plain"],
+               Scheduler: ["schedule", "update"], Readback: ["wait"],
                EngineCore: ["emit"], GraphRunner: ["_replay"], EagleProposer: ["propose", "chain"],
                EagleGraphs: ["run", "run_chained"], torch.Tensor: ["tolist"], rng: ["exponentials", "uniforms"],
-               worker_module: ["warp"]}
+               verify_module: ["warp"]}
     seconds: dict[str, float] = {}
     originals = []
 

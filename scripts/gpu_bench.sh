@@ -50,7 +50,7 @@ case "$MODE" in
   pipeline)
     log "GPU tests: lookahead, kernels, EAGLE on CUDA"
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_lookahead.py tests/test_kernels.py tests/test_eagle.py \
-      -k "cuda or fast_eagle or chain or hidden or fast_forward or rng or warm or rejection" 2>&1 | tail -4 \
+      -k "cuda or fast_eagle or chain or hidden or fast_forward or rng or warm or rejection or queued" 2>&1 | tail -6 \
       | tee -a "$OUT/run.log"
     log "8B plain, pipelined vs not"
     timeout 300 $B --model llama-3.1-8b --batch-sizes 1,16,64 --max-tokens 128 --no-hf --unpipelined-plain \

@@ -41,6 +41,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = BLOCK_SIZE
     max_queue: int = 1024
+    # Tokens of KV held past a speculative step's own reservation, for the step the worker queues
+    # behind it before reading it (lookahead.py: an EAGLE head's verify and chain); 0 when it does not.
+    lookahead: int = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

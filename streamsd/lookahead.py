@@ -27,12 +27,15 @@ from streamsd.step import Scheduled
 
 @dataclass(slots=True)
 class Queued:
-    """A step queued ahead: what it computes, and its sampled tokens, still on the device."""
+    """A step queued ahead: what it computes, and its results, still on the device."""
 
     requests: list[Request]
-    starts: list[int]  # the position each row computes
-    blocks: list[int]  # the cache block each row's K/V went to
-    tokens: torch.Tensor  # [B] sampled, unread
+    starts: list[int]  # the position each row computes (a chained step's: filled in once the host knows)
+    tables: list[list[int]]  # each row's blocks that the step writes to (a copy of the prefix)
+    k: int  # drafts verified per row (0: a plain step)
+    tokens: torch.Tensor  # [B] sampled (plain), or [B, k+1] emitted, -1 past each row's
+    accepted: torch.Tensor | None = None  # [B] (chained)
+    drafts: torch.Tensor | None = None  # [B, k] the next drafts (chained)
 
 
 class Lookahead:
@@ -40,6 +43,8 @@ class Lookahead:
         self.block_size = block_size
         self.enabled = enabled
         self.queued: Queued | None = None
+        # Speculative steps too (the runtime gave the q pool a second half, see `pair_slot`).
+        self.chained = False
         self.taken = 0  # steps served by a queued step
         self.dropped = 0  # queued steps thrown away
 
@@ -50,6 +55,16 @@ class Lookahead:
         return bool(entries) and all(
             e.num_tokens == 1 and e.num_drafts == 0 and e.verifies and e.request.params.logprobs is None
             for e in entries)
+
+    @staticmethod
+    def chains(entries: list[Scheduled]) -> bool:
+        """A speculative step a chained proposer (EAGLE) can run queued ahead: every entry verifies
+        its one pending token and k drafts and proposes k again (one k for all), no log-probabilities."""
+        if not entries:
+            return False
+        k = entries[0].num_drafts
+        return k > 0 and all(e.num_tokens == 1 and e.num_drafts == k and e.k_next == k and e.verifies
+                             and e.request.params.logprobs is None for e in entries)
 
     def take(self, entries: list[Scheduled]) -> tuple[Queued, list[int]] | None:
         """The queued step and the rows of it these entries are, when it computed exactly their
@@ -62,14 +77,19 @@ class Lookahead:
         for e in entries:
             while j < len(q.requests) and q.requests[j] is not e.request:
                 j += 1
-            r = e.request
-            if j == len(q.requests) or q.starts[j] != e.start or r.blocks[e.start // self.block_size] != q.blocks[j]:
+            if j == len(q.requests) or not self._same(q, j, e):
                 self.dropped += 1
                 return None
             rows.append(j)
             j += 1
         self.taken += 1
         return q, rows
+
+    @staticmethod
+    def _same(q: Queued, j: int, e: Scheduled) -> bool:
+        table = q.tables[j]
+        return (q.starts[j] == e.start and e.num_drafts == q.k and e.k_next == q.k
+                and e.request.blocks[: len(table)] == table)
 
     def drop(self) -> None:
         if self.queued is not None:
@@ -87,11 +107,47 @@ class Lookahead:
                 if len(e.request.output_ids) + 1 < e.request.params.max_tokens
                 and (e.start + 1) // bs < len(e.request.blocks)]
 
+    def next_chained(self, entries: list[Scheduled]) -> list[int]:
+        """All entries of a chained step (`chains`) when each one's next step can be queued now: far
+        enough from max_tokens that it verifies and proposes k again whatever this step accepts,
+        past min_tokens (no stops to suppress), with the blocks it writes already held (the scheduler
+        reserves them: SchedulerConfig.lookahead); else none."""
+        if not (self.enabled and self.chained):
+            return []
+        k, bs = entries[0].k_next, self.block_size
+        rows = [i for i, e in enumerate(entries)
+                if len(e.request.output_ids) + 3 * k + 3 <= e.request.params.max_tokens
+                and e.request.params.min_tokens <= len(e.request.output_ids)
+                and len(e.request.blocks) * bs >= e.start + 3 * k + 3]
+        # A row left out would most likely be in the next plan, which would then drop the queued step.
+        return rows if len(rows) == len(entries) else []
+
     def queue(self, entries: list[Scheduled], tokens: torch.Tensor) -> None:
-        """Records the step just queued (`entries`: each a position past this step's) and its tokens [B]."""
+        """Records the plain step just queued (`entries`: each a position past this step's) and its tokens [B]."""
         bs = self.block_size
         self.queued = Queued([e.request for e in entries], [e.start for e in entries],
-                             [e.request.blocks[e.start // bs] for e in entries], tokens)
+                             [e.request.blocks[: e.start // bs + 1] for e in entries], 0, tokens)
+
+    def queue_chained(self, entries: list[Scheduled], k: int, tokens: torch.Tensor, accepted: torch.Tensor,
+                      drafts: torch.Tensor) -> None:
+        """Records the chained step just queued for `entries` (its starts follow: `place`)."""
+        bs, end = self.block_size, [e.start + 3 * k + 3 for e in entries]
+        self.queued = Queued([e.request for e in entries], [], [e.request.blocks[: -(-n // bs)]
+                                                               for e, n in zip(entries, end, strict=True)],
+                             k, tokens, accepted, drafts)
+
+    def place(self, starts: list[int]) -> None:
+        """The chained step queued last starts its rows here (known once this step is read)."""
+        if self.queued is not None and not self.queued.starts:
+            self.queued.starts = starts
+
+
+def pair_slot(slot: int, pool_rows: int) -> int:
+    """A request's other q-pool row: a verify queued ahead drafts there, and the request moves over
+    when it is taken (a dropped one leaves the row the next verify reads untouched). The pool has two
+    rows a slot and a spare: [0, n) | [n, 2n) | 2n."""
+    half = (pool_rows - 1) // 2
+    return slot + half if slot < half else slot - half
 
 
 class Readback:
@@ -102,21 +158,26 @@ class Readback:
         self.device = device
         self._host: torch.Tensor | None = None  # pinned: a device-to-host copy into it does not block
         self._event = torch.cuda.Event() if device.type == "cuda" else None
-        self._n = 0
+        self._shape: tuple[int, ...] = ()
 
-    def start(self, tokens: torch.Tensor) -> None:
-        """Queues the copy of tokens [B] (int64)."""
-        self._n = tokens.shape[0]
+    def start(self, values: torch.Tensor) -> None:
+        """Queues the copy of values (int64, any shape)."""
+        self._shape = tuple(values.shape)
         if self._event is None:
-            self._host = tokens
+            self._host = values
             return
-        if self._host is None or self._host.shape[0] < self._n:
-            self._host = torch.empty(max(self._n, 256), dtype=torch.int64, pin_memory=True)
-        self._host[: self._n].copy_(tokens, non_blocking=True)
+        n = values.numel()
+        if self._host is None or self._host.shape[0] < n:
+            self._host = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+        self._host[:n].view(self._shape).copy_(values, non_blocking=True)
         self._event.record()
 
-    def wait(self) -> list[int]:
+    def wait(self) -> list:
         assert self._host is not None
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host[: self._n].tolist()
+        if self._event is None:
+            return self._host.tolist()
+        self._event.synchronize()
+        n = 1
+        for d in self._shape:
+            n *= d
+        return self._host[:n].view(self._shape).tolist()

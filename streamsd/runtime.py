@@ -156,7 +156,11 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     q_slots = cfg.max_num_seqs if draft is not None or head is not None else 0
     # One row more than the scheduler hands out: graph-captured drafting writes the q of its greedy and
     # padding rows there (spec/eagle_graphs.py).
-    q_pool = torch.zeros(q_slots + 1, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
+    # A verify queued ahead (lookahead.py) drafts into each request's second half of the pool, so that
+    # dropping it leaves the q the next verify reads intact: two rows a slot then.
+    queues_ahead = head is not None and (device.type == "cuda" if cfg.pipeline is None else cfg.pipeline)
+    halves = 2 if queues_ahead else 1
+    q_pool = torch.zeros(halves * q_slots + 1, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
     proposer: Proposer | None = None
     if draft is not None and q_pool is not None:
         proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
@@ -174,8 +178,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=max(cfg.max_num_batched_tokens, 2 * (cfg.spec.num_tokens + 1)),
         max_queue=cfg.max_queue,
+        lookahead=cfg.spec.num_tokens + 1 if queues_ahead else 0,
     )
     worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline)
+    worker.lookahead.chained = queues_ahead
     if device.type == "cuda":
         from streamsd.model.graphs import setup_cuda
 

@@ -7,8 +7,8 @@ block ids, so one accounting covers both (the draft cache never runs ahead of ta
 
 Blocks are reserved before a step for the most it can write (pending + drafts + the next
 drafts) and trimmed after it to the tokens actually kept (the pending one included: every running
-request computes it next, and a plain step queued ahead already writes it), so the cache holds
-accepted tokens only.
+request computes it next, and a plain step queued ahead already writes it; with `lookahead`, what
+a speculative step queued ahead writes), so the cache holds accepted tokens only.
 When blocks run out, the newest running request is preempted by recompute; its drafts stay.
 """
 
@@ -70,7 +70,7 @@ class Scheduler:
                 f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) = {need} exceeds "
                 f"the context window of {self.cfg.max_model_len} tokens"
             )
-        if self._blocks_for(need + r.spec_k + 1) > self.blocks.total:
+        if self._blocks_for(need + r.spec_k + 1 + self.cfg.lookahead) > self.blocks.total:
             raise AdmissionError(f"the request needs {need} tokens of KV cache, more than the pool holds")
         if len(self.waiting) >= self.cfg.max_queue:
             raise QueueFullError("the waiting queue is full; retry later")
@@ -171,6 +171,8 @@ class Scheduler:
         end = e.start + e.num_tokens + e.num_drafts
         if e.verifies:
             end += 1 + e.k_next  # the next drafts are written by the draft model in this step
+            if e.k_next:
+                end += self.cfg.lookahead  # and the step queued behind this one writes further
         need = self._blocks_for(min(end, self.cfg.max_model_len + 1)) - len(r.blocks)
         if need <= 0:
             return True
@@ -230,7 +232,8 @@ class Scheduler:
         return kept
 
     def _trim(self, r: Request) -> None:
-        keep = self._blocks_for(max(r.num_tokens, r.draft_computed))
+        ahead = 2 * self.cfg.lookahead if r.draft_ids else 0  # what a step queued ahead writes
+        keep = self._blocks_for(max(r.num_tokens + ahead, r.draft_computed))
         if len(r.blocks) > keep:
             self.blocks.give(r.blocks[keep:])
             del r.blocks[keep:]
@@ -243,7 +246,7 @@ class Scheduler:
         self.blocks.give(r.blocks)
         r.blocks = []
         if r.q_slot is not None:
-            self.q_slots_free.append(r.q_slot)
+            self.q_slots_free.append(r.q_slot % self.q_slots_total)  # the worker may have moved it to its pair
             r.q_slot = None
         r.draft_ids = []
         r.status = Status.FINISHED

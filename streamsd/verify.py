@@ -36,6 +36,16 @@ class Verified:
 Chain = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """A verification queued on the device, not yet read."""
+
+    tokens: torch.Tensor  # [B, K+1] emitted tokens, -1 past each row's
+    accepted: torch.Tensor  # [B]
+    drafts: torch.Tensor | None  # [B, k] the next drafts, when a chain queued them
+    logprobs: list
+
+
 class Verifier:
     def __init__(self, q_pool: torch.Tensor | None, vocab: int, device: torch.device, launched: threading.Event):
         self.q_pool = q_pool  # [slots, K, V] dense draft distributions, or None
@@ -52,20 +62,31 @@ class Verifier:
         if not entries:
             self.launched.set()  # a prompt-chunk step: nothing to read back, its work is queued
             return Verified([], [], [])
-        dev = self.device
-        reqs = [e.request for e in entries]
-        k = max(e.num_drafts for e in entries)
-        # Gather each entry's rows into [B, K+1]; padding repeats its last row and is never used.
+        if max(e.num_drafts for e in entries) == 0:
+            return self._sample_plain([e.request for e in entries], self._rows(entries, logits, 0))
+        return self.read(self.launch(entries, logits, chain))
+
+    def _rows(self, entries: list[Scheduled], logits: torch.Tensor, k: int) -> torch.Tensor:
+        """Each entry's rows of the step's logits [rows, V] as [B, K+1, V], early stops suppressed."""
         nd = np.array([e.num_drafts for e in entries], dtype=np.int64)  # [B]
         if (nd == k).all() and logits.shape[0] == len(entries) * (k + 1):
             rows = logits.view(len(entries), k + 1, -1)  # [B, K+1, V] uniform steps: no gather copy
         else:
+            # Padding repeats an entry's last row and is never used.
             first = np.cumsum(1 + nd) - (1 + nd)  # [B] each entry's first row
             index = first[:, None] + np.minimum(np.arange(k + 1), nd[:, None])  # [B, K+1]
-            rows = logits[h2d(torch.from_numpy(index), torch.int64, dev)]  # [B, K+1, V]
-        rows = self.suppress_early_stops(entries, rows)
-        if k == 0:
-            return self._sample_plain(reqs, rows)
+            rows = logits[h2d(torch.from_numpy(index), torch.int64, self.device)]  # [B, K+1, V]
+        return self.suppress_early_stops(entries, rows)
+
+    def launch(self, entries: list[Scheduled], logits: torch.Tensor, chain: Chain | None = None,
+               positions: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None) -> Launched:
+        """Queues the rejection sampler (and the chain behind it). `positions` [B, K+1] and `draft_ids`
+        [B, K], on the device, replace the requests' own: a verify queued before the host knows them
+        (lookahead.py; its entries' tokens and drafts are then a step behind)."""
+        dev = self.device
+        reqs = [e.request for e in entries]
+        k = max(e.num_drafts for e in entries)
+        rows = self._rows(entries, logits, k)  # [B, K+1, V]
         dense = [r.q_slot is not None and not r.greedy_draft and e.num_drafts > 0
                  for e, r in zip(entries, reqs, strict=True)]
         # Every per-request integer in one queued copy (each pageable copy costs ~20 us of host time),
@@ -80,8 +101,10 @@ class Verifier:
         host = np.concatenate([fields[:5].ravel(), pos_h.ravel(), ids_h.ravel()])  # greedy, seed, dense q, drafts, q slot
         ints = h2d(torch.from_numpy(host), torch.int64, dev)
         greedy, seeds, num_drafts, q_slots = ints[:b].bool(), ints[b : 2 * b], ints[3 * b : 4 * b], ints[4 * b : 5 * b]
-        positions = ints[5 * b : 5 * b + b * (k + 1)].view(b, k + 1)  # [B, K+1]
-        draft_ids = ints[5 * b + b * (k + 1) :].view(b, k)  # [B, K]
+        if positions is None:
+            positions = ints[5 * b : 5 * b + b * (k + 1)].view(b, k + 1)  # [B, K+1]
+        if draft_ids is None:
+            draft_ids = ints[5 * b + b * (k + 1) :].view(b, k)  # [B, K]
         probs = None
         noise = None
         if not all(r.params.greedy for r in reqs):
@@ -105,18 +128,16 @@ class Verifier:
             noise=noise,
         ))
         drafts = chain(tokens, accepted) if chain is not None else None  # [B, k'] queued behind the sampler
-        lp = self._logprobs(reqs, rows, tokens)
+        return Launched(tokens, accepted, drafts, self._logprobs(reqs, rows, tokens))
+
+    def read(self, v: Launched) -> Verified:
+        """The step's one host read: tokens, accepted counts, and the chained drafts with them."""
         self.launched.set()
-        next_drafts = None
-        if drafts is None:
-            host_tokens, host_acc = tokens.tolist(), accepted.tolist()  # the step's one host read
-        else:
-            host = torch.cat([tokens, accepted.unsqueeze(1), drafts], dim=1).tolist()  # the step's one host read
-            host_tokens, host_acc = [r[: k + 1] for r in host], [r[k + 1] for r in host]
-            next_drafts = [r[k + 2 :] for r in host]
-        emitted = [t[: n + 1] for t, n in zip(host_tokens, host_acc, strict=True)]
-        logprobs = [None if x is None else x[: n + 1] for x, n in zip(lp, host_acc, strict=True)]
-        return Verified(emitted, host_acc, logprobs, next_drafts)
+        if v.drafts is None:
+            host_tokens, host_acc = v.tokens.tolist(), v.accepted.tolist()
+            return emitted(host_tokens, host_acc, v.logprobs)
+        return unpack(torch.cat([v.tokens, v.accepted.unsqueeze(1), v.drafts], dim=1).tolist(),
+                      v.tokens.shape[1], v.logprobs)
 
     def _sample_plain(self, reqs: list[Request], rows: torch.Tensor) -> Verified:
         """A step with no drafts is plain decoding: no rejection sampler (`plain_tokens`)."""
@@ -177,3 +198,15 @@ class Verifier:
             result[i] = [(chosen[w][j], list(zip(ids[w][j][:n], vals[w][j][:n], strict=True)))
                          for j in range(shape[1])]
         return result
+
+
+def emitted(tokens: list[list[int]], accepted: list[int], logprobs: list, drafts: list[list[int]] | None = None
+            ) -> Verified:
+    """Host rows of a verification -> what each entry emits: its accepted drafts and one token."""
+    return Verified([t[: n + 1] for t, n in zip(tokens, accepted, strict=True)], accepted,
+                    [None if x is None else x[: n + 1] for x, n in zip(logprobs, accepted, strict=True)], drafts)
+
+
+def unpack(host: list[list[int]], width: int, logprobs: list) -> Verified:
+    """Rows [tokens (width) | accepted | drafts] read in one piece -> Verified."""
+    return emitted([r[:width] for r in host], [r[width] for r in host], logprobs, [r[width + 1 :] for r in host])

@@ -599,3 +599,98 @@ def test_self_written_prompts_start_from_varied_openers(tiny_model_dir, tiny_tok
     prefix = user_prefix(tiny_tokenizer)
     for i, text in enumerate(seen[:6]):
         assert text.startswith(prefix) and text[len(prefix):].strip() == openers[i % 3]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads, reference, kind):
+    """An EAGLE verify queued before the step before it is read (lookahead.py: its ids, starts,
+    noise positions and drafts all from the device): greedy output equal to the target's; greedy and
+    sampled drafts (T = 1, top-k + top-p + min-p, min_tokens, EOS allowed) give the same tokens and
+    per-request drafted / accepted counts as the engine that reads each step first; queued steps
+    were really taken; nothing leaked."""
+    ahead = _chained_engine(tiny_model_dir, heads[kind], pipeline=True)
+    assert ahead.core.scheduler.cfg.lookahead == 5
+    la = ahead.core.rt.worker.lookahead
+    assert [r.outputs[0].token_ids for r in ahead.generate(PROMPTS[:1], greedy_params()[:1])] == reference[:1]
+    assert la.taken >= 1, (la.taken, la.dropped)
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.9, top_k=20, top_p=0.8, min_p=0.05)]
+    runs = []
+    for llm in (_chained_engine(tiny_model_dir, heads[kind]), ahead):
+        out = []
+        for i, kw in enumerate(kinds):  # batch 1: every step of the answer can be queued ahead
+            p = SamplingParams(max_tokens=60, seed=100 + i, min_tokens=3 * i, **kw)
+            out += [(r.outputs[0].token_ids, r.outputs[0].finish_reason, r.spec_stats.drafted, r.spec_stats.accepted)
+                    for r in llm.generate(PROMPTS[i:i + 1], p)]
+        res = llm.generate(PROMPTS * 2, [SamplingParams(max_tokens=40, seed=i, **kinds[i % 3]) for i in range(12)])
+        runs.append(out + [(r.outputs[0].token_ids, r.spec_stats.drafted, r.spec_stats.accepted) for r in res])
+        _assert_free(llm)
+    assert runs[0] == runs[1]
+    assert la.taken >= 15 and sum(r[-1] for r in runs[0]) > 0, (la.taken, la.dropped)
+
+
+def test_dropped_queued_chains_leave_the_next_verify_intact(tiny_model_dir, heads):
+    """Requests joining mid-answer drop the verify queued ahead (its plan no longer fits): the
+    dropped step's drafts and their q (sampled drafts, T = 1) must not reach the verify that
+    replaces it; the output and counts equal the engine that never queues ahead."""
+
+    def drive(llm: LLM) -> tuple[dict, int]:
+        core, got = llm.core, {}
+        core.add_request("a", core.encode_prompt(PROMPTS[0]), SamplingParams(temperature=1.0, max_tokens=80, seed=3))
+        for n, turn in enumerate(core.run()):
+            if n in (6, 12, 20):
+                core.add_request(f"j{n}", core.encode_prompt(PROMPTS[n % 6]),
+                                 SamplingParams(temperature=1.0, max_tokens=30, seed=n))
+            for o in turn.outputs:
+                got.setdefault(o.request_id, []).extend(o.token_ids)
+        _assert_free(llm)
+        return got, core.totals.accepted
+
+    ahead = _chained_engine(tiny_model_dir, heads["eagle3"], pipeline=True)
+    assert drive(ahead) == drive(_chained_engine(tiny_model_dir, heads["eagle3"]))
+    la = ahead.core.rt.worker.lookahead
+    assert la.dropped >= 3 and la.taken >= 5, (la.taken, la.dropped)
+    # Directly: the replacing verify reads the q rows the queued one read (the last read step's).
+    core, worker = ahead.core, ahead.core.rt.worker
+    a = core.add_request("q", core.encode_prompt(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=60, seed=9))
+    seen: list[tuple[bool, torch.Tensor]] = []
+    launch = worker.verifier.launch
+
+    def spy(entries, *args, **kw):
+        if a.q_slot is not None:
+            seen.append(("positions" in kw, worker.verifier.q_pool[a.q_slot].clone()))  # before its chain drafts
+        return launch(entries, *args, **kw)
+
+    worker.verifier.launch = spy
+    while la.queued is None:
+        core.step()
+    core.add_request("late", core.encode_prompt(PROMPTS[2]), SamplingParams(temperature=1.0, max_tokens=5, seed=1))
+    core.step()  # a prompt chunk joins: the queued verify is dropped, the real one launches
+    worker.verifier.launch = launch
+    assert la.queued is None and seen[-2][0] and not seen[-1][0]
+    assert torch.equal(seen[-1][1], seen[-2][1])
+    while core.has_work:
+        core.step()
+    _assert_free(ahead)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads):
+    """On CUDA a verify queued ahead is built on the device (graphs.restart: positions, slots and
+    context lengths from starts the host does not know yet): greedy and sampled answers, drafted and
+    accepted counts equal the engine that reads each step before queueing the next."""
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.9, top_k=20, top_p=0.8, min_p=0.05)]
+    runs = []
+    for pipeline in (False, True):
+        llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]), device="cuda",
+                  dtype="float32", kv_cache_tokens=8192, pipeline=pipeline)
+        out = []
+        for i, kw in enumerate(kinds):
+            res = llm.generate(PROMPTS[i], SamplingParams(max_tokens=80, seed=i, **kw))
+            res += llm.generate(PROMPTS, [SamplingParams(max_tokens=50, seed=j, **kw) for j in range(len(PROMPTS))])
+            out += [(r.outputs[0].token_ids, r.spec_stats.drafted, r.spec_stats.accepted) for r in res]
+        runs.append(out)
+        la = llm.core.rt.worker.lookahead
+        assert (la.taken > 20) == pipeline, (la.taken, la.dropped)
+        _assert_free(llm)
+    assert runs[0] == runs[1]

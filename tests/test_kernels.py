@@ -466,3 +466,43 @@ def test_rng_kernels_give_the_torch_oracles_bits():
             want = trng.exponentials(seeds, positions, stream, vocab)
             got = krng.exponentials(seeds.to(DEV), positions.to(DEV), stream, vocab).cpu()
             assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["ids", "starts", "base"])
+def test_restart_kernel_equals_the_torch_layout(mode):
+    """kernels/restart.py writes what model/graphs.restart's torch path writes: positions, slots and
+    context lengths of each row from its start (given, or the previous start + 1 + accepted), the
+    ids (bonus token at the accepted column, then the drafts), the base; nothing past the rows."""
+    from streamsd.kernels.restart import restart_triton
+    from streamsd.model.graphs import DeviceStarts, restart
+
+    g = torch.Generator().manual_seed(1)
+    n, width, bs, t_all, k1 = 3, 4, 4, 16, 5
+    table = torch.randint(0, 50, (4, 9), generator=g, dtype=torch.int32)
+    prev = torch.tensor([3, 9, 0])
+    accepted = torch.tensor([0, 3, 1])
+    tokens = torch.randint(0, 99, (n, k1), generator=g)
+    drafts = torch.randint(0, 99, (n, 6), generator=g)[:, : width - 1]  # a strided view, as the chain's
+    outs = []
+    for kernel in (False, True):
+        dev = DEV if kernel else torch.device("cpu")
+        packed = torch.full((3 * t_all + 9,), -7, dtype=torch.int64, device=dev)
+        base = torch.full((4,), -7, dtype=torch.int64, device=dev)
+        starts = torch.tensor([5, 11, 2], device=dev) if mode == "base" else torch.empty(n, dtype=torch.int64, device=dev)
+        src = DeviceStarts(starts, None if mode == "base" else prev.to(dev), None if mode == "base" else accepted.to(dev),
+                           tokens.to(dev) if mode == "ids" else None, drafts.to(dev) if mode == "ids" else None)
+        if kernel:
+            restart_triton(packed, t_all, starts, width, table.to(dev), bs, prev_starts=src.prev,
+                           accepted=src.accepted, tokens=src.tokens, drafts=src.drafts,
+                           base=base if mode == "base" else None)
+        else:
+            restart(packed, t_all, src, width, table, bs, base=base if mode == "base" else None)
+        outs.append((packed.cpu(), base.cpu(), starts.cpu()))
+    (p0, b0, s0), (p1, b1, s1) = outs
+    assert torch.equal(p0, p1) and torch.equal(b0, b1) and torch.equal(s0, s1)
+    want_starts = prev + 1 + accepted if mode != "base" else torch.tensor([5, 11, 2])
+    assert torch.equal(s0, want_starts)
+    assert p0[t_all : t_all + width].tolist() == list(range(int(want_starts[0]), int(want_starts[0]) + width))
+    if mode == "ids":
+        assert p0[width] == tokens[1, 3] and p0[width + 1 : 2 * width].tolist() == drafts[1].tolist()
+    assert (p0[n * width : t_all] == -7).all()  # rows past S untouched

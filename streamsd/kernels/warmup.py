@@ -35,6 +35,7 @@ from streamsd.kernels.prefill_attention import (
     tokens_per_tile,
 )
 from streamsd.kernels.rejection import _rejection_kernel, rejection_sample_triton
+from streamsd.kernels.restart import _restart, restart_triton
 from streamsd.kernels.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
 from streamsd.sampling.rejection import VerifyInput
 
@@ -45,7 +46,7 @@ def compiled_variants() -> int:
     """Kernel binaries compiled in this process so far (a step that raises it stalled on a compile)."""
     total = 0
     for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel,
-               _exponentials_kernel, _uniforms_kernel):
+               _exponentials_kernel, _uniforms_kernel, _restart):
         total += sum(len(cache[0]) for cache in fn.device_caches.values())
     return total
 
@@ -64,6 +65,7 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
     seeds, positions = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, 1, dtype=torch.int64, device=device)
     exponentials(seeds, positions, 1, vocab)  # the sampling noise (one BLOCK per vocabulary size)
     uniforms(seeds, positions, 1)
+    _restart_variants(max_k, device)
     torch.cuda.synchronize(device)
     return compiled_variants() - before, time.perf_counter() - t0
 
@@ -99,3 +101,17 @@ def _verify_input(k: int, vocab: int, has_p: bool, has_q: bool, device: torch.de
         uniforms=torch.full((1, k), 0.5, device=device),  # [1, K]
         noise=torch.ones(1, k + 1, vocab, device=device) if has_p else None,  # [1, K+1, V]
     )
+
+
+def _restart_variants(max_k: int, device: torch.device) -> None:
+    """A verify queued ahead (target: starts and ids from the verify before; EAGLE head: given starts
+    and its base) at every width 1 + k a uniform step can have."""
+    z = torch.zeros(1, dtype=torch.int64, device=device)
+    packed = torch.zeros(64, dtype=torch.int64, device=device)
+    table = torch.zeros(1, 4, dtype=torch.int32, device=device)
+    for k in range(1, max_k + 1):
+        tokens, drafts = torch.zeros(1, k + 1, dtype=torch.int64, device=device), torch.zeros(1, k, dtype=torch.int64,
+                                                                                             device=device)
+        restart_triton(packed, 16, z.clone(), k + 1, table, 16, prev_starts=z, accepted=z, tokens=tokens,
+                       drafts=drafts)
+        restart_triton(packed, 16, z.clone(), k + 1, table, 16, base=z.clone())

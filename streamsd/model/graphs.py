@@ -81,16 +81,18 @@ class GraphRunner:
         """Logits [len(rows), V] of the rows asked for; a view valid until this graph replays again."""
         return self._rows(self._replay(key, ids, starts, counts, tables), rows)
 
-    def run_hidden(self, key: tuple[int, int], ids: list[int], starts: list[int], counts: list[int],
-                   tables: list[list[int]], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_hidden(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
+                   tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [len(rows), V], streams [sum(counts), layers * hidden] of every real token): views
-        valid until this graph replays again."""
-        g = self._replay(key, ids, starts, counts, tables)
+        valid until this graph replays again. `device_starts`: the real starts (and ids), on the
+        device (equal counts; `starts` then only has to hold the same blocks), see `restart`."""
+        g = self._replay(key, ids, starts, counts, tables, device_starts)
         assert g.hidden is not None, "this runner captures no hidden streams"
         return self._rows(g, rows), g.hidden[: sum(counts)]  # real tokens are packed from the front
 
-    def _replay(self, key: tuple[int, int], ids: list[int] | torch.Tensor, starts: list[int], counts: list[int],
-                tables: list[list[int]]) -> _Graph:
+    def _replay(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
+                tables: list[list[int]], device_starts: DeviceStarts | None = None) -> _Graph:
         g = self.graphs.get(key) or self._capture(*key)
         host, table = pack_step(ids if not isinstance(ids, torch.Tensor) else None, starts, counts, tables,
                                 g.bucket, g.width, self.scratch, self.cache.block_size)
@@ -100,6 +102,8 @@ class GraphRunner:
         g.block_table[: table.shape[0], : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
         if isinstance(ids, torch.Tensor):
             g.packed[: ids.shape[0]].copy_(ids)  # device ids (draft steps): queued after the host copy
+        if device_starts is not None:
+            restart(g.packed, g.bucket * g.width, device_starts, counts[0], g.block_table, self.cache.block_size)
         g.graph.replay()
         self.replays += 1
         return g
@@ -175,6 +179,52 @@ def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], table
     if ids is not None:
         ids_h[:n_tok] = ids
     return host, table
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStarts:
+    """Where the sequences of a step queued ahead start, on the device (lookahead.py): either given
+    (`starts` [S]) or computed from the verify before (start + 1 + accepted, into `starts`), with
+    then also the ids: each sequence's bonus token and its drafts."""
+
+    starts: torch.Tensor  # [S] int64, in or out
+    prev: torch.Tensor | None = None  # [S] the previous verify's starts
+    accepted: torch.Tensor | None = None  # [S]
+    tokens: torch.Tensor | None = None  # [S, K+1] the previous verify's emitted tokens
+    drafts: torch.Tensor | None = None  # [S, width - 1] the drafts to verify now
+
+    def resolve(self) -> torch.Tensor | None:
+        """The torch path: fills `starts` when computed, returns the ids [S * width] (or None)."""
+        if self.prev is None or self.accepted is None:
+            return None
+        self.starts.copy_(self.prev + 1 + self.accepted)
+        if self.tokens is None or self.drafts is None:
+            return None
+        return torch.cat([self.tokens.gather(1, self.accepted.unsqueeze(1)), self.drafts], dim=1).view(-1)
+
+
+def restart(packed: torch.Tensor, t_all: int, src: DeviceStarts, width: int, block_table: torch.Tensor,
+            block_size: int, base: torch.Tensor | None = None) -> None:
+    """Positions, KV slots and context lengths (and ids, when `src` has them) of a packed step's first
+    S sequences rewritten on the device, each `width` tokens from its start; `base` [S] gets start + 1.
+    The block table must already be in place."""
+    if packed.is_cuda:
+        from streamsd.kernels.restart import restart_triton
+
+        restart_triton(packed, t_all, src.starts, width, block_table, block_size, prev_starts=src.prev,
+                       accepted=src.accepted, tokens=src.tokens, drafts=src.drafts, base=base)
+        return
+    ids = src.resolve()
+    starts, n = src.starts, src.starts.shape[0]
+    if ids is not None:
+        packed[: ids.shape[0]] = ids
+    pos = starts.unsqueeze(1) + torch.arange(width, device=starts.device)  # [S, width]
+    block = block_table[:n].gather(1, pos // block_size).long()  # [S, width]
+    packed[t_all : t_all + n * width] = pos.view(-1)
+    packed[2 * t_all : 2 * t_all + n * width] = (block * block_size + pos % block_size).view(-1)
+    packed[3 * t_all : 3 * t_all + n] = starts + width
+    if base is not None:
+        base[:n] = starts + 1
 
 
 def static_layout(packed: torch.Tensor, block_table: torch.Tensor, bucket: int, width: int,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from streamsd.lookahead import pair_slot
 from streamsd.model.attention import paged_attention_reference
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
@@ -90,21 +91,25 @@ class EagleProposer:
 
     @torch.inference_mode()
     def chain(self, reqs: list[Request], starts: list[int], counts: list[int], ks: list[int], tokens: torch.Tensor,
-              accepted: torch.Tensor, streams: torch.Tensor) -> torch.Tensor | None:
+              accepted: torch.Tensor, streams: torch.Tensor,
+              device_starts: torch.Tensor | None = None) -> torch.Tensor | None:
         """Queue the catch-up and the drafts behind a verify whose results are still on the device:
         request i verified counts[i] tokens from starts[i] (tokens [B, K + 1] and accepted [B] from the
         rejection sampler, the target's streams [sum(counts), n * Ht]) and wants ks[i] drafts. Returns
         the drafts [B, max k] (device), or None when no graph fits (the caller then proposes as usual,
-        after its read). Its caller reports each request's head as caught up to start + accepted + 1."""
+        after its read). Its caller reports each request's head as caught up to start + accepted + 1.
+        `device_starts` [B]: the real starts, on the device (a verify queued ahead: lookahead.py)."""
         if self.graphs is None or not reqs:
             return None
         tables = [r.blocks for r in reqs]
         sampling = any(k and not r.greedy_draft for r, k in zip(reqs, ks, strict=True))
-        rows = [self._draw(r, k) for r, k in zip(reqs, ks, strict=True)] if sampling else None
+        rows = [self._draw(r, k, paired=device_starts is not None) for r, k in zip(reqs, ks, strict=True)] \
+            if sampling else None
         key = self.graphs.key_for(counts, tables, max(ks), rows)
         if key is None:
             return None
-        return self.graphs.run_chained(key, tokens, accepted, streams, starts, counts, tables, ks, rows)
+        return self.graphs.run_chained(key, tokens, accepted, streams, starts, counts, tables, ks, rows,
+                                       device_starts)
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
@@ -161,10 +166,14 @@ class EagleProposer:
             results[i] = Proposal(host[row][: it.k], it.upto)
         return results
 
-    def _draw(self, r: Request, k: int) -> DraftRow:
+    def _draw(self, r: Request, k: int, paired: bool = False) -> DraftRow:
+        """`paired`: q into the request's other pool row (a verify queued ahead: lookahead.pair_slot)."""
         greedy = r.greedy_draft or r.q_slot is None or k == 0  # greedy rows write no q of their own
         p = r.params
-        return DraftRow(p.temperature, p.top_k, p.top_p, p.min_p, greedy, r.seed, r.q_slot or 0)
+        slot = r.q_slot or 0
+        if paired and not greedy:
+            slot = pair_slot(slot, self.q_pool.shape[0])
+        return DraftRow(p.temperature, p.top_k, p.top_p, p.min_p, greedy, r.seed, slot)
 
     def _draft_loop(self, items: list[ProposeItem], h: torch.Tensor) -> torch.Tensor:
         """h [Bd, H]: the head's output at each item's last caught-up slot -> drafts [Bd, max k]."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from streamsd.model.graphs import BUCKETS, buckets_up_to, pack_step, static_layout
+from streamsd.model.graphs import BUCKETS, DeviceStarts, buckets_up_to, pack_step, restart, static_layout
 from streamsd.model.kv_cache import BatchLayout, h2d
 from streamsd.sampling.warp import WarpParams
 from streamsd.spec.drafting import draw_drafts
@@ -141,15 +141,20 @@ class EagleGraphs:
 
     def run_chained(self, key: tuple[int, int, int], tokens: torch.Tensor, accepted: torch.Tensor,
                     streams: torch.Tensor, starts: list[int], counts: list[int], tables: list[list[int]],
-                    ks: list[int], rows: list[DraftRow] | None = None) -> torch.Tensor:
+                    ks: list[int], rows: list[DraftRow] | None = None,
+                    device_starts: torch.Tensor | None = None) -> torch.Tensor:
         """Drafts [B, steps] right after a verify whose sampler left `tokens` [B, K + 1] (-1 past the
         emitted ones) and `accepted` [B] on the device: request i verified counts[i] tokens from
         starts[i] (its last token and its drafts), and `streams` [sum(counts), n * Ht] are the target's
-        at them, packed from the front. Nothing is read back here."""
+        at them, packed from the front. `device_starts` [B]: the real starts, on the device (a verify
+        queued ahead, equal counts). Nothing is read back here."""
         b, k1 = tokens.shape
         first = np.cumsum(counts) - np.asarray(counts)
         # Accepting a tokens puts draft 0 at start + a + 2 (the last token, a drafts, the bonus).
         g = self._load(key, None, starts, counts, tables, first, [s + 2 for s in starts], ks, rows)
+        if device_starts is not None:
+            restart(g.packed, g.bucket * self.width, DeviceStarts(device_starts), counts[0], g.block_table,
+                    self.block_size, base=g.base)
         g.accepted[:b].copy_(accepted)
         n, flat = sum(counts), tokens.view(-1)
         if n < b * k1:  # fewer drafts than K in some rows: their emitted tokens, packed like the streams
