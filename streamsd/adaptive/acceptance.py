@@ -57,7 +57,9 @@ class AcceptanceConfig:
     request_decay: float = 0.99  # per speculative observation: ~100 steps of memory
     idle_decay: float = 0.97  # per non-speculating step: back to the prior in a few dozen steps
     quantile: float = 0.25
-    probe_after: int = 64
+    # 64 until session 8: with plain steps pipelined (lookahead.py) plain got cheaper than the start-up
+    # table says, the 0.6 prior stopped paying at B = 64, and 64-token requests ended before any probe.
+    probe_after: int = 16
     refresh_every: int = 8  # steps a posterior may go unread while only the prior or idle decay moved it
 
 

@@ -69,7 +69,7 @@ class RequestView:
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
-    probe_every: int = 64
+    probe_every: int = 16  # one probe step in 16 plain ones, only where an optimistic α would pay
     max_probes: int = 4
     probe_alpha: float = 0.9
     probe_k: int = 1  # drafts a probe verifies: deeper probes see more positions per probe
