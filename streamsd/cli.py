@@ -40,14 +40,15 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
     p.add_argument("--no-pipeline", action="store_true",
-                   help="do not queue the next plain decode step before reading this one (default: queued on CUDA)")
+                   help="do not queue the next step (plain decode, EAGLE verify) before reading this one "
+                        "(default: queued on CUDA)")
 
 
 def default_speculation(model: str, draft_model: str | None, device: str | None) -> str:
     """--speculative-method when none is given. For the embedded default model: its shipped EAGLE head
-    on CUDA (batch 1 on the H200, 16 held-out prompts: 1.64x plain at T=0 and 1.08x at T=1, n-gram
-    1.45x and 1.04x) and n-gram lookup on a CPU, where the head's extra layer and its full-vocabulary
-    lm_head cost more than they save (this 2-core machine, T=0: eagle 1.04x plain against n-gram's 1.37x
+    on CUDA (batch 1 on the H200, 6 held-out prompts, against pipelined plain steps: 1.35x plain at
+    T=0, 0.88x at T=1; n-gram 1.08x and 0.94x) and n-gram lookup on a CPU, where the head's extra
+    layer and its full-vocabulary lm_head cost more than they save (this 2-core machine, T=0: eagle 1.04x plain against n-gram's 1.37x
     in float32, 1.25x against 1.77x in bfloat16)."""
     if draft_model:
         return "draft"
