@@ -129,6 +129,7 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: 
     """Host seconds per phase of a step, per engine: the methods below are wrapped with a timer for
     one answer at `temperature`. Nested phases are included in their callers' (`Verifier.verify` holds the
     read of its tokens); `Tensor.tolist` is where the host waits for the GPU."""
+    import streamsd.pipelined as pipelined
     import streamsd.verify as verify_module
     from streamsd import SamplingParams
     from streamsd.core import EngineCore
@@ -141,7 +142,8 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: 
     from streamsd.verify import Verifier
     from streamsd.worker import Worker
 
-    wrapped = {Worker: ["step", "_forward", "_propose", "_plain", "_queue_next"], Verifier: ["verify", "_sample_plain"],
+    wrapped = {Worker: ["step", "_forward", "_propose"], Verifier: ["verify", "_sample_plain", "launch"],
+               pipelined: ["plain_step", "chained_step", "_queue_plain", "_queue_chained"],
                Scheduler: ["schedule", "update"], Readback: ["wait"],
                EngineCore: ["emit"], GraphRunner: ["_replay"], EagleProposer: ["propose", "chain"],
                EagleGraphs: ["run", "run_chained"], torch.Tensor: ["tolist"], rng: ["exponentials", "uniforms"],

@@ -14,14 +14,15 @@ import threading
 
 import torch
 
-from streamsd.lookahead import Lookahead, Readback, pair_slot
-from streamsd.model.graphs import DeviceStarts, GraphRunner, forward_logits
+from streamsd import pipelined
+from streamsd.lookahead import Lookahead, Readback
+from streamsd.model.graphs import GraphRunner
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.request import Request
 from streamsd.spec.base import ProposeItem, Proposer
 from streamsd.step import EntryResult, Scheduled, StepPlan
-from streamsd.verify import Chain, Verified, Verifier, unpack
+from streamsd.verify import Chain, Verified, Verifier
 
 
 class Worker:
@@ -46,9 +47,9 @@ class Worker:
         try:
             # An EAGLE head catches up on every step's streams: its plain steps take the full path.
             if Lookahead.serves(plan.entries) and not getattr(self.proposer, "hidden_layers", ()):
-                return self._plain(plan.entries)
+                return pipelined.plain_step(self, plan.entries)
             if Lookahead.chains(plan.entries) and hasattr(self.proposer, "chain"):
-                return self._chained(plan.entries)
+                return pipelined.chained_step(self, plan.entries)
             self.lookahead.drop()
             return self._step(plan.entries)
         except BaseException:
@@ -59,117 +60,6 @@ class Worker:
         logits, hidden = self._forward(entries)  # [rows, V], [tokens, layers * hidden] | None
         verified = self.verifier.verify([e for e in entries if e.verifies], logits, self._chain(entries, hidden))
         return self._propose(entries, verified, hidden)
-
-    def _plain(self, entries: list[Scheduled]) -> list[EntryResult]:
-        """A plain decode step, taken from the step queued ahead when it fits, and the next one
-        queued before this one is read."""
-        reqs = [e.request for e in entries]
-        taken = self.lookahead.take(entries)
-        if taken is None:
-            logits, _ = self._forward(entries)  # [B, V]
-            rows = self.verifier.suppress_early_stops(entries, logits.unsqueeze(1))  # [B, 1, V]
-            tokens = self.verifier.plain_tokens(reqs, rows[:, 0])  # [B]
-        else:
-            queued, picked = taken
-            same = len(picked) == len(queued.requests)
-            tokens = queued.tokens if same else queued.tokens[h2d(picked, torch.int64, self.device)]  # [B]
-        self.readback.start(tokens)
-        self._queue_next(entries, tokens)
-        self.launched.set()
-        verified = Verified([[t] for t in self.readback.wait()], [0] * len(entries), [None] * len(entries))
-        return self._propose(entries, verified)
-
-    def _queue_next(self, entries: list[Scheduled], tokens: torch.Tensor) -> None:
-        """Queues the step after this plain one for every entry that may continue, from the tokens
-        [B] this step sampled on the device (lookahead.py)."""
-        keep = self.lookahead.next_rows(entries)
-        if not keep:
-            return
-        nxt = [Scheduled(entries[i].request, entries[i].start + 1, 1, 0, 0) for i in keep]
-        ids = tokens if len(keep) == len(entries) else tokens[h2d(keep, torch.int64, self.device)]  # [B']
-        n = len(nxt)
-        logits = forward_logits(self.target, self.graphs, self.cache, ids, [e.start for e in nxt], [1] * n,
-                                [e.request.blocks for e in nxt], list(range(n)), self.device)  # [B', V]
-        rows = self.verifier.suppress_early_stops(nxt, logits.unsqueeze(1), ahead=1)  # [B', 1, V]
-        self.lookahead.queue(nxt, self.verifier.plain_tokens([e.request for e in nxt], rows[:, 0], ahead=1))
-
-    def _chained(self, entries: list[Scheduled]) -> list[EntryResult]:
-        """A speculative step whose drafts an EAGLE head proposes behind the verify, taken from the
-        step queued ahead when it fits, and the next one queued before this one is read."""
-        taken = self.lookahead.take(entries)
-        if taken is None:
-            logits, hidden = self._forward(entries)  # [rows, V], [tokens, layers * hidden]
-            launched = self.verifier.launch(entries, logits, self._chain(entries, hidden))
-            if launched.drafts is None:  # no graph fits this batch: propose after the read
-                return self._propose(entries, self.verifier.read(launched), hidden)
-            tokens, accepted, drafts = launched.tokens, launched.accepted, launched.drafts
-        else:
-            queued, picked = taken
-            index = None if len(picked) == len(queued.requests) else h2d(picked, torch.int64, self.device)
-            assert queued.accepted is not None and queued.drafts is not None
-            tokens, accepted, drafts = (t if index is None else t.index_select(0, index)
-                                        for t in (queued.tokens, queued.accepted, queued.drafts))
-            for e in entries:  # its drafts' q went to the pair row
-                if e.request.q_slot is not None and self.verifier.q_pool is not None:
-                    e.request.q_slot = pair_slot(e.request.q_slot, self.verifier.q_pool.shape[0])
-        width = tokens.shape[1]
-        self.readback.start(torch.cat([tokens, accepted.unsqueeze(1), drafts], dim=1))  # [B, K+2+k]
-        queued_rows = self._queue_chained(entries, tokens, accepted, drafts)
-        self.launched.set()
-        verified = unpack(self.readback.wait(), width, [None] * len(entries))
-        self.lookahead.place([entries[i].start + 1 + verified.accepted[i] for i in queued_rows])
-        return self._propose(entries, verified)
-
-    def _queue_chained(self, entries: list[Scheduled], tokens: torch.Tensor, accepted: torch.Tensor,
-                       drafts: torch.Tensor) -> list[int]:
-        """Queues the verify (and the head's chain) after this one when every entry may continue:
-        its ids are the bonus token and the drafts, its start is start + accepted + 1, all on the
-        device (lookahead.py). tokens [B, K+1], accepted [B], drafts [B, k]. Returns the rows queued."""
-        keep = self.lookahead.next_chained(entries)
-        if not keep:
-            return []
-        dev, k = self.device, entries[0].k_next
-        nxt = [Scheduled(e.request, e.start + 1, 1, k, k) for e in entries]  # their starts: lower bounds
-        starts = torch.empty(len(entries), dtype=torch.int64, device=dev)  # [B] start + 1 + accepted, filled below
-        src = DeviceStarts(starts, h2d([e.start for e in entries], torch.int64, dev), accepted, tokens, drafts[:, :k])
-        out = self._forward_at(nxt, src)
-        if out is None:
-            return []
-        logits, hidden = out
-        n = len(nxt)
-        positions = (starts + 1).unsqueeze(1) + torch.arange(k + 1, device=dev)  # [n, k+1] after the pending one
-        chain = getattr(self.proposer, "chain")  # noqa: B009
-        reqs = [e.request for e in nxt]
-        launched = self.verifier.launch(
-            nxt, logits, lambda t, a: chain(reqs, [e.start for e in nxt], [k + 1] * n, [k] * n, t, a, hidden,
-                                            device_starts=starts),
-            positions=positions, draft_ids=drafts[:, :k])
-        if launched.drafts is None:
-            return []
-        self.lookahead.queue_chained(nxt, k, launched.tokens, launched.accepted, launched.drafts.clone())
-        return keep
-
-    def _forward_at(self, entries: list[Scheduled], src: DeviceStarts) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The target's logits and streams of a verify whose ids and starts come from the verify
-        before, on the device (each entry's host start only a lower bound), or None where it cannot
-        be queued (CUDA without a graph for it)."""
-        counts = [1 + e.num_drafts for e in entries]
-        tables = [e.request.blocks for e in entries]
-        layers = tuple(getattr(self.proposer, "hidden_layers", ()))
-        rows = list(range(sum(counts)))
-        if self.graphs is not None and self.graphs.hidden_layers == layers:
-            key = self.graphs.key_for(counts, tables)
-            if key is not None:
-                return self.graphs.run_hidden(key, None, [e.start for e in entries], counts, tables, rows,
-                                              device_starts=src)
-        if self.device.type == "cuda":
-            return None
-        ids = src.resolve()  # on the CPU nothing runs ahead: the starts are at hand
-        assert ids is not None
-        layout = BatchLayout.build(src.starts.tolist(), counts, tables, self.cache.block_size, self.device)
-        out = self.target(ids, layout, self.cache, torch.tensor(rows), hidden_layers=layers,
-                          hidden_rows=torch.arange(len(rows)))
-        return out.logits, torch.cat(out.hidden, dim=-1)
 
     def _chain(self, entries: list[Scheduled], hidden: torch.Tensor | None) -> Chain | None:
         """An EAGLE head's catch-up and drafts queued straight behind the verify (no host read in

@@ -474,7 +474,7 @@ def test_restart_kernel_equals_the_torch_layout(mode):
     context lengths of each row from its start (given, or the previous start + 1 + accepted), the
     ids (bonus token at the accepted column, then the drafts), the base; nothing past the rows."""
     from streamsd.kernels.restart import restart_triton
-    from streamsd.model.graphs import DeviceStarts, restart
+    from streamsd.model.device_layout import DeviceStarts, restart
 
     g = torch.Generator().manual_seed(1)
     n, width, bs, t_all, k1 = 3, 4, 4, 16, 5

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from streamsd.model.graphs import BUCKETS, DeviceStarts, buckets_up_to, pack_step, restart, static_layout
+from streamsd.model.device_layout import DeviceStarts, restart
+from streamsd.model.graphs import BUCKETS, buckets_up_to, pack_step, static_layout
 from streamsd.model.kv_cache import BatchLayout, h2d
 from streamsd.sampling.warp import WarpParams
 from streamsd.spec.drafting import draw_drafts
