@@ -39,9 +39,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
-    p.add_argument("--no-pipeline", action="store_true",
-                   help="do not queue the next step (plain decode, EAGLE verify) before reading this one "
-                        "(default: queued on CUDA)")
+    p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
+                   help="queue the next step (plain decode, EAGLE verify) on the device before reading this "
+                        "one; auto: on CUDA, where the GPU runs ahead of the host")
 
 
 def default_speculation(model: str, draft_model: str | None, device: str | None) -> str:
@@ -68,7 +68,7 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
                       policy=a.speculation_policy)
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                        max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline=False if a.no_pipeline else None)
+                        max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline))
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

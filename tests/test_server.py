@@ -334,3 +334,54 @@ def test_sigterm_drains_streams_and_exits_zero(tiny_model_dir, tmp_path):
         last = json.loads(events[-2])
         assert last["choices"][0]["finish_reason"] in ("stop", "length")
     assert s.proc.wait(30) == 0
+
+
+def test_pipelined_server_streams_equal_the_offline_engine(tiny_model_dir, tmp_path):
+    """`--pipeline on` (forced on the CPU): plain decode steps queued one ahead under the server's own
+    loop, with 24 concurrent streams joining and ending at different lengths (greedy and seeded T=1),
+    one client hanging up mid-stream: every finished answer equals the offline engine's, and the
+    cache is empty afterwards."""
+    s = start_server(tiny_model_dir, tmp_path, "--speculative-method", "none", "--pipeline", "on")
+    try:
+        ac_url = f"{s.url}/v1"
+        model = httpx.get(f"{ac_url}/models").json()["data"][0]["id"]
+        prompts = [f"Story number {i}:" for i in range(24)]
+        params = [dict(max_tokens=8 + i, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(24)]
+
+        async def one(ac, p, kw):
+            text = ""
+            stream = await ac.completions.create(model=model, prompt=p, stream=True, extra_body={"ignore_eos": True},
+                                                 **kw)
+            async for chunk in stream:
+                text += chunk.choices[0].text if chunk.choices else ""
+            return text
+
+        async def hang_up():
+            body = {"prompt": "Tell me a long story", "max_tokens": 3000, "stream": True, "model": model}
+            async with httpx.AsyncClient(timeout=30) as h, h.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+                lines = r.aiter_lines()
+                for _ in range(5):
+                    await lines.__anext__()
+
+        async def run():
+            ac = openai.AsyncOpenAI(base_url=ac_url, api_key="unused", max_retries=0, timeout=120)
+            tasks = []
+            for i, (p, kw) in enumerate(zip(prompts, params, strict=True)):
+                tasks.append(asyncio.create_task(one(ac, p, kw)))
+                if i % 6 == 5:
+                    await asyncio.sleep(0.05)  # joins while steps are queued ahead
+            await hang_up()
+            return await asyncio.gather(*tasks)
+
+        texts = asyncio.run(run())
+        offline = LLM(str(tiny_model_dir))
+        want = offline.generate(prompts, [SamplingParams(ignore_eos=True, **kw) for kw in params])
+        assert texts == [r.outputs[0].text for r in want]
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and metric(s.url, "streamsd:num_requests_running") > 0:
+            time.sleep(0.02)
+        assert metric(s.url, "streamsd:kv_cache_usage_perc") == 0
+        assert metric(s.url, "streamsd:pipelined_steps_taken") > 20
+        assert metric(s.url, "streamsd:pipelined_steps_dropped") >= 1  # joins and the hang-up
+    finally:
+        assert s.stop() == 0

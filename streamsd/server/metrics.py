@@ -29,6 +29,11 @@ class Metrics:
             lambda: len(state.engine.core.scheduler.waiting) if state.engine else 0)
         Gauge("streamsd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)", registry=r).set_function(
             lambda: state.engine.core.scheduler.kv_usage if state.engine else 0.0)
+        # Steps queued one ahead (lookahead.py): served as queued, or dropped because the plan changed.
+        Gauge("streamsd:pipelined_steps_taken", "Steps served by the step queued ahead of them",
+              registry=r).set_function(lambda: state.engine.core.rt.worker.lookahead.taken if state.engine else 0)
+        Gauge("streamsd:pipelined_steps_dropped", "Steps queued ahead and dropped (the plan changed)",
+              registry=r).set_function(lambda: state.engine.core.rt.worker.lookahead.dropped if state.engine else 0)
         self.drafts = Counter("streamsd:spec_decode_num_drafts", "Verify steps with drafts", registry=r)
         self.draft_tokens = Counter("streamsd:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
         self.accepted = Counter("streamsd:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
