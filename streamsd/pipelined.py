@@ -126,12 +126,12 @@ def _forward_at(w: Worker, entries: list[Scheduled], src: DeviceStarts) -> tuple
         key = w.graphs.key_for(counts, tables)
         if key is not None:
             return w.graphs.run_hidden(key, None, [e.start for e in entries], counts, tables, rows,
-                                          device_starts=src)
+                                       device_starts=src)
     if w.device.type == "cuda":
         return None
     ids = src.resolve()  # on the CPU nothing runs ahead: the starts are at hand
     assert ids is not None
     layout = BatchLayout.build(src.starts.tolist(), counts, tables, w.cache.block_size, w.device)
     out = w.target(ids, layout, w.cache, torch.tensor(rows), hidden_layers=layers,
-                      hidden_rows=torch.arange(len(rows)))
+                   hidden_rows=torch.arange(len(rows)))
     return out.logits, torch.cat(out.hidden, dim=-1)
