@@ -86,7 +86,9 @@ class Collected:
 
 
 class _Recorder:
-    """Stands in for a proposer so the worker returns the streams of every computed token; drafts nothing."""
+    """Stands in for a proposer so the worker returns the streams of every computed token; drafts nothing.
+    Its `hidden_layers` (and no `chain`) keep every step on the worker's full path, through the recorded
+    `_forward`: steps queued ahead (pipelined.py) run their forward elsewhere."""
 
     dense = False
     keeps_cache = False
