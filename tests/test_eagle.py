@@ -514,13 +514,13 @@ def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadli
     over each answer, with preemption by recompute in between (a small KV pool), and when a deadline
     cuts the answers short (partial answers are kept, every request is freed). The forward hands its
     streams over in one reused buffer, as a CUDA graph's static output does: what `answer` keeps must
-    be its own copy."""
+    be its own copy. Pipelining is on, as on CUDA: no step may run ahead of the recorder."""
     import time
 
     from streamsd.spec.eagle_data import answer
 
     prompts = [" ".join(CORPUS[i].split()[:6]) for i in range(6)]
-    llm = LLM(str(tiny_model_dir), max_num_seqs=4, kv_cache_tokens=160)
+    llm = LLM(str(tiny_model_dir), max_num_seqs=4, kv_cache_tokens=160, pipeline=True)
     worker, static = llm.core.rt.worker, torch.empty(4096, 3 * 64)
     forward = worker._forward
 
@@ -542,6 +542,7 @@ def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadli
                  deadline=time.monotonic() + elapsed / 8)
     _assert_free(llm)
     assert 0 < sum(len(s.ids) for s in cut) < sum(len(s.ids) for s in full)
+    assert worker.lookahead.taken == 0
     for got in full + cut:
         ref = Sample(got.ids, got.prompt_len)
         attach_streams(target, [ref], (0, 1), dtype=torch.float32)  # the final stream: layer 2's output
