@@ -31,7 +31,8 @@ class Queued:
 
     requests: list[Request]
     starts: list[int]  # the position each row computes (a chained step's: filled in once the host knows)
-    tables: list[list[int]]  # each row's blocks that the step writes to (a copy of the prefix)
+    first_block: list[int]  # the index of each row's first block the step writes to
+    blocks: list[list[int]]  # those blocks (the ones before are fixed while a request runs)
     k: int  # drafts verified per row (0: a plain step)
     tokens: torch.Tensor  # [B] sampled (plain), or [B, k+1] emitted, -1 past each row's
     accepted: torch.Tensor | None = None  # [B] (chained)
@@ -87,9 +88,9 @@ class Lookahead:
 
     @staticmethod
     def _same(q: Queued, j: int, e: Scheduled) -> bool:
-        table = q.tables[j]
+        first, blocks = q.first_block[j], q.blocks[j]
         return (q.starts[j] == e.start and e.num_drafts == q.k and e.k_next == q.k
-                and e.request.blocks[: len(table)] == table)
+                and e.request.blocks[first : first + len(blocks)] == blocks)
 
     def drop(self) -> None:
         if self.queued is not None:
@@ -114,11 +115,11 @@ class Lookahead:
         reserves them: SchedulerConfig.lookahead); else none."""
         if not (self.enabled and self.chained):
             return []
-        k, bs = entries[0].k_next, self.block_size
+        reach, bs = chained_reach(entries[0].k_next), self.block_size
         rows = [i for i, e in enumerate(entries)
-                if len(e.request.output_ids) + 3 * k + 3 <= e.request.params.max_tokens
+                if len(e.request.output_ids) + reach <= e.request.params.max_tokens
                 and e.request.params.min_tokens <= len(e.request.output_ids)
-                and len(e.request.blocks) * bs >= e.start + 3 * k + 3]
+                and len(e.request.blocks) * bs >= e.start + reach]
         # A row left out would most likely be in the next plan, which would then drop the queued step.
         return rows if len(rows) == len(entries) else []
 
@@ -126,20 +127,29 @@ class Lookahead:
         """Records the plain step just queued (`entries`: each a position past this step's) and its tokens [B]."""
         bs = self.block_size
         self.queued = Queued([e.request for e in entries], [e.start for e in entries],
-                             [e.request.blocks[: e.start // bs + 1] for e in entries], 0, tokens)
+                             [e.start // bs for e in entries], [[e.request.blocks[e.start // bs]] for e in entries],
+                             0, tokens)
 
     def queue_chained(self, entries: list[Scheduled], k: int, tokens: torch.Tensor, accepted: torch.Tensor,
                       drafts: torch.Tensor) -> None:
-        """Records the chained step just queued for `entries` (its starts follow: `place`)."""
-        bs, end = self.block_size, [e.start + 3 * k + 3 for e in entries]
-        self.queued = Queued([e.request for e in entries], [], [e.request.blocks[: -(-n // bs)]
-                                                               for e, n in zip(entries, end, strict=True)],
-                             k, tokens, accepted, drafts)
+        """Records the chained step just queued for `entries` (each start a lower bound; the real ones
+        follow: `place`)."""
+        bs, reach = self.block_size, chained_reach(k)
+        first = [e.start // bs for e in entries]
+        blocks = [e.request.blocks[f : -(-(e.start + reach) // bs)] for e, f in zip(entries, first, strict=True)]
+        self.queued = Queued([e.request for e in entries], [], first, blocks, k, tokens, accepted, drafts)
 
     def place(self, starts: list[int]) -> None:
         """The chained step queued last starts its rows here (known once this step is read)."""
         if self.queued is not None and not self.queued.starts:
             self.queued.starts = starts
+
+
+def chained_reach(k: int) -> int:
+    """Positions past a chained step's start that the step queued behind it may write: its verify
+    (start + 1 + accepted <= start + k + 1, then k drafts) and its head's chain (k - 1 slots more),
+    with room to spare; the scheduler holds them (SchedulerConfig.lookahead = K + 1)."""
+    return 3 * k + 3
 
 
 def pair_slot(slot: int, pool_rows: int) -> int:
@@ -158,26 +168,22 @@ class Readback:
         self.device = device
         self._host: torch.Tensor | None = None  # pinned: a device-to-host copy into it does not block
         self._event = torch.cuda.Event() if device.type == "cuda" else None
-        self._shape: tuple[int, ...] = ()
+        self._view: torch.Tensor | None = None  # the values' place in it (or the values, on a CPU)
 
     def start(self, values: torch.Tensor) -> None:
         """Queues the copy of values (int64, any shape)."""
-        self._shape = tuple(values.shape)
         if self._event is None:
-            self._host = values
+            self._view = values
             return
         n = values.numel()
         if self._host is None or self._host.shape[0] < n:
             self._host = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
-        self._host[:n].view(self._shape).copy_(values, non_blocking=True)
+        self._view = self._host[:n].view(values.shape)
+        self._view.copy_(values, non_blocking=True)
         self._event.record()
 
     def wait(self) -> list:
-        assert self._host is not None
-        if self._event is None:
-            return self._host.tolist()
-        self._event.synchronize()
-        n = 1
-        for d in self._shape:
-            n *= d
-        return self._host[:n].view(self._shape).tolist()
+        assert self._view is not None
+        if self._event is not None:
+            self._event.synchronize()
+        return self._view.tolist()

@@ -24,12 +24,9 @@ if TYPE_CHECKING:
 def plain_step(w: Worker, entries: list[Scheduled]) -> list[EntryResult]:
     """A plain decode step, taken from the step queued ahead when it fits, and the next one
     queued before this one is read."""
-    reqs = [e.request for e in entries]
     taken = w.lookahead.take(entries)
     if taken is None:
-        logits, _ = w._forward(entries)  # [B, V]
-        rows = w.verifier.suppress_early_stops(entries, logits.unsqueeze(1))  # [B, 1, V]
-        tokens = w.verifier.plain_tokens(reqs, rows[:, 0])  # [B]
+        tokens = w.verifier.sample_plain(entries, w._forward(entries)[0])  # [B]
     else:
         queued, picked = taken
         same = len(picked) == len(queued.requests)
@@ -52,8 +49,7 @@ def _queue_plain(w: Worker, entries: list[Scheduled], tokens: torch.Tensor) -> N
     n = len(nxt)
     logits = forward_logits(w.target, w.graphs, w.cache, ids, [e.start for e in nxt], [1] * n,
                             [e.request.blocks for e in nxt], list(range(n)), w.device)  # [B', V]
-    rows = w.verifier.suppress_early_stops(nxt, logits.unsqueeze(1), ahead=1)  # [B', 1, V]
-    w.lookahead.queue(nxt, w.verifier.plain_tokens([e.request for e in nxt], rows[:, 0], ahead=1))
+    w.lookahead.queue(nxt, w.verifier.sample_plain(nxt, logits, ahead=1))
 
 
 def chained_step(w: Worker, entries: list[Scheduled]) -> list[EntryResult]:

@@ -81,8 +81,8 @@ class Verifier:
     def launch(self, entries: list[Scheduled], logits: torch.Tensor, chain: Chain | None = None,
                positions: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None) -> Launched:
         """Queues the rejection sampler (and the chain behind it). `positions` [B, K+1] and `draft_ids`
-        [B, K], on the device, replace the requests' own: a verify queued before the host knows them
-        (lookahead.py; its entries' tokens and drafts are then a step behind)."""
+        [B, K], on the device, replace the requests' own (both or neither): a verify queued before the
+        host knows them (lookahead.py; its entries' tokens and drafts are then a step behind)."""
         dev = self.device
         reqs = [e.request for e in entries]
         k = max(e.num_drafts for e in entries)
@@ -95,15 +95,15 @@ class Verifier:
         b = len(reqs)
         fields = np.array([(r.params.greedy, r.seed, d, e.num_drafts, r.q_slot if d else 0, r.num_tokens)
                            for e, r, d in zip(entries, reqs, dense, strict=True)], dtype=np.int64).T  # [6, B]
-        pos_h = fields[5][:, None] + np.arange(k + 1)  # [B, K+1]
-        ids_h = np.array([r.draft_ids[: e.num_drafts] + [0] * (k - e.num_drafts)
-                          for e, r in zip(entries, reqs, strict=True)], dtype=np.int64)  # [B, K]
-        host = np.concatenate([fields[:5].ravel(), pos_h.ravel(), ids_h.ravel()])  # greedy, seed, dense q, drafts, q slot
-        ints = h2d(torch.from_numpy(host), torch.int64, dev)
+        parts = [fields[:5].ravel()]  # greedy, seed, dense q, drafts, q slot
+        if positions is None:  # a verify queued ahead brings both from the device
+            parts.append((fields[5][:, None] + np.arange(k + 1)).ravel())  # [B * (K+1)]
+            parts.append(np.array([r.draft_ids[: e.num_drafts] + [0] * (k - e.num_drafts)
+                                   for e, r in zip(entries, reqs, strict=True)], dtype=np.int64).ravel())  # [B * K]
+        ints = h2d(torch.from_numpy(np.concatenate(parts)), torch.int64, dev)
         greedy, seeds, num_drafts, q_slots = ints[:b].bool(), ints[b : 2 * b], ints[3 * b : 4 * b], ints[4 * b : 5 * b]
-        if positions is None:
+        if positions is None or draft_ids is None:
             positions = ints[5 * b : 5 * b + b * (k + 1)].view(b, k + 1)  # [B, K+1]
-        if draft_ids is None:
             draft_ids = ints[5 * b + b * (k + 1) :].view(b, k)  # [B, K]
         probs = None
         noise = None
@@ -140,19 +140,24 @@ class Verifier:
                       v.tokens.shape[1], v.logprobs)
 
     def _sample_plain(self, reqs: list[Request], rows: torch.Tensor) -> Verified:
-        """A step with no drafts is plain decoding: no rejection sampler (`plain_tokens`)."""
-        tokens = self.plain_tokens(reqs, rows[:, 0])  # [B]
+        """A step with no drafts is plain decoding: no rejection sampler (`sample_plain`)."""
+        tokens = self._race(reqs, rows[:, 0])  # [B]
         lp = self._logprobs(reqs, rows, tokens.unsqueeze(-1))
         self.launched.set()
         host_tokens = tokens.tolist()  # the step's one host read
         logprobs = [None if x is None else x[:1] for x in lp]
         return Verified([[t] for t in host_tokens], [0] * len(reqs), logprobs)
 
-    def plain_tokens(self, reqs: list[Request], logits: torch.Tensor, ahead: int = 0) -> torch.Tensor:
-        """[B] tokens of a plain step on the device, from its logits [B, V] (early stops already
-        suppressed), `ahead` tokens past each request's current end. All-greedy steps are an argmax;
-        sampled rows race with the noise the rejection sampler would use for a bonus token at the
-        same position, so a seeded request's output does not depend on which path a step took."""
+    def sample_plain(self, entries: list[Scheduled], logits: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+        """[B] tokens of a plain step on the device, from its logits [B, V], `ahead` tokens past each
+        request's current end (a step queued ahead: lookahead.py); no host read."""
+        rows = self.suppress_early_stops(entries, logits.unsqueeze(1), ahead)  # [B, 1, V]
+        return self._race([e.request for e in entries], rows[:, 0], ahead)
+
+    def _race(self, reqs: list[Request], logits: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+        """[B] tokens from logits [B, V] whose early stops are suppressed. All-greedy steps are an
+        argmax; sampled rows race with the noise the rejection sampler would use for a bonus token at
+        the same position, so a seeded request's output does not depend on which path a step took."""
         if all(r.params.greedy for r in reqs):
             return logits.argmax(dim=-1)  # [B]
         dev = self.device

@@ -128,11 +128,11 @@ def test_a_failing_step_drops_the_queued_one(tiny_model_dir):
     core.step()  # prompt
     core.step()  # plain: the next one is queued
     assert worker.lookahead.queued is not None
-    real = worker.verifier.plain_tokens
-    worker.verifier.plain_tokens = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    real = worker.verifier._race
+    worker.verifier._race = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
     core.add_request("y", core.encode_prompt(PROMPTS[1]), SamplingParams(temperature=0, max_tokens=5))
     outs = core.step()  # a prompt chunk joins: the queued step is dropped, the step fails
-    worker.verifier.plain_tokens = real
+    worker.verifier._race = real
     assert worker.lookahead.queued is None
     assert {o.request_id for o in outs if o.finished} <= {"x", "y"}
     while core.has_work:
