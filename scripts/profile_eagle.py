@@ -52,13 +52,17 @@ def main() -> None:
               f" ms/step, tau {st.emitted / st.steps if st.steps else 1:.2f}")
     llm = llms["eagle"]
     core = llm.core
-    core.add_request("profiled", core.encode_prompt(prompt), params)
-    prof = cProfile.Profile()
-    prof.enable()
-    while core.has_work:
-        core.step()  # one thread: cProfile sees the worker's side too
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    for temperature in (0.0, 1.0):
+        print(f"\n=== cProfile of eagle steps at T={temperature:g}")
+        core.add_request(f"profiled{temperature}", core.encode_prompt(prompt),
+                         SamplingParams(temperature=temperature, max_tokens=128, ignore_eos=True, seed=1))
+        prof = cProfile.Profile()
+        prof.enable()
+        while core.has_work:
+            core.step()  # one thread: cProfile sees the worker's side too
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as p:
         llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))

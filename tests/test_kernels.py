@@ -109,6 +109,23 @@ def test_paged_attention_matches_reference(dtype, case, splits):
         assert _rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: a cache of more than 2**31 elements")
+@pytest.mark.parametrize(("counts", "extra"), [([1, 5], [40, 3]), ([40, 2], [20, 90])])
+def test_attention_reads_blocks_past_int32_offsets(counts, extra):
+    """A tiny model's KV cache on a large GPU holds millions of blocks (its size comes from free
+    memory): block index x block stride passes 2**31 elements. The same keys placed at the end of
+    such a cache must give the same attention, through the decode and the prompt kernels."""
+    kvh, heads, dim, bs = 2, 4, 64, 16
+    q, kc, vc, layout = _random_batch(counts, extra, kvh, heads, dim, torch.bfloat16, 7)
+    offset = 2**31 // (bs * kvh * dim)  # the first block whose offset needs more than int32
+    big_k = torch.zeros(offset + kc.shape[0], bs, kvh, dim, dtype=kc.dtype, device=DEV)  # [NB, BS, KVH, D]
+    big_v = torch.zeros_like(big_k)
+    big_k[offset:], big_v[offset:] = kc, vc
+    moved = BatchLayout.build(extra, counts, [[b + offset for b in t] for t in layout.block_tables], bs, DEV)
+    ref = pa.cuda_attention(q, kc, vc, layout, dim**-0.5)
+    assert torch.equal(pa.cuda_attention(q, big_k, big_v, moved, dim**-0.5), ref)
+
+
 PREFILL_CASES = [  # (query lens, cached tokens before them, kv heads, heads, head dim)
     ([40, 3, 20, 1], [0, 50, 33, 7], 2, 4, 32),  # whole prompt and continued chunks beside verify windows
     ([17, 70], [0, 0], 3, 9, 64),  # SmolLM2-like GQA 3: 21 tokens a tile, a tile's rows not all used

@@ -17,7 +17,9 @@ def attend_tile(q, qpos, m, l_sum, acc, kpos, end, bt_row_ptr, k_ptr, v_ptr, kvh
     """q [BLOCK_M, D], qpos [BLOCK_M], running (m, l_sum [BLOCK_M], acc [BLOCK_M, D]) over the keys at
     kpos [N] (< end are live) -> the updated (m, l_sum, acc), in log2 units."""
     kv_ok = kpos < end
-    page = tl.load(bt_row_ptr + kpos // PAGE, mask=kv_ok, other=0)  # [N]
+    # int64: a small model's cache on a large GPU has millions of blocks, and block x block stride
+    # passes 2**31 elements (int32 offsets wrap to another block's keys or an illegal address).
+    page = tl.load(bt_row_ptr + kpos // PAGE, mask=kv_ok, other=0).to(tl.int64)  # [N]
     slot = kpos % PAGE
     k = tl.load(k_ptr + page[:, None] * sk_b + slot[:, None] * sk_s + kvh * sk_h + d[None, :],
                 mask=kv_ok[:, None], other=0.0).to(q.dtype)  # [N, D]
