@@ -53,6 +53,7 @@ class Verifier:
         self.device = device
         self.launched = launched  # set once a step's GPU work is queued, just before its host read
         self.rejection = rejection_sample
+        self._warp_cache: dict[tuple, WarpParams] = {}
         if device.type == "cuda":
             from streamsd.kernels.rejection import rejection_sample_triton
 
@@ -108,9 +109,7 @@ class Verifier:
         probs = None
         noise = None
         if not all(r.params.greedy for r in reqs):
-            wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
-                                   for r in reqs], dev)
-            probs = warp(rows.view(-1, self.vocab), wp.repeat(k + 1)).view(len(reqs), k + 1, -1)  # [B, K+1, V]
+            probs = warp(rows.view(-1, self.vocab), self._warp_params(reqs), reps=k + 1).view(b, k + 1, -1)  # [B, K+1, V]
             noise = rng.exponentials(seeds, positions, rng.TARGET, self.vocab)  # [B, K+1, V]
         q = None
         if any(dense) and self.q_pool is not None:
@@ -161,12 +160,26 @@ class Verifier:
         if all(r.params.greedy for r in reqs):
             return logits.argmax(dim=-1)  # [B]
         dev = self.device
-        wp = WarpParams.build([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
-                               for r in reqs], dev)
-        ints = h2d([[r.seed for r in reqs], [r.num_tokens + ahead for r in reqs], [r.params.greedy for r in reqs]],
-                   torch.int64, dev)  # [3, B]: seeds, positions, greedy
-        noise = rng.exponentials(ints[0], ints[1].unsqueeze(-1), rng.TARGET, self.vocab)[:, 0]  # [B, V]
-        return sample_rows(warp(logits, wp), logits, ints[2].bool(), noise)  # [B]
+        wp = self._warp_params(reqs)
+        ints = h2d([[r.params.greedy for r in reqs], [r.seed for r in reqs], [r.num_tokens + ahead for r in reqs]],
+                   torch.int64, dev)  # [3, B]: greedy, seeds, positions
+        if dev.type == "cuda" and not wp.needs_sort:  # warp, noise and race in one launch
+            from streamsd.kernels.warp import sample_tokens
+
+            return sample_tokens(logits, ints.view(-1), wp.temperature, wp.min_p, rng.TARGET)  # [B]
+        noise = rng.exponentials(ints[1], ints[2].unsqueeze(-1), rng.TARGET, self.vocab)[:, 0]  # [B, V]
+        return sample_rows(warp(logits, wp), logits, ints[0].bool(), noise)  # [B]
+
+    def _warp_params(self, reqs: list[Request]) -> WarpParams:
+        """The batch's warp parameters on the device, built once per set of parameters: a batch keeps
+        its requests for many steps, and building them is several launches and a copy."""
+        key = tuple((r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p) for r in reqs)
+        wp = self._warp_cache.get(key)
+        if wp is None:
+            if len(self._warp_cache) >= 64:
+                self._warp_cache.clear()
+            wp = self._warp_cache[key] = WarpParams.build(list(key), self.device)
+        return wp
 
     def suppress_early_stops(self, entries: list[Scheduled], rows: torch.Tensor, ahead: int = 0) -> torch.Tensor:
         """Below min_tokens, EOS and stop ids are impossible in the target distribution itself.

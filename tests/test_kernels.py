@@ -157,6 +157,69 @@ def test_pick_splits_fills_the_chip_and_stays_a_power_of_two():
     assert pa.pick_splits(4, 8, 32, 16, 132) == 8
 
 
+# -- warping and plain sampling --------------------------------------------------------------------
+def _warp_case(n: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g) * 3.0  # [N, V]
+    logits[0, :7] = float("-inf")  # suppressed early stops
+    temperature = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5, 1.0, 0.9, 2.0][:n])  # 0: a greedy row
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.2, 0.01, 0.0, 0.1][:n])
+    return logits, temperature, min_p
+
+
+@pytest.mark.parametrize("vocab", [37, 5000])
+def test_warp_kernel_matches_the_torch_warp(vocab):
+    """kernels/warp.py against sampling/warp.py's torch ops: temperature (greedy rows at 1), min-p,
+    renormalised; the same tokens cut, probabilities within float32 rounding; `reps` rows a request."""
+    from streamsd.kernels.warp import warp_probs
+    from streamsd.sampling.warp import WarpParams, warp
+
+    logits, temperature, min_p = _warp_case(8, vocab, vocab)
+    wp = WarpParams(temperature, torch.zeros(8, dtype=torch.int64), torch.ones(8), min_p, False)
+    want = warp(logits, wp)  # the CPU path: torch ops
+    got = warp_probs(logits.to(DEV), temperature.to(DEV), min_p.to(DEV)).cpu()
+    assert torch.equal(got == 0, want == 0) and (want == 0).any()
+    assert _rel(got, want) < 1e-5
+    reps = warp_probs(logits.to(DEV), temperature[::2].to(DEV), min_p[::2].to(DEV), reps=2).cpu()
+    pairs = warp(logits, WarpParams(temperature[::2], wp.top_k[::2], wp.top_p[::2], min_p[::2], False), reps=2)
+    assert _rel(reps, pairs) < 1e-5
+
+
+def test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path():
+    """A plain sampled step's one launch (kernels/warp.sample_tokens) picks the token the rejection
+    kernel emits for a row with no drafts, given the kernels' own probabilities and noise (so a seeded
+    request's sample does not depend on the step's path), and the torch path's token; greedy rows
+    take the raw argmax."""
+    from streamsd.kernels.warp import sample_tokens, warp_probs
+    from streamsd.sampling.sampler import sample_rows
+    from streamsd.sampling.warp import WarpParams, warp
+
+    n, vocab = 8, 3000
+    for seed in range(3):
+        logits, temperature, min_p = _warp_case(n, vocab, seed)
+        logits[0, 100] = logits[0, 2600] = 50.0  # a greedy row's tie across chunks: the lower index wins
+        g = torch.Generator().manual_seed(seed)
+        seeds = torch.randint(-(2**40), 2**40, (n,), generator=g)
+        pos = torch.randint(0, 5000, (n,), generator=g)
+        greedy = temperature == 0
+        ints = torch.cat([greedy.long(), seeds, pos]).to(DEV)
+        got = sample_tokens(logits.to(DEV), ints, temperature.to(DEV), min_p.to(DEV), rng.TARGET).cpu()
+        # the rejection kernel's bonus race over the warp kernel's probabilities and the noise kernel
+        probs = warp_probs(logits.to(DEV), temperature.to(DEV), min_p.to(DEV))  # [N, V]
+        noise = rng.exponentials(seeds.to(DEV), pos.to(DEV).unsqueeze(1), rng.TARGET, vocab)  # [N, 1, V]
+        tokens, accepted = rj.rejection_sample_triton(VerifyInput(
+            target_probs=probs.unsqueeze(1), target_argmax=logits.argmax(-1, keepdim=True).to(DEV),
+            draft_ids=torch.zeros(n, 0, dtype=torch.int64, device=DEV), draft_probs=None,
+            dense_q=torch.zeros(n, dtype=torch.bool, device=DEV), num_drafts=torch.zeros(n, dtype=torch.int64,
+                                                                                         device=DEV),
+            greedy=greedy.to(DEV), uniforms=torch.zeros(n, 0, device=DEV), noise=noise))
+        assert torch.equal(got, tokens[:, 0].cpu()) and not accepted.any()
+        wp = WarpParams(temperature, torch.zeros(n, dtype=torch.int64), torch.ones(n), min_p, False)
+        cpu_noise = rng.exponentials(seeds, pos.unsqueeze(1), rng.TARGET, vocab)[:, 0]
+        assert torch.equal(got, sample_rows(warp(logits, wp), logits, greedy, cpu_noise))
+        assert torch.equal(got[greedy], logits[greedy].argmax(-1))
+
+
 # -- rejection sampler ---------------------------------------------------------------------------
 def _verify_input(b: int, k: int, v: int, greedy_frac: float, dense_frac: float, seed: int, *,
                   sampled: bool = True, with_q: bool = True, peaked: bool = False, equal_pq: bool = False):

@@ -37,6 +37,7 @@ from streamsd.kernels.prefill_attention import (
 from streamsd.kernels.rejection import _rejection_kernel, rejection_sample_triton
 from streamsd.kernels.restart import _restart, restart_triton
 from streamsd.kernels.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
+from streamsd.kernels.warp import _sample_kernel, _warp_kernel, sample_tokens, warp_probs
 from streamsd.sampling.rejection import VerifyInput
 
 _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
@@ -46,7 +47,7 @@ def compiled_variants() -> int:
     """Kernel binaries compiled in this process so far (a step that raises it stalled on a compile)."""
     total = 0
     for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel,
-               _exponentials_kernel, _uniforms_kernel, _restart):
+               _exponentials_kernel, _uniforms_kernel, _restart, _warp_kernel, _sample_kernel):
         total += sum(len(cache[0]) for cache in fn.device_caches.values())
     return total
 
@@ -65,6 +66,11 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
     seeds, positions = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, 1, dtype=torch.int64, device=device)
     exponentials(seeds, positions, 1, vocab)  # the sampling noise (one BLOCK per vocabulary size)
     uniforms(seeds, positions, 1)
+    for dtype in (torch.float32, cache_dtype):  # the target's logits, a draft model's or head's
+        logits = torch.zeros(1, vocab, dtype=dtype, device=device)
+        one = torch.ones(1, device=device)
+        warp_probs(logits, one, one * 0)
+        sample_tokens(logits, torch.zeros(3, dtype=torch.int64, device=device), one, one * 0, 1)
     _restart_variants(max_k, device)
     torch.cuda.synchronize(device)
     return compiled_variants() - before, time.perf_counter() - t0

@@ -40,8 +40,15 @@ class WarpParams:
         )
 
 
-def warp(logits: torch.Tensor, wp: WarpParams) -> torch.Tensor:
-    """logits [N, V] -> probs [N, V] float32 (greedy rows are warped at temperature 1)."""
+def warp(logits: torch.Tensor, wp: WarpParams, reps: int = 1) -> torch.Tensor:
+    """logits [N, V] -> probs [N, V] float32 (greedy rows are warped at temperature 1); row i takes
+    the parameters of row i // reps of `wp`."""
+    if logits.is_cuda and not wp.needs_sort:  # one launch, not ~10 (kernels/warp.py)
+        from streamsd.kernels.warp import warp_probs
+
+        return warp_probs(logits, wp.temperature, wp.min_p, reps)
+    if reps > 1:
+        wp = wp.repeat(reps)
     temp = torch.where(wp.temperature > 0, wp.temperature, torch.ones_like(wp.temperature))
     scaled = logits.float() / temp.unsqueeze(-1)  # [N, V]
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
