@@ -58,7 +58,8 @@ def chained_step(w: Worker, entries: list[Scheduled]) -> list[EntryResult]:
     taken = w.lookahead.take(entries)
     if taken is None:
         logits, hidden = w._forward(entries)  # [rows, V], [tokens, layers * hidden]
-        launched = w.verifier.launch(entries, logits, w._chain(entries, hidden))
+        greedy = w.graphs.greedy_result(len(entries)) if w.graphs is not None else None
+        launched = w.verifier.launch(entries, logits, w._chain(entries, hidden), greedy=greedy)
         if launched.drafts is None:  # no graph fits this batch: propose after the read
             return w._propose(entries, w.verifier.read(launched), hidden)
         tokens, accepted, drafts = launched.tokens, launched.accepted, launched.drafts
@@ -97,13 +98,16 @@ def _queue_chained(w: Worker, entries: list[Scheduled], tokens: torch.Tensor, ac
         return []
     logits, hidden = out
     n = len(nxt)
-    positions = (starts + 1).unsqueeze(1) + torch.arange(k + 1, device=dev)  # [n, k+1] after the pending one
+    positions = None  # the noise positions [n, k+1], after the pending one: only sampled rows draw
+    if not all(e.request.params.greedy for e in nxt):
+        positions = (starts + 1).unsqueeze(1) + torch.arange(k + 1, device=dev)
     chain = getattr(w.proposer, "chain")  # noqa: B009
     reqs = [e.request for e in nxt]
     launched = w.verifier.launch(
         nxt, logits, lambda t, a: chain(reqs, [e.start for e in nxt], [k + 1] * n, [k] * n, t, a, hidden,
                                         device_starts=starts),
-        positions=positions, draft_ids=drafts[:, :k])
+        positions=positions, draft_ids=drafts[:, :k],
+        greedy=w.graphs.greedy_result(n) if w.graphs is not None else None)
     if launched.drafts is None:
         return []
     w.lookahead.queue_chained(nxt, k, launched.tokens, launched.accepted, launched.drafts.clone())

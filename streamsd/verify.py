@@ -54,18 +54,20 @@ class Verifier:
         self.launched = launched  # set once a step's GPU work is queued, just before its host read
         self.rejection = rejection_sample
         self._warp_cache: dict[tuple, WarpParams] = {}
+        self.graph_greedy = 0  # verifications read from the graph's greedy result (no sampler queued)
         if device.type == "cuda":
             from streamsd.kernels.rejection import rejection_sample_triton
 
             self.rejection = rejection_sample_triton  # same decisions as the reference, one launch
 
-    def verify(self, entries: list[Scheduled], logits: torch.Tensor, chain: Chain | None = None) -> Verified:
+    def verify(self, entries: list[Scheduled], logits: torch.Tensor, chain: Chain | None = None,
+               greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> Verified:
         if not entries:
             self.launched.set()  # a prompt-chunk step: nothing to read back, its work is queued
             return Verified([], [], [])
         if max(e.num_drafts for e in entries) == 0:
             return self._sample_plain([e.request for e in entries], self._rows(entries, logits, 0))
-        return self.read(self.launch(entries, logits, chain))
+        return self.read(self.launch(entries, logits, chain, greedy=greedy))
 
     def _rows(self, entries: list[Scheduled], logits: torch.Tensor, k: int) -> torch.Tensor:
         """Each entry's rows of the step's logits [rows, V] as [B, K+1, V], early stops suppressed."""
@@ -80,13 +82,25 @@ class Verifier:
         return self.suppress_early_stops(entries, rows)
 
     def launch(self, entries: list[Scheduled], logits: torch.Tensor, chain: Chain | None = None,
-               positions: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None) -> Launched:
+               positions: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None,
+               greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launched:
         """Queues the rejection sampler (and the chain behind it). `positions` [B, K+1] and `draft_ids`
-        [B, K], on the device, replace the requests' own (both or neither): a verify queued before the
-        host knows them (lookahead.py; its entries' tokens and drafts are then a step behind)."""
+        [B, K], on the device, replace the requests' own: a verify queued before the host knows them
+        (lookahead.py; its entries' tokens and drafts are then a step behind; positions only matter
+        to sampled rows).
+        `greedy`: this step's greedy verification, already computed by its graph (tokens [B, K+1],
+        accepted [B]); taken, with no sampler, when every row is greedy and nothing is suppressed."""
         dev = self.device
         reqs = [e.request for e in entries]
         k = max(e.num_drafts for e in entries)
+        if greedy is not None and greedy[0].shape[1] > k and all(
+                r.params.greedy and r.params.logprobs is None and r.params.min_tokens <= len(r.output_ids)
+                for r in reqs):
+            tokens, accepted = greedy[0][:, : k + 1], greedy[1]  # [B, K+1], [B]: past K+1 only -1
+            tokens = tokens if tokens.is_contiguous() else tokens.contiguous()
+            self.graph_greedy += 1
+            drafts = chain(tokens, accepted) if chain is not None else None  # [B, k'] queued behind it
+            return Launched(tokens, accepted, drafts, [None] * len(reqs))
         rows = self._rows(entries, logits, k)  # [B, K+1, V]
         dense = [r.q_slot is not None and not r.greedy_draft and e.num_drafts > 0
                  for e, r in zip(entries, reqs, strict=True)]
@@ -97,15 +111,19 @@ class Verifier:
         fields = np.array([(r.params.greedy, r.seed, d, e.num_drafts, r.q_slot if d else 0, r.num_tokens)
                            for e, r, d in zip(entries, reqs, dense, strict=True)], dtype=np.int64).T  # [6, B]
         parts = [fields[:5].ravel()]  # greedy, seed, dense q, drafts, q slot
-        if positions is None:  # a verify queued ahead brings both from the device
+        if positions is None:  # a verify queued ahead brings its drafts (and, sampling, positions) along
             parts.append((fields[5][:, None] + np.arange(k + 1)).ravel())  # [B * (K+1)]
+        if draft_ids is None:
             parts.append(np.array([r.draft_ids[: e.num_drafts] + [0] * (k - e.num_drafts)
                                    for e, r in zip(entries, reqs, strict=True)], dtype=np.int64).ravel())  # [B * K]
         ints = h2d(torch.from_numpy(np.concatenate(parts)), torch.int64, dev)
         greedy, seeds, num_drafts, q_slots = ints[:b].bool(), ints[b : 2 * b], ints[3 * b : 4 * b], ints[4 * b : 5 * b]
-        if positions is None or draft_ids is None:
-            positions = ints[5 * b : 5 * b + b * (k + 1)].view(b, k + 1)  # [B, K+1]
-            draft_ids = ints[5 * b + b * (k + 1) :].view(b, k)  # [B, K]
+        at = 5 * b
+        if positions is None:
+            positions = ints[at : at + b * (k + 1)].view(b, k + 1)  # [B, K+1]
+            at += b * (k + 1)
+        if draft_ids is None:
+            draft_ids = ints[at:].view(b, k)  # [B, K]
         probs = None
         noise = None
         if not all(r.params.greedy for r in reqs):

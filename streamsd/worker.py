@@ -58,7 +58,12 @@ class Worker:
 
     def _step(self, entries: list[Scheduled]) -> list[EntryResult]:
         logits, hidden = self._forward(entries)  # [rows, V], [tokens, layers * hidden] | None
-        verified = self.verifier.verify([e for e in entries if e.verifies], logits, self._chain(entries, hidden))
+        # The graph verified greedily what it computed: this step's verify when every entry is one
+        # pending token and its drafts (no prompt chunks), in the graph's sequence order.
+        whole = self.graphs is not None and all(e.verifies and e.num_tokens == 1 for e in entries)
+        greedy = self.graphs.greedy_result(len(entries)) if whole and self.graphs is not None else None
+        verified = self.verifier.verify([e for e in entries if e.verifies], logits, self._chain(entries, hidden),
+                                        greedy)
         return self._propose(entries, verified, hidden)
 
     def _chain(self, entries: list[Scheduled], hidden: torch.Tensor | None) -> Chain | None:
@@ -98,6 +103,8 @@ class Worker:
             if not layers:
                 return self.graphs.run(key, ids, starts, counts, tables, rows), None
             return self.graphs.run_hidden(key, ids, starts, counts, tables, rows)  # views: read before the next replay
+        if self.graphs is not None:
+            self.graphs.last = None  # an eager step: no graph's greedy verification is this step's
         layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
         out = self.target(h2d(ids, torch.int64, self.device), layout, self.cache,
                           h2d(rows, torch.int64, self.device), hidden_layers=layers,

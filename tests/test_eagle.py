@@ -347,6 +347,7 @@ def test_cuda_eagle_greedy_is_exact_through_graphs(tiny_model_dir, heads):
         worker = llm.core.rt.worker
         assert worker.graphs.hidden_layers == worker.proposer.hidden_layers and worker.graphs.replays > 0
         assert worker.target.fast is not None
+        assert worker.verifier.graph_greedy > 10  # verified by the graph itself (sampling/greedy.py)
         _assert_free(llm)
 
 

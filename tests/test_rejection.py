@@ -151,3 +151,34 @@ def test_plain_sampling_draws_the_token_a_zero_draft_verify_would():
     assert (accepted == 0).all()
     assert torch.equal(tokens[:, 0], plain)
     assert len(set(plain[~greedy].tolist())) > 3  # the sampled rows really sampled
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_verify_of_a_packed_step_equals_the_rejection_sampler(seed):
+    """sampling/greedy.py (captured in verify graphs) against the reference's greedy rows: ragged
+    draft counts packed from the front, a graph wider than the longest query, padding sequences."""
+    from streamsd.sampling.greedy import greedy_verify
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 7  # few ids: drafts often agree with the argmax, ties in the logits are common
+    for _ in range(50):
+        counts = torch.randint(1, 6, (4,), generator=g).tolist()
+        width, bucket = max(counts) + int(torch.randint(0, 2, (1,), generator=g)), 6
+        logits = torch.randint(-2, 3, (bucket * width, vocab), generator=g).float()  # [T, V]
+        argmax = logits.argmax(-1)  # [T]
+        starts = [sum(counts[:s]) for s in range(len(counts) + 1)]
+        ids = torch.randint(0, vocab, (bucket * width,), generator=g)  # [T]
+        for s, c in enumerate(counts):  # most drafts are the target's own next token
+            for j in range(1, c):
+                if torch.rand(1, generator=g) < 0.7:
+                    ids[starts[s] + j] = argmax[starts[s] + j - 1]
+        query_starts = torch.tensor(starts + [starts[-1]] * (bucket - len(counts)))  # [S + 1]
+        tokens, accepted = greedy_verify(logits, ids, query_starts, bucket, width)
+        k, b = width - 1, len(counts)
+        rows = torch.tensor([[starts[s] + min(j, c - 1) for j in range(k + 1)] for s, c in enumerate(counts)])
+        drafts = torch.tensor([[int(ids[starts[s] + 1 + j]) if j < c - 1 else 0 for j in range(k)]
+                               for s, c in enumerate(counts)]).view(b, k)
+        want_tokens, want_accepted = rejection_sample(VerifyInput(
+            None, argmax[rows], drafts, None, torch.zeros(b, dtype=torch.bool), torch.tensor(counts) - 1,
+            torch.ones(b, dtype=torch.bool), torch.zeros(b, k), None))
+        assert torch.equal(accepted[:b], want_accepted) and torch.equal(tokens[:b], want_tokens)

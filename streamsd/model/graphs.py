@@ -29,6 +29,7 @@ import torch
 from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
+from streamsd.sampling.greedy import greedy_verify
 
 log = logging.getLogger("streamsd")
 
@@ -52,6 +53,8 @@ class _Graph:
     rows: torch.Tensor  # [T] the logits rows, arange; the graph reads it, so it must outlive the capture
     logits: torch.Tensor  # [T, V] float32, written by each replay
     hidden: torch.Tensor | None = None  # [T, layers * hidden] the captured streams, when the runner has layers
+    # The step's greedy verification, computed in the graph (sampling/greedy.py), when Q > 1:
+    greedy: tuple[torch.Tensor, torch.Tensor] | None = None  # tokens [B, Q], accepted [B]
 
 
 class GraphRunner:
@@ -66,6 +69,7 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
+        self.last: _Graph | None = None  # the graph replayed last
 
     def key_for(self, counts: list[int], tables: list[list[int]]) -> tuple[int, int] | None:
         """(bucket, Q) of the graph that can run this step, or None to run it eagerly."""
@@ -107,7 +111,16 @@ class GraphRunner:
             restart(g.packed, g.bucket * g.width, device_starts, counts[0], g.block_table, self.cache.block_size)
         g.graph.replay()
         self.replays += 1
+        self.last = g
         return g
+
+    def greedy_result(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tokens [S, Q], accepted [S]) of the greedy verification in the last replay, for its first
+        S sequences, when it was a verify graph (Q > 1); views valid until that graph replays again."""
+        g = self.last
+        if g is None or g.greedy is None:
+            return None
+        return g.greedy[0][:num_seqs], g.greedy[1][:num_seqs]
 
     def _rows(self, g: _Graph, rows: list[int]) -> torch.Tensor:
         if rows == list(range(len(rows))):
@@ -131,17 +144,21 @@ class GraphRunner:
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         layers = self.hidden_layers
+        qs = layout.query_starts_t
         with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels, outside capture
-            self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
+            out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
+            if width > 1:
+                greedy_verify(out.logits, ids, qs, bucket, width)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
             logits = out.logits  # [T, V]
             hidden = torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
+            greedy = greedy_verify(logits, ids, qs, bucket, width) if width > 1 else None  # [B, Q], [B]
         # Every tensor made outside the capture and read by the graph is kept here: once freed, the
         # caching allocator hands its memory to eager work and the next replay reads garbage.
-        g = _Graph(graph, bucket, width, packed, block_table, rows, logits, hidden)
+        g = _Graph(graph, bucket, width, packed, block_table, rows, logits, hidden, greedy)
         self.graphs[(bucket, width)] = g
         return g
 
