@@ -125,10 +125,8 @@ class Verifier:
         if draft_ids is None:
             draft_ids = ints[at:].view(b, k)  # [B, K]
         probs = None
-        noise = None
         if not all(r.params.greedy for r in reqs):
             probs = warp(rows.view(-1, self.vocab), self._warp_params(reqs), reps=k + 1).view(b, k + 1, -1)  # [B, K+1, V]
-            noise = rng.exponentials(seeds, positions, rng.TARGET, self.vocab)  # [B, K+1, V]
         q = None
         if any(dense) and self.q_pool is not None:
             q = self.q_pool[q_slots, :k]  # [B, K, V]
@@ -140,9 +138,10 @@ class Verifier:
             dense_q=ints[2 * b : 3 * b].bool(),
             num_drafts=num_drafts,
             greedy=greedy,
-            # Greedy rows never draw: skip the hashing launches on all-greedy steps.
-            uniforms=rng.uniforms(seeds, positions[:, :k], rng.ACCEPT) if probs is not None else draft_ids,
-            noise=noise,
+            uniforms=None,  # drawn by the sampler itself from (seed, position): rng.py's keyed numbers
+            noise=None,
+            seeds=seeds,
+            positions=positions,
         ))
         drafts = chain(tokens, accepted) if chain is not None else None  # [B, k'] queued behind the sampler
         return Launched(tokens, accepted, drafts, self._logprobs(reqs, rows, tokens))

@@ -237,10 +237,11 @@ def _verify_input(b: int, k: int, v: int, greedy_frac: float, dense_frac: float,
         num_drafts=torch.randint(0, k + 1, (b,), generator=g), greedy=torch.rand(b, generator=g) < greedy_frac,
         uniforms=rng.uniforms(seeds, pos[:, :k], rng.ACCEPT),
         noise=rng.exponentials(seeds, pos, rng.TARGET, v) if sampled else None,
+        seeds=seeds, positions=pos.contiguous(),
     )
     return VerifyInput(*(t.to(DEV) if isinstance(t, torch.Tensor) else t for t in (
         vi.target_probs, vi.target_argmax, vi.draft_ids, vi.draft_probs, vi.dense_q, vi.num_drafts, vi.greedy,
-        vi.uniforms, vi.noise)))
+        vi.uniforms, vi.noise, vi.seeds, vi.positions)))
 
 
 REJECTION_CASES = [  # (B, K, V, greedy fraction, dense fraction, options)
@@ -264,6 +265,23 @@ def test_rejection_kernel_matches_reference(case):
         tokens, acc = rj.rejection_sample_triton(vi)
         assert torch.equal(acc, acc_ref)
         assert torch.equal(tokens, tokens_ref)
+
+
+@pytest.mark.parametrize("case", [0, 1, 3, 4, 5])
+def test_rejection_kernel_draws_its_own_keyed_numbers(case):
+    """Given seeds and positions instead of uniforms and noise, the kernel hashes them itself
+    (kernels/rng.py's numbers) and decides as the reference does with rng.py's tensors."""
+    from dataclasses import replace
+
+    b, k, v, greedy, dense, opts = REJECTION_CASES[case]
+    if CUDA:
+        b, v = b * 8, v * 400
+    for seed in range(3):
+        vi = _verify_input(b, k, v, greedy, dense, seed + 100 * case, **opts)
+        tokens_ref, acc_ref = rejection_sample(vi)
+        tokens, acc = rj.rejection_sample_triton(replace(vi, uniforms=None, noise=None))
+        assert torch.equal(acc.cpu(), acc_ref.cpu()) and torch.equal(tokens.cpu(), tokens_ref.cpu())
+        assert torch.equal(rejection_sample(replace(vi, uniforms=None, noise=None))[0].cpu(), tokens_ref.cpu())
 
 
 def test_rejection_kernel_reads_strided_inputs_by_their_strides():

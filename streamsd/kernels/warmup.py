@@ -18,6 +18,7 @@ rather than compiles them).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -62,7 +63,10 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
         _attention_variants(heads, kv_heads, dim, cache_dtype, block_size, device)
     for k in range(1, max_k + 1):
         for has_p, has_q in ((False, False), (True, False), (True, True)):
-            rejection_sample_triton(_verify_input(k, vocab, has_p, has_q, device))
+            vi = _verify_input(k, vocab, has_p, has_q, device)
+            rejection_sample_triton(vi)
+            if has_p:  # the sampler that hashes its own uniforms and noise (what a step uses)
+                rejection_sample_triton(replace(vi, uniforms=None, noise=None))
     seeds, positions = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, 1, dtype=torch.int64, device=device)
     exponentials(seeds, positions, 1, vocab)  # the sampling noise (one BLOCK per vocabulary size)
     uniforms(seeds, positions, 1)
@@ -106,6 +110,8 @@ def _verify_input(k: int, vocab: int, has_p: bool, has_q: bool, device: torch.de
         greedy=torch.tensor([not has_p], device=device),
         uniforms=torch.full((1, k), 0.5, device=device),  # [1, K]
         noise=torch.ones(1, k + 1, vocab, device=device) if has_p else None,  # [1, K+1, V]
+        seeds=torch.zeros(1, dtype=torch.int64, device=device),
+        positions=torch.zeros(1, k + 1, dtype=torch.int64, device=device),  # [1, K+1]
     )
 
 

@@ -59,8 +59,9 @@ class _Graph:
 
 class GraphRunner:
     def __init__(self, model: Transformer, cache: PagedKVCache, scratch_block: int, cfg: GraphConfig,
-                 device: torch.device, hidden_layers: tuple[int, ...] = ()):
+                 device: torch.device, hidden_layers: tuple[int, ...] = (), verifies: bool = True):
         self.model = model
+        self.verifies = verifies  # its Q > 1 graphs verify greedily too (a draft model's catch-ups do not)
         self.hidden_layers = hidden_layers  # streams every graph of this runner captures (ascending)
         self.cache = cache
         self.scratch = scratch_block
@@ -147,7 +148,7 @@ class GraphRunner:
         qs = layout.query_starts_t
         with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels, outside capture
             out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
-            if width > 1:
+            if width > 1 and self.verifies:
                 greedy_verify(out.logits, ids, qs, bucket, width)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -155,7 +156,7 @@ class GraphRunner:
             out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
             logits = out.logits  # [T, V]
             hidden = torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
-            greedy = greedy_verify(logits, ids, qs, bucket, width) if width > 1 else None  # [B, Q], [B]
+            greedy = greedy_verify(logits, ids, qs, bucket, width) if width > 1 and self.verifies else None  # [B, Q], [B]
         # Every tensor made outside the capture and read by the graph is kept here: once freed, the
         # caching allocator hands its memory to eager work and the next replay reads garbage.
         g = _Graph(graph, bucket, width, packed, block_table, rows, logits, hidden, greedy)
@@ -260,6 +261,6 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
     worker.graphs = GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device,
                                 hidden_layers=tuple(getattr(proposer, "hidden_layers", ())))
     if isinstance(draft, Transformer) and hasattr(proposer, "graphs"):
-        proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, cfg, worker.device)
+        proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, cfg, worker.device, verifies=False)
     if hasattr(proposer, "enable_graphs"):  # an EAGLE head: catch-up and draft chain in one graph
         proposer.enable_graphs(scratch_block, cfg.max_blocks, width=k + 1)

@@ -10,9 +10,11 @@ argmax(w / E) with E ~ Exp(1), which needs no normalisation and no host synchron
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from streamsd.sampling import rng
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,14 +26,20 @@ class VerifyInput:
     dense_q: torch.Tensor  # [B] bool
     num_drafts: torch.Tensor  # [B] int64, 0..K
     greedy: torch.Tensor  # [B] bool
-    uniforms: torch.Tensor  # [B, K] U(0,1) for the accept tests
+    uniforms: torch.Tensor | None  # [B, K] U(0,1) for the accept tests
     noise: torch.Tensor | None  # [B, K+1, V] Exp(1) for recovered and bonus tokens; None: all greedy
+    # Or neither: the keys they come from (rng.py: ACCEPT at positions [:, :K], TARGET at all K+1).
+    seeds: torch.Tensor | None = None  # [B] int64
+    positions: torch.Tensor | None = None  # [B, K+1] int64, each row's verified positions
 
 
 def rejection_sample(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (tokens [B, K+1] with -1 after the last emitted one, num_accepted [B])."""
     batch, k1 = v.target_argmax.shape
     k = k1 - 1
+    if v.noise is None and v.target_probs is not None and v.seeds is not None and v.positions is not None:
+        v = replace(v, uniforms=rng.uniforms(v.seeds, v.positions[:, :k], rng.ACCEPT),
+                    noise=rng.exponentials(v.seeds, v.positions, rng.TARGET, v.target_probs.shape[-1]))
     pos = torch.arange(k1, device=v.draft_ids.device)  # [K+1]
     live = pos[:k].unsqueeze(0) < v.num_drafts.unsqueeze(-1)  # [B, K]
     draft = v.draft_ids.clamp(min=0)  # [B, K]
@@ -52,7 +60,7 @@ def rejection_sample(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _random_rows(v: VerifyInput, draft: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept tests [B, K] and recovered/bonus samples [B, K+1] for sampled rows."""
-    assert v.target_probs is not None and v.noise is not None
+    assert v.target_probs is not None and v.noise is not None and v.uniforms is not None
     p = v.target_probs  # [B, K+1, V]
     batch, k1, vocab = p.shape
     p_d = p[:, : k1 - 1].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
