@@ -114,24 +114,27 @@ def _queue_chained(w: Worker, entries: list[Scheduled], tokens: torch.Tensor, ac
     return keep
 
 
-def _forward_at(w: Worker, entries: list[Scheduled], src: DeviceStarts) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The target's logits and streams of a verify whose ids and starts come from the verify
-    before, on the device (each entry's host start only a lower bound), or None where it cannot
-    be queued (CUDA without a graph for it)."""
+def _forward_at(w: Worker, entries: list[Scheduled], src: DeviceStarts
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The target's logits (and the streams a head reads) of a verify whose ids and starts come
+    from the verify before, on the device (each entry's host start only a lower bound), or None
+    where it cannot be queued (CUDA without a graph for it)."""
     counts = [1 + e.num_drafts for e in entries]
     tables = [e.request.blocks for e in entries]
     layers = tuple(getattr(w.proposer, "hidden_layers", ()))
     rows = list(range(sum(counts)))
+    starts = [e.start for e in entries]
     if w.graphs is not None and w.graphs.hidden_layers == layers:
         key = w.graphs.key_for(counts, tables)
+        if key is not None and layers:
+            return w.graphs.run_hidden(key, None, starts, counts, tables, rows, device_starts=src)
         if key is not None:
-            return w.graphs.run_hidden(key, None, [e.start for e in entries], counts, tables, rows,
-                                       device_starts=src)
+            return w.graphs.run(key, None, starts, counts, tables, rows, device_starts=src), None
     if w.device.type == "cuda":
         return None
     ids = src.resolve()  # on the CPU nothing runs ahead: the starts are at hand
     assert ids is not None
     layout = BatchLayout.build(src.starts.tolist(), counts, tables, w.cache.block_size, w.device)
     out = w.target(ids, layout, w.cache, torch.tensor(rows), hidden_layers=layers,
-                   hidden_rows=torch.arange(len(rows)))
-    return out.logits, torch.cat(out.hidden, dim=-1)
+                   hidden_rows=torch.arange(len(rows)) if layers else None)
+    return out.logits, torch.cat(out.hidden, dim=-1) if layers else None

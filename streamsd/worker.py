@@ -67,11 +67,12 @@ class Worker:
         return self._propose(entries, verified, hidden)
 
     def _chain(self, entries: list[Scheduled], hidden: torch.Tensor | None) -> Chain | None:
-        """An EAGLE head's catch-up and drafts queued straight behind the verify (no host read in
-        between, one read for both): when every entry verifies its last token and its drafts, so the
-        head catches up on all of each one's rows (spec/eagle_graphs.py says why that is safe)."""
+        """An EAGLE head's catch-up and drafts (or any proposer's that drafts on the device: the
+        synthetic one) queued straight behind the verify (no host read in between, one read for
+        both): when every entry verifies its last token and its drafts, so the head catches up on all
+        of each one's rows (spec/eagle_graphs.py says why that is safe)."""
         chain = getattr(self.proposer, "chain", None)
-        if chain is None or hidden is None or not entries:
+        if chain is None or not entries or (hidden is None and getattr(self.proposer, "hidden_layers", ())):
             return None
         if not any(e.num_drafts for e in entries) or any(not e.verifies or e.num_tokens != 1 for e in entries):
             return None  # a plain step (the verifier samples, no rejection) or prompt chunks: propose after

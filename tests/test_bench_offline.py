@@ -218,3 +218,71 @@ def test_pairs_report_the_median_pair_and_every_pairs_ratio(tmp_path, tiny_model
         assert c["pairs"] == 3 and len(c["pair_measured_speedup"]) == 3
         assert c["measured_speedup"] == sorted(c["pair_measured_speedup"])[1]
         assert c["same_output_as_plain"]
+
+
+def test_synthetic_drafts_made_on_the_device_equal_the_hosts(tiny_model_dir):
+    """SyntheticProposer.chain (a gather behind the sampler, from the accepted counts on the device)
+    drafts what the host path drafts for the same history, including past the branch's end (all
+    corrupted) and after a branch switch that the host saw at the previous read."""
+    from streamsd.request import Request, SamplingParams
+    from streamsd.spec.base import ProposeItem
+
+    cont = [5, 6, 7, 8, 9, 10, 11, 12]
+    for alpha in (1.0, 0.6, 0.0):
+        prop = SyntheticProposer({(1, 2): cont}, alpha=alpha, vocab=50)
+        prop.add({(1, 2): [5, 6, 4, 3, 2, 1, 0, 9]})  # another branch, preferred until the history leaves it
+        host = SyntheticProposer({(1, 2): cont}, alpha=alpha, vocab=50)
+        host.add({(1, 2): [5, 6, 4, 3, 2, 1, 0, 9]})
+        r = Request("a", [1, 2], SamplingParams(max_tokens=12), seed=7, arrival=0.0)
+        history = [5, 6, 7, 8, 9, 10, 11, 12, 3, 3, 3]  # the plain branch (from output 2 on), then off both
+        for known, accepted in ((1, 0), (1, 2), (2, 1), (4, 3), (6, 2), (9, 0)):
+            r.output_ids = history[:known]  # what the host had read before this verify
+            start = 2 + known - 1  # the pending token's position
+            got = prop.chain([r], [start], [4], [3], torch.zeros(1, 4, dtype=torch.int64),
+                             torch.tensor([accepted]), None)
+            after = [1, 2, *history[: known + accepted + 1]]  # the history once this verify is read
+            want = host.propose([ProposeItem(r, after, 3, len(after), 0)])[0].draft_ids
+            def branch(n: int) -> str:  # which branch a history of n output tokens follows
+                return "newest" if n <= 2 else "plain" if n <= len(cont) else "none"
+
+            if branch(known) == branch(known + accepted + 1):  # the device's view is a read behind
+                assert got.tolist() == [want], (alpha, known, accepted)
+            assert got.shape == (1, 3)
+        device_starts = torch.tensor([2 + 4 - 1])  # a queued verify: its start only on the device
+        r.output_ids = history[:4]
+        got = prop.chain([r], [0], [4], [2], torch.zeros(1, 4, dtype=torch.int64), torch.tensor([1]), None,
+                         device_starts=device_starts)
+        want = host.propose([ProposeItem(r, [1, 2, *history[:6]], 2, 8, 0)])[0].draft_ids
+        assert got.tolist() == [want]
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.6])
+def test_synthetic_steps_queue_ahead_and_change_nothing(tiny_model_dir, alpha):
+    """With its drafts made on the device, a synthetic speculative step queues the next one before
+    it is read (pipelined, here on the CPU): outputs equal plain decoding, and drafted / accepted
+    counts equal the engine that reads every step first."""
+    import dataclasses
+
+    from streamsd.config import EngineConfig, SpecConfig
+    from streamsd.runtime import build_runtime
+
+    spec = SpecConfig(method="synthetic", num_tokens=4, policy="fixed")
+    prompts = [[3 + i, 40 + 7 * i, 11, 90 - i, 5] for i in range(6)]
+    runs = []
+    for pipeline in (False, True):
+        rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method=None, num_tokens=4),
+                                        device="cpu", max_num_seqs=4, pipeline=pipeline))
+        plain = offline_run.engine_pass(rt, dataclasses.replace(spec, method=None), prompts, 40, 4, speculative=False)
+        rt.worker.proposer = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
+                                               alpha, rt.args.vocab_size)
+        rt.worker.lookahead.chained = True
+        rt = dataclasses.replace(rt, scheduler_config=dataclasses.replace(rt.scheduler_config, lookahead=5))
+        res = offline_run.engine_pass(rt, spec, prompts, 40, 4, speculative=True)
+        assert res.outputs == plain.outputs and res.drafted > 100
+        assert rt.worker.proposer.counters.desyncs == 0
+        la = rt.worker.lookahead
+        assert (la.taken > 10) == pipeline, (la.taken, la.dropped)
+        runs.append((res.drafted, res.accepted, res.verify_steps))
+        if alpha == 1.0:
+            assert res.accepted == res.drafted
+    assert runs[0] == runs[1]

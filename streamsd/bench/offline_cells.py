@@ -81,6 +81,11 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
         prop = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
                                  alpha, rt.args.vocab_size, inner)
         rt.worker.proposer = prop
+        if inner is None and rt.worker.lookahead.enabled:
+            # Drafts made on the device (SyntheticProposer.chain): its steps queue ahead like an EAGLE
+            # head's, with the KV margin a queued verify writes into.
+            rt.worker.lookahead.chained = True
+            rt = dataclasses.replace(rt, scheduler_config=dataclasses.replace(rt.scheduler_config, lookahead=k + 1))
         # Warm-up passes also record the spec-shaped continuations as branches of the oracle (see
         # spec/synthetic.py); a second one only when the first left the oracle somewhere.
         rt_w: Runtime | None = None

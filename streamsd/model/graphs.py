@@ -82,10 +82,11 @@ class GraphRunner:
             return None
         return bucket, width
 
-    def run(self, key: tuple[int, int], ids: list[int] | torch.Tensor, starts: list[int], counts: list[int],
-            tables: list[list[int]], rows: list[int]) -> torch.Tensor:
-        """Logits [len(rows), V] of the rows asked for; a view valid until this graph replays again."""
-        return self._rows(self._replay(key, ids, starts, counts, tables), rows)
+    def run(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
+            tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None) -> torch.Tensor:
+        """Logits [len(rows), V] of the rows asked for; a view valid until this graph replays again.
+        `device_starts`: as in `run_hidden`."""
+        return self._rows(self._replay(key, ids, starts, counts, tables, device_starts), rows)
 
     def run_hidden(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
                    tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None,

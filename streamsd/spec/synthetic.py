@@ -29,15 +29,28 @@ Drafting cost: with an `inner` proposer (a draft model) its full work runs every
 catch-up and k draft steps — and only its tokens are replaced, so the draft cost ratio c is the
 real one; without it drafting is free (c = 0). Corruption is a pure function of (request seed,
 position), so two passes over the same prompts propose the same drafts.
+
+Each request's drafts are a table by output index (its branch's token where kept, else the
+corruption), so without an inner proposer the drafts can also be made on the device (`chain`):
+one gather straight behind the rejection sampler, from the accepted counts still on the device, as
+an EAGLE head's chain is queued there, so the engine can queue a speculative step ahead like a plain
+one (lookahead.py). The host keeps checking each history against the branches as its tokens are read
+and rewrites a request's row when it switches branch or leaves them: a step already queued then
+drafted from the old row, which only costs acceptance.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
+from streamsd.request import Request
 from streamsd.spec.base import Proposal, ProposeItem, Proposer
 
 _M64 = (1 << 64) - 1
+_SPARE = 64  # table columns past max_tokens: drafts past a request's end are asked for, never used
 
 
 def _mix64(x: int) -> int:
@@ -48,6 +61,14 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _mix64_array(x: np.ndarray) -> np.ndarray:
+    """_mix64 of each uint64 (numpy's uint64 products wrap mod 2**64, as the masks above do)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 @dataclass(slots=True)
 class _Track:
     branches: list[list[int]]  # the prompt's recorded continuations (looked up once per request)
@@ -55,12 +76,16 @@ class _Track:
     checked: int = 0  # output tokens compared with the oracle so far
     in_sync: bool = True
     branch: int = -1  # which of the prompt's continuations the history follows (-1: the newest)
+    drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [width] the draft at each index
+    kept: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # [width] drafts equal to the branch's
+    row: int = -1  # its row of the device table (chain)
+    stale: bool = True  # the device row does not hold `drafts` yet
 
 
 @dataclass(slots=True)
 class SyntheticCounters:
     proposed: int = 0
-    kept: int = 0  # drafts equal to the oracle token
+    kept: int = 0  # drafts equal to the oracle token (host-drafted steps)
     desyncs: int = 0  # requests whose history left the oracle
 
 
@@ -74,7 +99,11 @@ class SyntheticProposer:
     _tracks: dict[str, _Track] = field(default_factory=dict)
     # prompt ids -> every recorded continuation, oldest first (see the module doc)
     _branches: dict[tuple[int, ...], list[list[int]]] = field(default_factory=dict)
+    _width: int = 0  # columns of every track's table
+    _table: torch.Tensor | None = None  # [rows, width] on the device: the tracks' drafts (chain)
+    _rows: int = 0  # rows of it handed to tracks
     dense = False  # drafts are one-hot
+    hidden_layers: tuple[int, ...] = ()  # `chain` needs no streams of the target
 
     def __post_init__(self) -> None:
         self._branches = {p: [list(c)] for p, c in self.oracle.items()}
@@ -95,42 +124,96 @@ class SyntheticProposer:
         # Runs serially with the GPU at every speculative step of a benchmark, for every request: the
         # per-request lookups happen once (in the track), and the history is read in place.
         r = it.request
+        n_prompt = len(r.prompt_ids)
+        made = len(it.tokens) - n_prompt  # output tokens known after this step
+        track = self._sync(r, it.tokens, n_prompt, made, made + it.k)
+        self.counters.proposed += it.k
+        self.counters.kept += int(track.kept[made : made + it.k].sum())
+        return track.drafts[made : made + it.k].tolist()
+
+    def _sync(self, r: Request, tokens: list[int], offset: int, made: int, reach: int) -> _Track:
+        """The request's track, its history (output token i at tokens[offset + i], `made` of them
+        known) checked against the branches, its table `reach` output indices wide at least."""
         track = self._tracks.get(r.request_id)
         if track is None:
             branches = self._branches.get(tuple(r.prompt_ids), [[]])
             track = self._tracks[r.request_id] = _Track(branches, _mix64(r.seed), branch=len(branches) - 1)
-        branches = track.branches
-        cont = branches[track.branch]
-        tokens, n_prompt = it.tokens, len(r.prompt_ids)
-        made = len(tokens) - n_prompt  # output tokens known after this step
+        self._width = max(self._width, reach, r.params.max_tokens + _SPARE)
         if track.in_sync:
+            branches, cont = track.branches, track.branches[track.branch]
             for i in range(track.checked, made):
-                if i < len(cont) and tokens[n_prompt + i] == cont[i]:
+                if i < len(cont) and tokens[offset + i] == cont[i]:
                     continue
                 # Another recorded side of this tie? The newest branch that agrees with all of it.
-                out = tokens[n_prompt : n_prompt + i + 1]
+                out = tokens[offset : offset + i + 1]
                 other = next((b for b in range(len(branches) - 1, -1, -1)
                               if len(branches[b]) > i and branches[b][: i + 1] == out), None)
                 if other is None:
                     track.in_sync = False
                     self.counters.desyncs += 1
+                    track.drafts = track.drafts[:0]  # every draft from here on a corruption
                     break
                 track.branch, cont = other, branches[other]
-            track.checked = made
-        drafts = []
-        for j in range(it.k):
-            i = made + j
-            truth = cont[i] if track.in_sync and i < len(cont) else -1
-            h = _mix64(track.seed_hash ^ (i + 1))
-            keep = truth >= 0 and (h >> 11) * (1.0 / (1 << 53)) < self.alpha
-            if keep:
-                drafts.append(truth)
-                self.counters.kept += 1
-            else:  # any token but the oracle's: a certain rejection at temperature 0
-                base = max(truth, 0)
-                drafts.append((base + 1 + (h >> 7) % (self.vocab - 1)) % self.vocab)
-        self.counters.proposed += len(drafts)
-        return drafts
+                track.drafts = track.drafts[:0]
+            track.checked = max(track.checked, made)
+        if track.drafts.shape[0] < self._width:
+            self._fill(track)
+        return track
+
+    def _fill(self, track: _Track) -> None:
+        """Each output index's draft: the branch's token with probability alpha (a pure function of
+        the request's seed and the index), else any other token, which greedy verification rejects."""
+        i = np.arange(self._width, dtype=np.uint64)
+        h = _mix64_array(np.uint64(track.seed_hash) ^ (i + np.uint64(1)))
+        truth = np.full(self._width, -1, dtype=np.int64)
+        if track.in_sync:
+            cont = track.branches[track.branch][: self._width]
+            truth[: len(cont)] = cont
+        keep = (truth >= 0) & ((h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < self.alpha)
+        corrupt = np.maximum(truth, 0) + 1 + ((h >> np.uint64(7)) % np.uint64(self.vocab - 1)).astype(np.int64)
+        track.drafts, track.kept, track.stale = np.where(keep, truth, corrupt % self.vocab), keep, True
+
+    @torch.inference_mode()
+    def chain(self, reqs: list[Request], starts: list[int], counts: list[int], ks: list[int], tokens: torch.Tensor,
+              accepted: torch.Tensor, streams: torch.Tensor | None,
+              device_starts: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The next drafts [B, max k] on the device, queued behind a verify whose accepted counts [B]
+        are still there (the contract of EagleProposer.chain): request i verified from starts[i] (or
+        device_starts[i]), so its next draft 0 is output index start + accepted + 2 - prompt length.
+        None with an inner proposer (its work is what is being measured)."""
+        if self.inner is not None or not reqs:
+            return None
+        k, dev = max(ks), accepted.device
+        tracks = [self._sync(r, r.output_ids, 0, len(r.output_ids), len(r.output_ids) + k) for r in reqs]
+        table = self._device_table(tracks, dev)
+        host = np.array([[t.row * self._width for t in tracks],
+                         [2 - len(r.prompt_ids) + (0 if device_starts is not None else s)
+                          for r, s in zip(reqs, starts, strict=True)]], dtype=np.int64)  # [2, B]
+        rows, offset = torch.from_numpy(host).to(dev, non_blocking=True)  # [B], [B]
+        made = offset + accepted + (device_starts if device_starts is not None else 0)  # [B] next draft 0's index
+        index = (made.unsqueeze(1) + torch.arange(k, device=dev)).clamp(0, self._width - 1)  # [B, k]
+        self.counters.proposed += sum(ks)
+        return table.view(-1)[rows.unsqueeze(1) + index]  # [B, k]
+
+    def _device_table(self, tracks: list[_Track], dev: torch.device) -> torch.Tensor:
+        """The device table holding every track's row (grown as tracks and widths come), stale rows copied."""
+        need = self._rows + sum(t.row < 0 for t in tracks)
+        table = self._table
+        if table is None or table.shape[0] < need or table.shape[1] < self._width or table.device != dev:
+            table = self._table = torch.zeros(max(2 * need, 64), self._width, dtype=torch.int64, device=dev)
+            for t in self._tracks.values():
+                t.stale = True
+            if table.shape[1] > self._width:
+                self._width = table.shape[1]
+        for t in tracks:
+            if t.row < 0:
+                t.row, self._rows = self._rows, self._rows + 1
+            if t.stale:
+                if t.drafts.shape[0] < self._width:
+                    self._fill(t)
+                table[t.row].copy_(torch.from_numpy(t.drafts), non_blocking=True)
+                t.stale = False
+        return table
 
     def reset(self, oracle: dict[tuple[int, ...], list[int]]) -> None:
         """A new oracle and fresh counters for another pass (request ids may repeat across passes)."""
@@ -138,6 +221,7 @@ class SyntheticProposer:
         self._branches = {p: [list(c)] for p, c in oracle.items()}
         self.counters = SyntheticCounters()
         self._tracks.clear()
+        self._rows = 0
 
     def add(self, oracle: dict[tuple[int, ...], list[int]]) -> None:
         """Another pass's continuations as branches (preferred from now on), and fresh counters for
@@ -150,3 +234,4 @@ class SyntheticProposer:
         self.oracle = {**self.oracle, **oracle}
         self.counters = SyntheticCounters()
         self._tracks.clear()
+        self._rows = 0
