@@ -59,7 +59,7 @@ class Lookahead:
 
     @staticmethod
     def chains(entries: list[Scheduled]) -> bool:
-        """A speculative step a chained proposer (EAGLE) can run queued ahead: every entry verifies
+        """A speculative step a chained proposer (EAGLE, synthetic) can run queued ahead: every entry verifies
         its one pending token and k drafts and proposes k again (one k for all), no log-probabilities."""
         if not entries:
             return False

@@ -1,7 +1,8 @@
-"""Steps queued one ahead (lookahead.py says when, and why it is safe): a plain decode step and an
-EAGLE step each start their one host read, queue the next step from their results still on the
-device, and only then wait for the read. The worker calls these for the steps `Lookahead.serves`
-(plain) and `Lookahead.chains` (EAGLE) accept; every other step takes its full path.
+"""Steps queued one ahead (lookahead.py says when, and why it is safe): a plain decode step and a
+speculative step whose proposer drafts on the device (an EAGLE head's chain, the synthetic
+proposer's gather) each start their one host read, queue the next step from their results still on
+the device, and only then wait for the read. The worker calls these for the steps `Lookahead.serves`
+(plain) and `Lookahead.chains` (chained) accept; every other step takes its full path.
 """
 
 from __future__ import annotations
