@@ -4,6 +4,7 @@
 #   scripts/gpu_bench.sh full   stashes .gguf1/part1 in /tmp, an 8B step profile,
 #                               8B plain B=1/16/64 + HF, synthetic a=0.8 k=4 with the 1B draft at B=1/16
 #   scripts/gpu_bench.sh adaptive  issue 10: 8B synthetic, adaptive k vs plain, B 1..256 x alpha 0.3..0.9 (one call)
+#   scripts/gpu_bench.sh verify    every CUDA test of the GPU paths, then scripts/launch_costs.py and host_phases.py
 #   scripts/gpu_bench.sh pipeline  GPU tests (lookahead, kernels, EAGLE's CUDA paths); 8B plain B=1/16/64, pipelined
 #                               plain steps vs not (--unpipelined-plain), one call
 #   scripts/gpu_bench.sh smol   joins /tmp/part1 + .gguf2/part2 (call it at once after `full`), converts,
@@ -46,6 +47,18 @@ case "$MODE" in
     timeout 240 $B --model llama-3.1-8b --draft-model llama-3.2-1b --speculative-method synthetic \
       --acceptance-rate 0.8 --num-speculative-tokens 4 --batch-sizes 1,16 --max-tokens 128 --no-hf \
       --output-json "$OUT/synth_8b.json" --plot "$OUT/synth_8b.png" 2>&1 | tail -11 | tee -a "$OUT/run.log"
+    ;;
+  verify)
+    # Every CUDA test of the GPU paths (kernels, graphs, EAGLE, pipelined steps), unbounded by a short limit
+    # (~4 min on a fresh machine: Triton compiles), then the host-cost probes. One call, no model files.
+    log "CUDA tests"
+    timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_lookahead.py tests/test_eagle.py \
+      -k "cuda or queued or pipelined or rejection or warp or sample_kernel or int32 or graph or rng or warm or restart" \
+      2>&1 | tail -4 | tee -a "$OUT/run.log"
+    log "launch costs, host phases (tiny target)"
+    timeout 120 python3 scripts/launch_costs.py 2>&1 | grep -v shards | tee "$OUT/launch_costs.log" | tail -12
+    timeout 150 python3 scripts/host_phases.py --out "$OUT/host_phases.json" > "$OUT/host_phases.log" 2>&1
+    grep -E "^(exclusive|function|steps|wall)" "$OUT/host_phases.log" | tee -a "$OUT/run.log"
     ;;
   pipeline)
     log "GPU tests: lookahead, kernels, EAGLE on CUDA"
