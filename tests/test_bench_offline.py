@@ -282,6 +282,7 @@ def test_synthetic_steps_queue_ahead_and_change_nothing(tiny_model_dir, alpha):
         assert rt.worker.proposer.counters.desyncs == 0
         la = rt.worker.lookahead
         assert (la.taken > 10) == pipeline, (la.taken, la.dropped)
+        assert res.queued_taken == (la.taken - plain.queued_taken if pipeline else 0)  # the pass's own count
         runs.append((res.drafted, res.accepted, res.verify_steps))
         if alpha == 1.0:
             assert res.accepted == res.drafted

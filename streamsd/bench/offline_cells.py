@@ -252,6 +252,7 @@ def make_cell(engine: str, method: str, b: int, r: R.PassResult, *, floor_ms: fl
         "kernel_compiles": r.kernel_compiles, "gc_ms": round(r.gc_ms, 1), "device_allocs": r.device_allocs,
         "alloc_retries": r.alloc_retries,
         "decode_step_max_ms": None if r.decode_step_max_ms is None else round(r.decode_step_max_ms, 2),
+        "queued_steps_taken": r.queued_taken, "queued_steps_dropped": r.queued_dropped,
     }
 
 

@@ -57,6 +57,9 @@ class PassResult:
     device_allocs: int | None = None
     alloc_retries: int | None = None
     decode_step_max_ms: float | None = None
+    # Steps served by one queued ahead on the device (lookahead.py), and queued steps thrown away.
+    queued_taken: int = 0
+    queued_dropped: int = 0
 
     @property
     def alpha(self) -> float | None:
@@ -101,6 +104,8 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
     decode_tokens = 0
     sync(rt.worker.device)
     stalls = _stall_counters(rt.worker.device)
+    lookahead = rt.worker.lookahead
+    taken, dropped = lookahead.taken, lookahead.dropped
     gc_watch = _GcWatch()
     gc.callbacks.append(gc_watch)
     t0 = time.perf_counter()
@@ -140,6 +145,7 @@ def engine_pass(rt: Runtime, spec: SpecConfig, prompts: list[list[int]], max_tok
         kernel_compiles=stalls[0] if stalls else None, device_allocs=stalls[1] if stalls else None,
         alloc_retries=stalls[2] if stalls else None, gc_ms=1e3 * gc_watch.seconds,
         decode_step_max_ms=1e3 * max(decode_steps) if decode_steps else None,
+        queued_taken=lookahead.taken - taken, queued_dropped=lookahead.dropped - dropped,
     )
 
 
