@@ -64,9 +64,8 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
     for k in range(1, max_k + 1):
         for has_p, has_q in ((False, False), (True, False), (True, True)):
             vi = _verify_input(k, vocab, has_p, has_q, device)
-            rejection_sample_triton(vi)
-            if has_p:  # the sampler that hashes its own uniforms and noise (what a step uses)
-                rejection_sample_triton(replace(vi, uniforms=None, noise=None))
+            # A step's sampler hashes its own uniforms and noise (Verifier.launch): those variants.
+            rejection_sample_triton(replace(vi, uniforms=None, noise=None) if has_p else vi)
     seeds, positions = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, 1, dtype=torch.int64, device=device)
     exponentials(seeds, positions, 1, vocab)  # the sampling noise (one BLOCK per vocabulary size)
     uniforms(seeds, positions, 1)
