@@ -54,13 +54,13 @@ def _queue_plain(w: Worker, entries: list[Scheduled], tokens: torch.Tensor) -> N
 
 
 def chained_step(w: Worker, entries: list[Scheduled]) -> list[EntryResult]:
-    """A speculative step whose drafts an EAGLE head proposes behind the verify, taken from the
-    step queued ahead when it fits, and the next one queued before this one is read."""
+    """A speculative step whose drafts its proposer makes on the device behind the verify (`chain`),
+    taken from the step queued ahead when it fits, and the next one queued before this one is read."""
     taken = w.lookahead.take(entries)
     if taken is None:
         logits, hidden = w._forward(entries)  # [rows, V], [tokens, layers * hidden]
-        greedy = w.graphs.greedy_result(len(entries)) if w.graphs is not None else None
-        launched = w.verifier.launch(entries, logits, w._chain(entries, hidden), greedy=greedy)
+        launched = w.verifier.launch(entries, logits, w._chain(entries, hidden),
+                                     greedy=w._graph_verified(entries, logits))
         if launched.drafts is None:  # no graph fits this batch: propose after the read
             return w._propose(entries, w.verifier.read(launched), hidden)
         tokens, accepted, drafts = launched.tokens, launched.accepted, launched.drafts
@@ -108,7 +108,7 @@ def _queue_chained(w: Worker, entries: list[Scheduled], tokens: torch.Tensor, ac
         nxt, logits, lambda t, a: chain(reqs, [e.start for e in nxt], [k + 1] * n, [k] * n, t, a, hidden,
                                         device_starts=starts),
         positions=positions, draft_ids=drafts[:, :k],
-        greedy=w.graphs.greedy_result(n) if w.graphs is not None else None)
+        greedy=w._graph_verified(nxt, logits))
     if launched.drafts is None:
         return []
     w.lookahead.queue_chained(nxt, k, launched.tokens, launched.accepted, launched.drafts.clone())

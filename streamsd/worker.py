@@ -3,8 +3,9 @@
 One target forward over every scheduled token (prefill chunks, decode tokens, the last token +
 cached drafts of each verifying request) -> verification (verify.py: rejection sampling, one host
 read of the emitted tokens) -> the next drafts. An EAGLE head's are queued behind the sampler and
-come back in that read; other proposers run after it. Plain decode steps are pipelined
-(lookahead.py): the next one is queued before this one is read. Runs on one dedicated thread; never
+come back in that read; other proposers run after it. Plain decode steps, and speculative steps
+whose proposer drafts on the device, are pipelined (lookahead.py): the next one is queued before
+this one is read. Runs on one dedicated thread; never
 touches asyncio.
 """
 
@@ -58,13 +59,17 @@ class Worker:
 
     def _step(self, entries: list[Scheduled]) -> list[EntryResult]:
         logits, hidden = self._forward(entries)  # [rows, V], [tokens, layers * hidden] | None
-        # The graph verified greedily what it computed: this step's verify when every entry is one
-        # pending token and its drafts (no prompt chunks), in the graph's sequence order.
-        whole = self.graphs is not None and all(e.verifies and e.num_tokens == 1 for e in entries)
-        greedy = self.graphs.greedy_result(len(entries)) if whole and self.graphs is not None else None
         verified = self.verifier.verify([e for e in entries if e.verifies], logits, self._chain(entries, hidden),
-                                        greedy)
+                                        self._graph_verified(entries, logits))
         return self._propose(entries, verified, hidden)
+
+    def _graph_verified(self, entries: list[Scheduled], logits: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The greedy verification the step's graph computed with these logits (sampling/greedy.py),
+        when the entries are exactly its sequences: each one pending token and its drafts, in order."""
+        if self.graphs is None or not all(e.verifies and e.num_tokens == 1 for e in entries):
+            return None
+        return self.graphs.greedy_result(logits, len(entries))
 
     def _chain(self, entries: list[Scheduled], hidden: torch.Tensor | None) -> Chain | None:
         """An EAGLE head's catch-up and drafts (or any proposer's that drafts on the device: the
@@ -104,8 +109,6 @@ class Worker:
             if not layers:
                 return self.graphs.run(key, ids, starts, counts, tables, rows), None
             return self.graphs.run_hidden(key, ids, starts, counts, tables, rows)  # views: read before the next replay
-        if self.graphs is not None:
-            self.graphs.last = None  # an eager step: no graph's greedy verification is this step's
         layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
         out = self.target(h2d(ids, torch.int64, self.device), layout, self.cache,
                           h2d(rows, torch.int64, self.device), hidden_layers=layers,

@@ -116,11 +116,13 @@ class GraphRunner:
         self.last = g
         return g
 
-    def greedy_result(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(tokens [S, Q], accepted [S]) of the greedy verification in the last replay, for its first
-        S sequences, when it was a verify graph (Q > 1); views valid until that graph replays again."""
+    def greedy_result(self, logits: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tokens [S, Q], accepted [S]) of the greedy verification of the step whose `logits` the last
+        replay returned (a view of its output), for its first S sequences, when it was a verify graph
+        (Q > 1); else None (an eager step's logits are not a graph's). Views valid until that graph
+        replays again."""
         g = self.last
-        if g is None or g.greedy is None:
+        if g is None or g.greedy is None or logits.data_ptr() != g.logits.data_ptr():
             return None
         return g.greedy[0][:num_seqs], g.greedy[1][:num_seqs]
 
