@@ -23,6 +23,7 @@ import torch
 
 from streamsd.request import Request
 from streamsd.step import Scheduled
+from streamsd.verify import below_min_tokens
 
 
 @dataclass(slots=True)
@@ -118,7 +119,7 @@ class Lookahead:
         reach, bs = chained_reach(entries[0].k_next), self.block_size
         rows = [i for i, e in enumerate(entries)
                 if len(e.request.output_ids) + reach <= e.request.params.max_tokens
-                and e.request.params.min_tokens <= len(e.request.output_ids)
+                and not below_min_tokens(e.request)
                 and len(e.request.blocks) * bs >= e.start + reach]
         # A row left out would most likely be in the next plan, which would then drop the queued step.
         return rows if len(rows) == len(entries) else []

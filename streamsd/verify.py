@@ -17,9 +17,8 @@ import torch
 
 from streamsd.model.kv_cache import h2d
 from streamsd.request import Request
-from streamsd.sampling import rng
 from streamsd.sampling.rejection import VerifyInput, rejection_sample
-from streamsd.sampling.sampler import sample_rows, token_logprobs
+from streamsd.sampling.sampler import sample_keyed, token_logprobs
 from streamsd.sampling.warp import WarpParams, warp
 from streamsd.step import Scheduled
 
@@ -94,8 +93,7 @@ class Verifier:
         reqs = [e.request for e in entries]
         k = max(e.num_drafts for e in entries)
         if greedy is not None and greedy[0].shape[1] > k and all(
-                r.params.greedy and r.params.logprobs is None and r.params.min_tokens <= len(r.output_ids)
-                for r in reqs):
+                r.params.greedy and r.params.logprobs is None and not below_min_tokens(r) for r in reqs):
             tokens, accepted = greedy[0][:, : k + 1], greedy[1]  # [B, K+1], [B]: past K+1 only -1
             tokens = tokens if tokens.is_contiguous() else tokens.contiguous()
             self.graph_greedy += 1
@@ -149,11 +147,8 @@ class Verifier:
     def read(self, v: Launched) -> Verified:
         """The step's one host read: tokens, accepted counts, and the chained drafts with them."""
         self.launched.set()
-        if v.drafts is None:
-            host_tokens, host_acc = v.tokens.tolist(), v.accepted.tolist()
-            return emitted(host_tokens, host_acc, v.logprobs)
-        return unpack(torch.cat([v.tokens, v.accepted.unsqueeze(1), v.drafts], dim=1).tolist(),
-                      v.tokens.shape[1], v.logprobs)
+        parts = [v.tokens, v.accepted.unsqueeze(1)] + ([v.drafts] if v.drafts is not None else [])
+        return unpack(torch.cat(parts, dim=1).tolist(), v.tokens.shape[1], v.logprobs, drafts=v.drafts is not None)
 
     def _sample_plain(self, reqs: list[Request], rows: torch.Tensor) -> Verified:
         """A step with no drafts is plain decoding: no rejection sampler (`sample_plain`)."""
@@ -176,16 +171,9 @@ class Verifier:
         the same position, so a seeded request's output does not depend on which path a step took."""
         if all(r.params.greedy for r in reqs):
             return logits.argmax(dim=-1)  # [B]
-        dev = self.device
-        wp = self._warp_params(reqs)
         ints = h2d([[r.params.greedy for r in reqs], [r.seed for r in reqs], [r.num_tokens + ahead for r in reqs]],
-                   torch.int64, dev)  # [3, B]: greedy, seeds, positions
-        if dev.type == "cuda" and not wp.needs_sort:  # warp, noise and race in one launch
-            from streamsd.kernels.warp import sample_tokens
-
-            return sample_tokens(logits, ints.view(-1), wp.temperature, wp.min_p, rng.TARGET)  # [B]
-        noise = rng.exponentials(ints[1], ints[2].unsqueeze(-1), rng.TARGET, self.vocab)[:, 0]  # [B, V]
-        return sample_rows(warp(logits, wp), logits, ints[0].bool(), noise)  # [B]
+                   torch.int64, self.device)  # [3, B]: greedy, seeds, positions
+        return sample_keyed(logits, self._warp_params(reqs), ints)  # [B]
 
     def _warp_params(self, reqs: list[Request]) -> WarpParams:
         """The batch's warp parameters on the device, built once per set of parameters: a batch keeps
@@ -204,9 +192,9 @@ class Verifier:
         cells = []
         for b, e in enumerate(entries):
             p, r = e.request.params, e.request
-            made = len(r.output_ids) + ahead
-            if p.min_tokens <= made:
+            if not below_min_tokens(r, ahead):
                 continue
+            made = len(r.output_ids) + ahead
             banned = ([] if p.ignore_eos else list(r.eos_ids)) + list(p.stop_token_ids or [])
             for j in range(e.num_drafts + 1):
                 if made + j < p.min_tokens:
@@ -235,13 +223,16 @@ class Verifier:
         return result
 
 
-def emitted(tokens: list[list[int]], accepted: list[int], logprobs: list, drafts: list[list[int]] | None = None
-            ) -> Verified:
-    """Host rows of a verification -> what each entry emits: its accepted drafts and one token."""
-    return Verified([t[: n + 1] for t, n in zip(tokens, accepted, strict=True)], accepted,
-                    [None if x is None else x[: n + 1] for x, n in zip(logprobs, accepted, strict=True)], drafts)
+def below_min_tokens(r: Request, ahead: int = 0) -> bool:
+    """The request's next token (`ahead` past its end) may not stop it: `suppress_early_stops` then
+    masks its EOS and stop ids."""
+    return len(r.output_ids) + ahead < r.params.min_tokens
 
 
-def unpack(host: list[list[int]], width: int, logprobs: list) -> Verified:
-    """Rows [tokens (width) | accepted | drafts] read in one piece -> Verified."""
-    return emitted([r[:width] for r in host], [r[width] for r in host], logprobs, [r[width + 1 :] for r in host])
+def unpack(host: list[list[int]], width: int, logprobs: list, drafts: bool = True) -> Verified:
+    """Rows [tokens (width) | accepted | drafts, when chained] read in one piece -> what each entry emits:
+    its accepted drafts and one token (and the next drafts)."""
+    accepted = [r[width] for r in host]
+    return Verified([r[: n + 1] for r, n in zip(host, accepted, strict=True)], accepted,
+                    [None if x is None else x[: n + 1] for x, n in zip(logprobs, accepted, strict=True)],
+                    [r[width + 1 :] for r in host] if drafts else None)

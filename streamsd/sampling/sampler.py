@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from streamsd.sampling import rng
+from streamsd.sampling.warp import WarpParams, warp
+
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Exponential race: argmax(p / E), E ~ Exp(1), draws from p. [N, V], [N, V] -> [N]."""
@@ -13,6 +16,19 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def sample_rows(probs: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Greedy rows take the raw argmax, others race. probs/logits/noise [N, V], greedy [N] -> [N]."""
     return torch.where(greedy, logits.argmax(dim=-1), race(probs, noise))
+
+
+def sample_keyed(logits: torch.Tensor, wp: WarpParams, ints: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits [N, V] with early stops suppressed: the raw argmax for greedy rows,
+    else the race of the warped probabilities against the noise keyed (seed, position, TARGET), which
+    is what the rejection sampler races for a bonus token there. ints [3, N]: greedy | seed | position.
+    On CUDA without top-k/top-p, one launch (kernels/warp.py) -> [N]."""
+    if logits.is_cuda and not wp.needs_sort:
+        from streamsd.kernels.warp import sample_tokens
+
+        return sample_tokens(logits, ints.reshape(-1), wp.temperature, wp.min_p, rng.TARGET)
+    noise = rng.exponentials(ints[1], ints[2].unsqueeze(-1), rng.TARGET, logits.shape[-1])[:, 0]  # [N, V]
+    return sample_rows(warp(logits, wp), logits, ints[0].bool(), noise)
 
 
 def token_logprobs(
