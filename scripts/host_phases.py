@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def targets() -> list[tuple[Any, str]]:
@@ -118,18 +114,10 @@ def main() -> None:
     from streamsd import LLM
 
     if a.model is None:
-        from tiny import build_model
+        from tiny_eagle import build_tiny_eagle
 
-        from streamsd.runtime import load_model
-        from streamsd.spec.eagle_ckpt import new_head, save_head
-
-        work = Path(tempfile.mkdtemp())
-        target_dir = build_model(work / "target", layers=8, hidden=256, heads=4, kv_heads=2, intermediate=512,
-                                 max_pos=4096)
-        target = load_model(str(target_dir), torch.device("cpu"), torch.float32)[0]
-        a.model = str(target_dir)
-        a.head = str(save_head(new_head(target, kind="eagle3", draft_ids=list(range(target.args.vocab_size))),
-                               work / "head", json.loads((target_dir / "config.json").read_text()), torch.float32))
+        target_dir, head_dir = build_tiny_eagle()
+        a.model, a.head = str(target_dir), str(head_dir)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     llms = {"plain": LLM(a.model, device=dev),
             "eagle": LLM(a.model, speculative_method="eagle", draft_model=a.head, device=dev,

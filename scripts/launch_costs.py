@@ -5,23 +5,15 @@ Usage: python3 scripts/launch_costs.py"""
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from tiny_eagle import build_tiny_eagle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny import build_model  # noqa: E402
-
-from streamsd import LLM, SamplingParams  # noqa: E402
-from streamsd.kernels.rng import _uniforms_kernel  # noqa: E402
-from streamsd.runtime import load_model  # noqa: E402
-from streamsd.spec.eagle_ckpt import new_head, save_head  # noqa: E402
+from streamsd import LLM, SamplingParams
+from streamsd.kernels.rng import _uniforms_kernel
 
 
 def host_us(fn: Callable[[], object], busy: bool = False, n: int = 25) -> float:
@@ -56,12 +48,7 @@ def triton_launch() -> None:
 
 
 def graph_replays() -> None:
-    work = Path(tempfile.mkdtemp())
-    target_dir = build_model(work / "target", layers=8, hidden=256, heads=4, kv_heads=2, intermediate=512,
-                             max_pos=4096)
-    target = load_model(str(target_dir), torch.device("cpu"), torch.float32)[0]
-    head_dir = save_head(new_head(target, kind="eagle3", draft_ids=list(range(target.args.vocab_size))),
-                         work / "head", json.loads((target_dir / "config.json").read_text()), torch.float32)
+    target_dir, head_dir = build_tiny_eagle()
     llm = LLM(str(target_dir), speculative_method="eagle", draft_model=str(head_dir), device="cuda",
               dtype="bfloat16", speculation_policy="fixed")
     llm.generate("hello there", SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))

@@ -7,30 +7,17 @@ Usage: python3 scripts/profile_eagle.py [OUT_DIR]"""
 from __future__ import annotations
 
 import cProfile
-import json
 import pstats
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from tiny_eagle import build_tiny_eagle
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny import build_model  # noqa: E402
-
-from streamsd import LLM, SamplingParams  # noqa: E402
-from streamsd.runtime import load_model  # noqa: E402
-from streamsd.spec.eagle_ckpt import new_head, save_head  # noqa: E402
+from streamsd import LLM, SamplingParams
 
 
 def main() -> None:
-    work = Path(tempfile.mkdtemp())
-    target_dir = build_model(work / "target", layers=8, hidden=256, heads=4, kv_heads=2, intermediate=512,
-                             max_pos=4096)
-    target = load_model(str(target_dir), torch.device("cpu"), torch.float32)[0]
-    head_dir = save_head(new_head(target, kind="eagle3", draft_ids=list(range(target.args.vocab_size))),
-                         work / "head", json.loads((target_dir / "config.json").read_text()), torch.float32)
+    target_dir, head_dir = build_tiny_eagle()
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     prompt = "Speculative decoding proposes tokens with a cheap draft"
     rates = {}
