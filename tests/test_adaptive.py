@@ -341,6 +341,33 @@ def test_graph_table_prices_the_graph_a_step_replays() -> None:
     assert cost.key(64, 0, batch_size=64) != cost.key(320, 4, batch_size=64) == cost.key(65, 1, batch_size=64)
 
 
+def test_free_drafts_in_a_padded_graph_are_planned_per_depth() -> None:
+    # The H200's 8B graphs at B = 64 (session 9 profile): widths 1, 2, 3, 5 replay in 5.64, 5.87, 6.89,
+    # 8.92 ms. Drafts cost nothing (synthetic / n-gram), but the graph pads every request to the widest
+    # one: a plan putting a few confident requests at k = 4 makes all 64 pay width 5. Searched as one
+    # ranked level, the plan mixed depths (session 9: k = 1 / 2 / 4 for 1480 / 463 / 165 choices, 7.2 ms
+    # steps); per depth limit, the best plan is the best uniform k.
+    widths, ms = (1, 2, 3, 5), (5.64, 5.87, 6.89, 8.92)
+    samples = {(b, w): t * 1e-3 * (0.8 + 0.2 * b / 64) for b in (1, 16, 64) for w, t in zip(widths, ms, strict=True)}
+    cost = CostTable.from_samples({1: 5e-3, 64: 6e-3, 512: 0.02}, shape=ShapeTable.from_samples(samples, padded=True))
+    assert not cost.depth_is_free
+    rng = random.Random(7)
+    means = [rng.uniform(0.55, 0.85) for _ in range(64)]
+    views = [RequestView(i, 4, [m - 0.05] * 4, mean_alphas=[m] * 4) for i, m in enumerate(means)]
+    st = PlannerState()
+    ks = plan(views, cost, 4, state=st)
+
+    def rate(k: int) -> float:
+        return sum(expected_tokens([m] * 4, k) for m in means) / cost.predict(64, 64 * (1 + k), k)
+
+    best = max(range(1, 5), key=rate)
+    assert ks == [best] * 64
+    assert st.spec_rate == pytest.approx(rate(best))
+    assert rate(best) > 1.02 * max(rate(k) for k in range(1, 5) if k != best)  # the choice is not a near-tie
+    # Eager steps (no graph) keep the one-level search: depth costs nothing there.
+    assert CostTable.from_samples({1: 5e-3}, shape=ShapeTable.from_samples(samples, padded=False)).depth_is_free
+
+
 def test_eager_table_counts_the_batch_and_interpolates() -> None:
     # CPU-like: attention is one call per request, so 64 requests x 1 token cost far more than a
     # 64-token pass of one sequence (what the first profile timed).

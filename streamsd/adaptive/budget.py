@@ -42,15 +42,16 @@ class Search:
             floor: float) -> Plan | None:
         """Highest expected-rate plan whose pessimistic rate beats ``floor``, if any.
 
-        Draft steps are shared by the batch (the drafter runs max k_i times), so plans are searched
-        per depth limit L; the search stops after two levels in a row that did not improve (one
+        Draft steps are shared by the batch (the drafter runs max k_i times), and on a GPU the verify
+        graph is as wide as the deepest request (a graph replay pads every request to 1 + max k_i), so
+        plans are searched per depth limit L; the search stops after two levels in a row that did not improve (one
         is not enough: a noisy cost key can dent an otherwise rising curve).
         """
         ranked = sorted((-m, j, i) for i in eligible for j, m in enumerate(mean[i]))
         if not ranked:
             return None
         deepest = max(j for _, j, _ in ranked) + 1
-        if not self.cost.draft.keys:  # drafting is free (n-gram): depth costs nothing, one level
+        if self.cost.depth_is_free:  # no draft forward and no padded graph width: one level
             return self._level(ranked, safe, floor)[0]
         best: Plan | None = None
         top, misses = 0.0, 0

@@ -144,6 +144,13 @@ class CostTable:
         return cls.from_samples(verify, drafts, kv_per_request_s=target.kv_seconds(target.context_len),
                                 spec_overhead_s=spec_overhead_s)
 
+    @property
+    def depth_is_free(self) -> bool:
+        """Whether the deepest request's k adds nothing by itself: no draft forward per depth (n-gram,
+        synthetic drafts) and no graph padding every request to the widest query (an eager step).
+        Otherwise one request at k = 4 makes all of them pay a width-5 verify."""
+        return not self.draft.keys and (self.shape is None or not self.shape.padded)
+
     def predict_raw(
         self, batch_size: int, verify_tokens: int, draft_steps_k: int, *,
         draft_batch: int | None = None, draft_extra_tokens: int = 0, prefill_tokens: int = 0,

@@ -6,9 +6,10 @@ a_i0, a_i1, … the (j+1)-th draft of request i survives with s_ij = Π_{l≤j} 
 
 Search.  Inside a request survival falls with depth, so a total draft budget S is best spent on
 the S largest survivals across the batch (ties to the shallower draft); each request then drafts
-a prefix.  The drafter runs max k_i sequential steps for the whole batch, so the ranking is cut
-per depth limit L = 1, 2, … (stopping after two levels without gain; one level when drafting is
-free, as for n-gram lookup).  Within a level only the ends of the cost model's flat segments are
+a prefix.  The drafter runs max k_i sequential steps for the whole batch, and a CUDA graph pads
+every request to the widest query, so the ranking is cut per depth limit L = 1, 2, … (stopping
+after two levels without gain; one level only when depth is free: n-gram or synthetic drafts in
+an eager step).  Within a level only the ends of the cost model's flat segments are
 scored — S that fills a verify bucket, S just before max k_i grows, powers of two, all of it —
 since inside a segment more tokens cost nothing more.  Plain decoding (S = 0) is always a candidate.
 
