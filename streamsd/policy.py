@@ -114,6 +114,7 @@ class AdaptivePolicy:
     # Steps observed and not yet learnt from: `observe` runs between two steps, serially with the
     # GPU; `learn` runs at the next `choose`, which the engine overlaps with the GPU.
     unlearnt: list[tuple[Decision, list[tuple[Request, int, int]], float]] = field(default_factory=list)
+    speculated_last: bool = False  # the last step learnt verified drafts and proposed again
 
     def __post_init__(self) -> None:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1)))
@@ -209,8 +210,15 @@ class AdaptivePolicy:
 
     def _learn_cost(self, decision: Decision, shape: StepShape, seconds: float) -> None:
         # A step entering or leaving speculation (verify width and drafter steps disagree) is priced
-        # as such but teaches no key: it is neither the plain step nor the speculative one.
-        if shape.verify_width == shape.draft_steps + 1:
+        # as such but teaches no key: it is neither the plain step nor the speculative one. Nor does
+        # the first full speculative step after it: the step before it was not speculative, so it
+        # could not be queued behind it (lookahead.py) and paid its host work serially, which its
+        # successors hide. (On the H200 at B = 128 two such steps measured 1.28x their prediction;
+        # learnt, they priced the speculative graph out, and no later step could correct it.)
+        steady = shape.verify_width == shape.draft_steps + 1
+        full = steady and shape.verify_width > 1
+        first, self.speculated_last = full and not self.speculated_last, full
+        if steady and not first:
             self.cost.observe(decision.predicted_raw_s, seconds, verify_tokens=shape.verify_tokens,
                               draft_steps_k=shape.draft_steps, batch_size=shape.batch,
                               prefill_tokens=shape.prefill_tokens)

@@ -220,6 +220,20 @@ def test_pairs_report_the_median_pair_and_every_pairs_ratio(tmp_path, tiny_model
         assert c["same_output_as_plain"]
 
 
+def test_an_even_number_of_pairs_reports_the_lower_middle_pair():
+    """Two pairs read 1.37 and 0.85 on the H200 (B = 1, one 64-token request): the cell must not report
+    the better one."""
+    from types import SimpleNamespace
+
+    from streamsd.bench.offline_cells import _median_pair
+
+    plain = SimpleNamespace(tpot_ms=4.6)
+    passes = [(SimpleNamespace(tpot_ms=t), SimpleNamespace(tpot_ms=4.6), i) for i, t in enumerate((3.36, 5.4))]
+    assert _median_pair(passes, plain)[2] == 1  # the slower speculative pass: 0.85x
+    three = [*passes, (SimpleNamespace(tpot_ms=4.0), None, 2)]
+    assert _median_pair(three, plain)[2] == 2  # odd: the median itself (4.6 / 4.0)
+
+
 def test_synthetic_drafts_made_on_the_device_equal_the_hosts(tiny_model_dir):
     """SyntheticProposer.chain (a gather behind the sampler, from the accepted counts on the device)
     drafts what the host path drafts for the same history, including past the branch's end (all

@@ -466,19 +466,21 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
     g = torch.Generator().manual_seed(0)
     for b in (1, 3, 4, 7, 16):
         for k in range(1, max_k + 1):
-            # per-request rows sliced out of one packed buffer, as the worker sends them
-            ints = torch.randint(0, 2, (3 * b + b * k,), generator=g).to(DEV)
-            drafts, greedy = ints[3 * b :].view(b, k), ints[:b].bool()
-            krng.exponentials(ints[b : 2 * b], drafts, rng.TARGET, vocab)  # seeds, positions: packed slices
-            krng.uniforms(ints[b : 2 * b], drafts[:, : max(k - 1, 1)], rng.ACCEPT)
-            for sampled in (False, True):
+            # per-request rows sliced out of one packed buffer, as Verifier.launch sends them
+            ints = torch.randint(0, 2, (3 * b + b * (k + 1) + b * k,), generator=g).to(DEV)
+            seeds, at = ints[b : 2 * b], 3 * b + b * (k + 1)
+            positions, drafts, greedy = ints[3 * b : at].view(b, k + 1), ints[at:].view(b, k), ints[:b].bool()
+            krng.exponentials(seeds, drafts, rng.TARGET, vocab)  # seeds, positions: packed slices
+            krng.uniforms(seeds, drafts[:, : max(k - 1, 1)], rng.ACCEPT)
+            for sampled, dense in ((False, False), (True, False), (True, True)):
                 p = torch.softmax(torch.randn(b, k + 1, vocab, generator=g), -1).to(DEV) if sampled else None
+                q = torch.softmax(torch.randn(b, k, vocab, generator=g), -1).to(DEV) if dense else None
+                # the sampler hashes its own uniforms and noise from (seed, position)
                 rejection_sample_triton(VerifyInput(
                     target_probs=p, target_argmax=torch.zeros(b, k + 1, dtype=torch.int64, device=DEV),
-                    draft_ids=drafts, draft_probs=None, dense_q=ints[b : 2 * b].bool(),
+                    draft_ids=drafts, draft_probs=q, dense_q=ints[2 * b : 3 * b].bool(),
                     num_drafts=ints[2 * b : 3 * b], greedy=greedy if sampled else torch.ones_like(greedy),
-                    uniforms=torch.rand(b, k, device=DEV) if sampled else drafts,
-                    noise=torch.ones(b, k + 1, vocab, device=DEV) if sampled else None))
+                    uniforms=None, noise=None, seeds=seeds, positions=positions))
     cache = torch.zeros(64, bs, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16, device=DEV)
     for seqs, width, qlen in [(1, 1, 1), (3, 3, 2), (5, 17, 5), (40, 16, 3), (2, 33, 16), (9, 2, 7)]:
         q = torch.randn(seqs * qlen, a.num_heads, a.head_dim, dtype=torch.bfloat16, device=DEV)

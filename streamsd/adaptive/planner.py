@@ -37,7 +37,8 @@ guard against — speculating while slower than plain — outside it.
 Probing.  A request flagged ``probe`` (long at k = 0) drafts ``probe_k`` for free when the step
 speculates anyway; in a plain step one probe step per ``probe_every`` steps is spent, only while
 an optimistic α (``probe_alpha``) for the probed requests would make speculation pay at this batch
-— a compute-bound batch never pays for probes it could not use.
+— a compute-bound batch never pays for probes it could not use — and no more often than keeps the
+probes' predicted extra time under ``probe_budget`` of the steps between them.
 
 KV: a request verifying k_i drafts needs 1 + k_i slots: reserve ``kv_slots_needed(ks)``.
 """
@@ -74,6 +75,10 @@ class PlannerConfig:
     max_probes: int = 4
     probe_alpha: float = 0.9
     probe_k: int = 1  # drafts a probe verifies: deeper probes see more positions per probe
+    # Probes are spaced so that their predicted extra time stays under this share of the steps':
+    # a probe at B = 256 replays the width-2 graph for all 256 requests (1.66x a plain step on the
+    # H200), one at B = 16 costs a few percent of one.
+    probe_budget: float = 0.005
     catchup_horizon: int = 4
     fresh_lag: int = 16  # requests at most this far behind form the "resume the fresh ones" plan
 
@@ -158,7 +163,8 @@ def plan(
     flagged = [i for i in everyone if requests[i].probe and ks[i] == 0 and caps[i] >= 1]
     # The least-behind requests probe first: their draft catch-up is the cheapest.
     due = sorted(flagged, key=lambda i: requests[i].catchup_tokens)[: cfg.max_probes]
-    if due and (speculate or _probe_pays(search, due, fresh, caps, mean, plain_rate * (1.0 + hysteresis), st)):
+    if due and (speculate or _probe_pays(search, due, fresh, caps, mean, plain_rate * (1.0 + hysteresis), st,
+                                         plain_t - prefill_s)):
         for i in due:
             ks[i] = min(caps[i], cfg.probe_k)
     _record(st, requests, ks, mean, cost, prefill_tokens)
@@ -181,8 +187,14 @@ def _survivals(r: RequestView, cap: int) -> tuple[list[float], list[float]]:
 
 
 def _probe_pays(search: Search, due: list[int], fresh: list[int], caps: list[int],
-                mean: Sequence[list[float]], floor: float, st: PlannerState) -> bool:
-    if st.since_probe < st.config.probe_every:
+                mean: Sequence[list[float]], floor: float, st: PlannerState, plain_s: float) -> bool:
+    cfg = st.config
+    if st.since_probe < cfg.probe_every:
+        return False
+    ks = [min(caps[i], cfg.probe_k) for i in due]
+    probe_s = search.step_time(len(search.requests) + search.prefill + sum(ks), max(ks), len(due),
+                               sum(search.requests[i].catchup_tokens for i in due)) - search.prefill_s
+    if st.since_probe * cfg.probe_budget < probe_s / plain_s - 1.0:
         return False
     hopeful = list(mean)
     for i in due:
