@@ -10,7 +10,7 @@ candidate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from streamsd.adaptive import AcceptanceConfig, AcceptanceEstimator, CostTable, PlannerState, plan
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from streamsd.step import StepPlan
 
 REPLAN_EVERY = 8
+QUEUED_DEPTH_HYSTERESIS = 0.05  # the gain a new depth needs when changing it wastes a queued step
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,9 @@ class AdaptivePolicy:
     max_k: int
     cost: CostTable
     draft_has_cache: bool  # a draft model must replay what it missed while at k = 0
+    # Speculative steps are queued ahead (an EAGLE head, device-side synthetic drafts): a plan of a
+    # new depth drops the queued step, so the planner keeps its depth unless another clearly wins.
+    queues_ahead: bool = False
     estimator: AcceptanceEstimator = field(init=False)
     planner: PlannerState = field(default_factory=PlannerState)
     # Of the steps built (`commit`): k per decoding request (a histogram, for metrics), plain steps.
@@ -114,10 +118,15 @@ class AdaptivePolicy:
     # Steps observed and not yet learnt from: `observe` runs between two steps, serially with the
     # GPU; `learn` runs at the next `choose`, which the engine overlaps with the GPU.
     unlearnt: list[tuple[Decision, list[tuple[Request, int, int]], float]] = field(default_factory=list)
-    speculated_last: bool = False  # the last step learnt verified drafts and proposed again
+    last_kind: tuple[int, int] = (1, 0)  # (verify width, draft steps) of the last step learnt: plain
+    # The first steps learnt, for benchmarks: (batch, verify width, draft steps, taught the table,
+    # raw / corrected predicted ms, measured ms).
+    trace: list[tuple[int, int, int, int, float, float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1)))
+        if self.queues_ahead:
+            self.planner.config = replace(self.planner.config, depth_hysteresis=QUEUED_DEPTH_HYSTERESIS)
 
     @property
     def plans_ahead(self) -> bool:
@@ -215,13 +224,19 @@ class AdaptivePolicy:
         # could not be queued behind it (lookahead.py) and paid its host work serially, which its
         # successors hide. (On the H200 at B = 128 two such steps measured 1.28x their prediction;
         # learnt, they priced the speculative graph out, and no later step could correct it.)
+        # More generally a step whose kind (verify width, draft steps) differs from the step before's
+        # dropped the step queued ahead, if any: it waited for that wasted GPU step too (2x, traced).
+        kind = (shape.verify_width, shape.draft_steps)
         steady = shape.verify_width == shape.draft_steps + 1
-        full = steady and shape.verify_width > 1
-        first, self.speculated_last = full and not self.speculated_last, full
-        if steady and not first:
+        settled, self.last_kind = kind == self.last_kind, kind
+        if steady and settled:
             self.cost.observe(decision.predicted_raw_s, seconds, verify_tokens=shape.verify_tokens,
                               draft_steps_k=shape.draft_steps, batch_size=shape.batch,
                               prefill_tokens=shape.prefill_tokens)
+        if len(self.trace) < 96:
+            self.trace.append((shape.batch, shape.verify_width, shape.draft_steps, int(steady and settled),
+                               round(decision.predicted_raw_s * 1e3, 3), round(decision.predicted_s * 1e3, 3),
+                               round(seconds * 1e3, 3)))
         speculative = int(shape.verify_width > 1 or shape.draft_steps > 0)
         self._record_error(speculative, decision.predicted_s, decision.predicted_raw_s, seconds,
                            (shape.batch, shape.verify_tokens))
@@ -266,4 +281,10 @@ class AdaptivePolicy:
             # Σ predicted / Σ measured per (batch, verify tokens) shape of step.
             "by_shape": {f"{b}x{n}": {"ratio": t[0] / t[1], "steps": t[2]}
                          for (b, n), t in sorted(self.shapes.items()) if t[1] > 0},
+            # What the cost table has learnt (it outlives the pass): why a shape is or is not chosen.
+            "cost_global_ratio": self.cost.global_ratio,
+            "cost_relative": {"x".join(map(str, key)): [rel, self.cost.seen.get(key, 0)]
+                              for key, rel in sorted(self.cost.relative.items())},
+            "prior_means": {name: list(p.means) for name, p in self.estimator.priors.items()},
+            "trace": self.trace,
         }

@@ -220,7 +220,8 @@ def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> S
              time.perf_counter() - t0, shape.widths if shape else (),
              {b: [round(t * 1e3, 2) for t in row] for b, row in zip(shape.batches, shape.values, strict=True)}
              if shape else {})
-    return AdaptivePolicy(cfg.spec.num_tokens, cost, draft_has_cache=proposer.keeps_cache)
+    return AdaptivePolicy(cfg.spec.num_tokens, cost, draft_has_cache=proposer.keeps_cache,
+                          queues_ahead=worker.lookahead.enabled and worker.lookahead.chained)
 
 
 def check_vocab(target_tok: Any, draft_tok: Any, target: ModelArgs, draft: ModelArgs) -> None:

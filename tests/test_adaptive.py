@@ -18,6 +18,7 @@ from streamsd.adaptive import (
     AcceptanceConfig,
     AcceptanceEstimator,
     CostTable,
+    PlannerConfig,
     PlannerState,
     RequestView,
     RooflineModel,
@@ -377,6 +378,14 @@ def test_free_drafts_in_a_padded_graph_are_planned_per_depth() -> None:
     assert ks == [best] * 64
     assert st.spec_rate == pytest.approx(rate(best))
     assert rate(best) > 1.02 * max(rate(k) for k in range(1, 5) if k != best)  # the choice is not a near-tie
+    # Where steps are queued ahead a new depth drops the queued one: the last plan's depth is kept
+    # unless another beats it by the margin.
+    for last in range(1, 5):
+        st = PlannerState(config=PlannerConfig(depth_hysteresis=0.05), speculating=True, depth=last)
+        kept = plan(views, cost, 4, state=st)
+        assert kept == [last if rate(last) * 1.05 >= rate(best) else best] * 64, last
+    assert any(rate(k) * 1.05 >= rate(best) for k in range(1, 5) if k != best)  # some depth was kept
+    assert any(rate(k) * 1.05 < rate(best) for k in range(1, 5))  # and some was not
     # Eager steps (no graph) keep the one-level search: depth costs nothing there.
     assert CostTable.from_samples({1: 5e-3}, shape=ShapeTable.from_samples(samples, padded=False)).depth_is_free
 
@@ -555,7 +564,8 @@ def test_a_step_entering_speculation_is_priced_as_the_plain_graph_plus_drafting_
 def test_the_first_speculative_step_after_plain_ones_teaches_no_key() -> None:
     """It could not be queued behind the step before (that one drafted nothing), so it pays its host work
     serially where its successors hide it: at B = 128 on the H200 two such steps measured 1.28x their
-    prediction, and once learnt the batch never speculated again."""
+    prediction, and once learnt the batch never speculated again. Likewise a step of a new depth, which
+    also waits for the dropped queued step (2x)."""
     from streamsd.policy import AdaptivePolicy, Decision, StepShape
 
     cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape())
@@ -563,8 +573,10 @@ def test_the_first_speculative_step_after_plain_ones_teaches_no_key() -> None:
     spec_key = cost.key(320, 4, batch_size=64)
     shapes = {"plain": StepShape(64, 64, 0, 0, 0, 1), "entering": StepShape(64, 64, 4, 64, 0, 1),
               "spec": StepShape(64, 320, 4, 64, 0, 5)}
+    shapes["k2"] = StepShape(64, 192, 2, 64, 0, 3)
     for kind, slow, learnt in (("entering", 1.0, 0), ("spec", 1.3, 0), ("spec", 1.0, 1), ("spec", 1.0, 2),
-                               ("plain", 1.0, 2), ("spec", 1.3, 2), ("spec", 1.0, 3)):
+                               ("plain", 1.0, 2), ("spec", 1.3, 2), ("spec", 1.0, 3),
+                               ("k2", 2.0, 3), ("spec", 2.0, 3), ("spec", 1.0, 4)):  # a new depth: the same
         d = Decision({}, planned=True)
         policy.commit_shape(d, shapes[kind], [4 if kind != "plain" else 0] * 64)
         policy.observe(d, [], slow * d.predicted_raw_s)

@@ -39,13 +39,17 @@ class Search:
         self.lagging = any(r.catchup_tokens for r in self.requests)
 
     def run(self, mean: Sequence[list[float]], safe: Sequence[list[float]], eligible: Sequence[int],
-            floor: float) -> Plan | None:
+            floor: float, keep_depth: int = 0, margin: float = 0.0) -> Plan | None:
         """Highest expected-rate plan whose pessimistic rate beats ``floor``, if any.
 
         Draft steps are shared by the batch (the drafter runs max k_i times), and on a GPU the verify
         graph is as wide as the deepest request (a graph replay pads every request to 1 + max k_i), so
         plans are searched per depth limit L; the search stops after two levels in a row that did not improve (one
         is not enough: a noisy cost key can dent an otherwise rising curve).
+
+        ``keep_depth``: the depth limit of the last plan, kept unless another beats it by ``margin``:
+        a step queued ahead (lookahead.py) has the last plan's shape, and a new depth drops it, a
+        whole GPU step wasted (on the H200 at B = 64 the plan flipped between near-tied k = 1 and 2).
         """
         ranked = sorted((-m, j, i) for i in eligible for j, m in enumerate(mean[i]))
         if not ranked:
@@ -54,16 +58,23 @@ class Search:
         if self.cost.depth_is_free:  # no draft forward and no padded graph width: one level
             return self._level(ranked, safe, floor)[0]
         best: Plan | None = None
+        levels: dict[int, Plan | None] = {}
         top, misses = 0.0, 0
         for depth in range(1, deepest + 1):
             level, rate = self._level([it for it in ranked if it[1] < depth], safe, floor)
+            levels[depth] = level
             if level is not None and (best is None or level.rate > best.rate):
                 best = level
             misses = misses + 1 if rate <= top else 0
             top = max(top, rate)
             if misses == 2:
                 break
-        return best
+        if best is None or not 0 < keep_depth <= deepest:
+            return best
+        if keep_depth not in levels:
+            levels[keep_depth] = self._level([it for it in ranked if it[1] < keep_depth], safe, floor)[0]
+        kept = levels[keep_depth]
+        return kept if kept is not None and kept.rate * (1.0 + margin) >= best.rate else best
 
     def _level(self, items: list[tuple[float, int, int]], safe: Sequence[list[float]],
                floor: float) -> tuple[Plan | None, float]:

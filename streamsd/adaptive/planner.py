@@ -30,7 +30,8 @@ Draft catch-up.  A draft model resuming after plain steps replays what its KV mi
 resuming a long-plain batch at once rarely pays while resuming its newest requests often does.
 
 Hysteresis.  Entering speculation needs a safe rate better than plain by ``hysteresis``; leaving
-happens as soon as plain is predicted better.  The band stops a batch near break-even from
+happens as soon as plain is predicted better; a new depth limit must beat the last plan's by
+``depth_hysteresis`` (changing it drops the step queued ahead).  The band stops a batch near break-even from
 flapping between the engine's plain and speculative paths; its asymmetry keeps the failure we
 guard against — speculating while slower than plain — outside it.
 
@@ -79,6 +80,9 @@ class PlannerConfig:
     # a probe at B = 256 replays the width-2 graph for all 256 requests (1.66x a plain step on the
     # H200), one at B = 16 costs a few percent of one.
     probe_budget: float = 0.005
+    # A new depth must beat the last plan's by this much (see ``Search.run``): set where steps are
+    # queued ahead, where changing depth wastes one.
+    depth_hysteresis: float = 0.0
     catchup_horizon: int = 4
     fresh_lag: int = 16  # requests at most this far behind form the "resume the fresh ones" plan
 
@@ -89,6 +93,7 @@ class PlannerState:
 
     config: PlannerConfig = field(default_factory=PlannerConfig)
     speculating: bool = False
+    depth: int = 0  # the largest k of the last plan (before probes)
     steps: int = 0
     switches: int = 0
     since_probe: int = 0
@@ -153,13 +158,15 @@ def plan(
     search = Search(requests, cost, prefill_tokens, credit, prefill_s, cfg.catchup_horizon)
     everyone = range(b)
     fresh = [i for i in everyone if requests[i].catchup_tokens <= cfg.fresh_lag]
-    plans = [search.run(mean, safe, group, floor) for group in ((everyone, fresh) if len(fresh) < b else (everyone,))]
+    plans = [search.run(mean, safe, group, floor, st.depth, cfg.depth_hysteresis)
+             for group in ((everyone, fresh) if len(fresh) < b else (everyone,))]
     best = max((p for p in plans if p is not None), key=lambda p: p.rate, default=None)
     speculate = best is not None
     st.switches += speculate != st.speculating
     st.speculating = speculate
     st.plain_rate, st.spec_rate = plain_rate, best.rate if best else 0.0
     ks = best.ks if best else [0] * b
+    st.depth = max(ks)
     flagged = [i for i in everyone if requests[i].probe and ks[i] == 0 and caps[i] >= 1]
     # The least-behind requests probe first: their draft catch-up is the cheapest.
     due = sorted(flagged, key=lambda i: requests[i].catchup_tokens)[: cfg.max_probes]

@@ -55,7 +55,8 @@ class Policies:
                 "cells_timed": shape.timed if shape else 0,
             }
         return dataclasses.replace(rt, policy=AdaptivePolicy(
-            self.k, copy.deepcopy(self.cost), draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False)))
+            self.k, copy.deepcopy(self.cost), draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False),
+            queues_ahead=rt.worker.lookahead.enabled and rt.worker.lookahead.chained))
 
 
 def _with_policy(rt: Runtime, policies: Policies | None, mean_ctx: float, learned: Runtime | None = None) -> Runtime:
