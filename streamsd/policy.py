@@ -10,6 +10,8 @@ candidate.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,7 +22,13 @@ if TYPE_CHECKING:
     from streamsd.step import StepPlan
 
 REPLAN_EVERY = 8
+ENTRY_HYSTERESIS = 0.02  # the gain over plain decoding that entering speculation needs
 QUEUED_DEPTH_HYSTERESIS = 0.05  # the gain a new depth needs when changing it wastes a queued step
+# ... and entering speculation where steps queue ahead: entering drops the queued plain step, the first
+# speculative step cannot be queued, and leaving drops a queued speculative one — about three steps'
+# time per excursion (traced on the H200: 16-24 ms steps among 6 ms ones at B = 128; one excursion
+# cost alpha 0.7 there 9 % against plain).
+QUEUED_ENTRY_HYSTERESIS = 0.10
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +74,20 @@ def cap_k(r: Request) -> int:
     return max(0, min(r.spec_k, r.remaining_tokens - 1))
 
 
-def _replan_due(idle_steps: int) -> bool:
+def _replan_due(idle_steps: int, every: int = REPLAN_EVERY) -> bool:
     """Plain steps since the batch last speculated after which to plan again: 1, 2, 4, 8, then every
-    REPLAN_EVERY. Soon after a switch, which may have been a close call or a misjudged step, while a
-    batch that plain decoding keeps winning costs a plan per REPLAN_EVERY steps only."""
-    return idle_steps % REPLAN_EVERY == 0 or idle_steps & (idle_steps - 1) == 0
+    `every`. Soon after a switch, which may have been a close call or a misjudged step, while a
+    batch that plain decoding keeps winning costs a plan per `every` steps only."""
+    return idle_steps % every == 0 or idle_steps & (idle_steps - 1) == 0
+
+
+def idle_replan_every(plan_s: float, step_s: float, budget: float) -> int:
+    """Plain steps between two plans of a batch that is not speculating: REPLAN_EVERY, or more where
+    a plan costs more than `budget` of the steps between (at B = 256 on the H200 a plan took ~4 ms of
+    host time beside 9 ms steps, and each planned step read 4-5 ms slower than the others)."""
+    if step_s <= 0.0 or budget <= 0.0:
+        return REPLAN_EVERY
+    return max(REPLAN_EVERY, math.ceil(plan_s / (budget * step_s)))
 
 
 class FixedPolicy:
@@ -97,6 +114,9 @@ class AdaptivePolicy:
     # Speculative steps are queued ahead (an EAGLE head, device-side synthetic drafts): a plan of a
     # new depth drops the queued step, so the planner keeps its depth unless another clearly wins.
     queues_ahead: bool = False
+    plan_budget: float = 0.01  # share of a plain batch's time its periodic re-plans may take
+    plan_seconds: float = 0.0  # host time of the last plan
+    hysteresis: float = ENTRY_HYSTERESIS  # the gain that entering speculation needs
     estimator: AcceptanceEstimator = field(init=False)
     planner: PlannerState = field(default_factory=PlannerState)
     # Of the steps built (`commit`): k per decoding request (a histogram, for metrics), plain steps.
@@ -127,6 +147,7 @@ class AdaptivePolicy:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1)))
         if self.queues_ahead:
             self.planner.config = replace(self.planner.config, depth_hysteresis=QUEUED_DEPTH_HYSTERESIS)
+            self.hysteresis = QUEUED_ENTRY_HYSTERESIS
 
     @property
     def plans_ahead(self) -> bool:
@@ -145,10 +166,12 @@ class AdaptivePolicy:
         # ... but at once on the very first step and when the batch at least doubled since the last
         # plan (a new wave of requests): otherwise a fresh batch decodes plain for REPLAN_EVERY steps
         # before its first plan. Not on every arrival: under churn that would re-plan each step.
-        planned = (self.planner.speculating or _replan_due(self.idle_steps) or self.choices == 1
+        every = idle_replan_every(self.plan_seconds, self.last_measured, self.plan_budget)
+        planned = (self.planner.speculating or _replan_due(self.idle_steps, every) or self.choices == 1
                    or len(decoding) >= 2 * max(self.planner.batch, 1))
         if not planned:
             return Decision({})  # every request takes default_k: 0, since the batch is not speculating
+        t0 = time.perf_counter()
         for r in decoding:
             if r.acceptance is None:
                 r.acceptance = self.estimator.new_request()
@@ -158,7 +181,9 @@ class AdaptivePolicy:
             lag = r.num_tokens - r.draft_computed if self.draft_has_cache else 0
             views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag))
         st = self.planner
-        ks = plan(views, self.cost, self.max_k, state=st, prefill_tokens=prefill_tokens, prefill_backlog=backlog)
+        ks = plan(views, self.cost, self.max_k, self.hysteresis, state=st, prefill_tokens=prefill_tokens,
+                  prefill_backlog=backlog)
+        self.plan_seconds = time.perf_counter() - t0
         shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens,
                           st.draft_steps + 1)
         return Decision({r.request_id: k for r, k in zip(decoding, ks, strict=True)}, True, shape,

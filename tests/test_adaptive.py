@@ -506,7 +506,7 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
 
     shape = _graph_shape()
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
-    policy = AdaptivePolicy(4, cost, draft_has_cache=False)
+    policy = AdaptivePolicy(4, cost, draft_has_cache=False, plan_budget=0.0)  # every REPLAN_EVERY, however slow
     built = StepShape(batch=64, verify_tokens=64, draft_steps=0, draft_batch=0, prefill_tokens=0, verify_width=1)
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=500), seed=i, arrival=0.0, spec_k=4)
             for i in range(64)]
@@ -539,6 +539,32 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     policy.observe(decision, [(r, 0, 0) for r in reqs], 10 * true_plain)
     policy.learn()
     assert cost.seen[cost.key(64, 0, batch_size=64)] == 40
+
+
+def test_an_idle_batch_replans_no_more_often_than_its_plans_are_worth() -> None:
+    from streamsd.policy import REPLAN_EVERY, _replan_due, idle_replan_every
+
+    assert idle_replan_every(0.4e-3, 6e-3, 0.01) == REPLAN_EVERY  # cheap plans: every 8 steps
+    assert idle_replan_every(4e-3, 9e-3, 0.01) == 45  # B = 256 on the H200: ~4 ms plans beside 9 ms steps
+    assert idle_replan_every(4e-3, 0.0, 0.01) == idle_replan_every(4e-3, 9e-3, 0.0) == REPLAN_EVERY
+    due = [n for n in range(1, 200) if _replan_due(n, 45)]
+    assert due == [1, 2, 4, 8, 16, 32, 45, 64, 90, 128, 135, 180]
+    assert sum(4e-3 for n in due if n > 8) / ((199 - 8) * 9e-3) < 0.02
+
+
+def test_entering_speculation_needs_more_where_steps_queue_ahead() -> None:
+    from streamsd.policy import ENTRY_HYSTERESIS, QUEUED_ENTRY_HYSTERESIS, AdaptivePolicy
+
+    cost = h200_cost()
+    views = [RequestView(i, 4, [0.5] * 4) for i in range(128)]
+    probe = PlannerState()
+    plan(views, cost, 4, 0.0, state=probe)
+    gain = probe.spec_rate / probe.plain_rate - 1.0
+    assert ENTRY_HYSTERESIS < gain < QUEUED_ENTRY_HYSTERESIS  # enough for an eager engine, not a queued one
+    assert any(plan(views, cost, 4, ENTRY_HYSTERESIS))
+    assert plan(views, cost, 4, QUEUED_ENTRY_HYSTERESIS) == [0] * 128
+    assert AdaptivePolicy(4, cost, draft_has_cache=False, queues_ahead=True).hysteresis == QUEUED_ENTRY_HYSTERESIS
+    assert AdaptivePolicy(4, cost, draft_has_cache=False).hysteresis == ENTRY_HYSTERESIS
 
 
 def test_a_step_entering_speculation_is_priced_as_the_plain_graph_plus_drafting_and_teaches_no_key() -> None:
