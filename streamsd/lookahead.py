@@ -50,6 +50,11 @@ class Lookahead:
         self.taken = 0  # steps served by a queued step
         self.dropped = 0  # queued steps thrown away
 
+    @property
+    def queues_speculative(self) -> bool:
+        """Speculative steps are queued ahead too (a chained proposer on a pipelined worker)."""
+        return self.enabled and self.chained
+
     @staticmethod
     def serves(entries: list[Scheduled]) -> bool:
         """A plain decode step: each entry samples one token after its one pending token, nothing
@@ -114,7 +119,7 @@ class Lookahead:
         enough from max_tokens that it verifies and proposes k again whatever this step accepts,
         past min_tokens (no stops to suppress), with the blocks it writes already held (the scheduler
         reserves them: SchedulerConfig.lookahead); else none."""
-        if not (self.enabled and self.chained):
+        if not self.queues_speculative:
             return []
         reach, bs = chained_reach(entries[0].k_next), self.block_size
         rows = [i for i, e in enumerate(entries)

@@ -116,7 +116,6 @@ class AdaptivePolicy:
     queues_ahead: bool = False
     plan_budget: float = 0.01  # share of a plain batch's time its periodic re-plans may take
     plan_seconds: float = 0.0  # host time of the last plan
-    hysteresis: float = ENTRY_HYSTERESIS  # the gain that entering speculation needs
     estimator: AcceptanceEstimator = field(init=False)
     planner: PlannerState = field(default_factory=PlannerState)
     # Of the steps built (`commit`): k per decoding request (a histogram, for metrics), plain steps.
@@ -147,7 +146,11 @@ class AdaptivePolicy:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1)))
         if self.queues_ahead:
             self.planner.config = replace(self.planner.config, depth_hysteresis=QUEUED_DEPTH_HYSTERESIS)
-            self.hysteresis = QUEUED_ENTRY_HYSTERESIS
+
+    @property
+    def hysteresis(self) -> float:
+        """The gain over plain decoding that entering speculation needs."""
+        return QUEUED_ENTRY_HYSTERESIS if self.queues_ahead else ENTRY_HYSTERESIS
 
     @property
     def plans_ahead(self) -> bool:
@@ -166,9 +169,9 @@ class AdaptivePolicy:
         # ... but at once on the very first step and when the batch at least doubled since the last
         # plan (a new wave of requests): otherwise a fresh batch decodes plain for REPLAN_EVERY steps
         # before its first plan. Not on every arrival: under churn that would re-plan each step.
-        every = idle_replan_every(self.plan_seconds, self.last_measured, self.plan_budget)
-        planned = (self.planner.speculating or _replan_due(self.idle_steps, every) or self.choices == 1
-                   or len(decoding) >= 2 * max(self.planner.batch, 1))
+        planned = (self.planner.speculating or self.choices == 1 or len(decoding) >= 2 * max(self.planner.batch, 1)
+                   or _replan_due(self.idle_steps, idle_replan_every(self.plan_seconds, self.last_measured,
+                                                                     self.plan_budget)))
         if not planned:
             return Decision({})  # every request takes default_k: 0, since the batch is not speculating
         t0 = time.perf_counter()
@@ -243,14 +246,11 @@ class AdaptivePolicy:
             self._learn_cost(decision, shape, seconds)
 
     def _learn_cost(self, decision: Decision, shape: StepShape, seconds: float) -> None:
-        # A step entering or leaving speculation (verify width and drafter steps disagree) is priced
-        # as such but teaches no key: it is neither the plain step nor the speculative one. Nor does
-        # the first full speculative step after it: the step before it was not speculative, so it
-        # could not be queued behind it (lookahead.py) and paid its host work serially, which its
-        # successors hide. (On the H200 at B = 128 two such steps measured 1.28x their prediction;
-        # learnt, they priced the speculative graph out, and no later step could correct it.)
-        # More generally a step whose kind (verify width, draft steps) differs from the step before's
-        # dropped the step queued ahead, if any: it waited for that wasted GPU step too (2x, traced).
+        # Only a steady step teaches the table: one of the same kind (verify width, draft steps) as the
+        # step before. A step entering or leaving speculation (width and drafter steps disagree) is
+        # neither the plain step nor the speculative one; a step of a new kind could not be queued
+        # behind the one before (lookahead.py) and waited for the queued step it dropped. Learnt, such
+        # steps read 1.3-2x their steady cost on the H200 and priced their shape out for good.
         kind = (shape.verify_width, shape.draft_steps)
         steady = shape.verify_width == shape.draft_steps + 1
         settled, self.last_kind = kind == self.last_kind, kind

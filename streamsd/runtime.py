@@ -221,7 +221,7 @@ def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> S
              {b: [round(t * 1e3, 2) for t in row] for b, row in zip(shape.batches, shape.values, strict=True)}
              if shape else {})
     return AdaptivePolicy(cfg.spec.num_tokens, cost, draft_has_cache=proposer.keeps_cache,
-                          queues_ahead=worker.lookahead.enabled and worker.lookahead.chained)
+                          queues_ahead=worker.lookahead.queues_speculative)
 
 
 def check_vocab(target_tok: Any, draft_tok: Any, target: ModelArgs, draft: ModelArgs) -> None:

@@ -243,12 +243,17 @@ def test_planner_gives_k_per_request() -> None:
     assert min(ks[1::2]) > max(ks[0::2])
 
 
+def entry_gain(views: list[RequestView], cost: CostTable, max_k: int) -> float:
+    """How much better than plain decoding the planner's best plan is predicted (no hysteresis)."""
+    probe = PlannerState()
+    plan(views, cost, max_k, 0.0, state=probe)
+    return probe.spec_rate / probe.plain_rate - 1.0
+
+
 def test_hysteresis_enters_late_and_leaves_only_when_plain_is_better() -> None:
     cost = h200_cost()
     views = [RequestView(i, 6, [0.45] * 6) for i in range(96)]
-    probe = PlannerState()
-    plan(views, cost, 6, 0.0, state=probe)
-    gain = probe.spec_rate / probe.plain_rate - 1.0
+    gain = entry_gain(views, cost, 6)
     assert 0.0 < gain < 0.2
     assert plan(views, cost, 6, gain + 0.01) == [0] * 96  # not enough to enter
     st = PlannerState(speculating=True)
@@ -557,9 +562,7 @@ def test_entering_speculation_needs_more_where_steps_queue_ahead() -> None:
 
     cost = h200_cost()
     views = [RequestView(i, 4, [0.5] * 4) for i in range(128)]
-    probe = PlannerState()
-    plan(views, cost, 4, 0.0, state=probe)
-    gain = probe.spec_rate / probe.plain_rate - 1.0
+    gain = entry_gain(views, cost, 4)
     assert ENTRY_HYSTERESIS < gain < QUEUED_ENTRY_HYSTERESIS  # enough for an eager engine, not a queued one
     assert any(plan(views, cost, 4, ENTRY_HYSTERESIS))
     assert plan(views, cost, 4, QUEUED_ENTRY_HYSTERESIS) == [0] * 128

@@ -56,7 +56,7 @@ class Policies:
             }
         return dataclasses.replace(rt, policy=AdaptivePolicy(
             self.k, copy.deepcopy(self.cost), draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False),
-            queues_ahead=rt.worker.lookahead.enabled and rt.worker.lookahead.chained))
+            queues_ahead=rt.worker.lookahead.queues_speculative))
 
 
 def _with_policy(rt: Runtime, policies: Policies | None, mean_ctx: float, learned: Runtime | None = None) -> Runtime:
