@@ -127,7 +127,7 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan, aborted = self.scheduler.schedule()
+        plan, aborted = self._schedule()
         results = self.execute(plan)
         return self.postprocess(plan, results, aborted)
 
@@ -231,7 +231,11 @@ class EngineCore:
     def begin(self) -> tuple[StepPlan, list[Request]]:
         """The next step's plan (empty when only emissions are left), before it is submitted."""
         self.rt.worker.launched.clear()
-        return self.scheduler.schedule() if self.has_work else (StepPlan(), [])
+        return self._schedule() if self.has_work else (StepPlan(), [])
+
+    def _schedule(self) -> tuple[StepPlan, list[Request]]:
+        self.scheduler.held = self.rt.worker.lookahead.held()  # the worker is idle between steps
+        return self.scheduler.schedule()
 
     def wait_launched(self) -> None:
         """Until the running step has queued its GPU work: its launches need the GIL that `emit`

@@ -9,7 +9,10 @@ host work between two steps (applying N, detokenising, scheduling N+1) hides beh
 
 The next plan takes the queued step when its entries are the queued ones, or a subset in the same
 order (requests that finished at step N drop out; their rows were computed for nothing), at the same
-positions and blocks. Any other plan (a request joins, drafts, a prompt chunk) drops it. A dropped
+positions and blocks. A queued speculative step also serves a plan that proposes fewer drafts after
+it, or none (its own drafts are cut): the scheduler builds such a plan (`HeldStep`) when the policy
+leaves speculation or drafts shallower, since the queued step is GPU time already spent — dropping it
+had cost a whole step per switch. Any other plan (a request joins, a prompt chunk) drops it. A dropped
 step's KV writes are harmless: each wrote a request's pending token at its position, in a block the
 request held, which the replacing step writes again; or the block was freed meanwhile, and its next
 owner writes a position before it reads it, in queued order (one stream).
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from streamsd.request import Request
-from streamsd.step import Scheduled
+from streamsd.step import HeldStep, Scheduled
 from streamsd.verify import below_min_tokens
 
 
@@ -95,8 +98,22 @@ class Lookahead:
     @staticmethod
     def _same(q: Queued, j: int, e: Scheduled) -> bool:
         first, blocks = q.first_block[j], q.blocks[j]
-        return (q.starts[j] == e.start and e.num_drafts == q.k and e.k_next == q.k
+        # k_next below a speculative step's k: the drafts it made are cut (or unused).
+        return (q.starts[j] == e.start and e.num_drafts == q.k and e.k_next <= q.k
                 and e.request.blocks[first : first + len(blocks)] == blocks)
+
+    def held(self) -> HeldStep | None:
+        """The queued step, for the scheduler's next plan."""
+        q = self.queued
+        return None if q is None else HeldStep(q.k, list(q.requests))
+
+    def follows(self, entries: list[Scheduled]) -> bool:
+        """A speculative step is queued and these entries verify its drafts, proposing fewer after
+        them (`chains` covers the same number): the worker's chained path takes it."""
+        q = self.queued
+        return (q is not None and q.k > 0 and bool(entries)
+                and all(e.num_tokens == 1 and e.num_drafts == q.k and e.k_next < q.k and e.verifies
+                        and e.request.params.logprobs is None for e in entries))
 
     def drop(self) -> None:
         if self.queued is not None:
@@ -119,9 +136,10 @@ class Lookahead:
         enough from max_tokens that it verifies and proposes k again whatever this step accepts,
         past min_tokens (no stops to suppress), with the blocks it writes already held (the scheduler
         reserves them: SchedulerConfig.lookahead); else none."""
-        if not self.queues_speculative:
+        k = entries[0].k_next
+        if not self.queues_speculative or k == 0 or any(e.k_next != k for e in entries):
             return []
-        reach, bs = chained_reach(entries[0].k_next), self.block_size
+        reach, bs = chained_reach(k), self.block_size
         rows = [i for i, e in enumerate(entries)
                 if len(e.request.output_ids) + reach <= e.request.params.max_tokens
                 and not below_min_tokens(e.request)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from streamsd.lookahead import pair_slot
+from streamsd.lookahead import Lookahead, pair_slot
 from streamsd.model.device_layout import DeviceStarts
 from streamsd.model.graphs import forward_logits
 from streamsd.model.kv_cache import BatchLayout, h2d
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from streamsd.worker import Worker
 
 
-def plain_step(w: Worker, entries: list[Scheduled]) -> list[EntryResult]:
+def plain_step(w: Worker, entries: list[Scheduled], queue_next: bool = True) -> list[EntryResult]:
     """A plain decode step, taken from the step queued ahead when it fits, and the next one
-    queued before this one is read."""
+    queued before this one is read (unless not `queue_next`)."""
     taken = w.lookahead.take(entries)
     if taken is None:
         tokens = w.verifier.sample_plain(entries, w._forward(entries)[0])  # [B]
@@ -33,7 +33,8 @@ def plain_step(w: Worker, entries: list[Scheduled]) -> list[EntryResult]:
         same = len(picked) == len(queued.requests)
         tokens = queued.tokens if same else queued.tokens[h2d(picked, torch.int64, w.device)]  # [B]
     w.readback.start(tokens)
-    _queue_plain(w, entries, tokens)
+    if queue_next:
+        _queue_plain(w, entries, tokens)
     w.launched.set()
     verified = Verified([[t] for t in w.readback.wait()], [0] * len(entries), [None] * len(entries))
     return w._propose(entries, verified)
@@ -53,10 +54,13 @@ def _queue_plain(w: Worker, entries: list[Scheduled], tokens: torch.Tensor) -> N
     w.lookahead.queue(nxt, w.verifier.sample_plain(nxt, logits, ahead=1))
 
 
-def chained_step(w: Worker, entries: list[Scheduled]) -> list[EntryResult]:
+def chained_step(w: Worker, entries: list[Scheduled], queue_next: bool = True) -> list[EntryResult]:
     """A speculative step whose drafts its proposer makes on the device behind the verify (`chain`),
-    taken from the step queued ahead when it fits, and the next one queued before this one is read."""
+    taken from the step queued ahead when it fits, and the next one queued before this one is read.
+    Entries that only follow the queued step (`Lookahead.follows`) take its full path if it is gone."""
     taken = w.lookahead.take(entries)
+    if taken is None and not Lookahead.chains(entries):
+        return w._step(entries)
     if taken is None:
         logits, hidden = w._forward(entries)  # [rows, V], [tokens, layers * hidden]
         launched = w.verifier.launch(entries, logits, w._chain(entries, hidden),
@@ -75,7 +79,7 @@ def chained_step(w: Worker, entries: list[Scheduled]) -> list[EntryResult]:
                 e.request.q_slot = pair_slot(e.request.q_slot, w.verifier.q_pool.shape[0])
     width = tokens.shape[1]
     w.readback.start(torch.cat([tokens, accepted.unsqueeze(1), drafts], dim=1))  # [B, K+2+k]
-    queued_rows = _queue_chained(w, entries, tokens, accepted, drafts)
+    queued_rows = _queue_chained(w, entries, tokens, accepted, drafts) if queue_next else []
     w.launched.set()
     verified = unpack(w.readback.wait(), width, [None] * len(entries))
     w.lookahead.place([entries[i].start + 1 + verified.accepted[i] for i in queued_rows])

@@ -19,7 +19,7 @@ from collections import deque
 from streamsd.config import SchedulerConfig
 from streamsd.policy import Decision, FixedPolicy, SpeculationPolicy
 from streamsd.request import FinishReason, Request, Status
-from streamsd.step import EntryResult, Scheduled, StepPlan
+from streamsd.step import EntryResult, HeldStep, Scheduled, StepPlan
 
 
 class AdmissionError(ValueError):
@@ -59,6 +59,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._aborts: set[str] = set()
         self._ahead: Decision | None = None  # the next step's k, chosen while this one runs
+        # The step the worker queued ahead, set by the engine before each `schedule` (lookahead.py).
+        self.held: HeldStep | None = None
 
     # -- admission ---------------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -91,10 +93,11 @@ class Scheduler:
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
         decision, self._ahead = self._ahead or self._choose_k(), None  # planned ahead, or now
+        follow, plan.queue_next = self._follow_held(decision)
         for r in list(self.running):
             if r.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            entry = self._plan_one(r, budget, decision.ks.get(r.request_id))
+            entry = self._plan_one(r, budget, decision.ks.get(r.request_id), follow.get(id(r)))
             if entry is None:
                 continue
             while not self._reserve(r, entry):
@@ -150,11 +153,35 @@ class Scheduler:
         prefill += sum(len(r.prompt_ids) for r in list(self.waiting)[:4])
         return self.policy.choose(decoding, min(prefill, self.cfg.max_num_batched_tokens), bool(self.waiting))
 
-    def _plan_one(self, r: Request, budget: int, k: int | None) -> Scheduled | None:
-        """k: drafts to verify now and to propose next (None: the policy's default for this request)."""
+    def _follow_held(self, decision: Decision) -> tuple[dict[int, tuple[int, int]], bool]:
+        """Where the decision changes what the step queued ahead computes, the step is taken anyway:
+        its GPU time is spent (dropping it cost a whole step per switch on the H200). Leaving
+        speculation or drafting shallower, its requests verify the drafts it verifies and propose
+        what the decision says; entering speculation, they take the plain step and propose nothing,
+        and nothing is queued behind it, so that the next step can start drafting. Deeper drafts than
+        it verifies cannot follow it: it is dropped. Returns (drafts to verify, to propose) by
+        id(request) where they differ from the decision, and whether the worker may queue ahead."""
+        held, self.held = self.held, None
+        if held is None:
+            return {}, True
+        wants = [(r, self._k_for(r, decision)) for r in held.requests if r.status is Status.RUNNING]
+        if held.k == 0:
+            entering = {id(r): (0, 0) for r, k in wants if k > 0}
+            return entering, not entering
+        return {id(r): (held.k, k) for r, k in wants if k < held.k}, True
+
+    def _k_for(self, r: Request, decision: Decision) -> int:
+        k = decision.ks.get(r.request_id)
+        return self.policy.default_k(r) if k is None else k
+
+    def _plan_one(self, r: Request, budget: int, k: int | None,
+                  follow: tuple[int, int] | None = None) -> Scheduled | None:
+        """k: drafts to verify now and to propose next (None: the policy's default for this request);
+        follow: (to verify, to propose) instead, to take the step queued ahead (`_follow_held`)."""
         k = self.policy.default_k(r) if k is None else k
+        verify_k, k = (k, k) if follow is None else follow
         pending = r.num_tokens - r.computed
-        drafts = min(len(r.draft_ids), k, max(r.remaining_tokens - 1, 0))
+        drafts = min(len(r.draft_ids), verify_k, max(r.remaining_tokens - 1, 0))
         k_next = max(min(k, r.remaining_tokens - 2, self.cfg.max_model_len - r.num_tokens - drafts - 1), 0)
         if pending + drafts <= budget:
             return Scheduled(r, r.computed, pending, drafts, k_next)

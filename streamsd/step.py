@@ -31,6 +31,9 @@ class StepPlan:
     entries: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     decision: Decision | None = None  # the policy's, committed to the step as built
+    # The worker may queue the next step behind this one (lookahead.py). Off for a step that takes
+    # the plain step queued ahead only to let speculation start right after it.
+    queue_next: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +53,15 @@ class StepPlan:
         shape = StepShape(len(ks), verify, max(ks, default=0), len(ks) - ks.count(0), verify - decode_tokens,
                           1 + widest)
         return shape, ks
+
+
+@dataclass(frozen=True, slots=True)
+class HeldStep:
+    """The step the worker has queued ahead (lookahead.py), as the scheduler sees it: the requests it
+    computes, in order, and the drafts each verifies (0: a plain step)."""
+
+    k: int
+    requests: list[Request]
 
 
 @dataclass(slots=True)

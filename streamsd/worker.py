@@ -48,9 +48,10 @@ class Worker:
         try:
             # An EAGLE head catches up on every step's streams: its plain steps take the full path.
             if Lookahead.serves(plan.entries) and not getattr(self.proposer, "hidden_layers", ()):
-                return pipelined.plain_step(self, plan.entries)
-            if Lookahead.chains(plan.entries) and hasattr(self.proposer, "chain"):
-                return pipelined.chained_step(self, plan.entries)
+                return pipelined.plain_step(self, plan.entries, plan.queue_next)
+            if ((Lookahead.chains(plan.entries) or self.lookahead.follows(plan.entries))
+                    and hasattr(self.proposer, "chain")):
+                return pipelined.chained_step(self, plan.entries, plan.queue_next)
             self.lookahead.drop()
             return self._step(plan.entries)
         except BaseException:

@@ -148,3 +148,77 @@ def test_cuda_pipelined_steps_match_unpipelined(tiny_model_dir):
     assert _ids(on.generate(prompts, _mixed_params())) == _ids(off.generate(prompts, _mixed_params()))
     assert on.core.rt.worker.lookahead.taken > 10
     _assert_free(on)
+
+
+class _ScriptedPolicy:
+    """Every decoding request drafts the same k, from a script indexed by the policy's `choose` calls:
+    switches of every kind (enter, leave, shallower, deeper) while steps are queued ahead."""
+
+    plans_ahead = True
+
+    def __init__(self, script: list[int]):
+        self.script, self.calls, self.k = script, 0, 0
+        self.built: list[tuple[int, int]] = []  # (widest verify, drafts proposed) of each decode step
+
+    def choose(self, decoding, prefill_tokens, backlog):
+        from streamsd.policy import Decision, cap_k
+
+        self.k = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+        return Decision({r.request_id: min(self.k, cap_k(r)) for r in decoding})
+
+    def default_k(self, r):
+        from streamsd.policy import cap_k
+
+        return min(self.k, cap_k(r))
+
+    def commit(self, decision, plan):
+        shape, _ = plan.shape()
+        if shape.batch and not shape.prefill_tokens:
+            self.built.append((shape.verify_width - 1, shape.draft_steps))
+
+    def observe(self, decision, verified, seconds):
+        pass
+
+
+def test_switches_take_the_step_queued_ahead(tiny_model_dir):
+    """Leaving speculation, drafting shallower and entering it take the step queued ahead instead of
+    dropping it (its GPU time is spent): the queued speculative step's drafts are cut, the queued
+    plain step runs and the drafting starts behind it. Only deeper drafts drop it. Greedy output
+    equals plain decoding's; no KV block is left held."""
+    import dataclasses
+
+    from streamsd.bench import offline_run
+    from streamsd.config import EngineConfig, SpecConfig
+    from streamsd.core import EngineCore
+    from streamsd.runtime import build_runtime
+    from streamsd.spec.synthetic import SyntheticProposer
+
+    prompts = [[3 + i, 40 + 7 * i, 11, 90 - i, 5] for i in range(4)]
+    rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method=None, num_tokens=4),
+                                    device="cpu", max_num_seqs=4, pipeline=True))
+    plain = offline_run.engine_pass(rt, SpecConfig(method=None, num_tokens=4), prompts, 60, 4, speculative=False)
+    rt.worker.proposer = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
+                                           0.7, rt.args.vocab_size)
+    la = rt.worker.lookahead
+    la.chained = True
+    script = [0, 0, 0, 4, 4, 4, 0, 0, 0, 3, 3, 3, 1, 1, 1, 0, 0, 0, 2, 2, 2, 4, 4, 4, 0, 0, 0] * 3
+    policy = _ScriptedPolicy(script)
+    rt = dataclasses.replace(rt, policy=policy,
+                             scheduler_config=dataclasses.replace(rt.scheduler_config, lookahead=5))
+    core = EngineCore(rt, SpecConfig(method="synthetic", num_tokens=4, policy="fixed"))
+    for i, p in enumerate(prompts):
+        core.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, seed=i + 1))
+    taken, dropped = la.taken, la.dropped
+    outputs: dict[str, list[int]] = {}
+    for turn in core.run():
+        for o in turn.outputs:
+            outputs.setdefault(o.request_id, []).extend(o.token_ids)
+    assert [outputs[f"p{i}"] for i in range(len(prompts))] == plain.outputs and core.totals.drafted > 50
+    deeper = sum(b > a > 0 for a, b in zip(script, script[1:], strict=False))
+    # Each kind of switch was built: steps verifying the queued step's drafts and proposing none / fewer.
+    assert any(w > 0 and d == 0 for w, d in policy.built) and any(0 < d < w for w, d in policy.built)
+    follows = sum(d < w for w, d in policy.built)  # steps that verified a queued step's drafts, proposing fewer
+    assert follows >= 4 and la.taken - taken >= follows, (la.taken - taken, follows)
+    assert la.dropped - dropped <= deeper, (la.dropped - dropped, deeper)
+    assert core.scheduler.blocks.num_free == core.scheduler.blocks.total
