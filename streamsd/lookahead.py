@@ -133,15 +133,16 @@ class Lookahead:
 
     def next_chained(self, entries: list[Scheduled]) -> list[int]:
         """All entries of a chained step (`chains`) when each one's next step can be queued now: far
-        enough from max_tokens that it verifies and proposes k again whatever this step accepts,
-        past min_tokens (no stops to suppress), with the blocks it writes already held (the scheduler
+        enough from max_tokens that it verifies its k drafts whatever this step emits (up to k + 1;
+        proposing fewer after them near the end, the scheduler's next plan still takes it), past
+        min_tokens (no stops to suppress), with the blocks it writes already held (the scheduler
         reserves them: SchedulerConfig.lookahead); else none."""
         k = entries[0].k_next
         if not self.queues_speculative or k == 0 or any(e.k_next != k for e in entries):
             return []
         reach, bs = chained_reach(k), self.block_size
         rows = [i for i, e in enumerate(entries)
-                if len(e.request.output_ids) + reach <= e.request.params.max_tokens
+                if len(e.request.output_ids) + 2 * (k + 1) <= e.request.params.max_tokens
                 and not below_min_tokens(e.request)
                 and len(e.request.blocks) * bs >= e.start + reach]
         # A row left out would most likely be in the next plan, which would then drop the queued step.

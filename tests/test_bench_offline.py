@@ -186,6 +186,36 @@ def test_startup_profile_times_the_engines_step_shape_within_its_budget(tiny_mod
     assert [row[0] for row in rushed.values] == sorted(row[0] for row in rushed.values)
 
 
+def test_measured_passes_start_from_the_acceptance_prior_their_cell_learnt(tiny_model_dir):
+    """Each pass gets a new adaptive policy: warm-up passes keep only the cost table; measured passes
+    also keep the proposer's running acceptance prior (a copy: a pass's lessons stay its own until
+    the next pass starts from them), as a running server's policy does across waves of requests."""
+    from streamsd.bench.offline_cells import Policies
+    from streamsd.config import EngineConfig, SpecConfig
+    from streamsd.runtime import build_runtime
+
+    rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method="ngram", policy="adaptive"),
+                                    device="cpu", max_num_seqs=4, cpu_threads=1))
+    policies = Policies(k=4, cost=rt.policy.cost)
+    first = policies.fresh(rt, 16)
+    est = first.policy.estimator
+    default = est.prior("default").means[0]
+    state = est.new_request()
+    for _ in range(40):
+        est.observe(state, 4, 0)  # every first draft rejected
+    est.tick()
+    learnt = est.prior("default").means[0]
+    assert learnt < default - 0.3
+    warm = policies.fresh(rt, 16, first)
+    assert warm.policy.estimator.prior("default").means[0] == default
+    measured = policies.fresh(rt, 16, first, acceptance=True)
+    assert measured.policy.estimator.prior("default").means[0] == learnt
+    assert measured.policy.cost is not first.policy.cost
+    measured.policy.estimator.observe(measured.policy.estimator.new_request(), 4, 4)
+    measured.policy.estimator.tick()
+    assert est.prior("default").means[0] == learnt
+
+
 def test_paired_plain_compares_each_cell_with_the_plain_pass_before_it(tmp_path, tiny_model_dir):
     """--paired-plain: each speculative cell's ratios use a plain pass run just before it (the machine
     drifts between passes), and the cell says how far that pass was from the batch's first one."""

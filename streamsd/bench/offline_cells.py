@@ -28,19 +28,26 @@ WARM_PASSES = 3  # at most: synthetic warm-up passes that record oracle branches
 
 @dataclass(slots=True)
 class Policies:
-    """The adaptive policy of each pass. Each pass gets a fresh one: what a warm-up pass taught it
-    about acceptance must not decide the measured one. Its cost table is profiled once (at the
-    first cell's context) and keeps the online corrections of the passes before, as a running
-    server's does: step costs are the machine's, not the requests'."""
+    """The adaptive policy of each pass. Each pass gets a new one that keeps what the passes before
+    it learnt, as a running server's policy does across waves of requests: the cost table, profiled
+    once (at the first cell's context) with the online corrections of every pass since (step costs
+    are the machine's), and in the measured passes the proposer's running acceptance prior from the
+    cell's last warm-up pass on (a cell is one proposer at one alpha; its warm-up passes start from
+    the configured default). Per-request estimates and the planner's state are new. Until session
+    11 every measured pass started from the default prior: each 64-token pass paid a new server's
+    cold start (entering at the 0.6 default, and the way back at alpha 0.3: 2-4 % at B = 64)."""
 
     k: int
     cost: CostTable | None = None
     profile: dict[str, Any] | None = None  # how the table was made, for the JSON
 
-    def fresh(self, rt: Runtime, context: int, learned: Runtime | None = None) -> Runtime:
-        """`rt` with a new policy, its table corrected by `learned`'s passes if given."""
+    def fresh(self, rt: Runtime, context: int, learned: Runtime | None = None, acceptance: bool = False) -> Runtime:
+        """`rt` with a new policy, its table (and with `acceptance` its acceptance prior) from
+        `learned`'s if given."""
+        priors = None
         if learned is not None and isinstance(learned.policy, AdaptivePolicy):
             self.cost = learned.policy.cost
+            priors = learned.policy.estimator.priors if acceptance else None
         if self.cost is None:
             t0 = time.perf_counter()  # profile_costs captures the graphs it times outside its budget
             self.cost = profile_worker(rt.worker, rt.scheduler_config.max_num_seqs,
@@ -54,14 +61,18 @@ class Policies:
                             for b, row in zip(shape.batches, shape.values, strict=True)} if shape else {},
                 "cells_timed": shape.timed if shape else 0,
             }
-        return dataclasses.replace(rt, policy=AdaptivePolicy(
-            self.k, copy.deepcopy(self.cost), draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False),
-            queues_ahead=rt.worker.lookahead.queues_speculative))
+        policy = AdaptivePolicy(self.k, copy.deepcopy(self.cost),
+                                draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False),
+                                queues_ahead=rt.worker.lookahead.queues_speculative)
+        if priors is not None:
+            policy.estimator.priors = copy.deepcopy(priors)
+        return dataclasses.replace(rt, policy=policy)
 
 
-def _with_policy(rt: Runtime, policies: Policies | None, mean_ctx: float, learned: Runtime | None = None) -> Runtime:
+def _with_policy(rt: Runtime, policies: Policies | None, mean_ctx: float, learned: Runtime | None = None,
+                 acceptance: bool = False) -> Runtime:
     """`rt` under a fresh adaptive policy (see Policies), or as it is for a fixed k."""
-    return rt if policies is None else policies.fresh(rt, round(mean_ctx), learned)
+    return rt if policies is None else policies.fresh(rt, round(mean_ctx), learned, acceptance)
 
 
 def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: list[list[int]], b: int,
@@ -102,9 +113,13 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
     else:
         rt_w = _with_policy(rt, policies, mean_ctx)
         R.engine_pass(rt_w, spec, prompts, min(8, args.max_tokens), b, speculative=True)
+    # A warm-up pass whose history left the oracle (a desync) saw corrupted drafts only there: its
+    # acceptance is not the cell's, and the measured passes start from the default prior instead.
+    clean = not warm_desyncs or warm_desyncs[-1] == 0
+
     def measure() -> tuple[R.PassResult, Runtime]:
-        nonlocal rt_w  # each pass's policy starts from the cost table the passes before it corrected
-        rt_w = _with_policy(rt, policies, mean_ctx, rt_w)
+        nonlocal rt_w  # each pass's policy starts from what the passes before it learnt (Policies)
+        rt_w = _with_policy(rt, policies, mean_ctx, rt_w, acceptance=clean)
         return R.engine_pass(rt_w, spec, prompts, args.max_tokens, b, speculative=True), rt_w
 
     passes = _paired_passes(args.pairs, rerun_plain, measure)

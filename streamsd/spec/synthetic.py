@@ -113,27 +113,25 @@ class SyntheticProposer:
         return bool(self.inner is not None and self.inner.keeps_cache)
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
-        inner = self.inner.propose(items) if self.inner is not None else [Proposal([], 0) for _ in items]
-        out = []
-        for it, prop in zip(items, inner, strict=True):
-            drafts = self._drafts(it) if it.k > 0 else []
-            out.append(Proposal(drafts, prop.draft_computed))
-        return out
-
-    def _drafts(self, it: ProposeItem) -> list[int]:
         # Runs serially with the GPU at every speculative step of a benchmark, for every request: the
-        # per-request lookups happen once (in the track), and the history is read in place.
-        r = it.request
-        n_prompt = len(r.prompt_ids)
-        made = len(it.tokens) - n_prompt  # output tokens known after this step
-        track = self._sync(r, it.tokens, n_prompt, made, made + it.k)
-        self.counters.proposed += it.k
-        self.counters.kept += int(track.kept[made : made + it.k].sum())
-        return track.drafts[made : made + it.k].tolist()
+        # per-request lookups happen once (in the track), the history is read in place, and the
+        # tables of new requests are made together (one by one they took ~3 ms at B = 128).
+        inner = self.inner.propose(items) if self.inner is not None else [Proposal([], 0) for _ in items]
+        drafting = [it for it in items if it.k > 0]
+        made = [len(it.tokens) - len(it.request.prompt_ids) for it in drafting]  # output tokens known
+        tracks = [self._sync(it.request, it.tokens, len(it.request.prompt_ids), m, m + it.k)
+                  for it, m in zip(drafting, made, strict=True)]
+        self._fill_many([t for t in tracks if t.drafts.shape[0] < self._width])
+        drafts: dict[int, list[int]] = {}
+        for it, m, track in zip(drafting, made, tracks, strict=True):
+            self.counters.proposed += it.k
+            self.counters.kept += int(track.kept[m : m + it.k].sum())
+            drafts[id(it)] = track.drafts[m : m + it.k].tolist()
+        return [Proposal(drafts.get(id(it), []), prop.draft_computed) for it, prop in zip(items, inner, strict=True)]
 
     def _sync(self, r: Request, tokens: list[int], offset: int, made: int, reach: int) -> _Track:
         """The request's track, its history (output token i at tokens[offset + i], `made` of them
-        known) checked against the branches, its table `reach` output indices wide at least."""
+        known) checked against the branches; its table is to be made `self._width` wide (`_fill_many`)."""
         track = self._tracks.get(r.request_id)
         if track is None:
             branches = self._branches.get(tuple(r.prompt_ids), [[]])
@@ -156,22 +154,27 @@ class SyntheticProposer:
                 track.branch, cont = other, branches[other]
                 track.drafts = track.drafts[:0]
             track.checked = max(track.checked, made)
-        if track.drafts.shape[0] < self._width:
-            self._fill(track)
         return track
 
-    def _fill(self, track: _Track) -> None:
+    def _fill_many(self, tracks: list[_Track]) -> None:
         """Each output index's draft: the branch's token with probability alpha (a pure function of
         the request's seed and the index), else any other token, which greedy verification rejects."""
-        i = np.arange(self._width, dtype=np.uint64)
-        h = _mix64_array(np.uint64(track.seed_hash) ^ (i + np.uint64(1)))
-        truth = np.full(self._width, -1, dtype=np.int64)
-        if track.in_sync:
-            cont = track.branches[track.branch][: self._width]
-            truth[: len(cont)] = cont
-        keep = (truth >= 0) & ((h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < self.alpha)
+        if not tracks:
+            return
+        width = self._width
+        i = np.arange(1, width + 1, dtype=np.uint64)  # [W]
+        seeds = np.array([t.seed_hash for t in tracks], dtype=np.uint64)[:, None]  # [n, 1]
+        h = _mix64_array(seeds ^ i)  # [n, W]
+        truth = np.full((len(tracks), width), -1, dtype=np.int64)  # [n, W]
+        for row, t in zip(truth, tracks, strict=True):
+            if t.in_sync:
+                cont = t.branches[t.branch][:width]
+                row[: len(cont)] = cont
+        keep = (truth >= 0) & ((h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < self.alpha)  # [n, W]
         corrupt = np.maximum(truth, 0) + 1 + ((h >> np.uint64(7)) % np.uint64(self.vocab - 1)).astype(np.int64)
-        track.drafts, track.kept, track.stale = np.where(keep, truth, corrupt % self.vocab), keep, True
+        drafts = np.where(keep, truth, corrupt % self.vocab)  # [n, W]
+        for t, d, k in zip(tracks, drafts, keep, strict=True):
+            t.drafts, t.kept, t.stale = d, k, True
 
     @torch.inference_mode()
     def chain(self, reqs: list[Request], starts: list[int], counts: list[int], ks: list[int], tokens: torch.Tensor,
@@ -185,6 +188,7 @@ class SyntheticProposer:
             return None
         k, dev = max(ks), accepted.device
         tracks = [self._sync(r, r.output_ids, 0, len(r.output_ids), len(r.output_ids) + k) for r in reqs]
+        self._fill_many([t for t in tracks if t.drafts.shape[0] < self._width])
         table = self._device_table(tracks, dev)
         host = np.array([[t.row * self._width for t in tracks],
                          [2 - len(r.prompt_ids) + (0 if device_starts is not None else s)
@@ -208,10 +212,12 @@ class SyntheticProposer:
         for t in tracks:
             if t.row < 0:
                 t.row, self._rows = self._rows, self._rows + 1
-            if t.stale:
-                if t.drafts.shape[0] < self._width:
-                    self._fill(t)
-                table[t.row].copy_(torch.from_numpy(t.drafts), non_blocking=True)
+        stale = [t for t in tracks if t.stale]
+        if stale:  # one copy for all of them: a new batch's rows one by one took ms at B = 128
+            self._fill_many([t for t in stale if t.drafts.shape[0] < self._width])
+            rows = torch.tensor([t.row for t in stale], dtype=torch.int64).to(dev, non_blocking=True)  # [n]
+            table[rows] = torch.from_numpy(np.stack([t.drafts for t in stale])).to(dev, non_blocking=True)  # [n, W]
+            for t in stale:
                 t.stale = False
         return table
 
