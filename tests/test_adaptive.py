@@ -519,10 +519,13 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
         r.output_ids.append(5)
         r.computed = r.num_tokens - 1
     true_plain = shape(64, 64, 1) * 1.35  # what the profile missed: 35 %
+    known = policy.estimator.new_request()  # the proposer's drafts are known to be poor: no cold probe
+    for _ in range(8):
+        policy.estimator.observe(known, 4, 0)
     planned = []
     for step in range(1, 41):
         decision = policy.choose(reqs, 0, False)
-        assert not any(decision.ks.values())  # acceptance starts pessimistic and nothing is ever drafted here
+        assert not any(decision.ks.values())  # acceptance is known low: nothing is ever drafted here
         if decision.planned:
             planned.append(step)
         policy.commit_shape(decision, built, [0] * 64)
@@ -666,3 +669,27 @@ def test_a_step_learnt_a_step_late_reads_its_ratio_from_the_raw_prediction() -> 
             cost.observe(pending.pop(0), truth, verify_tokens=320, draft_steps_k=4, batch_size=64)
             seen.append(cost.predict(64, 320, 4) / truth)
     assert max(seen) < 1.01 and seen[-1] == pytest.approx(1.0, rel=0.01)
+
+
+def test_a_cold_prior_probes_the_whole_batch_once() -> None:
+    """A large batch that the default prior keeps plain would never learn that its drafts are good:
+    per-request probes (four at most) cost the padded step of them all and teach the prior little.
+    While the proposer's prior holds no evidence, every request probes in one step, once; the
+    evidence then decays with the steps and the prior goes cold again when it has forgotten."""
+    from streamsd.adaptive import AcceptanceConfig, AcceptanceEstimator
+
+    cost = h200_cost()
+    views = [RequestView(i, 4, [0.5] * 4) for i in range(128)]
+    assert plan(views, cost, 4, 0.05) == [0] * 128  # the default prior alone: plain
+    st = PlannerState()
+    assert plan(views, cost, 4, 0.05, state=st, cold=True) == [1] * 128
+    assert plan(views, cost, 4, 0.05, state=st, cold=True) == [0] * 128  # once, not at every plan
+    hopeless = [RequestView(i, 4, [0.5] * 4) for i in range(256)]  # B = 256: even alpha 0.9 would not pay
+    assert plan(hopeless, cost, 4, 0.10, state=PlannerState(), cold=True) == [0] * 256
+    est = AcceptanceEstimator(AcceptanceConfig(max_k=4))
+    assert est.cold()
+    est.observe(est.new_request(), 1, 1)
+    assert not est.cold()
+    for _ in range(60):
+        est.tick()
+    assert est.cold()

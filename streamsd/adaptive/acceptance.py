@@ -115,6 +115,11 @@ class AcceptanceEstimator:
             p.refresh(self.config)
         return p
 
+    def cold(self, proposer: str = "default") -> bool:
+        """The proposer's running prior holds (next to) no evidence: never observed, or forgotten."""
+        p = self.prior(proposer)
+        return p.successes[0] + p.failures[0] < 1.0
+
     def new_request(self, proposer: str = "default") -> RequestAcceptance:
         self.prior(proposer)
         k = self.config.max_k

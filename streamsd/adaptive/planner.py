@@ -39,7 +39,11 @@ Probing.  A request flagged ``probe`` (long at k = 0) drafts ``probe_k`` for fre
 speculates anyway; in a plain step one probe step per ``probe_every`` steps is spent, only while
 an optimistic α (``probe_alpha``) for the probed requests would make speculation pay at this batch
 — a compute-bound batch never pays for probes it could not use — and no more often than keeps the
-probes' predicted extra time under ``probe_budget`` of the steps between them.
+probes' predicted extra time under ``probe_budget`` of the steps between them.  While the proposer's
+running prior is ``cold`` (no evidence yet, or forgotten) every request may probe, at once: a CUDA
+graph pads the batch to its widest request, so at B = 128 four probes cost the step of 128 and one
+step of them all is what teaches the prior; without it a large batch that the default prior keeps
+plain never learnt that its drafts were good (B = 128 at alpha 0.9 on the H200).
 
 KV: a request verifying k_i drafts needs 1 + k_i slots: reserve ``kv_slots_needed(ks)``.
 """
@@ -133,11 +137,13 @@ def plan(
     state: PlannerState | None = None,
     prefill_tokens: int = 0,
     prefill_backlog: bool = False,
+    cold: bool = False,
 ) -> list[int]:
     """k_i for each request (0..max_k); updates ``state`` in place when given.
 
     ``prefill_tokens``: prompt tokens this step also verifies.  ``prefill_backlog``: prompts are
     waiting for prefill beyond this step (admission is limited by prefill, not by the batch cap).
+    ``cold``: the acceptance prior has no evidence (see Probing).
     """
     st = state if state is not None else PlannerState()
     cfg = st.config
@@ -167,11 +173,11 @@ def plan(
     st.plain_rate, st.spec_rate = plain_rate, best.rate if best else 0.0
     ks = best.ks if best else [0] * b
     st.depth = max(ks)
-    flagged = [i for i in everyone if requests[i].probe and ks[i] == 0 and caps[i] >= 1]
+    flagged = [i for i in everyone if (requests[i].probe or cold) and ks[i] == 0 and caps[i] >= 1]
     # The least-behind requests probe first: their draft catch-up is the cheapest.
-    due = sorted(flagged, key=lambda i: requests[i].catchup_tokens)[: cfg.max_probes]
-    if due and (speculate or _probe_pays(search, due, fresh, caps, mean, plain_rate * (1.0 + hysteresis), st,
-                                         plain_t - prefill_s)):
+    due = sorted(flagged, key=lambda i: requests[i].catchup_tokens)[: b if cold else cfg.max_probes]
+    if due and (speculate or _probe_pays(search, due, fresh, caps, (mean, safe), plain_rate * (1.0 + hysteresis),
+                                         st, plain_t - prefill_s, cold)):
         for i in due:
             ks[i] = min(caps[i], cfg.probe_k)
     _record(st, requests, ks, mean, cost, prefill_tokens)
@@ -194,19 +200,23 @@ def _survivals(r: RequestView, cap: int) -> tuple[list[float], list[float]]:
 
 
 def _probe_pays(search: Search, due: list[int], fresh: list[int], caps: list[int],
-                mean: Sequence[list[float]], floor: float, st: PlannerState, plain_s: float) -> bool:
+                survivals: tuple[Sequence[list[float]], Sequence[list[float]]], floor: float, st: PlannerState,
+                plain_s: float, cold: bool = False) -> bool:
+    """Whether the due requests probe: if they drafted at the optimistic alpha, would a plan pay with
+    everyone else's numbers as the gate reads them (means choose, lower quantiles must beat plain)?"""
     cfg = st.config
-    if st.since_probe < cfg.probe_every:
+    if st.since_probe < cfg.probe_every and not (cold and st.probe_steps == 0):
         return False
-    ks = [min(caps[i], cfg.probe_k) for i in due]
-    probe_s = search.step_time(len(search.requests) + search.prefill + sum(ks), max(ks), len(due),
-                               sum(search.requests[i].catchup_tokens for i in due)) - search.prefill_s
-    if st.since_probe * cfg.probe_budget < probe_s / plain_s - 1.0:
-        return False
-    hopeful = list(mean)
+    if not cold:  # a cold prior is worth a probe step whatever it costs
+        ks = [min(caps[i], cfg.probe_k) for i in due]
+        probe_s = search.step_time(len(search.requests) + search.prefill + sum(ks), max(ks), len(due),
+                                   sum(search.requests[i].catchup_tokens for i in due)) - search.prefill_s
+        if st.since_probe * cfg.probe_budget < probe_s / plain_s - 1.0:
+            return False
+    mean, safe = list(survivals[0]), list(survivals[1])
     for i in due:
-        hopeful[i] = [st.config.probe_alpha ** (j + 1) for j in range(caps[i])]
-    if search.run(hopeful, hopeful, sorted(set(due) | set(fresh)), floor) is None:
+        mean[i] = safe[i] = [cfg.probe_alpha ** (j + 1) for j in range(caps[i])]
+    if search.run(mean, safe, sorted(set(due) | set(fresh)), floor) is None:
         return False
     st.since_probe = 0
     st.probe_steps += 1
