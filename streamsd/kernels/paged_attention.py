@@ -90,7 +90,9 @@ def _merge_splits_kernel(
     rows = tl.arange(0, BLOCK_M)
     tok = rows // GROUP
     head = kvh * GROUP + rows % GROUP
-    row_ok = (tok < qlen) & (tok < QMAX) & (qlen <= QMAX)
+    # A prompt chunk (qlen > QMAX) writes nothing here. Folded into the bound, not and-ed as a scalar
+    # into the row mask: Triton 3.9's interpreter makes tensor & scalar-bool an int32 mask, which stores reject.
+    row_ok = (tok < tl.where(qlen <= QMAX, qlen, 0)) & (tok < QMAX)
     d = tl.arange(0, HEAD_DIM)
     base = (seq * tl.num_programs(1) + kvh) * SPLITS
     m_max = tl.full([BLOCK_M], -1.0e30, tl.float32)

@@ -88,7 +88,9 @@ def _rejection_kernel(
                     e = tl.load(noise_ptr + row * vocab + idx, mask=m, other=1.0)
                 q = tl.where((idx == d_n) & tested, 1.0, 0.0)
                 if HAS_Q:
-                    qd = tl.load(q_ptr + (b * K + n) * vocab + idx, mask=m & tested & dense, other=0.0)
+                    # the scalar condition folded into the bound (see paged_attention._merge_splits_kernel)
+                    qd = tl.load(q_ptr + (b * K + n) * vocab + idx, mask=idx < tl.where(tested & dense, vocab, 0),
+                                 other=0.0)
                     q = tl.where(dense, qd, q)
                 r = tl.maximum(p - q, 0.0)
                 any_r = any_r | (tl.max(r, 0) > 0)
