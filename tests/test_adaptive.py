@@ -560,6 +560,75 @@ def test_an_idle_batch_replans_no_more_often_than_its_plans_are_worth() -> None:
     assert sum(4e-3 for n in due if n > 8) / ((199 - 8) * 9e-3) < 0.02
 
 
+def test_an_idle_batchs_backoff_plans_fit_the_plan_budget_too() -> None:
+    """The backoff (1, 2, 4, ... steps after going plain) re-checks a close call while plans are cheap
+    beside the steps; where they are not (B = 256 on the H200: 4 ms plans, 9 ms steps) its six plans in
+    a 64-token pass cost 4-6 % against plain, so they too must fit the budget (the first one is free)."""
+    from streamsd.policy import _replan_due, idle_plan_fits, idle_replan_every
+
+    def idle_plans(plan_s: float, step_s: float, budget: float = 0.01, steps: int = 100) -> list[int]:
+        made: list[int] = []
+        for n in range(1, steps + 1):
+            if (_replan_due(n, idle_replan_every(plan_s, step_s, budget))
+                    and idle_plan_fits(len(made), plan_s, n, step_s, budget)):
+                made.append(n)
+        return made
+
+    assert idle_plans(4e-3, 9e-3) == [1, 90]
+    assert idle_plans(0.1e-3, 5e-3)[:5] == [1, 4, 8, 16, 24]  # cheap plans keep most of the backoff
+    for plan_s, step_s in ((4e-3, 9e-3), (1e-3, 5e-3), (0.3e-3, 5e-3), (0.1e-3, 5e-3)):
+        made = idle_plans(plan_s, step_s, steps=400)
+        assert (len(made) - 1) * plan_s <= 0.01 * 400 * step_s  # within the budget, bar the free first
+    assert idle_plans(4e-3, 9e-3, budget=0.0, steps=40) == [1, 2, 4, 8, 16, 24, 32, 40]  # no budget: the old rule
+
+
+def test_a_speculating_batch_reuses_a_clearly_winning_plan_and_still_learns() -> None:
+    """A plan is ~0.1 ms of host time at B = 1, beside a 1.7 ms EAGLE step the host paces: a plan that won
+    by REUSE_MARGIN is reused for REUSE_STEPS steps of the same requests, every step observed; a change
+    of requests, a prompt chunk or a thin lead plans again."""
+    from streamsd.policy import REUSE_STEPS, AdaptivePolicy, StepShape
+    from streamsd.request import Request, SamplingParams
+
+    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=_graph_shape())
+    policy = AdaptivePolicy(4, cost, draft_has_cache=False)
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=500), seed=i, arrival=0.0, spec_k=4)
+            for i in range(4)]
+    for r in reqs:
+        r.output_ids.append(5)
+        r.computed = r.num_tokens - 1
+
+    def step(batch: list[Request], prefill: int = 0) -> tuple[bool, list[int]]:
+        plans = policy.planner.steps
+        d = policy.choose(batch, prefill, False)
+        ks = [d.ks.get(r.request_id, policy.default_k(r)) for r in batch]
+        policy.commit_shape(d, StepShape(len(batch), len(batch) + sum(ks) + prefill, max(ks),
+                                         sum(k > 0 for k in ks), prefill, max(ks) + 1), ks)
+        policy.observe(d, [(r, k, k) for r, k in zip(batch, ks, strict=True)], cost.predict(len(batch), 5, 4))
+        assert d.planned  # every speculative step feeds the estimates
+        return policy.planner.steps > plans, ks
+
+    for _ in range(3):  # enough evidence that speculation wins clearly
+        step(reqs)
+    assert policy.planner.speculating
+    ran = [step(reqs)[0] for _ in range(2 * (REUSE_STEPS + 1))]
+    assert sum(ran[: REUSE_STEPS + 1]) == 1 and ran == ran[: REUSE_STEPS + 1] * 2  # one plan per REUSE_STEPS + 1
+    seen = reqs[0].acceptance.successes[0] if reqs[0].acceptance else 0.0
+    step(reqs)
+    assert reqs[0].acceptance is not None and reqs[0].acceptance.successes[0] > seen  # reused steps learn
+    policy.reused = 0
+    assert step(reqs[:3])[0]  # a request left: plan again
+    assert step(reqs[:3], prefill=8)[0]  # a prompt chunk: plan again
+    reqs[1].params = SamplingParams(max_tokens=len(reqs[1].output_ids) + 2)  # two tokens left: k capped at 1
+    policy.reused = 0
+    planned, ks = step(reqs[:3])
+    assert planned and ks[1] <= 1
+    planned, ks = step(reqs[:3])
+    assert not planned and ks[1] <= 1  # reused, re-capped
+    policy.reused = 0
+    policy.planner.spec_rate = policy.planner.plain_rate * 1.05  # a thin lead
+    assert step(reqs[:3])[0]
+
+
 def test_entering_speculation_needs_more_where_steps_queue_ahead() -> None:
     from streamsd.policy import ENTRY_HYSTERESIS, QUEUED_ENTRY_HYSTERESIS, AdaptivePolicy
 
