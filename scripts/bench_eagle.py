@@ -12,7 +12,7 @@ for the GPU, the proposer, the engine's emit), in ms per step: where an EAGLE st
 
 Usage (from the repo root, streamsd importable, e.g. PYTHONPATH=.):
   python scripts/bench_eagle.py --model M --head DIR [--held-out training.json] [--prompts N]
-         [--max-tokens N] [--temperatures 0,1] [--device cuda] [--out FILE] [--phases]
+         [--max-tokens N] [--temperatures 0,1] [--device cuda] [--out FILE] [--phases] [--adaptive]
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--phases", action="store_true", help="then time each phase of a step (ms per step)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="also eagle under the adaptive policy (what `streamsd serve` runs by default)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -47,10 +49,12 @@ def main() -> None:
 
     prompts = json.load(open(a.held_out))["held_out"][: a.prompts]
     # plain-seq: plain decoding with each step read before the next is queued (no lookahead.py)
-    methods = {"plain": None, "plain-seq": None, "ngram": "ngram", "eagle": "eagle"}
+    methods = {"plain": None, "plain-seq": None, "ngram": "ngram", "eagle": "eagle",
+               **({"eagle-ad": "eagle"} if a.adaptive else {})}
     engines = {m: LLM(a.model, speculative_method=s, draft_model=a.head if s == "eagle" else None,
                       num_speculative_tokens=a.k, device=a.device, max_num_seqs=4, kv_cache_tokens=8192,
-                      pipeline=False if m == "plain-seq" else None)
+                      pipeline=False if m == "plain-seq" else None,
+                      speculation_policy="adaptive" if m.endswith("-ad") else "fixed")
                for m, s in methods.items()}
     worker = engines["plain"].core.rt.worker
     dev = worker.device
@@ -68,7 +72,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for temp in (float(x) for x in a.temperatures.split(",")):
         totals = {m: [0, 0.0, 0, 0] for m in (*engines, *(["hf"] if hf is not None else []))}
-        same = 0  # T=0: eagle's answers token-identical to plain's (bf16 verify numerics may differ)
+        same = dict.fromkeys(engines, 0)  # T=0: answers token-identical to plain's (bf16 verify numerics may differ)
         same_seq = 0  # plain-seq's answers identical to plain's (seeded: at every temperature)
         for i, prompt in enumerate(prompts):
             conv = [{"role": "user", "content": prompt}]
@@ -83,7 +87,8 @@ def main() -> None:
                 totals[m][2] += r.spec_stats.steps
                 totals[m][3] += r.spec_stats.emitted
                 outs[m] = r.outputs[0].token_ids
-            same += outs["eagle"] == outs["plain"]
+            for m in engines:
+                same[m] += outs[m] == outs["plain"]
             same_seq += outs["plain-seq"] == outs["plain"]
             if hf is not None:
                 ids = tok.apply_chat_template(conv, add_generation_prompt=True, return_tensors="pt",
@@ -102,7 +107,7 @@ def main() -> None:
             rows.append({"method": m, "temperature": temp, "tokens": n, "seconds": round(s, 3),
                          "tokens_per_s": round(n / s, 1), "vs_plain": round(n / s / base, 2),
                          "tau": round(emitted / steps, 3) if steps else None,
-                         **({"same_as_plain": f"{same}/{len(prompts)}"} if m == "eagle" and temp == 0 else {}),
+                         **({"same_as_plain": f"{same[m]}/{len(prompts)}"} if m.startswith("eagle") and temp == 0 else {}),
                          **({"same_as_plain": f"{same_seq}/{len(prompts)}"} if m == "plain-seq" else {})})
     doc = {"model": a.model, "head": a.head, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dtype": str(worker.target.model.embed_tokens.weight.dtype).removeprefix("torch."),

@@ -17,6 +17,9 @@
 #                               batch-1 tokens/s of plain / n-gram / eagle / HF at T=0 and T=1, then host ms per
 #                               step by phase for each engine (bench_eagle.py --phases)
 #                               (scripts/bench_eagle.py), ~3 min.
+#   scripts/gpu_eagle.sh figures carry .gguf2b .whl (after stash + stash2): the shipped head at batch 1, fixed and
+#                               adaptive policy: 6 prompts x 128 tokens beside HF, then all 16 held-out x 256
+#                               (no HF); then `streamsd bench offline` plain vs n-gram vs HF + prompt lookup, ~6 min.
 #   scripts/gpu_eagle.sh bench  (optional, while still warm; carry .whl) `streamsd bench offline` with the
 #                               new head: plain vs eagle vs HF, then plain vs n-gram vs HF + prompt lookup
 # Writes logs and JSON under $OUT (./out here). Tables print last.
@@ -128,6 +131,25 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
       --prompts 6 --max-tokens 128 --device cuda --phases --out "$OUT/bench_b1.json" > "$OUT/bench_b1.log" 2>&1
     echo "bench exit $?" | tee -a "$OUT/run.log"
     tail -28 "$OUT/bench_b1.log" | tee -a "$OUT/run.log"
+    ;;
+  figures)
+    [ -f $GGUF ] || join_gguf
+    sha256sum $GGUF | tee -a "$OUT/run.log"
+    timeout 90 python3 -c "from streamsd.model.loader import resolve_model; print(resolve_model('$GGUF', progress=False))" \
+      2>&1 | tail -1 | tee -a "$OUT/run.log"
+    SHIPPED=streamsd/assets/eagle/smollm2-135m-instruct
+    log "batch 1, 6 held-out x 128, plain / n-gram / eagle fixed / eagle adaptive / HF, T=0 and T=1"
+    timeout 200 python3 scripts/bench_eagle.py --model $GGUF --head $SHIPPED --held-out $SHIPPED/training.json \
+      --prompts 6 --max-tokens 128 --device cuda --adaptive --out "$OUT/b1_hf.json" > "$OUT/b1_hf.log" 2>&1
+    echo "bench exit $?" | tee -a "$OUT/run.log"; tail -14 "$OUT/b1_hf.log" | tee -a "$OUT/run.log"
+    log "batch 1, all 16 held-out x 256, no HF"
+    timeout 150 python3 scripts/bench_eagle.py --model $GGUF --head $SHIPPED --held-out $SHIPPED/training.json \
+      --prompts 16 --max-tokens 256 --device cuda --adaptive --no-hf --out "$OUT/heldout16.json" > "$OUT/heldout16.log" 2>&1
+    echo "bench exit $?" | tee -a "$OUT/run.log"; tail -13 "$OUT/heldout16.log" | tee -a "$OUT/run.log"
+    log "bench offline SmolLM2: plain vs n-gram vs HF plain + prompt lookup, B=1/16"
+    timeout 200 python3 -m streamsd.cli --log-level warning bench offline --model $GGUF --speculative-method ngram \
+      --batch-sizes 1,16 --max-tokens 128 --output-json "$OUT/smol.json" --plot "$OUT/smol.png" 2>&1 | tail -13 \
+      | tee -a "$OUT/run.log"
     ;;
   bench)
     B="python3 -m streamsd.cli --log-level warning bench offline --model $GGUF --batch-sizes 1,16 --max-tokens 128"
