@@ -70,6 +70,7 @@ def main() -> None:
         for temp in (0.0, 1.0):
             llm.chat(warm, SamplingParams(temperature=temp, max_tokens=32, seed=0))
     rows: list[dict[str, Any]] = []
+    policies: dict[str, Any] = {}
     for temp in (float(x) for x in a.temperatures.split(",")):
         totals = {m: [0, 0.0, 0, 0] for m in (*engines, *(["hf"] if hf is not None else []))}
         same = dict.fromkeys(engines, 0)  # T=0: answers token-identical to plain's (bf16 verify numerics may differ)
@@ -102,6 +103,15 @@ def main() -> None:
                 sync()
                 totals["hf"][1] += time.perf_counter() - t0
                 totals["hf"][0] += gen.shape[1] - ids["input_ids"].shape[1]
+        # What the adaptive policy decided and learnt so far (counts run on across temperatures).
+        for m, llm in engines.items():
+            if hasattr(llm.core.rt.policy, "summary"):
+                summary = {k: v for k, v in llm.core.rt.policy.summary().items() if k != "trace"}
+                policies[f"{m} T={temp:g}"] = summary
+                print(f"{m} T={temp:g}: plain share {summary['plain_step_share']:.3f}, k {summary['chosen_k']}, "
+                      f"reused {summary.get('reused_plans')}, errors {summary['prediction_error']}, "
+                      f"prior {summary['prior_means']}, learnt {summary['cost_relative']}, "
+                      f"global {summary['cost_global_ratio']:.3f}")
         base = totals["plain"][0] / totals["plain"][1]
         for m, (n, s, steps, emitted) in totals.items():
             rows.append({"method": m, "temperature": temp, "tokens": n, "seconds": round(s, 3),
@@ -113,6 +123,7 @@ def main() -> None:
            "dtype": str(worker.target.model.embed_tokens.weight.dtype).removeprefix("torch."),
            "cuda_graphs": worker.graphs is not None, "k": a.k, "prompts": len(prompts), "max_tokens": a.max_tokens,
            "rows": rows}
+    doc["policy"] = policies
     if a.out:  # first without the phases: a failure there keeps the figures
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=2)
