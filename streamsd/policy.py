@@ -197,7 +197,9 @@ class AdaptivePolicy:
             reused = self._reuse(decoding, prefill_tokens)
             if reused is not None:
                 return reused
-        self.idle_plans += not speculating
+        # Only the idle schedule's plans count against its budget: the first idle plan stays free after
+        # the plans a filling batch made (a cold prior's probe waits for one: B = 128 on the H200).
+        self.idle_plans += not (speculating or fresh)
         t0 = time.perf_counter()
         for r in decoding:
             if r.acceptance is None:

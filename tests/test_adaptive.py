@@ -580,6 +580,29 @@ def test_an_idle_batchs_backoff_plans_fit_the_plan_budget_too() -> None:
         made = idle_plans(plan_s, step_s, steps=400)
         assert (len(made) - 1) * plan_s <= 0.01 * 400 * step_s  # within the budget, bar the free first
     assert idle_plans(4e-3, 9e-3, budget=0.0, steps=40) == [1, 2, 4, 8, 16, 24, 32, 40]  # no budget: the old rule
+    # The plans of a filling batch (its first step, each doubling) are not the idle schedule's: the first
+    # idle step after them still plans (where a cold prior gets its probe).
+    from streamsd.policy import AdaptivePolicy
+    from streamsd.request import Request, SamplingParams
+
+    policy = AdaptivePolicy(4, CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=_graph_shape()),
+                            draft_has_cache=False)
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=500), seed=i, arrival=0.0, spec_k=4)
+            for i in range(64)]
+    for r in reqs:
+        r.output_ids.append(5)
+        r.computed = r.num_tokens - 1
+    known = policy.estimator.new_request()  # drafts known to be poor: every plan says plain
+    for _ in range(8):
+        policy.estimator.observe(known, 4, 0)
+    policy.estimator.tick()
+    assert policy.choose(reqs[:16], 0, False).planned and policy.choose(reqs[:40], 0, False).planned  # filling
+    assert not policy.planner.speculating
+    planned = []
+    for _ in range(14):  # idle steps 3 ... 16, each plan as dear as at B = 256 on the H200
+        policy.plan_seconds, policy.last_measured = 4e-3, 9e-3
+        planned.append(policy.choose(reqs[:40], 0, False).planned)
+    assert planned.index(True) == 1 and sum(planned) == 1  # idle step 4 is the first due: free; then over budget
 
 
 def test_a_speculating_batch_reuses_a_clearly_winning_plan_and_still_learns() -> None:
