@@ -109,7 +109,7 @@ def main() -> None:
                 summary = {k: v for k, v in llm.core.rt.policy.summary().items() if k != "trace"}
                 policies[f"{m} T={temp:g}"] = summary
                 print(f"{m} T={temp:g}: plain share {summary['plain_step_share']:.3f}, k {summary['chosen_k']}, "
-                      f"reused {summary.get('reused_plans')}, errors {summary['prediction_error']}, "
+                      f"errors {summary['prediction_error']}, "
                       f"prior {summary['prior_means']}, learnt {summary['cost_relative']}, "
                       f"global {summary['cost_global_ratio']:.3f}")
         base = totals["plain"][0] / totals["plain"][1]

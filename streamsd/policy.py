@@ -30,10 +30,6 @@ QUEUED_DEPTH_HYSTERESIS = 0.05  # the gain deeper drafts need where deepening dr
 # waiting for the host. (While switches dropped the queued step, 10 % was needed: one excursion had
 # cost alpha 0.7 at B = 128 9 % against plain on the H200.)
 QUEUED_ENTRY_HYSTERESIS = 0.05
-# A speculating batch whose plan won clearly reuses it for a few steps: a plan is ~0.1 ms of host time
-# at B = 1 (~0.2 on the H200's host) beside a 1.7 ms EAGLE step of SmolLM2, which the host paces.
-REUSE_STEPS = 3  # steps a plan may be reused before the planner runs again
-REUSE_MARGIN = 0.10  # ... only while it beat plain decoding by this much
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +135,6 @@ class AdaptivePolicy:
     choices: int = 0  # `choose` calls (one per step; the last one made ahead may go unused)
     idle_steps: int = 0
     idle_plans: int = 0  # plans since the batch last speculated
-    reused: int = 0  # steps the last plan was reused for (REUSE_STEPS)
-    reuses: int = 0  # ... in all, for benchmarks
-    last_plan_ids: tuple[str, ...] = ()  # the requests of the last plan (with no prompt chunk), in order
-    last_plan_ks: tuple[int, ...] = ()
     last_predicted: float = 0.0
     last_measured: float = 0.0
     abs_error_sum: float = 0.0  # Σ |predicted / measured − 1| over observed steps
@@ -193,10 +185,6 @@ class AdaptivePolicy:
         fresh = self.choices == 1 or len(decoding) >= 2 * max(self.planner.batch, 1)
         if not (speculating or fresh or self._idle_plan_due()):
             return Decision({})  # every request takes default_k: 0, since the batch is not speculating
-        if speculating and not fresh:
-            reused = self._reuse(decoding, prefill_tokens)
-            if reused is not None:
-                return reused
         # Only the idle schedule's plans count against its budget: the first idle plan stays free after
         # the plans a filling batch made (a cold prior's probe waits for one: B = 128 on the H200).
         self.idle_plans += not (speculating or fresh)
@@ -213,9 +201,6 @@ class AdaptivePolicy:
         ks = plan(views, self.cost, self.max_k, self.hysteresis, state=st, prefill_tokens=prefill_tokens,
                   prefill_backlog=backlog, cold=self.estimator.cold())
         self.plan_seconds = time.perf_counter() - t0
-        self.reused = 0
-        self.last_plan_ids = tuple(r.request_id for r in decoding) if not prefill_tokens else ()
-        self.last_plan_ks = tuple(ks)
         shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens,
                           st.draft_steps + 1)
         return Decision({r.request_id: k for r, k in zip(decoding, ks, strict=True)}, True, shape,
@@ -225,20 +210,6 @@ class AdaptivePolicy:
         n = self.idle_steps
         return (_replan_due(n, idle_replan_every(self.plan_seconds, self.last_measured, self.plan_budget))
                 and idle_plan_fits(self.idle_plans, self.plan_seconds, n, self.last_measured, self.plan_budget))
-
-    def _reuse(self, decoding: list[Request], prefill_tokens: int) -> Decision | None:
-        """The last plan again, for the same requests in the same order with no prompt chunk, while it
-        won clearly: a few steps of evidence cannot overturn a 10 % lead, and every step still feeds
-        the estimates (``planned``). Caps only shrink (remaining tokens), so each k is re-capped."""
-        st = self.planner
-        if (prefill_tokens or self.reused >= REUSE_STEPS or st.spec_rate < st.plain_rate * (1.0 + REUSE_MARGIN)
-                or len(decoding) != len(self.last_plan_ids)
-                or any(r.request_id != rid for r, rid in zip(decoding, self.last_plan_ids, strict=True))):
-            return None
-        self.reused += 1
-        self.reuses += 1
-        ks = {r.request_id: min(k, cap_k(r)) for r, k in zip(decoding, self.last_plan_ks, strict=True)}
-        return Decision(ks, True)  # priced as built by `commit`
 
     def default_k(self, r: Request) -> int:
         """Drafts for a request finishing its prompt: follow the batch's current mode."""
@@ -351,7 +322,6 @@ class AdaptivePolicy:
                 for kind, e in sorted(self.errors.items()) if e[2]
             },
             "switches": self.planner.switches,
-            "reused_plans": self.reuses,
             # Σ predicted / Σ measured per (batch, verify tokens) shape of step.
             "by_shape": {f"{b}x{n}": {"ratio": t[0] / t[1], "steps": t[2]}
                          for (b, n), t in sorted(self.shapes.items()) if t[1] > 0},
