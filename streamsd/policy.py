@@ -134,7 +134,7 @@ class AdaptivePolicy:
     steps: int = 0
     choices: int = 0  # `choose` calls (one per step; the last one made ahead may go unused)
     idle_steps: int = 0
-    idle_plans: int = 0  # plans since the batch last speculated
+    idle_plans: int = 0  # the idle schedule's plans since the batch last speculated (`idle_plan_fits`)
     last_predicted: float = 0.0
     last_measured: float = 0.0
     abs_error_sum: float = 0.0  # Σ |predicted / measured − 1| over observed steps
