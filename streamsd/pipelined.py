@@ -50,7 +50,7 @@ def _queue_plain(w: Worker, entries: list[Scheduled], tokens: torch.Tensor) -> N
     ids = tokens if len(keep) == len(entries) else tokens[h2d(keep, torch.int64, w.device)]  # [B']
     n = len(nxt)
     logits = forward_logits(w.target, w.graphs, w.cache, ids, [e.start for e in nxt], [1] * n,
-                            [e.request.blocks for e in nxt], list(range(n)), w.device)  # [B', V]
+                            [e.request.blocks for e in nxt], list(range(n)), w.device, w.store)  # [B', V]
     w.lookahead.queue(nxt, w.verifier.sample_plain(nxt, logits, ahead=1))
 
 
@@ -66,7 +66,7 @@ def chained_step(w: Worker, entries: list[Scheduled], queue_next: bool = True) -
         launched = w.verifier.launch(entries, logits, w._chain(entries, hidden),
                                      greedy=w._graph_verified(entries, logits))
         if launched.drafts is None:  # no graph fits this batch: propose after the read
-            return w._propose(entries, w.verifier.read(launched), hidden)
+            return w._propose(entries, w.verifier.read(launched))
         tokens, accepted, drafts = launched.tokens, launched.accepted, launched.drafts
     else:
         queued, picked = taken
@@ -142,4 +142,7 @@ def _forward_at(w: Worker, entries: list[Scheduled], src: DeviceStarts
     layout = BatchLayout.build(src.starts.tolist(), counts, tables, w.cache.block_size, w.device)
     out = w.target(ids, layout, w.cache, torch.tensor(rows), hidden_layers=layers,
                    hidden_rows=torch.arange(len(rows)) if layers else None)
-    return out.logits, torch.cat(out.hidden, dim=-1) if layers else None
+    hidden = torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
+    if hidden is not None and w.store is not None:
+        w.store.write(hidden, layout.slot_mapping)
+    return out.logits, hidden

@@ -120,7 +120,10 @@ class FixedPolicy:
 class AdaptivePolicy:
     max_k: int
     cost: CostTable
-    draft_has_cache: bool  # a draft model must replay what it missed while at k = 0
+    draft_has_cache: bool  # a draft model (or EAGLE head) must replay what it missed while at k = 0
+    # How far behind the target's tokens a caught-up proposer cache is: 1 for an EAGLE head, whose slot
+    # of the pending token waits for that token's streams. Only the lag beyond it is catch-up.
+    settled_lag: int = 0
     # Speculative steps are queued ahead (an EAGLE head, device-side synthetic drafts): a plan of a
     # new depth drops the queued step, so the planner keeps its depth unless another clearly wins.
     queues_ahead: bool = False
@@ -195,7 +198,7 @@ class AdaptivePolicy:
         self.estimator.refresh_many([r.acceptance for r in decoding])
         views = []
         for r in decoding:
-            lag = r.num_tokens - r.draft_computed if self.draft_has_cache else 0
+            lag = max(r.num_tokens - self.settled_lag - r.draft_computed, 0) if self.draft_has_cache else 0
             views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag))
         st = self.planner
         ks = plan(views, self.cost, self.max_k, self.hysteresis, state=st, prefill_tokens=prefill_tokens,

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 
 from streamsd.adaptive import CostTable
+from streamsd.adaptive.cost import StepTable
 from streamsd.adaptive.shape import ShapeTable
 from streamsd.model.graphs import GraphRunner, buckets_up_to, forward_logits
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 from streamsd.model.llama import Transformer
+from streamsd.model.stream_store import StreamStore
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SLOW_PASS_S = 0.05  # a pass this slow is timed once: its noise is small next to it, the budget is not
@@ -72,7 +74,7 @@ def _time_pass(model: Transformer, cache: PagedKVCache, n: int, context: int, re
 
 
 def time_step(model: Transformer, cache: PagedKVCache, runner: GraphRunner | None, batch: int, width: int,
-              context: int, repeats: int) -> float:
+              context: int, repeats: int, store: StreamStore | None = None) -> float:
     """Seconds of one decode/verify pass over `batch` requests × `width` tokens, each after `context`
     cached tokens, through the graph such a step replays when there is one. Requests get blocks of
     their own while the pool has them, then share (the values written are garbage either way)."""
@@ -86,15 +88,15 @@ def time_step(model: Transformer, cache: PagedKVCache, runner: GraphRunner | Non
     ids = [0] * (batch * width)
     rows = list(range(batch * width))
     dev = cache.data.device
-    return _best_time(lambda: forward_logits(model, runner, cache, ids, starts, counts, tables, rows, dev), dev,
-                      repeats)
+    return _best_time(lambda: forward_logits(model, runner, cache, ids, starts, counts, tables, rows, dev, store),
+                      dev, repeats)
 
 
 def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer | None,
                   draft_cache: PagedKVCache | None, max_tokens: int, context: int = 256,
                   repeats: int = 3, *, max_batch: int, max_k: int = 0,
                   graphs: GraphRunner | None = None, draft_graphs: GraphRunner | None = None,
-                  budget_s: float | None = None) -> CostTable:
+                  budget_s: float | None = None, store: StreamStore | None = None) -> CostTable:
     """The cost table: prefill chunks by tokens, decode/verify steps by (batch, width), draft steps by batch."""
     dev = cache.data.device
     if budget_s is None:
@@ -117,7 +119,7 @@ def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer |
     for b, w in cells:
         if over() and steps:
             break  # the rest are extrapolated by ShapeTable.from_samples
-        steps[(b, w)] = time_step(target, cache, graphs, b, w, context, repeats)
+        steps[(b, w)] = time_step(target, cache, graphs, b, w, context, repeats, store)
     drafts = {}
     if draft is not None and draft_cache is not None:
         for b in batches:
@@ -129,12 +131,26 @@ def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer |
 
 
 def profile_worker(worker: Any, max_batch: int, max_tokens: int, max_k: int, context: int = 256) -> CostTable:
-    """The cost table of a built worker: its target, its graphs, and its draft model if it has one."""
+    """The cost table of a built worker: its target, its graphs, and its draft model if it has one
+    (an EAGLE head: its catch-up pass, by positions)."""
     proposer = worker.proposer
     proposer = getattr(proposer, "inner", None) or proposer  # the synthetic proposer wraps a draft model
     draft = getattr(proposer, "model", None)
     has_draft = isinstance(draft, Transformer)
-    return profile_costs(worker.target, worker.cache, draft if has_draft else None,
-                         getattr(proposer, "cache", None) if has_draft else None, max_tokens, context,
-                         max_batch=max_batch, max_k=max_k, graphs=worker.graphs,
-                         draft_graphs=getattr(proposer, "graphs", None) if has_draft else None)
+    table = profile_costs(worker.target, worker.cache, draft if has_draft else None,
+                          getattr(proposer, "cache", None) if has_draft else None, max_tokens, context,
+                          max_batch=max_batch, max_k=max_k, graphs=worker.graphs,
+                          draft_graphs=getattr(proposer, "graphs", None) if has_draft else None,
+                          store=worker.store)
+    if hasattr(proposer, "catch_up_pass"):
+        table.catchup = StepTable.from_samples(time_catch_up(proposer, worker.cache, max_tokens, repeats=3))
+    return table
+
+
+def time_catch_up(proposer: Any, cache: PagedKVCache, max_tokens: int, repeats: int) -> dict[int, float]:
+    """Seconds of an EAGLE head's eager catch-up over n positions of one sequence, n at the bucket edges."""
+    dev = cache.data.device
+    bs = cache.block_size
+    table = list(range(min(-(-max_tokens // bs), cache.num_blocks - 1)))
+    edges = [n for n in BUCKETS if n <= min(max_tokens, len(table) * bs)]
+    return {n: _best_time(lambda n=n: proposer.catch_up_pass(n, table), dev, repeats) for n in edges}

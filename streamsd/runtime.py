@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from streamsd.adaptive import CostTable
 from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig
 from streamsd.model.arch import ModelArgs
 from streamsd.model.kv_cache import PagedKVCache
@@ -23,6 +24,7 @@ from streamsd.model.loader import (
     load_state_dict,
     resolve_model,
 )
+from streamsd.model.stream_store import StreamStore
 from streamsd.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
 from streamsd.spec.base import Proposer
 from streamsd.spec.draft_model import DraftModelProposer
@@ -147,6 +149,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         head = load_head(head_dir(cfg.spec.draft_model, cfg.model), target, device, dtype)
     extra = draft.args if draft else head.spec.args if head else None
     per_token = args.kv_bytes_per_token(dtype) + (extra.kv_bytes_per_token(dtype) if extra else 0)
+    if head is not None:  # the head's streams per KV slot (model/stream_store.py)
+        per_token += StreamStore.bytes_per_token(head.input_layers, args.hidden_size, dtype)
     num_blocks = kv_blocks(cfg, per_token, device)
     # One block more than the scheduler counts: the scratch block CUDA-graph padding writes to.
     cache = PagedKVCache(args, num_blocks + 1, BLOCK_SIZE, dtype, device)
@@ -162,12 +166,15 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     halves = 2 if queues_ahead else 1
     q_pool = torch.zeros(halves * q_slots + 1, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
     proposer: Proposer | None = None
+    store = None if head is None else StreamStore(head.input_layers, args.hidden_size, num_blocks + 1, BLOCK_SIZE,
+                                                  dtype, device)
     if draft is not None and q_pool is not None:
         proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
                                       q_pool, args.vocab_size)
     elif head is not None and q_pool is not None:
+        assert store is not None
         proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
-                                 q_pool)
+                                 q_pool, store)
     elif cfg.spec.method == "ngram":
         proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)
     elif cfg.spec.method is not None:
@@ -180,7 +187,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         max_queue=cfg.max_queue,
         lookahead=cfg.spec.num_tokens + 1 if queues_ahead else 0,
     )
-    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline)
+    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, store=store)
     worker.lookahead.chained = queues_ahead
     if device.type == "cuda":
         from streamsd.model.graphs import setup_cuda
@@ -211,7 +218,6 @@ def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> S
         return FixedPolicy()
     from streamsd.profiling import profile_worker
 
-    proposer = worker.proposer
     t0 = time.perf_counter()
     # Timed in the engine's own step shapes (B requests x 1 + k tokens, its CUDA graphs on a GPU).
     cost = profile_worker(worker, sched.max_num_seqs, sched.max_num_batched_tokens, cfg.spec.num_tokens)
@@ -220,7 +226,14 @@ def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> S
              time.perf_counter() - t0, shape.widths if shape else (),
              {b: [round(t * 1e3, 2) for t in row] for b, row in zip(shape.batches, shape.values, strict=True)}
              if shape else {})
-    return AdaptivePolicy(cfg.spec.num_tokens, cost, draft_has_cache=proposer.keeps_cache,
+    return adaptive_policy(cfg.spec.num_tokens, cost, worker)
+
+
+def adaptive_policy(max_k: int, cost: CostTable, worker: Worker) -> AdaptivePolicy:
+    """The adaptive policy over `cost` for this worker's proposer and pipelining."""
+    proposer = worker.proposer
+    return AdaptivePolicy(max_k, cost, draft_has_cache=getattr(proposer, "keeps_cache", False),
+                          settled_lag=1 if getattr(proposer, "hidden_layers", ()) else 0,
                           queues_ahead=worker.lookahead.queues_speculative)
 
 

@@ -5,8 +5,9 @@ cached drafts of each verifying request) -> verification (verify.py: rejection s
 read of the emitted tokens) -> the next drafts. An EAGLE head's are queued behind the sampler and
 come back in that read; other proposers run after it. Plain decode steps, and speculative steps
 whose proposer drafts on the device, are pipelined (lookahead.py): the next one is queued before
-this one is read. Runs on one dedicated thread; never
-touches asyncio.
+this one is read. An EAGLE engine's plain steps are the plain engine's: the target's streams go to
+the stream store (model/stream_store.py) and the head catches up from there once a request drafts
+again. Runs on one dedicated thread; never touches asyncio.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from streamsd.lookahead import Lookahead, Readback
 from streamsd.model.graphs import GraphRunner
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
+from streamsd.model.stream_store import StreamStore
 from streamsd.request import Request
 from streamsd.spec.base import ProposeItem, Proposer
 from streamsd.step import EntryResult, Scheduled, StepPlan
@@ -28,10 +30,12 @@ from streamsd.verify import Chain, Verified, Verifier
 
 class Worker:
     def __init__(self, target: Transformer, cache: PagedKVCache, proposer: Proposer | None,
-                 q_pool: torch.Tensor | None, device: torch.device, pipeline: bool | None = None):
+                 q_pool: torch.Tensor | None, device: torch.device, pipeline: bool | None = None,
+                 store: StreamStore | None = None):
         self.target = target
         self.cache = cache
         self.proposer = proposer
+        self.store = store  # the target's streams per KV slot, for an EAGLE head (None otherwise)
         self.device = device
         self.vocab = target.args.vocab_size
         # CUDA graphs for decode/verify steps; build_runtime sets them on CUDA.
@@ -46,8 +50,10 @@ class Worker:
 
     def step(self, plan: StepPlan) -> list[EntryResult]:
         try:
-            # An EAGLE head catches up on every step's streams: its plain steps take the full path.
-            if Lookahead.serves(plan.entries) and not getattr(self.proposer, "hidden_layers", ()):
+            # A proposer that reads every step's streams with no store to keep them (the training
+            # data recorder, spec/eagle_data.py) sees them only on the full path.
+            streams_kept = self.store is not None or not getattr(self.proposer, "hidden_layers", ())
+            if Lookahead.serves(plan.entries) and streams_kept:
                 return pipelined.plain_step(self, plan.entries, plan.queue_next)
             if ((Lookahead.chains(plan.entries) or self.lookahead.follows(plan.entries))
                     and hasattr(self.proposer, "chain")):
@@ -62,7 +68,7 @@ class Worker:
         logits, hidden = self._forward(entries)  # [rows, V], [tokens, layers * hidden] | None
         verified = self.verifier.verify([e for e in entries if e.verifies], logits, self._chain(entries, hidden),
                                         self._graph_verified(entries, logits))
-        return self._propose(entries, verified, hidden)
+        return self._propose(entries, verified)
 
     def _graph_verified(self, entries: list[Scheduled], logits: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -82,6 +88,8 @@ class Worker:
             return None
         if not any(e.num_drafts for e in entries) or any(not e.verifies or e.num_tokens != 1 for e in entries):
             return None  # a plain step (the verifier samples, no rejection) or prompt chunks: propose after
+        if self.store is not None and any(e.request.draft_computed < e.start for e in entries):
+            return None  # a head behind (it skipped plain steps) catches up from the store, after the read
         reqs, starts, ks = [e.request for e in entries], [e.start for e in entries], [e.k_next for e in entries]
         counts = [1 + e.num_drafts for e in entries]
         return lambda tokens, accepted: chain(reqs, starts, counts, ks, tokens, accepted, hidden)
@@ -114,26 +122,25 @@ class Worker:
         out = self.target(h2d(ids, torch.int64, self.device), layout, self.cache,
                           h2d(rows, torch.int64, self.device), hidden_layers=layers,
                           hidden_rows=torch.arange(len(ids), device=self.device) if layers else None)
-        return out.logits, torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
+        hidden = torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
+        if hidden is not None and self.store is not None:
+            self.store.write(hidden, layout.slot_mapping)  # a graph's replay does this inside
+        return out.logits, hidden
 
     # -- proposing ------------------------------------------------------------------------------
-    def _propose(self, entries: list[Scheduled], verified: Verified,
-                 hidden: torch.Tensor | None = None) -> list[EntryResult]:
+    def _propose(self, entries: list[Scheduled], verified: Verified) -> list[EntryResult]:
         results: list[EntryResult] = []
         items: list[ProposeItem] = []
         owners: list[int] = []
-        # Each entry's rows of the flat streams [T, layers * hidden] (views), for the proposer that runs
-        # after the read; drafts chained behind the verify already used them (B views a step saved).
-        streams = None
-        if hidden is not None and verified.drafts is None:
-            streams = hidden.split([e.num_tokens + e.num_drafts for e in entries])
+        # A head that reads the store catches every verifying request up whenever the proposer runs
+        # anyway (one call for all), and none in a step where nobody drafts: the genuine plain step.
+        catch_up = self.store is not None and any(e.k_next > 0 for e in entries)
         v = 0
         for i, e in enumerate(entries):
             r = e.request
             if not e.verifies:
                 results.append(EntryResult([], 0, list(r.draft_ids), r.draft_computed))
-                items.append(ProposeItem(r, [], 0, e.start + e.num_tokens, r.draft_computed,
-                                         streams[i] if streams else None, e.start))
+                items.append(ProposeItem(r, [], 0, e.start + e.num_tokens, r.draft_computed))
                 owners.append(i)
                 continue
             new, acc = verified.tokens[v], verified.accepted[v]
@@ -146,12 +153,9 @@ class Worker:
                 v += 1
                 continue
             v += 1
-            # A head that reads hidden states catches up even when it drafts nothing this step (k
-            # chosen per step): those states exist only now.
-            if (e.k_next > 0 or (streams and r.spec_k > 0)) and not _will_stop(r, new):
+            if (e.k_next > 0 or (catch_up and r.spec_k > 0)) and not _will_stop(r, new):
                 items.append(ProposeItem(r, [*r.prompt_ids, *r.output_ids, *new], e.k_next, computed,
-                                         min(r.draft_computed, computed),
-                                         streams[i] if streams else None, e.start))
+                                         min(r.draft_computed, computed)))
                 owners.append(i)
         if self.proposer is None:
             return results

@@ -26,6 +26,7 @@ from streamsd.adaptive import (
     plan,
 )
 from streamsd.adaptive.beta import beta_quantile, beta_quantile_approx
+from streamsd.adaptive.cost import StepTable
 from streamsd.adaptive.planner import expected_tokens
 from streamsd.adaptive.shape import ShapeTable
 from streamsd.adaptive.simulator import SimConfig, simulate
@@ -405,6 +406,39 @@ def test_eager_table_counts_the_batch_and_interpolates() -> None:
     assert cost.predict(64, 192, 2) == pytest.approx(1e-3 + 2e-4 * 64 + 3e-5 * 192)  # linear in tokens
     assert samples[(16, 1)] < cost.predict(40, 40, 0) < samples[(64, 1)]  # linear between batch edges
     assert cost.predict(128, 128, 0) == pytest.approx(2 * samples[(64, 1)])  # proportional past the last
+
+
+def test_an_eagle_heads_catch_up_is_priced_by_its_own_table() -> None:
+    # A draft model replays missed KV inside its first draft forward (batch + lag tokens); an EAGLE head
+    # has no draft table (its chain is learnt per key) and replays in a pass of its own.
+    draft = CostTable.from_samples({1: 4e-3, 64: 5e-3}, {1: 1e-3, 64: 2e-3})
+    assert draft.predict(1, 5, 4, draft_extra_tokens=40) == pytest.approx(5e-3 + 2e-3 + 3 * 1e-3)
+    head = CostTable.from_samples({1: 4e-3, 64: 5e-3})
+    head.catchup = StepTable.from_samples({1: 2e-4, 16: 3e-4, 64: 6e-4})
+    assert head.predict(1, 5, 4) == pytest.approx(5e-3)
+    assert head.predict(1, 5, 4, draft_extra_tokens=40) == pytest.approx(5e-3 + 6e-4)
+    assert head.predict(1, 5, 4, draft_extra_tokens=128) == pytest.approx(5e-3 + 2 * 6e-4)  # proportional past
+
+
+def test_an_eagle_heads_settled_lag_is_no_catch_up() -> None:
+    # A caught-up head lacks only the pending token's slot (its streams come with the next verify):
+    # the planner must price no catch-up there, and every position of a plain stretch beyond it.
+    from streamsd.policy import AdaptivePolicy
+    from streamsd.request import Request, SamplingParams
+
+    extra = []
+    for behind in (0, 7):
+        cost = CostTable.from_samples({1: 4e-3, 64: 5e-3})
+        cost.catchup = StepTable.from_samples({1: 1e-4, 64: 4e-4})
+        policy = AdaptivePolicy(4, cost, draft_has_cache=True, settled_lag=1)
+        r = Request("a", list(range(10)), SamplingParams(max_tokens=50), seed=0, arrival=0.0, spec_k=4)
+        r.output_ids.append(5)
+        r.computed = r.num_tokens - 1
+        r.draft_computed = r.computed - behind
+        decision = policy.choose([r], 0, False)
+        assert decision.ks["a"] > 0  # a cold prior probes
+        extra.append(decision.draft_extra_tokens)
+    assert extra == [0, 7]
 
 
 def test_shape_table_fills_untimed_cells_pessimistically_and_stays_monotone() -> None:

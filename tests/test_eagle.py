@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from streamsd import LLM, SamplingParams
 from streamsd.model.loader import ModelLoadError
+from streamsd.policy import FixedPolicy
 from streamsd.runtime import load_model
 from streamsd.spec.eagle_ckpt import load_head, new_head, save_head
 from streamsd.spec.eagle_data import Sample, attach_streams
@@ -151,25 +152,87 @@ def test_engine_drafts_are_what_training_time_test_predicts(tiny_model_dir, head
 
     proposer._draft_loop = recording
     res = {r.request_id: r for r in llm.generate(PROMPTS, greedy_params())}
+    checked = _check_drafts_against_ttt(llm, res, calls)
+    assert checked[0] > 20 and checked[1] > 0, checked
+
+
+def _check_drafts_against_ttt(llm: LLM, res: dict, calls: list[tuple[str, int, list[int]]]) -> list[int]:
+    """Asserts that 97 % of the drafts checkable (earlier ones right) at each depth equal the head's
+    training-time prediction at their slot over the finished answers; returns how many were checked."""
+    proposer = llm.core.rt.worker.proposer
     head, target = proposer.head, llm.core.rt.worker.target
     preds = {}
     for rid, r in res.items():
         s = Sample(r.prompt_token_ids + r.outputs[0].token_ids, len(r.prompt_token_ids))
         attach_streams(target, [s], head.input_layers, dtype=torch.float32)
         with torch.no_grad():
-            outs = ttt_outputs(head, torch.tensor([s.ids]), s.streams[None], 4)
+            outs = ttt_outputs(head, torch.tensor([s.ids], device=s.streams.device), s.streams[None], 4)
         preds[rid] = (s.ids, [head.target_logits(o[0]).argmax(-1).tolist() for o in outs])  # row p -> token p + 2
     same, checked = [0] * 4, [0] * 4
     for rid, n, drafts in calls:
         ids, pred = preds[rid]
         anchor = n - 2  # the last caught-up slot: the target's h and the last token
-        for j, d in enumerate(drafts):
+        for j, d in enumerate(drafts[:4]):
             if anchor + j + 2 >= len(ids) or (j and drafts[j - 1] != ids[anchor + j + 1]):
                 break
             checked[j] += 1
             same[j] += pred[j][anchor + j] == d
-    assert checked[0] > 20 and checked[1] > 0, checked
     assert all(s >= 0.97 * c for s, c in zip(same, checked, strict=True)), (same, checked)
+    return checked
+
+
+class _Alternating(FixedPolicy):
+    """`plain` steps at k = 0 for every request, then `spec` steps at the request's k, and again."""
+
+    def __init__(self, plain: int, spec: int):
+        self.plain, self.spec, self.steps, self.speculating = plain, spec, 0, False
+
+    def choose(self, decoding, prefill_tokens, backlog):
+        self.steps += 1
+        self.speculating = (self.steps - 1) % (self.plain + self.spec) >= self.plain
+        return super().choose(decoding, prefill_tokens, backlog)
+
+    def default_k(self, r):
+        return super().default_k(r) if self.speculating else 0
+
+
+@pytest.mark.parametrize("engine", [
+    "eager", "graph_body",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_a_head_resuming_after_plain_steps_catches_up_from_the_stream_store(tiny_model_dir, heads, reference,
+                                                                            engine):
+    """Plain stretches of an EAGLE engine are the plain engine's steps: queued ahead, no propose call,
+    the target's streams kept in the stream store. A head resuming after one catches up on every
+    position it skipped (more than a graph's width: eagerly, then the graph body) and drafts what the
+    head's training-time test predicts at that slot, as if it had followed every step; greedy output
+    equal to the target's; nothing leaked."""
+    graph_body = engine == "graph_body"  # on CUDA: real graphs, the store written inside the target's
+    make = _chained_engine if graph_body else (lambda d, h, **kw: LLM(
+        str(d), speculative_method="eagle", draft_model=str(h), num_speculative_tokens=4, **kw))
+    cuda = dict(device="cuda", dtype="float32", kv_cache_tokens=4096) if engine == "cuda" else {}
+    llm = make(tiny_model_dir, heads["eagle3"], pipeline=True, **cuda)
+    llm.core.scheduler.policy = _Alternating(plain=6, spec=2)
+    worker = llm.core.rt.worker
+    proposer = worker.proposer
+    resumed: list[tuple[str, int, list[int]]] = []  # drafts made right after a catch-up over skipped positions
+    propose = proposer.propose
+
+    def recording(items):
+        out = propose(items)
+        resumed.extend((it.request.request_id, len(it.tokens), p.draft_ids) for it, p in zip(items, out, strict=True)
+                       if it.k > 0 and it.upto - it.draft_computed >= 6)
+        return out
+
+    proposer.propose = recording
+    out = llm.generate(PROMPTS, greedy_params())
+    assert [r.outputs[0].token_ids for r in out] == reference
+    assert worker.lookahead.taken > 0  # plain steps were queued ahead
+    if proposer.graphs is not None:
+        assert proposer.graphs.width < 6  # so each resume took the eager catch-up, then the graph
+    checked = _check_drafts_against_ttt(llm, {r.request_id: r for r in out}, resumed)
+    assert checked[0] >= 4 and checked[1] > 0, checked
+    _assert_free(llm)
 
 
 def test_eagle_under_preemption_and_mixed_batch(tiny_model_dir, heads, reference):

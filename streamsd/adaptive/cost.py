@@ -7,7 +7,8 @@ A step over B decoding requests that speculate k_i drafts each costs
 where N = B + Σ k_i (+ prefill chunk tokens) is the number of tokens the target verifies, k the
 number of sequential draft steps (the largest k_i), B_d the number of requests that draft and c
 the draft-KV catch-up tokens of requests resuming speculation (folded into the first draft
-forward, which is where the engine replays them).  A plain step (every k_i = 0) pays only the
+forward, which is where the engine replays them; an EAGLE head replays them in a pass of its own,
+priced by the ``catchup`` table).  A plain step (every k_i = 0) pays only the
 first two terms: it is the engine's genuine plain step, with no drafter and no rejection sampler.
 
 Why a measured table and not acceptance alone: whether speculation pays is a question of where N
@@ -110,6 +111,9 @@ class CostTable:
     seen: dict[CorrectionKey, int] = field(default_factory=dict)
     observations: int = 0
     shape: ShapeTable | None = None  # the engine's own step shape, when profiled (see the module doc)
+    # Seconds to catch a head up on n positions it skipped (an EAGLE head resuming after plain steps:
+    # its own pass, not a draft forward), by n; empty where catch-up rides on the draft forward.
+    catchup: StepTable = field(default_factory=StepTable)
     # The last three samples per key (``_GLOBAL`` for the global ratio): see the module doc.
     recent: dict[CorrectionKey, list[float]] = field(default_factory=dict)
 
@@ -163,8 +167,10 @@ class CostTable:
         t = self._verify_seconds(batch_size, verify_tokens, width - 1, prefill_tokens)
         if draft_steps_k > 0:
             drafting = batch_size if draft_batch is None else draft_batch
-            t += self.spec_overhead_s + self.draft(drafting + draft_extra_tokens)
+            own_pass = bool(self.catchup.keys)
+            t += self.spec_overhead_s + self.draft(drafting + (0 if own_pass else draft_extra_tokens))
             t += (draft_steps_k - 1) * self.draft(drafting)
+            t += self.catchup(draft_extra_tokens) if own_pass else 0.0
         return t
 
     def _verify_seconds(self, batch: int, tokens: int, drafts: int, prefill: int) -> float:

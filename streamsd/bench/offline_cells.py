@@ -20,7 +20,7 @@ from streamsd.bench import offline_run as R
 from streamsd.config import SpecConfig
 from streamsd.policy import AdaptivePolicy
 from streamsd.profiling import profile_worker
-from streamsd.runtime import Runtime
+from streamsd.runtime import Runtime, adaptive_policy
 
 PlainRerun = Callable[[], R.PassResult]
 WARM_PASSES = 3  # at most: synthetic warm-up passes that record oracle branches
@@ -61,9 +61,7 @@ class Policies:
                             for b, row in zip(shape.batches, shape.values, strict=True)} if shape else {},
                 "cells_timed": shape.timed if shape else 0,
             }
-        policy = AdaptivePolicy(self.k, copy.deepcopy(self.cost),
-                                draft_has_cache=getattr(rt.worker.proposer, "keeps_cache", False),
-                                queues_ahead=rt.worker.lookahead.queues_speculative)
+        policy = adaptive_policy(self.k, copy.deepcopy(self.cost), rt.worker)
         if priors is not None:
             policy.estimator.priors = copy.deepcopy(priors)
         return dataclasses.replace(rt, policy=policy)

@@ -15,7 +15,8 @@ Graphs of one runner share a memory pool: they never run concurrently, and each 
 
 A runner made with `hidden_layers` (the streams an EAGLE head reads) captures them too: each
 graph's static output then also holds the residual streams entering those layers at every token
-slot, [T, layers * hidden], concatenated inside the graph exactly as the eager worker does.
+slot, [T, layers * hidden], concatenated inside the graph exactly as the eager worker does, and
+writes them into the engine's stream store at the tokens' KV slots (model/stream_store.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
+from streamsd.model.stream_store import StreamStore
 from streamsd.sampling.greedy import greedy_verify
 
 log = logging.getLogger("streamsd")
@@ -59,8 +61,10 @@ class _Graph:
 
 class GraphRunner:
     def __init__(self, model: Transformer, cache: PagedKVCache, scratch_block: int, cfg: GraphConfig,
-                 device: torch.device, hidden_layers: tuple[int, ...] = (), verifies: bool = True):
+                 device: torch.device, hidden_layers: tuple[int, ...] = (), verifies: bool = True,
+                 store: StreamStore | None = None):
         self.model = model
+        self.store = store  # where each replay also writes the streams it captured
         self.verifies = verifies  # its Q > 1 graphs verify greedily too (a draft model's catch-ups do not)
         self.hidden_layers = hidden_layers  # streams every graph of this runner captures (ascending)
         self.cache = cache
@@ -159,6 +163,8 @@ class GraphRunner:
             out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
             logits = out.logits  # [T, V]
             hidden = torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
+            if hidden is not None and self.store is not None:
+                self.store.write(hidden, layout.slot_mapping)  # padding tokens: the scratch block's rows
             greedy = greedy_verify(logits, ids, qs, bucket, width) if width > 1 and self.verifies else None  # [B, Q], [B]
         # Every tensor made outside the capture and read by the graph is kept here: once freed, the
         # caching allocator hands its memory to eager work and the next replay reads garbage.
@@ -219,14 +225,21 @@ def static_layout(packed: torch.Tensor, block_table: torch.Tensor, bucket: int, 
 
 def forward_logits(model: Transformer, graphs: GraphRunner | None, cache: PagedKVCache,
                    ids: list[int] | torch.Tensor, starts: list[int], counts: list[int], tables: list[list[int]],
-                   rows: list[int], device: torch.device) -> torch.Tensor:
-    """Logits [len(rows), V] of one forward, through a graph when one fits, else eagerly."""
+                   rows: list[int], device: torch.device, store: StreamStore | None = None) -> torch.Tensor:
+    """Logits [len(rows), V] of one forward, through a graph when one fits, else eagerly. `store`:
+    the target's stream store (an EAGLE engine), written by this forward too (a graph's does it)."""
     key = graphs.key_for(counts, tables) if graphs is not None else None
     if graphs is not None and key is not None:
         return graphs.run(key, ids, starts, counts, tables, rows)
     layout = BatchLayout.build(starts, counts, tables, cache.block_size, device)
     ids_t = ids if isinstance(ids, torch.Tensor) else h2d(ids, torch.int64, device)
-    return model(ids_t, layout, cache, h2d(rows, torch.int64, device)).logits
+    if store is None:
+        return model(ids_t, layout, cache, h2d(rows, torch.int64, device)).logits
+    out = model(ids_t, layout, cache, h2d(rows, torch.int64, device), hidden_layers=store.layers,
+                hidden_rows=torch.arange(ids_t.shape[0], device=device))
+    assert out.hidden is not None
+    store.write(torch.cat(out.hidden, dim=-1), layout.slot_mapping)
+    return out.logits
 
 
 def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool) -> None:
@@ -262,7 +275,7 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
                                                                                             min(3, k + 1), k + 1})))
     # An EAGLE head reads the target's streams at every verified token: its graphs return them too.
     worker.graphs = GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device,
-                                hidden_layers=tuple(getattr(proposer, "hidden_layers", ())))
+                                hidden_layers=tuple(getattr(proposer, "hidden_layers", ())), store=worker.store)
     if isinstance(draft, Transformer) and hasattr(proposer, "graphs"):
         proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, cfg, worker.device, verifies=False)
     if hasattr(proposer, "enable_graphs"):  # an EAGLE head: catch-up and draft chain in one graph

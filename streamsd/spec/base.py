@@ -9,7 +9,7 @@ the request's `greedy_draft` flag.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from streamsd.request import Request
 
@@ -21,11 +21,6 @@ class ProposeItem:
     k: int  # drafts wanted; 0 = only keep the proposer's own state (cache) up to `upto`
     upto: int  # tokens the target has computed; a draft model may catch its cache up to here
     draft_computed: int  # tokens the proposer's cache validly holds now
-    # Only for proposers with `hidden_layers` (EAGLE): the target's residual streams at those
-    # layers, side by side, for the positions this step computed: [n, layers * hidden] from
-    # position `hidden_start` (rows past `upto` belong to rejected drafts).
-    hidden: Any = None
-    hidden_start: int = 0
 
 
 @dataclass(slots=True)

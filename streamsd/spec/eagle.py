@@ -2,15 +2,17 @@
 
 The head's cache slot t holds its layer's K/V for (target h_t, token t + 1) at position t, in
 the request's own blocks (one table for target, draft model or head). Each call first catches the
-head up on the slots the verify pass (or a prefill chunk) made possible: positions up to
-`upto - 1`, whose hidden states the worker hands over in `ProposeItem.hidden`. The last of them
-gives the first draft; drafts 2..k feed the head's own output back as h. Those draft slots hold
-the head's guesses, not the target's states, so they are never kept: `draft_computed` reports
-only the caught-up slots and the next call recomputes the accepted ones from the target's states.
+head up on every slot it lacks: positions `draft_computed` .. `upto - 1`, whose hidden states the
+target's forwards left in the stream store (model/stream_store.py). Usually those are the slots the
+last verify pass made possible; after plain steps, which ran the target alone, every position they
+decoded too. The last slot gives the first draft; drafts 2..k feed the head's own output back as h.
+Those draft slots hold the head's guesses, not the target's states, so they are never kept:
+`draft_computed` reports only the caught-up slots and the next call recomputes the accepted ones.
 
 Drafts follow the draft policy (spec/drafting.py). On CUDA the layer runs on fused kernels
 (spec/eagle_fast.py) and a call is one graph replay, greedy or sampled drafts alike
-(spec/eagle_graphs.py); catch-ups over prefill chunks run eagerly. `chain` queues that replay
+(spec/eagle_graphs.py); catch-ups longer than a graph takes (prefill chunks, resuming after plain
+steps) run eagerly up to their last slot, and the graph does the rest. `chain` queues that replay
 straight behind the verify, before the host has read which drafts passed (the worker's fast path).
 """
 
@@ -25,6 +27,7 @@ from streamsd.lookahead import pair_slot
 from streamsd.model.attention import paged_attention_reference
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
+from streamsd.model.stream_store import StreamStore
 from streamsd.request import Request
 from streamsd.spec.base import Proposal, ProposeItem
 from streamsd.spec.drafting import DraftPicker
@@ -39,8 +42,10 @@ class EagleProposer:
     dense = True
     keeps_cache = True
 
-    def __init__(self, head: EagleHead, target: Transformer, cache: PagedKVCache, q_pool: torch.Tensor):
+    def __init__(self, head: EagleHead, target: Transformer, cache: PagedKVCache, q_pool: torch.Tensor,
+                 store: StreamStore):
         self.head = head
+        self.store = store  # the target's streams per KV slot, written by its every forward
         self.target = target
         self.cache = cache  # one layer: [1, 2, NB, BS, KVH, D]
         self.q_pool = q_pool  # [slots, K, V]
@@ -114,57 +119,86 @@ class EagleProposer:
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         results = [Proposal([], it.draft_computed) for it in items]
-        work, starts, counts, ids, feats = [], [], [], [], []
-        for i, it in enumerate(items):
-            if it.hidden is None:
-                continue
-            # The worker hands over every verified step's states, so a gap before `hidden_start`
-            # should not occur; if it did, those slots stay stale: acceptance suffers, never exactness.
-            start = max(it.draft_computed, it.hidden_start)
-            end = min(it.upto, it.hidden_start + it.hidden.shape[0])
-            if end <= start:
-                continue
-            tokens = it.tokens if it.tokens else it.request.all_ids
-            work.append((i, it))
-            starts.append(start)
-            counts.append(end - start)
-            ids.extend(tokens[start + 1 : end + 1])
-            feats.append(it.hidden[start - it.hidden_start : end - it.hidden_start])
+        # (item index, item, first slot to compute, slots): what each head lacks of what the target has.
+        work = [(i, it, it.draft_computed, it.upto - it.draft_computed) for i, it in enumerate(items)
+                if it.upto > it.draft_computed]
+        if self.graphs is not None and any(n > self.graphs.width for *_, n in work):
+            work = self._catch_up_long(work, results)
         if not work:
             return results
+        starts = [s for _, _, s, _ in work]
+        counts = [n for *_, n in work]
+        tables = [it.request.blocks for _, it, _, _ in work]
+        ids = [t for _, it, s, n in work for t in _tokens(it)[s + 1 : s + n + 1]]
+        feats = self.store.read(tables, starts, counts)  # [sum(counts), layers * Ht]
         # Draft only from a fully caught-up slot (a prefill chunk may stop short of the prompt's end).
-        wants = [it.k if it.k > 0 and s + c == it.upto else 0 for (_, it), s, c in zip(work, starts, counts, strict=True)]
-        tables = [it.request.blocks for _, it in work]
+        wants = [it.k if it.k > 0 and s + n == it.upto else 0 for _, it, s, n in work]
         key = rows = None
         if self.graphs is not None:
-            sampling = any(k and not it.request.greedy_draft for (_, it), k in zip(work, wants, strict=True))
-            rows = [self._draw(it.request, k) for (_, it), k in zip(work, wants, strict=True)] if sampling else None
+            sampling = any(k and not it.request.greedy_draft for (_, it, _, _), k in zip(work, wants, strict=True))
+            rows = [self._draw(it.request, k) for (_, it, _, _), k in zip(work, wants, strict=True)] \
+                if sampling else None
             key = self.graphs.key_for(counts, tables, max(wants), rows)
         if key is not None:
             assert self.graphs is not None
-            out = self.graphs.run(key, ids, torch.cat(feats), starts, counts, tables, wants,
-                                  [len(it.tokens) for _, it in work], rows)  # [n, steps]
+            out = self.graphs.run(key, ids, feats, starts, counts, tables, wants,
+                                  [len(it.tokens) for _, it, _, _ in work], rows)  # [n, steps]
             # A catch-up-only call (every k = 0: the policy chose a plain step) has nothing to read back.
             drafts = out.tolist() if max(wants) else [[] for _ in work]
-            for w, (i, _) in enumerate(work):
-                results[i] = Proposal(drafts[w][: wants[w]], starts[w] + counts[w])
+            for w, (i, _, s, n) in enumerate(work):
+                results[i] = Proposal(drafts[w][: wants[w]], s + n)
             return results
-        dev = self.device
-        layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, dev)
-        out = self._run(h2d(ids, torch.int64, dev), self.head.features(torch.cat(feats)), layout)  # [T, H]
-        for w, (i, _) in enumerate(work):
-            results[i] = Proposal([], starts[w] + counts[w])
+        out = self._run_slots(ids, feats, starts, counts, tables)  # [T, H]
+        for i, _, s, n in work:
+            results[i] = Proposal([], s + n)
         drafting = [w for w in range(len(work)) if wants[w]]
         if not drafting:
             return results
         ends = list(itertools.accumulate(counts))
-        last = h2d([ends[w] - 1 for w in drafting], torch.int64, dev)  # [Bd] last row of each drafting item
+        last = h2d([ends[w] - 1 for w in drafting], torch.int64, self.device)  # [Bd] last row of each drafting item
         draft_items = [work[w][1] for w in drafting]
         host = self._draft_loop(draft_items, out.index_select(0, last)).tolist()  # [Bd, K]
         for row, w in enumerate(drafting):
-            i, it = work[w]
+            i, it, _, _ = work[w]
             results[i] = Proposal(host[row][: it.k], it.upto)
         return results
+
+    def _catch_up_long(self, work: list[tuple[int, ProposeItem, int, int]], results: list[Proposal]
+                       ) -> list[tuple[int, ProposeItem, int, int]]:
+        """Catch-ups wider than the graphs take, eagerly: all of a non-drafting item's slots, all but
+        the last of a drafting one's (the graph then runs that slot and the drafts). Returns the work
+        left for the graph."""
+        assert self.graphs is not None
+        width = self.graphs.width
+        eager, left = [], []
+        for i, it, s, n in work:
+            if n <= width:
+                left.append((i, it, s, n))
+                continue
+            now = n - 1 if it.k > 0 else n
+            eager.append((i, it, s, now))
+            results[i] = Proposal([], s + now)
+            if now < n:
+                left.append((i, it, s + now, n - now))
+        starts, counts = [s for _, _, s, _ in eager], [n for *_, n in eager]
+        tables = [it.request.blocks for _, it, _, _ in eager]
+        ids = [t for _, it, s, n in eager for t in _tokens(it)[s + 1 : s + n + 1]]
+        self._run_slots(ids, self.store.read(tables, starts, counts), starts, counts, tables)
+        return left
+
+    def _run_slots(self, ids: list[int], feats: torch.Tensor, starts: list[int], counts: list[int],
+                   tables: list[list[int]]) -> torch.Tensor:
+        """The head's layer, eagerly, over counts[i] slots from starts[i] of each sequence (their K/V
+        written): ids [T] the tokens after those slots, feats [T, layers * Ht] -> [T, H]."""
+        layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
+        return self._run(h2d(ids, torch.int64, self.device), self.head.features(feats), layout)
+
+    @torch.inference_mode()
+    def catch_up_pass(self, n: int, table: list[int]) -> torch.Tensor:
+        """One eager catch-up over n slots of one sequence (its blocks `table`): what resuming after
+        n plain positions costs (the planner's catch-up table, profiling.py). Writes garbage K/V there."""
+        ids = [0] * n
+        return self._run_slots(ids, self.store.read([table], [0], [n]), [0], [n], [table])
 
     def _draw(self, r: Request, k: int, paired: bool = False) -> DraftRow:
         """`paired`: q into the request's other pool row (a verify queued ahead: lookahead.pair_slot)."""
@@ -198,3 +232,8 @@ class EagleProposer:
                                        self.cache.block_size, dev)
             h = self._run(tok.index_select(0, sel), h.index_select(0, sel), layout)  # [A, H]
         return drafts
+
+
+def _tokens(it: ProposeItem) -> list[int]:
+    """Every known token of the item's request (a prefill chunk's item carries none of its own)."""
+    return it.tokens if it.tokens else it.request.all_ids
