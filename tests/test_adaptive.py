@@ -349,6 +349,21 @@ def _graph_shape() -> ShapeTable:
     return ShapeTable.from_samples(samples, padded=True)
 
 
+def test_a_step_with_a_prompt_chunk_learns_one_correction_for_every_k() -> None:
+    # Steps carrying a prompt chunk run eagerly and the token table's error there is the chunk's: what a
+    # drafting one teaches must price the plain one too, or drafts seem to make the chunk cheaper.
+    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape())
+    chunk = 2048
+    raw_spec = cost.predict_raw(64, 64 + 64 + chunk, 1, prefill_tokens=chunk)
+    for _ in range(6):
+        cost.observe(raw_spec, raw_spec / 3, verify_tokens=64 + 64 + chunk, draft_steps_k=1, batch_size=64,
+                     prefill_tokens=chunk)
+    raw_plain = cost.predict_raw(64, 64 + chunk, 0, prefill_tokens=chunk)
+    assert cost.predict(64, 64 + chunk, 0, prefill_tokens=chunk) == pytest.approx(raw_plain / 3, rel=0.02)
+    assert cost.predict(64, 64 + 64 + chunk, 1, prefill_tokens=chunk) >= cost.predict(64, 64 + chunk, 0,
+                                                                                          prefill_tokens=chunk)
+
+
 def test_graph_table_prices_the_graph_a_step_replays() -> None:
     cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape())
     # Any speculation replays the width-5 graph: k = 1 costs what k = 4 costs, flat within a bucket.
