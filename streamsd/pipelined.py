@@ -15,6 +15,7 @@ from streamsd.lookahead import Lookahead, pair_slot
 from streamsd.model.device_layout import DeviceStarts
 from streamsd.model.graphs import forward_logits
 from streamsd.model.kv_cache import BatchLayout, h2d
+from streamsd.model.stream_store import keep_streams
 from streamsd.step import EntryResult, Scheduled
 from streamsd.verify import Verified, unpack
 
@@ -142,7 +143,4 @@ def _forward_at(w: Worker, entries: list[Scheduled], src: DeviceStarts
     layout = BatchLayout.build(src.starts.tolist(), counts, tables, w.cache.block_size, w.device)
     out = w.target(ids, layout, w.cache, torch.tensor(rows), hidden_layers=layers,
                    hidden_rows=torch.arange(len(rows)) if layers else None)
-    hidden = torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
-    if hidden is not None and w.store is not None:
-        w.store.write(hidden, layout.slot_mapping)
-    return out.logits, hidden
+    return out.logits, keep_streams(out.hidden, layout.slot_mapping, w.store)  # [T, layers * hidden] | None

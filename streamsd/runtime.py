@@ -166,13 +166,11 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     halves = 2 if queues_ahead else 1
     q_pool = torch.zeros(halves * q_slots + 1, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
     proposer: Proposer | None = None
-    store = None if head is None else StreamStore(head.input_layers, args.hidden_size, num_blocks + 1, BLOCK_SIZE,
-                                                  dtype, device)
     if draft is not None and q_pool is not None:
         proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
                                       q_pool, args.vocab_size)
     elif head is not None and q_pool is not None:
-        assert store is not None
+        store = StreamStore(head.input_layers, args.hidden_size, (num_blocks + 1) * BLOCK_SIZE, dtype, device)
         proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
                                  q_pool, store)
     elif cfg.spec.method == "ngram":
@@ -187,7 +185,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         max_queue=cfg.max_queue,
         lookahead=cfg.spec.num_tokens + 1 if queues_ahead else 0,
     )
-    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, store=store)
+    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline)
     worker.lookahead.chained = queues_ahead
     if device.type == "cuda":
         from streamsd.model.graphs import setup_cuda

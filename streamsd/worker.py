@@ -21,7 +21,7 @@ from streamsd.lookahead import Lookahead, Readback
 from streamsd.model.graphs import GraphRunner
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
-from streamsd.model.stream_store import StreamStore
+from streamsd.model.stream_store import StreamStore, keep_streams
 from streamsd.request import Request
 from streamsd.spec.base import ProposeItem, Proposer
 from streamsd.step import EntryResult, Scheduled, StepPlan
@@ -30,12 +30,10 @@ from streamsd.verify import Chain, Verified, Verifier
 
 class Worker:
     def __init__(self, target: Transformer, cache: PagedKVCache, proposer: Proposer | None,
-                 q_pool: torch.Tensor | None, device: torch.device, pipeline: bool | None = None,
-                 store: StreamStore | None = None):
+                 q_pool: torch.Tensor | None, device: torch.device, pipeline: bool | None = None):
         self.target = target
         self.cache = cache
         self.proposer = proposer
-        self.store = store  # the target's streams per KV slot, for an EAGLE head (None otherwise)
         self.device = device
         self.vocab = target.args.vocab_size
         # CUDA graphs for decode/verify steps; build_runtime sets them on CUDA.
@@ -47,6 +45,11 @@ class Worker:
         # Pipelined plain steps: on by default where the device runs ahead of the host (CUDA).
         self.lookahead = Lookahead(cache.block_size, device.type == "cuda" if pipeline is None else pipeline)
         self.readback = Readback(device)
+
+    @property
+    def store(self) -> StreamStore | None:
+        """The target's streams per KV slot, kept for an EAGLE head (None for other proposers)."""
+        return getattr(self.proposer, "store", None)
 
     def step(self, plan: StepPlan) -> list[EntryResult]:
         try:
@@ -122,10 +125,8 @@ class Worker:
         out = self.target(h2d(ids, torch.int64, self.device), layout, self.cache,
                           h2d(rows, torch.int64, self.device), hidden_layers=layers,
                           hidden_rows=torch.arange(len(ids), device=self.device) if layers else None)
-        hidden = torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
-        if hidden is not None and self.store is not None:
-            self.store.write(hidden, layout.slot_mapping)  # a graph's replay does this inside
-        return out.logits, hidden
+        # [T, layers * hidden] | None; a graph's replay writes the store inside
+        return out.logits, keep_streams(out.hidden, layout.slot_mapping, self.store)
 
     # -- proposing ------------------------------------------------------------------------------
     def _propose(self, entries: list[Scheduled], verified: Verified) -> list[EntryResult]:

@@ -30,7 +30,7 @@ import torch
 from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
-from streamsd.model.stream_store import StreamStore
+from streamsd.model.stream_store import StreamStore, keep_streams
 from streamsd.sampling.greedy import greedy_verify
 
 log = logging.getLogger("streamsd")
@@ -162,9 +162,8 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
             logits = out.logits  # [T, V]
-            hidden = torch.cat(out.hidden, dim=-1) if out.hidden else None  # [T, layers * hidden]
-            if hidden is not None and self.store is not None:
-                self.store.write(hidden, layout.slot_mapping)  # padding tokens: the scratch block's rows
+            # [T, layers * hidden] | None, into the store too (padding tokens: the scratch block's rows)
+            hidden = keep_streams(out.hidden, layout.slot_mapping, self.store)
             greedy = greedy_verify(logits, ids, qs, bucket, width) if width > 1 and self.verifies else None  # [B, Q], [B]
         # Every tensor made outside the capture and read by the graph is kept here: once freed, the
         # caching allocator hands its memory to eager work and the next replay reads garbage.
@@ -237,8 +236,7 @@ def forward_logits(model: Transformer, graphs: GraphRunner | None, cache: PagedK
         return model(ids_t, layout, cache, h2d(rows, torch.int64, device)).logits
     out = model(ids_t, layout, cache, h2d(rows, torch.int64, device), hidden_layers=store.layers,
                 hidden_rows=torch.arange(ids_t.shape[0], device=device))
-    assert out.hidden is not None
-    store.write(torch.cat(out.hidden, dim=-1), layout.slot_mapping)
+    keep_streams(out.hidden, layout.slot_mapping, store)
     return out.logits
 
 

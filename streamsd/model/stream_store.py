@@ -13,20 +13,16 @@ write both, at the same slots, so a rejected draft's slot is rewritten before an
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-
-from streamsd.model.kv_cache import h2d
 
 
 class StreamStore:
-    """[num_blocks * block_size, len(layers) * hidden] streams, one row per KV slot."""
+    """[num_slots, len(layers) * hidden] streams, one row per flat KV slot."""
 
-    def __init__(self, layers: tuple[int, ...], hidden: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, layers: tuple[int, ...], hidden: int, num_slots: int, dtype: torch.dtype,
+                 device: torch.device):
         self.layers = layers  # the target layers whose input streams are kept, ascending
-        self.block_size = block_size
-        self.data = torch.zeros(num_blocks * block_size, len(layers) * hidden, dtype=dtype, device=device)
+        self.data = torch.zeros(num_slots, len(layers) * hidden, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(layers: tuple[int, ...], hidden: int, dtype: torch.dtype) -> int:
@@ -36,16 +32,18 @@ class StreamStore:
         """streams [T, layers * hidden] at the flat KV slots [T]."""
         self.data.index_copy_(0, slots, streams.to(self.data.dtype))
 
-    def read(self, tables: list[list[int]], starts: list[int], counts: list[int]) -> torch.Tensor:
-        """The streams of positions starts[i] .. starts[i] + counts[i] - 1 of each sequence (its block
-        table tables[i]), packed in that order: [sum(counts), layers * hidden]."""
-        slots = torch.from_numpy(self.slots(tables, starts, counts))
-        return self.data.index_select(0, h2d(slots, torch.int64, self.data.device))
+    def gather(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The streams at the flat KV slots [T] (a layout's slot mapping): [T, layers * hidden]."""
+        return torch.index_select(self.data, 0, slots, out=out) if out is not None else self.data.index_select(0, slots)
 
-    def slots(self, tables: list[list[int]], starts: list[int], counts: list[int]) -> np.ndarray:
-        bs = self.block_size
-        out = []
-        for table, start, n in zip(tables, starts, counts, strict=True):
-            pos = np.arange(start, start + n)
-            out.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+def keep_streams(hidden: list[torch.Tensor] | None, slots: torch.Tensor, store: StreamStore | None
+                 ) -> torch.Tensor | None:
+    """A forward's captured streams side by side, [T, layers * hidden] (None when it captured none),
+    also written into `store` at the tokens' KV slots [T] when there is one."""
+    if not hidden:
+        return None
+    streams = torch.cat(hidden, dim=-1)
+    if store is not None:
+        store.write(streams, slots)
+    return streams

@@ -130,7 +130,6 @@ class EagleProposer:
         counts = [n for *_, n in work]
         tables = [it.request.blocks for _, it, _, _ in work]
         ids = [t for _, it, s, n in work for t in _tokens(it)[s + 1 : s + n + 1]]
-        feats = self.store.read(tables, starts, counts)  # [sum(counts), layers * Ht]
         # Draft only from a fully caught-up slot (a prefill chunk may stop short of the prompt's end).
         wants = [it.k if it.k > 0 and s + n == it.upto else 0 for _, it, s, n in work]
         key = rows = None
@@ -141,14 +140,14 @@ class EagleProposer:
             key = self.graphs.key_for(counts, tables, max(wants), rows)
         if key is not None:
             assert self.graphs is not None
-            out = self.graphs.run(key, ids, feats, starts, counts, tables, wants,
+            out = self.graphs.run(key, ids, self.store, starts, counts, tables, wants,
                                   [len(it.tokens) for _, it, _, _ in work], rows)  # [n, steps]
             # A catch-up-only call (every k = 0: the policy chose a plain step) has nothing to read back.
             drafts = out.tolist() if max(wants) else [[] for _ in work]
             for w, (i, _, s, n) in enumerate(work):
                 results[i] = Proposal(drafts[w][: wants[w]], s + n)
             return results
-        out = self._run_slots(ids, feats, starts, counts, tables)  # [T, H]
+        out = self._run_slots(ids, starts, counts, tables)  # [T, H]
         for i, _, s, n in work:
             results[i] = Proposal([], s + n)
         drafting = [w for w in range(len(work)) if wants[w]]
@@ -183,22 +182,21 @@ class EagleProposer:
         starts, counts = [s for _, _, s, _ in eager], [n for *_, n in eager]
         tables = [it.request.blocks for _, it, _, _ in eager]
         ids = [t for _, it, s, n in eager for t in _tokens(it)[s + 1 : s + n + 1]]
-        self._run_slots(ids, self.store.read(tables, starts, counts), starts, counts, tables)
+        self._run_slots(ids, starts, counts, tables)
         return left
 
-    def _run_slots(self, ids: list[int], feats: torch.Tensor, starts: list[int], counts: list[int],
-                   tables: list[list[int]]) -> torch.Tensor:
+    def _run_slots(self, ids: list[int], starts: list[int], counts: list[int], tables: list[list[int]]) -> torch.Tensor:
         """The head's layer, eagerly, over counts[i] slots from starts[i] of each sequence (their K/V
-        written): ids [T] the tokens after those slots, feats [T, layers * Ht] -> [T, H]."""
+        written), from the target's streams at those slots: ids [T] the tokens after them -> [T, H]."""
         layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
+        feats = self.store.gather(layout.slot_mapping)  # [T, layers * Ht]
         return self._run(h2d(ids, torch.int64, self.device), self.head.features(feats), layout)
 
     @torch.inference_mode()
     def catch_up_pass(self, n: int, table: list[int]) -> torch.Tensor:
         """One eager catch-up over n slots of one sequence (its blocks `table`): what resuming after
         n plain positions costs (the planner's catch-up table, profiling.py). Writes garbage K/V there."""
-        ids = [0] * n
-        return self._run_slots(ids, self.store.read([table], [0], [n]), [0], [n], [table])
+        return self._run_slots([0] * n, [0], [n], [table])
 
     def _draw(self, r: Request, k: int, paired: bool = False) -> DraftRow:
         """`paired`: q into the request's other pool row (a verify queued ahead: lookahead.pair_slot)."""

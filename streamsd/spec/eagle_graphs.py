@@ -39,6 +39,7 @@ import torch
 from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.graphs import BUCKETS, buckets_up_to, pack_step, static_layout
 from streamsd.model.kv_cache import BatchLayout, h2d
+from streamsd.model.stream_store import StreamStore
 from streamsd.sampling.warp import WarpParams
 from streamsd.spec.drafting import draw_drafts
 from streamsd.spec.eagle_head import EagleHead
@@ -129,15 +130,16 @@ class EagleGraphs:
                 if (bucket, steps, mode) not in self.graphs:
                     self._capture(bucket, steps, mode)
 
-    def run(self, key: tuple[int, int, int], ids: list[int], streams: torch.Tensor, starts: list[int],
+    def run(self, key: tuple[int, int, int], ids: list[int], store: StreamStore, starts: list[int],
             counts: list[int], tables: list[list[int]], ks: list[int], draft_starts: list[int],
             rows: list[DraftRow] | None = None) -> torch.Tensor:
         """Drafts [len(counts), steps] (a view valid until the next replay). Request i caught up on
-        counts[i] slots from starts[i]; it wants ks[i] drafts, the first at position draft_starts[i],
-        drawn as rows[i] says (sampling modes)."""
+        counts[i] slots from starts[i], from the target's streams the store holds there; it wants ks[i]
+        drafts, the first at position draft_starts[i], drawn as rows[i] says (sampling modes)."""
         last = np.cumsum(counts) - 1
         g = self._load(key, ids, starts, counts, tables, last, draft_starts, ks, rows)
-        g.streams[: streams.shape[0]].copy_(streams)
+        n, t_all = sum(counts), g.bucket * self.width
+        store.gather(g.packed[2 * t_all : 2 * t_all + n], out=g.streams[:n])  # at the KV slots just loaded
         return self._replay(g, len(counts))
 
     def run_chained(self, key: tuple[int, int, int], tokens: torch.Tensor, accepted: torch.Tensor,
