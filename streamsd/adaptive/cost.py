@@ -167,10 +167,11 @@ class CostTable:
         t = self._verify_seconds(batch_size, verify_tokens, width - 1, prefill_tokens)
         if draft_steps_k > 0:
             drafting = batch_size if draft_batch is None else draft_batch
-            own_pass = bool(self.catchup.keys)
-            t += self.spec_overhead_s + self.draft(drafting + (0 if own_pass else draft_extra_tokens))
-            t += (draft_steps_k - 1) * self.draft(drafting)
-            t += self.catchup(draft_extra_tokens) if own_pass else 0.0
+            extra = draft_extra_tokens
+            if self.catchup.keys:  # replayed in a pass of its own, not in the first draft forward
+                t += self.catchup(extra)
+                extra = 0
+            t += self.spec_overhead_s + self.draft(drafting + extra) + (draft_steps_k - 1) * self.draft(drafting)
         return t
 
     def _verify_seconds(self, batch: int, tokens: int, drafts: int, prefill: int) -> float:
