@@ -202,7 +202,7 @@ class AdaptivePolicy:
             views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag))
         st = self.planner
         ks = plan(views, self.cost, self.max_k, self.hysteresis, state=st, prefill_tokens=prefill_tokens,
-                  prefill_backlog=backlog, cold=self.estimator.cold())
+                  prefill_backlog=backlog, cold=self.estimator.cold(), guessing=not self.estimator.informed())
         self.plan_seconds = time.perf_counter() - t0
         shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens,
                           st.draft_steps + 1)

@@ -71,6 +71,7 @@ class ProposerPrior:
     failures: list[float]
     means: tuple[float, ...] = ()  # refreshed by ``tick``
     version: int = 0
+    observed: bool = False  # has ever held evidence (forgotten or not)
 
     def refresh(self, cfg: AcceptanceConfig) -> None:
         # Each position is anchored to the one before it (position 0 to the configured default),
@@ -120,6 +121,11 @@ class AcceptanceEstimator:
         p = self.prior(proposer)
         return p.successes[0] + p.failures[0] < 1.0
 
+    def informed(self, proposer: str = "default") -> bool:
+        """The proposer's running prior has held evidence at some time: its means are no longer only
+        the configured default, though they drift back to it while no request speculates."""
+        return self.prior(proposer).observed
+
     def new_request(self, proposer: str = "default") -> RequestAcceptance:
         self.prior(proposer)
         k = self.config.max_k
@@ -144,6 +150,7 @@ class AcceptanceEstimator:
         _decay(state, cfg.request_decay * cfg.idle_decay ** state.pending_idle)
         state.pending_idle = 0
         prior = self.prior(state.proposer)
+        prior.observed = True
         for j in range(accepted):
             state.successes[j] += 1.0
             prior.successes[j] += 1.0

@@ -46,8 +46,10 @@ step of them all is what teaches the prior; without it a large batch that the de
 plain never learnt that its drafts were good (B = 128 at alpha 0.9 on the H200).
 
 Small batches.  Up to ``small_batch`` requests, a plan also passes when its *expected* rate clears
-the floor and its pessimistic rate loses at most ``small_batch_loss`` against plain (once the
-running prior holds evidence: a cold prior's mean is the configured guess).  A request with no
+the floor and its pessimistic rate loses at most ``small_batch_loss`` against plain (unless the
+running prior has never held evidence, ``guessing``: its means are then only the configured
+default).  Forgotten evidence does not count as none here: at batch 1 the prior forgets within ~60
+steps, so on the H200 it was cold nearly always and adaptive eagle still stayed plain.  A request with no
 evidence of its own reads as the crowd's lower quarter, and a small batch's step is decided by a
 few such requests: with a speculative step costing ~1.9 plain ones (the shipped EAGLE head at batch
 1 on the H200) the quartiles needed more certainty than one request's life gathers, so adaptive
@@ -152,12 +154,14 @@ def plan(
     prefill_tokens: int = 0,
     prefill_backlog: bool = False,
     cold: bool = False,
+    guessing: bool = False,
 ) -> list[int]:
     """k_i for each request (0..max_k); updates ``state`` in place when given.
 
     ``prefill_tokens``: prompt tokens this step also verifies.  ``prefill_backlog``: prompts are
     waiting for prefill beyond this step (admission is limited by prefill, not by the batch cap).
-    ``cold``: the acceptance prior has no evidence (see Probing).
+    ``cold``: the acceptance prior has no evidence (see Probing). ``guessing``: it never had any (see
+    Small batches).
     """
     st = state if state is not None else PlannerState()
     cfg = st.config
@@ -181,7 +185,7 @@ def plan(
     plans = [search.run(mean, safe, group, floor, st.depth, cfg.depth_hysteresis)
              for group in ((everyone, fresh) if len(fresh) < b else (everyone,))]
     best = max((p for p in plans if p is not None), key=lambda p: p.rate, default=None)
-    if best is None and b <= cfg.small_batch and not cold:
+    if best is None and b <= cfg.small_batch and not guessing:
         best = _on_means(search, mean, safe, floor, plain_rate, st)
     speculate = best is not None
     st.switches += speculate != st.speculating

@@ -120,7 +120,8 @@ class AdaptivePolicy:
                 view.probe = False
             views.append(view)
         return plan(views, self.cost, self.max_k, self.hysteresis, state=self.state, prefill_tokens=prefill,
-                    prefill_backlog=backlog, cold=oracle is None and self.estimator.cold(self.kind))
+                    prefill_backlog=backlog, cold=oracle is None and self.estimator.cold(self.kind),
+                    guessing=oracle is None and not self.estimator.informed(self.kind))
 
     def feedback(self, reqs: list[SimRequest], ks: list[int], accepted: list[int], measured: float) -> None:
         """Queues what a step showed; learnt once the plans made before it are used (`learn`)."""
