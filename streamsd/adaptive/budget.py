@@ -39,8 +39,9 @@ class Search:
         self.lagging = any(r.catchup_tokens for r in self.requests)
 
     def run(self, mean: Sequence[list[float]], safe: Sequence[list[float]], eligible: Sequence[int],
-            floor: float, keep_depth: int = 0, margin: float = 0.0) -> Plan | None:
-        """Highest expected-rate plan whose pessimistic rate beats ``floor``, if any.
+            floor: float, keep_depth: int = 0, margin: float = 0.0, mean_floor: float = 0.0) -> Plan | None:
+        """Highest expected-rate plan whose pessimistic rate beats ``floor`` and whose expected rate
+        reaches ``mean_floor``, if any.
 
         Draft steps are shared by the batch (the drafter runs max k_i times), and on a GPU the verify
         graph is as wide as the deepest request (a graph replay pads every request to 1 + max k_i), so
@@ -56,12 +57,12 @@ class Search:
             return None
         deepest = max(j for _, j, _ in ranked) + 1
         if self.cost.depth_is_free:  # no draft forward and no padded graph width: one level
-            return self._level(ranked, safe, floor)[0]
+            return self._level(ranked, safe, floor, mean_floor)[0]
         best: Plan | None = None
         levels: dict[int, Plan | None] = {}
         top, misses = 0.0, 0
         for depth in range(1, deepest + 1):
-            level, rate = self._level([it for it in ranked if it[1] < depth], safe, floor)
+            level, rate = self._level([it for it in ranked if it[1] < depth], safe, floor, mean_floor)
             levels[depth] = level
             if level is not None and (best is None or level.rate > best.rate):
                 best = level
@@ -72,12 +73,12 @@ class Search:
         if best is None or not 0 < keep_depth <= deepest:
             return best
         if keep_depth not in levels:
-            levels[keep_depth] = self._level([it for it in ranked if it[1] < keep_depth], safe, floor)[0]
+            levels[keep_depth] = self._level([it for it in ranked if it[1] < keep_depth], safe, floor, mean_floor)[0]
         kept = levels[keep_depth]
         return kept if kept is not None and kept.rate * (1.0 + margin) >= best.rate else best
 
     def _level(self, items: list[tuple[float, int, int]], safe: Sequence[list[float]],
-               floor: float) -> tuple[Plan | None, float]:
+               floor: float, mean_floor: float) -> tuple[Plan | None, float]:
         """Best prefix of ``items`` (ranked drafts); also the best expected rate ignoring ``floor``."""
         b, n = len(self.requests), len(items)
         # Prefix sums over the ranking; a request's first item is always its j = 0 (ranking is by
@@ -102,7 +103,7 @@ class Search:
             t = self.step_time(base + s_idx, steps, n_spec[s_idx], catchup[s_idx]) - self.prefill_s
             rate = exp_mean[s_idx] / t
             top = max(top, rate)
-            if exp_safe[s_idx] / t > floor and rate > best_rate:
+            if exp_safe[s_idx] / t > floor and rate >= mean_floor and rate > best_rate:
                 best_rate, best_s = rate, s_idx
         if best_s == 0:
             return None, top

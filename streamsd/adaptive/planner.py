@@ -45,8 +45,8 @@ graph pads the batch to its widest request, so at B = 128 four probes cost the s
 step of them all is what teaches the prior; without it a large batch that the default prior keeps
 plain never learnt that its drafts were good (B = 128 at alpha 0.9 on the H200).
 
-Small batches.  Up to ``small_batch`` requests, a plan also passes when its *expected* rate clears
-the floor and its pessimistic rate loses at most ``small_batch_loss`` against plain (unless the
+Small batches.  Up to ``small_batch`` requests, a plan passes when its *expected* rate clears the
+floor and its pessimistic rate loses at most ``small_batch_loss`` against plain (unless the
 running prior has never held evidence, ``guessing``: its means are then only the configured
 default).  Forgotten evidence does not count as none here: at batch 1 the prior forgets within ~60
 steps, so on the H200 it was cold nearly always and adaptive eagle still stayed plain.  A request with no
@@ -68,7 +68,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from streamsd.adaptive.budget import Plan, Search
+from streamsd.adaptive.budget import Search
 
 if TYPE_CHECKING:
     from streamsd.adaptive.cost import CostTable
@@ -179,14 +179,15 @@ def plan(
     caps = [max(0, min(r.max_k, max_k)) for r in requests]
     mean, safe = zip(*(_survivals(r, cap) for r, cap in zip(requests, caps, strict=True)), strict=True)
     floor = plain_rate * (1.0 if st.speculating else 1.0 + hysteresis)
+    # A small batch's floor is on its expected rate, its pessimistic one only bounds the loss.
+    small = b <= cfg.small_batch and not guessing
+    safe_floor, mean_floor = (plain_rate * (1.0 - cfg.small_batch_loss), floor) if small else (floor, 0.0)
     search = Search(requests, cost, prefill_tokens, credit, prefill_s, cfg.catchup_horizon)
     everyone = range(b)
     fresh = [i for i in everyone if requests[i].catchup_tokens <= cfg.fresh_lag]
-    plans = [search.run(mean, safe, group, floor, st.depth, cfg.depth_hysteresis)
+    plans = [search.run(mean, safe, group, safe_floor, st.depth, cfg.depth_hysteresis, mean_floor)
              for group in ((everyone, fresh) if len(fresh) < b else (everyone,))]
     best = max((p for p in plans if p is not None), key=lambda p: p.rate, default=None)
-    if best is None and b <= cfg.small_batch and not guessing:
-        best = _on_means(search, mean, safe, floor, plain_rate, st)
     speculate = best is not None
     st.switches += speculate != st.speculating
     st.speculating = speculate
@@ -217,15 +218,6 @@ def _survivals(r: RequestView, cap: int) -> tuple[list[float], list[float]]:
         mean_out.append(m)
         safe_out.append(s)
     return mean_out, safe_out
-
-
-def _on_means(search: Search, mean: Sequence[list[float]], safe: Sequence[list[float]], floor: float,
-              plain_rate: float, st: PlannerState) -> Plan | None:
-    """A small batch's plan whose expected rate clears ``floor`` and whose pessimistic rate loses at
-    most ``small_batch_loss`` against plain (see Small batches)."""
-    found = search.run(mean, safe, range(len(search.requests)), plain_rate * (1.0 - st.config.small_batch_loss),
-                       st.depth, st.config.depth_hysteresis)
-    return found if found is not None and found.rate >= floor else None
 
 
 def _probe_pays(search: Search, due: list[int], fresh: list[int], caps: list[int],
