@@ -127,6 +127,7 @@ class AdaptivePolicy:
     # Speculative steps are queued ahead (an EAGLE head, device-side synthetic drafts): a plan of a
     # new depth drops the queued step, so the planner keeps its depth unless another clearly wins.
     queues_ahead: bool = False
+    depth_steps: tuple[float, ...] = ()  # the proposer's measured depth steps (AcceptanceConfig)
     plan_budget: float = 0.01  # share of a plain batch's time its periodic re-plans may take
     plan_seconds: float = 0.0  # host time of the last plan
     estimator: AcceptanceEstimator = field(init=False)
@@ -157,7 +158,7 @@ class AdaptivePolicy:
     trace: list[tuple[int, int, int, int, float, float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1)))
+        self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1), depth_steps=self.depth_steps))
         if self.queues_ahead:
             self.planner.config = replace(self.planner.config, depth_hysteresis=QUEUED_DEPTH_HYSTERESIS)
 

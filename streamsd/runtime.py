@@ -29,7 +29,7 @@ from streamsd.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
 from streamsd.spec.base import Proposer
 from streamsd.spec.draft_model import DraftModelProposer
 from streamsd.spec.eagle import EagleProposer
-from streamsd.spec.eagle_ckpt import head_dir, load_head
+from streamsd.spec.eagle_ckpt import head_dir, load_head, measured_depth_steps
 from streamsd.spec.ngram import NgramProposer
 from streamsd.worker import Worker
 
@@ -144,9 +144,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         assert cfg.spec.draft_model
         draft, draft_path = load_model(cfg.spec.draft_model, device, dtype)
         check_vocab(tokenizer, load_tokenizer(draft_path), args, draft.args)
-    head = None
+    head, depth_steps = None, ()
     if cfg.spec.method == "eagle":
-        head = load_head(head_dir(cfg.spec.draft_model, cfg.model), target, device, dtype)
+        hdir = head_dir(cfg.spec.draft_model, cfg.model)
+        head, depth_steps = load_head(hdir, target, device, dtype), measured_depth_steps(hdir)
     extra = draft.args if draft else head.spec.args if head else None
     per_token = args.kv_bytes_per_token(dtype) + (extra.kv_bytes_per_token(dtype) if extra else 0)
     if head is not None:  # the head's streams per KV slot (model/stream_store.py)
@@ -172,7 +173,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     elif head is not None and q_pool is not None:
         store = StreamStore(head.input_layers, args.hidden_size, (num_blocks + 1) * BLOCK_SIZE, dtype, device)
         proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
-                                 q_pool, store)
+                                 q_pool, store, depth_steps)
     elif cfg.spec.method == "ngram":
         proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)
     elif cfg.spec.method is not None:
@@ -232,7 +233,8 @@ def adaptive_policy(max_k: int, cost: CostTable, worker: Worker) -> AdaptivePoli
     proposer = worker.proposer
     return AdaptivePolicy(max_k, cost, draft_has_cache=getattr(proposer, "keeps_cache", False),
                           settled_lag=1 if getattr(proposer, "hidden_layers", ()) else 0,
-                          queues_ahead=worker.lookahead.queues_speculative)
+                          queues_ahead=worker.lookahead.queues_speculative,
+                          depth_steps=getattr(proposer, "depth_steps", ()))
 
 
 def check_vocab(target_tok: Any, draft_tok: Any, target: ModelArgs, draft: ModelArgs) -> None:

@@ -25,7 +25,7 @@ from streamsd.adaptive import (
     kv_slots_needed,
     plan,
 )
-from streamsd.adaptive.acceptance import RequestAcceptance
+from streamsd.adaptive.acceptance import RequestAcceptance, depth_steps_of
 from streamsd.adaptive.beta import beta_quantile, beta_quantile_approx
 from streamsd.adaptive.cost import StepTable
 from streamsd.adaptive.planner import expected_tokens
@@ -790,16 +790,20 @@ def test_a_cold_prior_probes_the_whole_batch_once() -> None:
     assert est.cold()
 
 
-def _lone_request_spec_steps(alpha: float, crowd_alpha: float, seed: int, steps: int = 200, forget: int = 0) -> int:
-    """Steps a lone request speculates, its drafts accepted at ``alpha``, after a crowd at ``crowd_alpha``
-    taught the running prior (and ``forget`` plain steps passed). A speculative step costs 1.85-2.0 plain ones whatever its k (the shipped
+def _lone_request_spec_steps(alpha: float | tuple[float, ...], crowd_alpha: float | tuple[float, ...], seed: int,
+                             steps: int = 200, forget: int = 0, depth_steps: tuple[float, ...] = ()) -> int:
+    """Steps a lone request speculates, its drafts accepted at ``alpha`` (one value, or the conditional
+    acceptance per position), after a crowd at ``crowd_alpha`` taught the running prior (and ``forget``
+    plain steps passed). A speculative step costs 1.85-2.0 plain ones whatever its k (the shipped
     EAGLE head's learnt ratios on the H200 at batch 1: 1.73-1.85)."""
     cost = CostTable.from_samples({1: 1e-3, 256: 1.1e-3}, {1: 0.05e-3}, spec_overhead_s=0.7e-3)
-    est, st, rng = AcceptanceEstimator(AcceptanceConfig(max_k=4)), PlannerState(), random.Random(seed)
+    est = AcceptanceEstimator(AcceptanceConfig(max_k=4, depth_steps=depth_steps))
+    st, rng = PlannerState(), random.Random(seed)
 
-    def verify(state: RequestAcceptance, k: int, a: float) -> None:
+    def verify(state: RequestAcceptance, k: int, a: float | tuple[float, ...]) -> None:
+        curve = a if isinstance(a, tuple) else (a,) * k
         accepted = 0
-        while accepted < k and rng.random() < a:
+        while accepted < k and rng.random() < curve[accepted]:
             accepted += 1
         est.observe(state, k, accepted)
         est.tick()
@@ -833,3 +837,41 @@ def test_a_small_batch_speculates_on_its_means_and_stops_where_they_misjudge_it(
     # crowd, its own observations stop it within a few steps and only probes try it again.
     assert share(0.45, 0.45) <= 0.05
     assert share(0.2, 0.65) <= 0.1
+
+
+def test_measured_depth_steps_let_a_request_read_deep_drafts_as_likelier() -> None:
+    # Conditional acceptance rising with depth, as the running prior saw it on the H200 (adaptive eagle,
+    # T = 0, batch 1: 0.51, 0.64, 0.76, 0.84): k = 4 yields 2.3 tokens for 1.9 plain steps' time. Read
+    # flat from position 0, a fresh request prices it at 1.94 tokens and stays plain (9 % of the steps
+    # speculate, over 10 seeds); with the measured steps, 40 %. Not all: the crowd's 60 steps leave the
+    # running prior's position 0 anywhere in 0.4-0.6, and below ~0.47 even the true curve would not pay.
+    truth = (0.5, 0.63, 0.75, 0.83)
+    steps = depth_steps_of([list(truth)])
+
+    def share(alpha: float | tuple[float, ...], crowd: float | tuple[float, ...], depth: tuple[float, ...]) -> float:
+        return sum(_lone_request_spec_steps(alpha, crowd, seed, depth_steps=depth) for seed in range(10)) / 2000
+
+    assert share(truth, truth, ()) <= 0.15
+    assert share(truth, truth, steps) >= 0.3
+    # Steps claimed where the drafts do not pay (alpha 0.4 at every depth: 1.66 tokens a step): the
+    # request's own failures stop it, as before.
+    assert share(0.4, 0.4, steps) <= 0.1
+
+
+def test_depth_steps_raise_the_prior_of_deep_positions_only_and_never_above_the_ceiling() -> None:
+    assert depth_steps_of([[0.6, 0.66, 0.6], [0.5, 0.6, 0.7]]) == pytest.approx((1.1, 1.0))
+    assert depth_steps_of([]) == ()
+    cfg = AcceptanceConfig(max_k=4, prior_mean=0.5, depth_steps=(1.2, 1.5, 1.5), depth_ceiling=0.9)
+    est = AcceptanceEstimator(cfg)
+    mean = est.mean(est.new_request())
+    assert mean == pytest.approx((0.5, 0.6, 0.9, 0.9))
+    # The scalar and the batched refresh agree.
+    states = [est.new_request() for _ in range(40)]
+    for i, st in enumerate(states):
+        est.observe(st, 4, i % 5)
+    est.refresh_many(states)
+    batched = [est.mean(st) for st in states]
+    for st in states:
+        st.stale = True
+        est._refresh(st)
+    assert [est.mean(st) for st in states] == pytest.approx(batched)

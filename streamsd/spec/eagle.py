@@ -43,8 +43,10 @@ class EagleProposer:
     keeps_cache = True
 
     def __init__(self, head: EagleHead, target: Transformer, cache: PagedKVCache, q_pool: torch.Tensor,
-                 store: StreamStore):
+                 store: StreamStore, depth_steps: tuple[float, ...] = ()):
         self.head = head
+        #: how conditional acceptance rises with depth, as the head's evaluation measured it
+        self.depth_steps = depth_steps
         self.store = store  # the target's streams per KV slot, written by its every forward
         self.target = target
         self.cache = cache  # one layer: [1, 2, NB, BS, KVH, D]

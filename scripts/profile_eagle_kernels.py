@@ -1,0 +1,60 @@
+"""Where an eagle step's GPU time goes, kernel by kernel, against a plain step: the real model and
+head, batch 1, CUDA graphs, through the CUDA profiler. Prints per engine and temperature the wall
+ms per step, the GPU ms per step (sum of kernel times) and the kernels by total time per step.
+Usage: python3 scripts/profile_eagle_kernels.py MODEL HEAD [TOKENS]"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from streamsd import LLM, SamplingParams
+
+PROMPT = "Explain how a CPU cache hierarchy works, with an example of a cache miss."
+
+
+def profile(llm: LLM, name: str, temperature: float, tokens: int) -> None:
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=1)
+    llm.generate(PROMPT, params)  # warm-up: graphs, compiles
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = llm.generate(PROMPT, params)[0]
+    wall = time.perf_counter() - t0
+    st = out.spec_stats
+    steps = st.steps if st is not None and st.steps else tokens
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        llm.generate(PROMPT, params)
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            t = per_name[ev.name]
+            t[0] += ev.self_device_time_total / 1e3
+            t[1] += 1
+    gpu_ms = sum(t[0] for t in per_name.values())
+    print(f"\n=== {name} T={temperature:g}: {len(out.outputs[0].token_ids)} tokens in {steps} steps, "
+          f"wall {1e3 * wall / steps:.3f} ms/step, GPU {gpu_ms / steps:.3f} ms/step (profiled pass)")
+    for kname, (ms, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:28]:
+        print(f"  {ms / steps * 1e3:8.1f} us/step  {n / steps:6.1f} launches/step  {kname[:90]}")
+
+
+def main() -> None:
+    model, head = sys.argv[1], sys.argv[2]
+    tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 96
+    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=8)  # few graphs to capture
+    plain = LLM(model, **common)
+    for t in (0.0, 1.0):
+        profile(plain, "plain", t, tokens)
+    del plain
+    eagle = LLM(model, draft_model=head, speculative_method="eagle", speculation_policy="fixed",
+                num_speculative_tokens=4, **common)
+    for t in (0.0, 1.0):
+        profile(eagle, "eagle k=4", t, tokens)
+
+
+if __name__ == "__main__":
+    main()
