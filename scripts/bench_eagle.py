@@ -106,7 +106,7 @@ def main() -> None:
         # What the adaptive policy decided and learnt so far (counts run on across temperatures).
         for m, llm in engines.items():
             if hasattr(llm.core.rt.policy, "summary"):
-                summary = {k: v for k, v in llm.core.rt.policy.summary().items() if k != "trace"}
+                summary = llm.core.rt.policy.summary()
                 policies[f"{m} T={temp:g}"] = summary
                 print(f"{m} T={temp:g}: plain share {summary['plain_step_share']:.3f}, k {summary['chosen_k']}, "
                       f"errors {summary['prediction_error']}, "

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from streamsd.adaptive import AcceptanceConfig, AcceptanceEstimator, CostTable, PlannerState, plan
+from streamsd.adaptive.planner import RequestView
 from streamsd.request import Request
 
 if TYPE_CHECKING:
@@ -156,6 +157,8 @@ class AdaptivePolicy:
     # The first steps learnt, for benchmarks: (batch, verify width, draft steps, taught the table,
     # raw / corrected predicted ms, measured ms).
     trace: list[tuple[int, int, int, int, float, float, float]] = field(default_factory=list)
+    # The first plans, for benchmarks: why a batch did or did not speculate (``_record_plan``).
+    plans: list[tuple[object, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1), depth_steps=self.depth_steps))
@@ -205,10 +208,20 @@ class AdaptivePolicy:
         ks = plan(views, self.cost, self.max_k, self.hysteresis, state=st, prefill_tokens=prefill_tokens,
                   prefill_backlog=backlog, cold=self.estimator.cold(), guessing=not self.estimator.informed())
         self.plan_seconds = time.perf_counter() - t0
+        if views and len(self.plans) < 96:
+            self._record_plan(views, ks)
         shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens,
                           st.draft_steps + 1)
         return Decision({r.request_id: k for r, k in zip(decoding, ks, strict=True)}, True, shape,
                         st.draft_extra_tokens, st.predicted_s, st.predicted_raw_s)
+
+    def _record_plan(self, views: list[RequestView], ks: list[int]) -> None:
+        """(step, batch, plain tok/s, best expected tok/s scored, chosen plan's, max k, the first request's
+        catch-up lag, means and lower quantiles): the rates say whether the gate or the means refused."""
+        st, v = self.planner, views[0]
+        self.plans.append((self.choices, len(views), round(st.plain_rate, 1), round(st.top_rate, 1),
+                           round(st.spec_rate, 1), max(ks), v.catchup_tokens,
+                           [round(a, 3) for a in (v.mean_alphas or ())[:4]], [round(a, 3) for a in v.alphas[:4]]))
 
     def _idle_plan_due(self) -> bool:
         n = self.idle_steps
@@ -335,4 +348,17 @@ class AdaptivePolicy:
                               for key, rel in sorted(self.cost.relative.items())},
             "prior_means": {name: list(p.means) for name, p in self.estimator.priors.items()},
             "trace": self.trace,
+            "plans": self.plans,
+            "profile_ms": self._profile_ms(),
         }
+
+    def _profile_ms(self) -> dict[str, object]:
+        """The start-up table's smallest batch row, draft and catch-up steps, in ms."""
+        c, ms = self.cost, (lambda t: round(t * 1e3, 4))
+        out: dict[str, object] = {"spec_overhead": ms(c.spec_overhead_s),
+                                  "draft": dict(zip(c.draft.keys[:4], map(ms, c.draft.values[:4]), strict=True)),
+                                  "catchup": dict(zip(c.catchup.keys[:6], map(ms, c.catchup.values[:6]), strict=True))}
+        if c.shape is not None and c.shape.batches:
+            out["verify"] = {"batch": c.shape.batches[0],
+                             "by_width": dict(zip(c.shape.widths, map(ms, c.shape.values[0]), strict=True))}
+        return out

@@ -17,6 +17,7 @@ import torch
 
 from streamsd.model.kv_cache import h2d
 from streamsd.request import Request
+from streamsd.sampling.greedy import row_argmax
 from streamsd.sampling.rejection import VerifyInput, rejection_sample
 from streamsd.sampling.sampler import sample_keyed, token_logprobs
 from streamsd.sampling.warp import WarpParams, warp
@@ -130,7 +131,7 @@ class Verifier:
             q = self.q_pool[q_slots, :k]  # [B, K, V]
         tokens, accepted = self.rejection(VerifyInput(
             target_probs=probs,
-            target_argmax=rows.argmax(dim=-1),
+            target_argmax=row_argmax(rows),
             draft_ids=draft_ids,
             draft_probs=q,
             dense_q=ints[2 * b : 3 * b].bool(),
@@ -170,7 +171,7 @@ class Verifier:
         argmax; sampled rows race with the noise the rejection sampler would use for a bonus token at
         the same position, so a seeded request's output does not depend on which path a step took."""
         if all(r.params.greedy for r in reqs):
-            return logits.argmax(dim=-1)  # [B]
+            return row_argmax(logits)  # [B]
         ints = h2d([[r.params.greedy for r in reqs], [r.seed for r in reqs], [r.num_tokens + ahead for r in reqs]],
                    torch.int64, self.device)  # [3, B]: greedy, seeds, positions
         return sample_keyed(logits, self._warp_params(reqs), ints)  # [B]

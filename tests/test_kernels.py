@@ -220,6 +220,23 @@ def test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path():
         assert torch.equal(got[greedy], logits[greedy].argmax(-1))
 
 
+def test_argmax_rows_finds_the_first_maximum_as_torch_does():
+    """kernels/warp.argmax_rows searches a row's chunks in parallel: the same index as torch.argmax,
+    ties within and across chunks to the lowest, rows of -inf to 0, strided views and bf16 rows."""
+    from streamsd.kernels.warp import CHUNK, argmax_rows
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 2 * CHUNK + 123  # three chunks, the last one partial
+    x = torch.randn(6, vocab, generator=g)
+    x[1, 5] = x[1, 9] = 40.0  # a tie inside a chunk
+    x[2, CHUNK + 1] = x[2, 2 * CHUNK + 3] = 40.0  # across chunks
+    x[3] = float("-inf")
+    x[4, :CHUNK] = float("-inf")  # a chunk with nothing in it
+    x[5, -1] = 50.0  # the partial chunk's last id
+    for rows in (x, x.to(torch.bfloat16), torch.cat([x, x], dim=1)[:, :vocab]):
+        assert torch.equal(argmax_rows(rows.to(DEV)).cpu(), rows.float().argmax(-1))
+
+
 # -- rejection sampler ---------------------------------------------------------------------------
 def _verify_input(b: int, k: int, v: int, greedy_frac: float, dense_frac: float, seed: int, *,
                   sampled: bool = True, with_q: bool = True, peaked: bool = False, equal_pq: bool = False):
@@ -282,6 +299,23 @@ def test_rejection_kernel_draws_its_own_keyed_numbers(case):
         tokens, acc = rj.rejection_sample_triton(replace(vi, uniforms=None, noise=None))
         assert torch.equal(acc.cpu(), acc_ref.cpu()) and torch.equal(tokens.cpu(), tokens_ref.cpu())
         assert torch.equal(rejection_sample(replace(vi, uniforms=None, noise=None))[0].cpu(), tokens_ref.cpu())
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_rejection_kernel_races_across_vocabulary_chunks(hashed):
+    """The race at the first rejected draft is cut into chunks of the vocabulary (one program each) and
+    merged by a second launch: the same tokens as the reference over a vocabulary of two chunks, also
+    on the CPU (the CUDA cases above span several)."""
+    from dataclasses import replace
+
+    from streamsd.kernels.warp import CHUNK
+
+    for seed in range(3):
+        vi = _verify_input(6, 3, CHUNK + 301, 0.2, 0.5, 500 + seed, peaked=True)
+        tokens_ref, acc_ref = rejection_sample(vi)
+        tokens, acc = rj.rejection_sample_triton(replace(vi, uniforms=None, noise=None) if hashed else vi)
+        assert torch.equal(acc.cpu(), acc_ref.cpu()) and torch.equal(tokens.cpu(), tokens_ref.cpu())
+        assert (acc_ref < vi.num_drafts).any()  # some rows raced a residual
 
 
 def test_rejection_kernel_reads_strided_inputs_by_their_strides():

@@ -34,6 +34,7 @@ class Search:
     prefill_s: float  # seconds charged to the prefill rather than to decoding
     horizon: int
     lagging: bool = False  # any request with draft catch-up
+    top: float = 0.0  # the best expected rate scored by any search so far, whatever its gate said
 
     def __post_init__(self) -> None:
         self.lagging = any(r.catchup_tokens for r in self.requests)
@@ -105,6 +106,7 @@ class Search:
             top = max(top, rate)
             if exp_safe[s_idx] / t > floor and rate >= mean_floor and rate > best_rate:
                 best_rate, best_s = rate, s_idx
+        self.top = max(self.top, top)
         if best_s == 0:
             return None, top
         ks = [0] * b

@@ -125,6 +125,7 @@ class PlannerState:
     expected_tokens: float = 0.0
     plain_rate: float = 0.0
     spec_rate: float = 0.0
+    top_rate: float = 0.0  # the best expected rate of any plan scored, passed or refused by the gate
     verify_tokens: int = 0
     draft_steps: int = 0
     draft_extra_tokens: int = 0  # draft-model catch-up priced into predicted_s
@@ -191,7 +192,7 @@ def plan(
     speculate = best is not None
     st.switches += speculate != st.speculating
     st.speculating = speculate
-    st.plain_rate, st.spec_rate = plain_rate, best.rate if best else 0.0
+    st.plain_rate, st.spec_rate, st.top_rate = plain_rate, best.rate if best else 0.0, search.top
     ks = best.ks if best else [0] * b
     st.depth = max(ks)
     flagged = [i for i in everyone if (requests[i].probe or cold) and ks[i] == 0 and caps[i] >= 1]

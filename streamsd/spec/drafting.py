@@ -12,6 +12,7 @@ import torch
 from streamsd.model.kv_cache import h2d
 from streamsd.request import Request
 from streamsd.sampling import rng
+from streamsd.sampling.greedy import row_argmax
 from streamsd.sampling.sampler import sample_rows
 from streamsd.sampling.warp import WarpParams, warp
 from streamsd.spec.base import ProposeItem
@@ -31,7 +32,7 @@ class DraftPicker:
     def pick(self, logits: torch.Tensor, active: list[int], idx: torch.Tensor | slice, j: int) -> torch.Tensor:
         """logits [A, V] of the rows `active` (`idx` selects them on the device) -> tokens [A]."""
         if all(self.reqs[i].greedy_draft for i in active):  # host-side: no sync on a device mask
-            return logits.argmax(-1)
+            return row_argmax(logits)
         wp, greedy, seeds, base = self._per_request(logits.device)
         sub = WarpParams(wp.temperature[idx], wp.top_k[idx], wp.top_p[idx], wp.min_p[idx], wp.needs_sort)
         tokens, q = draw_drafts(logits, sub, greedy[idx], seeds[idx], base[idx] + j)  # [A], [A, V]

@@ -26,6 +26,7 @@ from torch import nn
 
 from streamsd.model.arch import ModelArgs, rope_tables
 from streamsd.model.llama import DecoderLayer, RMSNorm, Transformer, apply_rope
+from streamsd.sampling.greedy import row_argmax
 
 EAGLE3, EAGLE1 = "eagle3", "eagle1"
 # (q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
@@ -158,7 +159,7 @@ class EagleHead(nn.Module):
     def greedy_draft(self, out: torch.Tensor) -> torch.Tensor:
         """[N, H] -> the argmax target ids [N]: `target_logits(out).argmax(-1)` without the [N, V] scatter
         (draft ids ascend with target ids, so ties break alike)."""
-        best = self.draft_logits(out)[:, : self.spec.vocab_size].argmax(-1)  # [N]
+        best = row_argmax(self.draft_logits(out)[:, : self.spec.vocab_size])  # [N]
         return best + self.d2t[best] if self.has_draft_vocab else best
 
     def target_logits(self, out: torch.Tensor) -> torch.Tensor:
