@@ -167,12 +167,17 @@ def _warp_case(n: int, vocab: int, seed: int):
     return logits, temperature, min_p
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("vocab", [37, 5000])
-def test_warp_kernel_matches_the_torch_warp(vocab):
-    """kernels/warp.py against sampling/warp.py's torch ops: temperature (greedy rows at 1), min-p,
+def test_warp_kernel_matches_the_torch_warp(vocab, chunked):
+    """kernels/warp.py (one program a row) and kernels/warp_chunked.py (a program per chunk of ids,
+    for graphs) against sampling/warp.py's torch ops: temperature (greedy rows at 1), min-p,
     renormalised; the same tokens cut, probabilities within float32 rounding; `reps` rows a request."""
-    from streamsd.kernels.warp import warp_probs
+    from streamsd.kernels import warp as single
+    from streamsd.kernels import warp_chunked
     from streamsd.sampling.warp import WarpParams, warp
+
+    warp_probs = warp_chunked.warp_probs_chunked if chunked else single.warp_probs
 
     logits, temperature, min_p = _warp_case(8, vocab, vocab)
     wp = WarpParams(temperature, torch.zeros(8, dtype=torch.int64), torch.ones(8), min_p, False)
@@ -221,9 +226,9 @@ def test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path():
 
 
 def test_argmax_rows_finds_the_first_maximum_as_torch_does():
-    """kernels/warp.argmax_rows searches a row's chunks in parallel: the same index as torch.argmax,
+    """kernels/warp_chunked.argmax_rows searches a row's chunks in parallel: the same index as torch.argmax,
     ties within and across chunks to the lowest, rows of -inf to 0, strided views and bf16 rows."""
-    from streamsd.kernels.warp import CHUNK, argmax_rows
+    from streamsd.kernels.warp_chunked import CHUNK, argmax_rows
 
     g = torch.Generator().manual_seed(3)
     vocab = 2 * CHUNK + 123  # three chunks, the last one partial
@@ -299,23 +304,6 @@ def test_rejection_kernel_draws_its_own_keyed_numbers(case):
         tokens, acc = rj.rejection_sample_triton(replace(vi, uniforms=None, noise=None))
         assert torch.equal(acc.cpu(), acc_ref.cpu()) and torch.equal(tokens.cpu(), tokens_ref.cpu())
         assert torch.equal(rejection_sample(replace(vi, uniforms=None, noise=None))[0].cpu(), tokens_ref.cpu())
-
-
-@pytest.mark.parametrize("hashed", [False, True])
-def test_rejection_kernel_races_across_vocabulary_chunks(hashed):
-    """The race at the first rejected draft is cut into chunks of the vocabulary (one program each) and
-    merged by a second launch: the same tokens as the reference over a vocabulary of two chunks, also
-    on the CPU (the CUDA cases above span several)."""
-    from dataclasses import replace
-
-    from streamsd.kernels.warp import CHUNK
-
-    for seed in range(3):
-        vi = _verify_input(6, 3, CHUNK + 301, 0.2, 0.5, 500 + seed, peaked=True)
-        tokens_ref, acc_ref = rejection_sample(vi)
-        tokens, acc = rj.rejection_sample_triton(replace(vi, uniforms=None, noise=None) if hashed else vi)
-        assert torch.equal(acc.cpu(), acc_ref.cpu()) and torch.equal(tokens.cpu(), tokens_ref.cpu())
-        assert (acc_ref < vi.num_drafts).any()  # some rows raced a residual
 
 
 def test_rejection_kernel_reads_strided_inputs_by_their_strides():

@@ -1,4 +1,4 @@
-"""The rejection sampler in two Triton launches, same numbers as the reference.
+"""The rejection sampler in one Triton launch: one program per row, same numbers as the reference.
 
 `streamsd.sampling.rejection.rejection_sample` (torch) is the oracle: given the same VerifyInput
 (the same uniforms and Exp(1) noise) this kernel makes the same accept decisions and emits the same
@@ -6,9 +6,7 @@ tokens. Given seeds and positions instead, it makes those numbers itself, as ker
 uniforms bit for bit; the noise as -log rounds on the GPU): no noise tensor of B x (K+1) x V floats
 written and read back, two launches fewer a sampled step. It scans the K accept tests first (scalars), then reads the vocabulary once, and only at
 the one position that needs a sample: the first rejected draft (recovered token from
-norm(max(p - q, 0))) or the bonus position (from p). That read is cut into chunks of the vocabulary,
-one program each (the accept tests are repeated per chunk: K scalar loads), and a second launch
-merges the chunks' winners: one program walking a 49152-id row took 61 us on the H200 at batch 1. The reference builds the residual at all
+norm(max(p - q, 0))) or the bonus position (from p). The reference builds the residual at all
 K + 1 positions; the kernel's single pass computes the residual race and the plain-p race together
 and picks the second only when the residual is empty, the reference's fallback. Divisions are
 round-to-nearest (div_rn) and ties go to the lowest index, as torch's argmax does.
@@ -21,22 +19,31 @@ import triton
 import triton.language as tl
 
 from streamsd.kernels.rng import _mix, _row_key, _to_unit, _u32
-from streamsd.kernels.warp import CHUNK
 from streamsd.sampling import rng
 from streamsd.sampling.rejection import VerifyInput
+
 
 # Per-request rows (draft ids, draft counts, the uniforms' stand-in) arrive as slices of one packed
 # int64 buffer, 16-byte aligned or not by the batch size's parity: one binary for both. The other
 # per-row pointers are listed too — they are single loads or stores per program either way.
-_ANY = dict(do_not_specialize_on_alignment=["argmax_ptr", "draft_ptr", "dense_ptr", "ndraft_ptr", "greedy_ptr",
+@triton.jit(do_not_specialize_on_alignment=["argmax_ptr", "draft_ptr", "dense_ptr", "ndraft_ptr", "greedy_ptr",
                                             "u_ptr", "tokens_ptr", "accepted_ptr", "seed_ptr", "pos_ptr"],
-            do_not_specialize=["accept_stream", "target_stream", "n_chunks"])
-
-
-@triton.jit
-def _accepted_prefix(p_ptr, argmax_ptr, draft_ptr, q_ptr, u_ptr, pos_ptr, accept_stream, b, n_drafts, greedy, dense,
-                     seed, vocab, K: tl.constexpr, HAS_P: tl.constexpr, HAS_Q: tl.constexpr, HASH: tl.constexpr):
-    """The accept tests of request b, left to right: the length of its accepted prefix."""
+            do_not_specialize=["accept_stream", "target_stream"])
+def _rejection_kernel(
+    p_ptr, argmax_ptr, draft_ptr, q_ptr, dense_ptr, ndraft_ptr, greedy_ptr, u_ptr, noise_ptr,
+    seed_ptr, pos_ptr, accept_stream, target_stream, tokens_ptr, accepted_ptr, vocab,
+    K: tl.constexpr, HAS_P: tl.constexpr, HAS_Q: tl.constexpr, HASH: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    n_drafts = tl.load(ndraft_ptr + b)
+    greedy = tl.load(greedy_ptr + b) != 0
+    seed = 0
+    if HASH:  # the keyed uniforms and noise made here, as kernels/rng.py makes them
+        seed = tl.load(seed_ptr + b)
+    dense = False
+    if HAS_Q:
+        dense = tl.load(dense_ptr + b) != 0
+    # -- accept tests, left to right: n = length of the accepted prefix
     n = n_drafts * 0
     going = n_drafts >= 0
     for j in tl.static_range(K):
@@ -56,100 +63,55 @@ def _accepted_prefix(p_ptr, argmax_ptr, draft_ptr, q_ptr, u_ptr, pos_ptr, accept
             ok = tl.where(greedy, ok, ok_random)
         going = going & ok & (j < n_drafts)
         n += going.to(n.dtype)
-    return n
-
-
-@triton.jit
-def _best_of(score, idx):
-    """A chunk's best score and its lowest id at that score."""
-    top = tl.max(score, 0)
-    return top, tl.min(tl.where(score == top, idx, 2147483647), 0)
-
-
-@triton.jit(**_ANY)
-def _rejection_race_kernel(
-    p_ptr, argmax_ptr, draft_ptr, q_ptr, dense_ptr, ndraft_ptr, greedy_ptr, u_ptr, noise_ptr,
-    seed_ptr, pos_ptr, accept_stream, target_stream, n_ptr, part_ptr, vocab, n_chunks,
-    K: tl.constexpr, HAS_P: tl.constexpr, HAS_Q: tl.constexpr, HASH: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """Program (b, c): request b's accept tests, then, for a sampled row, chunk c of its race at the
-    first rejected draft (the residual norm(max(p - q, 0)) and p itself, raced together) into part
-    [B, 5, C]: residual's best score and id, p's best score and id, whether the residual has mass."""
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    n_drafts = tl.load(ndraft_ptr + b)
-    greedy = tl.load(greedy_ptr + b) != 0
-    seed = 0
-    if HASH:  # the keyed uniforms and noise made here, as kernels/rng.py makes them
-        seed = tl.load(seed_ptr + b)
-    dense = False
-    if HAS_Q:
-        dense = tl.load(dense_ptr + b) != 0
-    n = _accepted_prefix(p_ptr, argmax_ptr, draft_ptr, q_ptr, u_ptr, pos_ptr, accept_stream, b, n_drafts, greedy,
-                         dense, seed, vocab, K, HAS_P, HAS_Q, HASH)
-    if c == 0:
-        tl.store(n_ptr + b, n.to(tl.int64))
+    # -- the token at position n: the target's argmax (greedy), else a race over the vocabulary
+    corrected = tl.load(argmax_ptr + b * (K + 1) + n)
     if HAS_P:
         if not greedy:
             row = b * (K + 1) + n
             tested = n < n_drafts  # a live draft was rejected here, so q takes part in the residual
             d_n = tl.maximum(tl.load(draft_ptr + b * K + n, mask=n < K, other=0), 0)
-            idx = c * CHUNK + tl.arange(0, CHUNK)
-            m = idx < vocab
-            p = tl.load(p_ptr + row * vocab + idx, mask=m, other=0.0)
+            best_r = tl.full([], -1.0, tl.float32)
+            best_r_i = n * 0
+            best_p = tl.full([], -1.0, tl.float32)
+            best_p_i = n * 0
+            any_r = n < 0
+            noise_key = tl.full([], 0, tl.uint32)
             if HASH:
-                e = -tl.log(_to_unit(_mix(_row_key(seed, tl.load(pos_ptr + row), target_stream)
-                                          ^ _u32(idx.to(tl.int64) * 0x61C88647))))
-            else:
-                e = tl.load(noise_ptr + row * vocab + idx, mask=m, other=1.0)
-            q = tl.where((idx == d_n) & tested, 1.0, 0.0)
-            if HAS_Q:
-                # the scalar condition folded into the bound (see paged_attention._merge_splits_kernel)
-                qd = tl.load(q_ptr + (b * K + n) * vocab + idx, mask=idx < tl.where(tested & dense, vocab, 0),
-                             other=0.0)
-                q = tl.where(dense, qd, q)
-            r = tl.maximum(p - q, 0.0)
-            best_r, id_r = _best_of(tl.where(m, tl.math.div_rn(r, e), -1.0), idx)
-            best_p, id_p = _best_of(tl.where(m, tl.math.div_rn(p, e), -1.0), idx)
-            base = part_ptr + b * 5 * n_chunks + c
-            tl.store(base, best_r.to(tl.float64))
-            tl.store(base + n_chunks, id_r.to(tl.float64))
-            tl.store(base + 2 * n_chunks, best_p.to(tl.float64))
-            tl.store(base + 3 * n_chunks, id_p.to(tl.float64))
-            tl.store(base + 4 * n_chunks, (tl.max(r, 0) > 0).to(tl.float64))
-
-
-@triton.jit
-def _merged_id(part_ptr, base, n_chunks, CP: tl.constexpr):
-    """The lowest id at the best score over the chunks' (score, id) rows at base and base + n_chunks."""
-    c = tl.arange(0, CP)
-    ok = c < n_chunks
-    scores = tl.load(part_ptr + base + c, mask=ok, other=float("-inf"))
-    ids = tl.load(part_ptr + base + n_chunks + c, mask=ok, other=0.0)
-    return tl.min(tl.where(ok & (scores == tl.max(scores, 0)), ids, 1e18), 0).to(tl.int64)
-
-
-@triton.jit(**_ANY)
-def _rejection_emit_kernel(argmax_ptr, draft_ptr, greedy_ptr, n_ptr, part_ptr, tokens_ptr, accepted_ptr, n_chunks,
-                           K: tl.constexpr, HAS_P: tl.constexpr, CP: tl.constexpr):
-    """Request b's tokens: the accepted drafts, then the target's argmax (greedy) or the race's winner."""
-    b = tl.program_id(0).to(tl.int64)
-    n = tl.load(n_ptr + b)
-    corrected = tl.load(argmax_ptr + b * (K + 1) + n)
-    if HAS_P:
-        if tl.load(greedy_ptr + b) == 0:
-            base = b * 5 * n_chunks
-            c = tl.arange(0, CP)
-            any_r = tl.max(tl.load(part_ptr + base + 4 * n_chunks + c, mask=c < n_chunks, other=0.0), 0) > 0
-            corrected = tl.where(any_r, _merged_id(part_ptr, base, n_chunks, CP),
-                                 _merged_id(part_ptr, base + 2 * n_chunks, n_chunks, CP))
+                noise_key = _row_key(seed, tl.load(pos_ptr + row), target_stream)
+            for v0 in range(0, vocab, BLOCK_V):
+                idx = v0 + tl.arange(0, BLOCK_V)
+                m = idx < vocab
+                p = tl.load(p_ptr + row * vocab + idx, mask=m, other=0.0)
+                if HASH:
+                    e = -tl.log(_to_unit(_mix(noise_key ^ _u32(idx.to(tl.int64) * 0x61C88647))))
+                else:
+                    e = tl.load(noise_ptr + row * vocab + idx, mask=m, other=1.0)
+                q = tl.where((idx == d_n) & tested, 1.0, 0.0)
+                if HAS_Q:
+                    # the scalar condition folded into the bound (see paged_attention._merge_splits_kernel)
+                    qd = tl.load(q_ptr + (b * K + n) * vocab + idx, mask=idx < tl.where(tested & dense, vocab, 0),
+                                 other=0.0)
+                    q = tl.where(dense, qd, q)
+                r = tl.maximum(p - q, 0.0)
+                any_r = any_r | (tl.max(r, 0) > 0)
+                rr = tl.math.div_rn(r, e)
+                pp = tl.math.div_rn(p, e)
+                c_r = tl.max(rr, 0)
+                c_p = tl.max(pp, 0)
+                i_r = tl.argmax(rr, 0) + v0
+                i_p = tl.argmax(pp, 0) + v0
+                best_r_i = tl.where(c_r > best_r, i_r, best_r_i)
+                best_r = tl.maximum(c_r, best_r)
+                best_p_i = tl.where(c_p > best_p, i_p, best_p_i)
+                best_p = tl.maximum(c_p, best_p)
+            corrected = tl.where(any_r, best_r_i, best_p_i)
     for j in tl.static_range(K + 1):
         if j < K:
             tok = tl.where(j < n, tl.load(draft_ptr + b * K + j), tl.where(j == n, corrected, -1))
         else:
             tok = tl.where(j == n, corrected, -1)
         tl.store(tokens_ptr + b * (K + 1) + j, tok.to(tl.int64))
-    tl.store(accepted_ptr + b, n)
+    tl.store(accepted_ptr + b, n.to(tl.int64))
 
 
 def rejection_sample_triton(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,16 +135,12 @@ def rejection_sample_triton(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]
     uniforms = v.uniforms.float().contiguous() if k > 0 and has_p and not hashed else draft  # sampled rows only
     seeds = v.seeds.contiguous() if hashed else draft  # [B]
     positions = v.positions.contiguous() if hashed else draft  # [B, K+1]
-    # The kernels index raw pointers: every input contiguous (views of a packed buffer arrive strided).
-    argmax, greedy = v.target_argmax.contiguous(), v.greedy.contiguous()
-    chunks = triton.cdiv(vocab, CHUNK) if has_p else 1
-    n = torch.empty(batch, dtype=torch.int64, device=dev)  # [B] accepted, before the race
-    part = torch.empty(batch, 5, chunks, dtype=torch.float64, device=dev) if has_p else n  # [B, 5, C]
-    _rejection_race_kernel[(batch, chunks)](
-        p, argmax, draft, q, v.dense_q.contiguous(), v.num_drafts.contiguous(), greedy, uniforms, noise, seeds,
-        positions, rng.ACCEPT, rng.TARGET, n, part, vocab, chunks,
-        K=k, HAS_P=has_p, HAS_Q=has_q, HASH=hashed and has_p, CHUNK=CHUNK, num_warps=4 if has_p else 1,
+    # The kernel indexes raw pointers: every input contiguous (views of a packed buffer arrive strided).
+    _rejection_kernel[(batch,)](
+        p, v.target_argmax.contiguous(), draft, q, v.dense_q.contiguous(), v.num_drafts.contiguous(),
+        v.greedy.contiguous(), uniforms, noise, seeds, positions, rng.ACCEPT, rng.TARGET,
+        tokens, accepted, vocab,
+        K=k, HAS_P=has_p, HAS_Q=has_q, HASH=hashed and has_p,
+        BLOCK_V=min(4096, triton.next_power_of_2(max(vocab, 16))), num_warps=8 if has_p else 1,
     )
-    _rejection_emit_kernel[(batch,)](argmax, draft, greedy, n, part, tokens, accepted, chunks, K=k, HAS_P=has_p,
-                                     CP=triton.next_power_of_2(chunks), num_warps=1)
     return tokens, accepted

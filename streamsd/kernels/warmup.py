@@ -35,19 +35,18 @@ from streamsd.kernels.prefill_attention import (
     prefill_tiles,
     tokens_per_tile,
 )
-from streamsd.kernels.rejection import _rejection_emit_kernel, _rejection_race_kernel, rejection_sample_triton
+from streamsd.kernels.rejection import _rejection_kernel, rejection_sample_triton
 from streamsd.kernels.restart import _restart, restart_triton
 from streamsd.kernels.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
-from streamsd.kernels.warp import (
+from streamsd.kernels.warp import _sample_kernel, _warp_kernel, sample_tokens, warp_probs
+from streamsd.kernels.warp_chunked import (
     _argmax_chunk_kernel,
     _chunk_kept_kernel,
     _chunk_stats_kernel,
     _merge_best_kernel,
-    _race_chunk_kernel,
     _warp_out_kernel,
     argmax_rows,
-    sample_tokens,
-    warp_probs,
+    warp_probs_chunked,
 )
 from streamsd.sampling.rejection import VerifyInput
 
@@ -57,9 +56,9 @@ _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
 def compiled_variants() -> int:
     """Kernel binaries compiled in this process so far (a step that raises it stalled on a compile)."""
     total = 0
-    for fn in (_rejection_race_kernel, _rejection_emit_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel,
-               _exponentials_kernel, _uniforms_kernel, _restart, _chunk_stats_kernel, _chunk_kept_kernel,
-               _warp_out_kernel, _race_chunk_kernel, _merge_best_kernel, _argmax_chunk_kernel):
+    for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel,
+               _exponentials_kernel, _uniforms_kernel, _restart, _warp_kernel, _sample_kernel,
+               _chunk_stats_kernel, _chunk_kept_kernel, _warp_out_kernel, _merge_best_kernel, _argmax_chunk_kernel):
         total += sum(len(cache[0]) for cache in fn.device_caches.values())
     return total
 
@@ -85,6 +84,7 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
         one = torch.ones(1, device=device)
         warp_probs(logits, one, one * 0)
         sample_tokens(logits, torch.zeros(3, dtype=torch.int64, device=device), one, one * 0, 1)
+        warp_probs_chunked(logits, one, one * 0)  # inside graphs (an EAGLE head's sampled chain)
         argmax_rows(logits)
     _restart_variants(max_k, device)
     torch.cuda.synchronize(device)

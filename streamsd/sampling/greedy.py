@@ -13,12 +13,12 @@ import torch
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """x [..., V] -> [...] int64, torch.argmax(x, -1) (the first maximum); on CUDA in parallel chunks
-    (kernels/warp.argmax_rows: torch's reduction took 13 us a row of SmolLM2's 49152 ids, ~6 of them
-    an EAGLE step)."""
-    if not x.is_cuda:
+    """x [..., V] -> [...] int64, torch.argmax(x, -1) (the first maximum); inside a CUDA graph in
+    parallel chunks (kernels/warp_chunked.py: torch's reduction took 13 us a row of SmolLM2's 49152
+    ids, and an EAGLE step at T = 0 has ~6 of them in its graphs). Eagerly torch's one launch."""
+    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return x.argmax(dim=-1)
-    from streamsd.kernels.warp import argmax_rows
+    from streamsd.kernels.warp_chunked import argmax_rows
 
     return argmax_rows(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])
 

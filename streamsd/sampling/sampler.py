@@ -5,17 +5,18 @@ from __future__ import annotations
 import torch
 
 from streamsd.sampling import rng
+from streamsd.sampling.greedy import row_argmax
 from streamsd.sampling.warp import WarpParams, warp
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Exponential race: argmax(p / E), E ~ Exp(1), draws from p. [N, V], [N, V] -> [N]."""
-    return (probs / noise).argmax(dim=-1)
+    return row_argmax(probs / noise)
 
 
 def sample_rows(probs: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Greedy rows take the raw argmax, others race. probs/logits/noise [N, V], greedy [N] -> [N]."""
-    return torch.where(greedy, logits.argmax(dim=-1), race(probs, noise))
+    return torch.where(greedy, row_argmax(logits), race(probs, noise))
 
 
 def sample_keyed(logits: torch.Tensor, wp: WarpParams, ints: torch.Tensor) -> torch.Tensor:
