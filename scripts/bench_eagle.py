@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--phases", action="store_true", help="then time each phase of a step (ms per step)")
+    p.add_argument("--methods", default=None, help="a comma list of the methods to run (default: all)")
     p.add_argument("--adaptive", action="store_true",
                    help="also eagle under the adaptive policy (what `streamsd serve` runs by default)")
     a = p.parse_args()
@@ -51,6 +52,8 @@ def main() -> None:
     # plain-seq: plain decoding with each step read before the next is queued (no lookahead.py)
     methods = {"plain": None, "plain-seq": None, "ngram": "ngram", "eagle": "eagle",
                **({"eagle-ad": "eagle"} if a.adaptive else {})}
+    if a.methods:
+        methods = {m: s for m, s in methods.items() if m in a.methods.split(",") or m == "plain"}
     engines = {m: LLM(a.model, speculative_method=s, draft_model=a.head if s == "eagle" else None,
                       num_speculative_tokens=a.k, device=a.device, max_num_seqs=4, kv_cache_tokens=8192,
                       pipeline=False if m == "plain-seq" else None,
@@ -90,7 +93,7 @@ def main() -> None:
                 outs[m] = r.outputs[0].token_ids
             for m in engines:
                 same[m] += outs[m] == outs["plain"]
-            same_seq += outs["plain-seq"] == outs["plain"]
+            same_seq += outs.get("plain-seq") == outs["plain"]
             if hf is not None:
                 ids = tok.apply_chat_template(conv, add_generation_prompt=True, return_tensors="pt",
                                               return_dict=True).to(dev)
