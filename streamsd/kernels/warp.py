@@ -11,9 +11,9 @@ Both kernels share `_row_stats` and `_prob`, so a plain step's race sees bit for
 probabilities a verify's rejection sampler gets from `warp_probs`, and its in-kernel noise is
 kernels/rng.py's: a seeded request samples the same token whichever path a step takes.
 
-Inside a CUDA graph (an EAGLE head's sampled draft chain) the rows are cut into chunks instead
-(kernels/warp_chunked.py): the same distribution, rounded differently, so the target's own sampling
-— always eager, after its graph — never takes that path.
+Inside a CUDA graph (an EAGLE head's sampled draft chain), up to MAX_ROWS rows are cut into chunks
+instead (kernels/warp_chunked.py): the same distribution, rounded differently, so the target's own
+sampling — always eager, after its graph — never takes that path.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from streamsd.kernels.rng import _mix, _row_key, _to_unit, _u32
+from streamsd.kernels.warp_chunked import MAX_ROWS, warp_probs_chunked
 
 BLOCK_V = 2048
 # One binary per logits dtype: rows arrive as views at any offset (see kernels/warmup.py).
@@ -116,9 +117,7 @@ def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Ten
     0 = greedy, warped at 1; min_p [N / reps])."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     n, vocab = logits.shape
-    if n and logits.is_cuda and torch.cuda.is_current_stream_capturing():  # launches are free in a graph
-        from streamsd.kernels.warp_chunked import warp_probs_chunked
-
+    if 0 < n <= MAX_ROWS and logits.is_cuda and torch.cuda.is_current_stream_capturing():  # launches free, SMs idle
         return warp_probs_chunked(logits, temperature, min_p, reps)
     out = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
     if n:

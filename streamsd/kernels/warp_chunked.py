@@ -19,9 +19,12 @@ import triton
 import triton.language as tl
 
 CHUNK = 2048  # ids per program
+# Rows up to which chunking pays: beyond, one program (or torch's reduction) a row already fills the
+# chip, and chunks only add launches and partials.
+MAX_ROWS = 64
 # One binary per logits dtype: rows arrive as views at any offset (see kernels/warmup.py).
-_ANY = dict(do_not_specialize=["vocab", "stride", "reps", "n", "stream", "n_chunks"],
-            do_not_specialize_on_alignment=["x_ptr", "temp_ptr", "min_p_ptr", "ints_ptr", "out_ptr"])
+_ANY = dict(do_not_specialize=["vocab", "stride", "reps", "n_chunks"],
+            do_not_specialize_on_alignment=["x_ptr", "temp_ptr", "min_p_ptr", "out_ptr"])
 
 
 @triton.jit
@@ -38,7 +41,7 @@ def _chunk_ids(vocab, CHUNK: tl.constexpr):
 
 @triton.jit(**_ANY)
 def _chunk_stats_kernel(x_ptr, stride, temp_ptr, min_p_ptr, stats_ptr, vocab, reps, n_chunks, CHUNK: tl.constexpr):
-    """stats [N, 2, C]: each chunk's max of the scaled logits and its softmax sum below that max."""
+    """stats [N, 2, C]: each chunk's max of the scaled logits s, and its sum of exp(s - that max)."""
     row = tl.program_id(0).to(tl.int64)
     temp, _ = _param(temp_ptr, min_p_ptr, row // reps)  # `reps` rows share a request's parameters
     idx, m = _chunk_ids(vocab, CHUNK)
@@ -101,8 +104,8 @@ def _warp_out_kernel(x_ptr, stride, temp_ptr, min_p_ptr, stats_ptr, kept_ptr, ou
 
 @triton.jit
 def _store_best(best_ptr, row, n_chunks, score, idx):
-    """A chunk's best score and its id (the lowest on ties) into best [N, 2, C] (the id as float64 bits:
-    one buffer)."""
+    """A chunk's best score and its id (the lowest on ties) into best [N, 2, C]; the id as a float64
+    (exact far past any vocabulary), so that one buffer holds both."""
     base = best_ptr + row * 2 * n_chunks + tl.program_id(1)
     tl.store(base, tl.max(score, 0).to(tl.float64))
     tl.store(base + n_chunks, tl.min(tl.where(score == tl.max(score, 0), idx, 2147483647), 0).to(tl.float64))

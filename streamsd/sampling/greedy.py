@@ -13,14 +13,15 @@ import torch
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """x [..., V] -> [...] int64, torch.argmax(x, -1) (the first maximum); inside a CUDA graph in
-    parallel chunks (kernels/warp_chunked.py: torch's reduction took 13 us a row of SmolLM2's 49152
-    ids, and an EAGLE step at T = 0 has ~6 of them in its graphs). Eagerly torch's one launch."""
+    """x [..., V] -> [...] int64, torch.argmax(x, -1) (the first maximum); inside a CUDA graph, for a
+    few rows, in parallel chunks (kernels/warp_chunked.py: torch's reduction took 13 us a row of
+    SmolLM2's 49152 ids, and an EAGLE step at T = 0 has ~6 of them in its graphs)."""
     if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return x.argmax(dim=-1)
-    from streamsd.kernels.warp_chunked import argmax_rows
+        return x.argmax(dim=-1)  # eagerly torch's one launch: a Triton launch costs far more host time
+    from streamsd.kernels.warp_chunked import MAX_ROWS, argmax_rows
 
-    return argmax_rows(x.reshape(-1, x.shape[-1])).view(x.shape[:-1])
+    rows = x.reshape(-1, x.shape[-1])
+    return argmax_rows(rows).view(x.shape[:-1]) if rows.shape[0] <= MAX_ROWS else x.argmax(dim=-1)
 
 
 def greedy_verify(logits: torch.Tensor, ids: torch.Tensor, query_starts: torch.Tensor, num_seqs: int,
