@@ -140,6 +140,7 @@ class AdaptivePolicy:
     choices: int = 0  # `choose` calls (one per step; the last one made ahead may go unused)
     idle_steps: int = 0
     idle_plans: int = 0  # the idle schedule's plans since the batch last speculated (`idle_plan_fits`)
+    unticked: int = 0  # a small batch's plain steps between plans whose prior decay is still owed
     last_predicted: float = 0.0
     last_measured: float = 0.0
     abs_error_sum: float = 0.0  # Σ |predicted / measured − 1| over observed steps
@@ -196,6 +197,9 @@ class AdaptivePolicy:
         # the plans a filling batch made (a cold prior's probe waits for one: B = 128 on the H200).
         self.idle_plans += not (speculating or fresh)
         t0 = time.perf_counter()
+        if self.unticked:
+            self.estimator.tick(self.unticked)
+            self.unticked = 0
         for r in decoding:
             if r.acceptance is None:
                 r.acceptance = self.estimator.new_request()
@@ -280,7 +284,8 @@ class AdaptivePolicy:
                 # 1.44x). Requests' own idle decay still waits for the plans: per step, every request
                 # whose drafts never pay would explore anew every few dozen steps. A large batch keeps
                 # its prior through idle stretches, where a forgotten one means a whole-batch probe.
-                self.estimator.tick()
+                # Counted here and forgotten at the next plan, in one power: the plain path stays O(1).
+                self.unticked += 1
                 self.planner.since_probe += 1
             return
         for r, drafted, accepted in verified:

@@ -885,7 +885,9 @@ def _batch1_spec_shares(curves: list[tuple[float, ...]], seed: int, tokens: int 
     from streamsd.policy import AdaptivePolicy, StepShape
     from streamsd.request import Request, SamplingParams
 
-    policy = AdaptivePolicy(4, CostTable.from_samples({1: 1.0e-3, 8: 1.1e-3}, {1: 0.15e-3}), draft_has_cache=False)
+    # A plan every REPLAN_EVERY idle steps whatever it costs: the schedule must not hang on this host's speed.
+    policy = AdaptivePolicy(4, CostTable.from_samples({1: 1.0e-3, 8: 1.1e-3}, {1: 0.15e-3}), draft_has_cache=False,
+                            plan_budget=0.0)
     rng, shares = random.Random(seed), []
     for n, curve in enumerate(curves):
         r = Request(f"r{n}", [1, 2, 3], SamplingParams(max_tokens=tokens), seed=n, arrival=0.0, spec_k=4)
@@ -913,7 +915,8 @@ def test_at_batch_one_one_bad_request_does_not_keep_the_next_ones_plain() -> Non
     for thousands of steps and no later request tried: on the H200 adaptive eagle stayed at 1.00x plain
     where fixed k = 4 ran 1.44x. A small batch's prior now forgets per step: later requests whose
     drafts pay (2.5 tokens a step for 1.7 steps' time) speculate in 84 % of their steps over 10 seeds
-    (53 % before), while requests whose drafts never pay cost at most a few exploring steps each."""
+    (59 % before), while requests whose drafts never pay cost a few exploring steps each (1.3 % against
+    plain over the crowd; 0.4 % before)."""
     good, bad = (0.57, 0.7, 0.75, 0.8), (0.25,) * 4
     after_bad = [s for seed in range(10) for s in _batch1_spec_shares([bad] + [good] * 5, seed)[1:]]
     assert sum(after_bad) / len(after_bad) >= 0.7

@@ -182,9 +182,9 @@ class AcceptanceEstimator:
             prior.failures[accepted] += 1.0
         state.stale = True
 
-    def tick(self) -> None:
-        """Once per scheduler step: forget old evidence in the running priors."""
-        decay, cap = self.config.prior_decay, self.config.prior_cap
+    def tick(self, steps: int = 1) -> None:
+        """Once per scheduler step (or once for ``steps`` of them): forget old evidence in the running priors."""
+        decay, cap = self.config.prior_decay ** steps, self.config.prior_cap
         for p in self.priors.values():
             for j in range(len(p.successes)):
                 # Capped as well as decayed: a large batch must not make the prior so heavy that,
