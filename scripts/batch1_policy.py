@@ -33,7 +33,7 @@ def run(kind: str, seed: int, requests: int, tokens: int = 256) -> tuple[float, 
     rng = random.Random(seed)
     cost = CostTable.from_samples({1: 1.05e-3, 2: 1.098e-3, 3: 1.10e-3, 5: 1.16e-3, 8: 1.2e-3})
     cost.catchup = StepTable.from_samples({1: 0.82e-3, 512: 0.82e-3})
-    policy = AdaptivePolicy(4, cost, draft_has_cache=True, settled_lag=1, queues_ahead=True, depth_steps=DEPTH_STEPS,
+    policy = AdaptivePolicy(4, cost, draft_has_cache=True, settled_lag=1, queues_ahead=True, depth_steps=(("greedy", DEPTH_STEPS),),
                             plan_budget=0.0)  # plans every REPLAN_EVERY idle steps: not this host's speed
     seconds = emitted = 0.0
     spec = steps = 0
@@ -42,7 +42,7 @@ def run(kind: str, seed: int, requests: int, tokens: int = 256) -> tuple[float, 
         for s in DEPTH_STEPS:
             curve.append(curve[-1] * s)
         curve = [min(0.95, a0 * c) for c in curve]
-        r = Request(f"r{n}", list(range(100)), SamplingParams(max_tokens=tokens), seed=n, arrival=0.0, spec_k=4)
+        r = Request(f"r{n}", list(range(100)), SamplingParams(max_tokens=tokens, temperature=0.0), seed=n, arrival=0.0, spec_k=4)
         r.output_ids.append(5)
         r.computed, prev_k = r.num_tokens - 1, 0
         while r.remaining_tokens > 0:

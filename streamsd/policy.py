@@ -71,6 +71,13 @@ class SpeculationPolicy(Protocol):
     def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None: ...
 
 
+def acceptance_class(r: Request) -> str:
+    """The running prior a request's acceptance borrows from: greedy and sampled requests of one proposer
+    accept differently (the shipped EAGLE head at position 0: 0.67 at T = 0, 0.55 at T = 0.7), and
+    pooled, a stretch of sampled requests would price the next greedy one at their level."""
+    return "greedy" if r.params.greedy else "sampled"
+
+
 def cap_k(r: Request) -> int:
     """The most drafts worth verifying: the request's own k, and no more than it can still emit."""
     return max(0, min(r.spec_k, r.remaining_tokens - 1))
@@ -128,7 +135,8 @@ class AdaptivePolicy:
     # Speculative steps are queued ahead (an EAGLE head, device-side synthetic drafts): a plan of a
     # new depth drops the queued step, so the planner keeps its depth unless another clearly wins.
     queues_ahead: bool = False
-    depth_steps: tuple[float, ...] = ()  # the proposer's measured depth steps (AcceptanceConfig)
+    # The proposer's measured depth steps per acceptance class (AcceptanceConfig.depth_steps_by_prior).
+    depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = ()
     plan_budget: float = 0.01  # share of a plain batch's time its periodic re-plans may take
     plan_seconds: float = 0.0  # host time of the last plan
     estimator: AcceptanceEstimator = field(init=False)
@@ -162,7 +170,8 @@ class AdaptivePolicy:
     plans: list[tuple[object, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1), depth_steps=self.depth_steps))
+        self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1),
+                                                              depth_steps_by_prior=self.depth_steps))
         if self.queues_ahead:
             self.planner.config = replace(self.planner.config, depth_hysteresis=QUEUED_DEPTH_HYSTERESIS)
 
@@ -202,15 +211,17 @@ class AdaptivePolicy:
             self.unticked = 0
         for r in decoding:
             if r.acceptance is None:
-                r.acceptance = self.estimator.new_request()
+                r.acceptance = self.estimator.new_request(acceptance_class(r))
         self.estimator.refresh_many([r.acceptance for r in decoding])
+        classes = {r.acceptance.proposer for r in decoding}
         views = []
         for r in decoding:
             lag = max(r.num_tokens - self.settled_lag - r.draft_computed, 0) if self.draft_has_cache else 0
             views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag))
         st = self.planner
         ks = plan(views, self.cost, self.max_k, self.hysteresis, state=st, prefill_tokens=prefill_tokens,
-                  prefill_backlog=backlog, cold=self.estimator.cold(), guessing=not self.estimator.informed())
+                  prefill_backlog=backlog, cold=any(map(self.estimator.cold, classes)),
+                  guessing=not all(map(self.estimator.informed, classes)))
         self.plan_seconds = time.perf_counter() - t0
         if views and len(self.plans) < 96:
             self._record_plan(views, ks)

@@ -6,6 +6,7 @@ Everything here is torch-free and seeded; the simulator figures are for an 8B ta
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -556,7 +557,7 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     """Under a batch where plain decoding wins, most steps skip the planner; their measured cost must
     still correct the table (a start-up profile blind to per-request host work, as at B = 128-256 on
     the H200), or the next plan compares speculation against a plain step it misprices."""
-    from streamsd.policy import AdaptivePolicy, StepShape
+    from streamsd.policy import AdaptivePolicy, StepShape, acceptance_class
     from streamsd.request import Request, SamplingParams
 
     shape = _graph_shape()
@@ -569,7 +570,7 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
         r.output_ids.append(5)
         r.computed = r.num_tokens - 1
     true_plain = shape(64, 64, 1) * 1.35  # what the profile missed: 35 %
-    known = policy.estimator.new_request()  # the proposer's drafts are known to be poor: no cold probe
+    known = policy.estimator.new_request(acceptance_class(reqs[0]))  # drafts known to be poor: no cold probe
     for _ in range(8):
         policy.estimator.observe(known, 4, 0)
     planned = []
@@ -632,7 +633,7 @@ def test_an_idle_batchs_backoff_plans_fit_the_plan_budget_too() -> None:
     assert idle_plans(4e-3, 9e-3, budget=0.0, steps=40) == [1, 2, 4, 8, 16, 24, 32, 40]  # no budget: the old rule
     # The plans of a filling batch (its first step, each doubling) are not the idle schedule's: the first
     # idle step after them still plans (where a cold prior gets its probe).
-    from streamsd.policy import AdaptivePolicy
+    from streamsd.policy import AdaptivePolicy, acceptance_class
     from streamsd.request import Request, SamplingParams
 
     policy = AdaptivePolicy(4, CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=_graph_shape()),
@@ -642,7 +643,7 @@ def test_an_idle_batchs_backoff_plans_fit_the_plan_budget_too() -> None:
     for r in reqs:
         r.output_ids.append(5)
         r.computed = r.num_tokens - 1
-    known = policy.estimator.new_request()  # drafts known to be poor: every plan says plain
+    known = policy.estimator.new_request(acceptance_class(reqs[0]))  # drafts known to be poor: every plan says plain
     for _ in range(8):
         policy.estimator.observe(known, 4, 0)
     policy.estimator.tick()
@@ -877,7 +878,8 @@ def test_depth_steps_raise_the_prior_of_deep_positions_only_and_never_above_the_
     assert [est.mean(st) for st in states] == pytest.approx(batched)
 
 
-def _batch1_spec_shares(curves: list[tuple[float, ...]], seed: int, tokens: int = 256) -> list[float]:
+def _batch1_spec_shares(curves: list[tuple[float, ...]], seed: int, tokens: int = 256,
+                        temperatures: list[float] | None = None) -> list[float]:
     """Requests served one after another at batch 1 through the engine's policy (which skips plans
     while plain wins), drafts accepted at each request's conditional acceptance per position; a
     speculative step costs 1.7 plain ones, as the shipped EAGLE head's on the H200. The share of each
@@ -890,7 +892,8 @@ def _batch1_spec_shares(curves: list[tuple[float, ...]], seed: int, tokens: int 
                             plan_budget=0.0)
     rng, shares = random.Random(seed), []
     for n, curve in enumerate(curves):
-        r = Request(f"r{n}", [1, 2, 3], SamplingParams(max_tokens=tokens), seed=n, arrival=0.0, spec_k=4)
+        params = SamplingParams(max_tokens=tokens, temperature=1.0 if temperatures is None else temperatures[n])
+        r = Request(f"r{n}", [1, 2, 3], params, seed=n, arrival=0.0, spec_k=4)
         r.output_ids.append(5)
         r.computed = r.num_tokens - 1
         spec = steps = 0
@@ -924,3 +927,37 @@ def test_at_batch_one_one_bad_request_does_not_keep_the_next_ones_plain() -> Non
     share = sum(all_bad) / len(all_bad)
     # A speculative step there yields 1.33 tokens for 1.7 steps' time: the loss against plain.
     assert 1.0 / (1.0 + share * (1.7 / 1.333 - 1.0)) >= 0.985
+
+
+def test_greedy_and_sampled_requests_learn_from_their_own_kind() -> None:
+    """A proposer's greedy and sampled requests accept differently (the shipped head at position 0:
+    0.67 at T = 0, 0.55 at T = 0.7), so each kind borrows from a running prior of its own. Requests at
+    batch 1 alternate: sampled ones whose drafts never pay, greedy ones whose drafts do. Pooled, each
+    greedy request started from the sampled ones' failures and speculated in 43 % of its steps over 10
+    seeds; with its own prior, 71 %, while the sampled ones stay near plain."""
+    from streamsd.policy import acceptance_class
+    from streamsd.request import Request, SamplingParams
+
+    greedy = Request("g", [1], SamplingParams(temperature=0.0), seed=0, arrival=0.0)
+    sampled = Request("s", [1], SamplingParams(temperature=0.7), seed=0, arrival=0.0)
+    assert acceptance_class(greedy) != acceptance_class(sampled)
+    good, bad = (0.57, 0.7, 0.75, 0.8), (0.2,) * 4
+    runs = [_batch1_spec_shares([bad, good] * 4, seed, tokens=128, temperatures=[1.0, 0.0] * 4) for seed in range(10)]
+    greedy_shares = [s for run in runs for s in run[1::2]]
+    sampled_shares = [s for run in runs for s in run[0::2]]
+    assert sum(greedy_shares) / len(greedy_shares) >= 0.6
+    assert sum(sampled_shares) / len(sampled_shares) <= 0.1
+
+
+def test_a_heads_report_gives_greedy_and_sampled_depth_steps(tmp_path) -> None:
+    from streamsd.spec.eagle_ckpt import measured_depth_steps
+
+    (tmp_path / "eval_report.json").write_text(json.dumps({"results": {
+        "T=0": {"conditional_acceptance": [0.6, 0.66, 0.6]},
+        "T=0.7": {"conditional_acceptance": [0.5, 0.6, 0.75]}}}))
+    steps = dict(measured_depth_steps(tmp_path))
+    assert steps["greedy"] == pytest.approx((1.1, 1.0)) and steps["sampled"] == pytest.approx((1.2, 1.25))
+    assert measured_depth_steps(tmp_path / "missing") == ()
+    cfg = AcceptanceConfig(max_k=4, depth_steps_by_prior=tuple(steps.items()))
+    assert cfg.depth_step(1, "sampled") == pytest.approx(1.2) and cfg.depth_step(3, "greedy") == 1.0
+    assert cfg.depth_step(1, "default") == 1.0

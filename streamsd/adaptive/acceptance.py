@@ -11,7 +11,7 @@ after a are censored (never reached), not failures.
 
 Posterior.  Position j of a request carries Beta(n_j m_j + s_j, n_j (1 − m_j) + f_j), where s_j,
 f_j are the request's own evidence.  For j = 0 the prior mean m_0 is the proposer's *running
-prior*: successes and failures pooled over all its requests, forgotten per scheduler step
+prior* (one per name: the engine keeps one for greedy and one for sampled requests): successes and failures pooled over all its requests, forgotten per scheduler step
 (``tick``), capped so a large batch cannot make it immovable, and weakly anchored to a configured
 default that it drifts back to when starved of data.  For j ≥ 1, m_j is the request's own
 posterior mean at j − 1, times the proposer's *depth step* j where one was measured at a fixed depth
@@ -68,10 +68,13 @@ class AcceptanceConfig:
     # 0.81 greedy), since a prefix that survived is an easy stretch; read flat, a fresh request at batch 1
     # priced k = 4 at 1.97 tokens against fixed k = 4's 2.41 and never speculated on the H200.
     depth_steps: tuple[float, ...] = ()
+    # The same per running prior, by its name (a head's greedy and sampled requests): these win.
+    depth_steps_by_prior: tuple[tuple[str, tuple[float, ...]], ...] = ()
     depth_ceiling: float = 0.95  # the most a depth step may raise a prior to
 
-    def depth_step(self, j: int) -> float:
-        return self.depth_steps[j - 1] if 0 < j <= len(self.depth_steps) else 1.0
+    def depth_step(self, j: int, prior: str = "") -> float:
+        steps = next((s for name, s in self.depth_steps_by_prior if name == prior), self.depth_steps)
+        return steps[j - 1] if 0 < j <= len(steps) else 1.0
 
 
 def depth_steps_of(conditional: list[list[float]]) -> tuple[float, ...]:
@@ -227,7 +230,7 @@ class AcceptanceEstimator:
             reach = np.ones(len(group))  # [n]
             for j in range(s.shape[1]):
                 n0 = cfg.request_strength if j == 0 else cfg.chain_strength
-                m = np.minimum(m * cfg.depth_step(j), np.maximum(m, cfg.depth_ceiling)) if j else m
+                m = np.minimum(m * cfg.depth_step(j, proposer), np.maximum(m, cfg.depth_ceiling)) if j else m
                 a, b = n0 * m + s[:, j], n0 * (1.0 - m) + f[:, j]
                 m = a / (a + b)
                 mean[:, j] = m
@@ -261,7 +264,7 @@ class AcceptanceEstimator:
             # proposer's running prior): deep positions are drafted only while estimated high, so
             # their own data — and the crowd's — is adaptively sampled and biased low; the position
             # before them is sampled whenever they are, and more. The depth step is measured elsewhere.
-            m = min(m * cfg.depth_step(j), max(m, cfg.depth_ceiling)) if j else m
+            m = min(m * cfg.depth_step(j, state.proposer), max(m, cfg.depth_ceiling)) if j else m
             a, b = n0 * m + s, n0 * (1.0 - m) + f
             m = a / (a + b)
             mean.append(m)

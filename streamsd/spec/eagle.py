@@ -43,9 +43,9 @@ class EagleProposer:
     keeps_cache = True
 
     def __init__(self, head: EagleHead, target: Transformer, cache: PagedKVCache, q_pool: torch.Tensor,
-                 store: StreamStore, depth_steps: tuple[float, ...] = ()):
+                 store: StreamStore, depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = ()):
         self.head = head
-        #: how conditional acceptance rises with depth, as the head's evaluation measured it
+        #: how conditional acceptance rises with depth, as the head's evaluation measured it, greedy and sampled
         self.depth_steps = depth_steps
         self.store = store  # the target's streams per KV slot, written by its every forward
         self.target = target

@@ -80,17 +80,21 @@ def new_head(target: Transformer, *, kind: str = EAGLE3, draft_ids: list[int] | 
     return head.attach(target)
 
 
-def measured_depth_steps(path: Path) -> tuple[float, ...]:
+def measured_depth_steps(path: Path) -> tuple[tuple[str, tuple[float, ...]], ...]:
     """The depth steps (streamsd.adaptive.acceptance) of the conditional acceptance that the head's
-    ``eval_report.json`` measured at a fixed k, per temperature; none without a report."""
+    ``eval_report.json`` measured at a fixed k: ("greedy", from its T = 0 run) and ("sampled", from
+    the others); none without a report."""
     from streamsd.adaptive.acceptance import depth_steps_of
 
     try:
         results = json.loads((Path(path) / "eval_report.json").read_text())["results"]
-        curves = [[float(a) for a in r["conditional_acceptance"]] for r in results.values()]
+        curves = {float(t.removeprefix("T=")): [float(a) for a in r["conditional_acceptance"]]
+                  for t, r in results.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ()  # a head trained elsewhere: the estimator reads every depth alike
-    return depth_steps_of(curves)
+    classes = (("greedy", [c for t, c in curves.items() if t == 0.0]),
+               ("sampled", [c for t, c in curves.items() if t > 0.0]))
+    return tuple((name, depth_steps_of(found)) for name, found in classes if found)
 
 
 def load_head(path: Path, target: Transformer, device: torch.device, dtype: torch.dtype) -> EagleHead:
