@@ -213,6 +213,8 @@ class AdaptivePolicy:
             if r.acceptance is None:
                 r.acceptance = self.estimator.new_request(acceptance_class(r))
         self.estimator.refresh_many([r.acceptance for r in decoding])
+        # Cold (a whole-batch probe) and guessing (the strict gate) describe a batch that knows nothing:
+        # a request of a new class among informed ones is probed, and corrected, like any other.
         classes = {r.acceptance.proposer for r in decoding}
         views = []
         for r in decoding:
@@ -220,8 +222,8 @@ class AdaptivePolicy:
             views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag))
         st = self.planner
         ks = plan(views, self.cost, self.max_k, self.hysteresis, state=st, prefill_tokens=prefill_tokens,
-                  prefill_backlog=backlog, cold=any(map(self.estimator.cold, classes)),
-                  guessing=not all(map(self.estimator.informed, classes)))
+                  prefill_backlog=backlog, cold=all(map(self.estimator.cold, classes)),
+                  guessing=not any(map(self.estimator.informed, classes)))
         self.plan_seconds = time.perf_counter() - t0
         if views and len(self.plans) < 96:
             self._record_plan(views, ks)
