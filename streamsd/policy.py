@@ -135,7 +135,7 @@ class AdaptivePolicy:
     # Speculative steps are queued ahead (an EAGLE head, device-side synthetic drafts): a plan of a
     # new depth drops the queued step, so the planner keeps its depth unless another clearly wins.
     queues_ahead: bool = False
-    # The proposer's measured depth steps per acceptance class (AcceptanceConfig.depth_steps_by_prior).
+    # The proposer's measured depth steps per acceptance class (AcceptanceConfig.depth_steps).
     depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = ()
     plan_budget: float = 0.01  # share of a plain batch's time its periodic re-plans may take
     plan_seconds: float = 0.0  # host time of the last plan
@@ -170,8 +170,7 @@ class AdaptivePolicy:
     plans: list[tuple[object, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1),
-                                                              depth_steps_by_prior=self.depth_steps))
+        self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1), depth_steps=self.depth_steps))
         if self.queues_ahead:
             self.planner.config = replace(self.planner.config, depth_hysteresis=QUEUED_DEPTH_HYSTERESIS)
 

@@ -798,7 +798,7 @@ def _lone_request_spec_steps(alpha: float | tuple[float, ...], crowd_alpha: floa
     plain steps passed). A speculative step costs 1.85-2.0 plain ones whatever its k (the shipped
     EAGLE head's learnt ratios on the H200 at batch 1: 1.73-1.85)."""
     cost = CostTable.from_samples({1: 1e-3, 256: 1.1e-3}, {1: 0.05e-3}, spec_overhead_s=0.7e-3)
-    est = AcceptanceEstimator(AcceptanceConfig(max_k=4, depth_steps=depth_steps))
+    est = AcceptanceEstimator(AcceptanceConfig(max_k=4, depth_steps=(("default", depth_steps),)))
     st, rng = PlannerState(), random.Random(seed)
 
     def verify(state: RequestAcceptance, k: int, a: float | tuple[float, ...]) -> None:
@@ -862,7 +862,7 @@ def test_measured_depth_steps_let_a_request_read_deep_drafts_as_likelier() -> No
 def test_depth_steps_raise_the_prior_of_deep_positions_only_and_never_above_the_ceiling() -> None:
     assert depth_steps_of([[0.6, 0.66, 0.6], [0.5, 0.6, 0.7]]) == pytest.approx((1.1, 1.0))
     assert depth_steps_of([]) == ()
-    cfg = AcceptanceConfig(max_k=4, prior_mean=0.5, depth_steps=(1.2, 1.5, 1.5), depth_ceiling=0.9)
+    cfg = AcceptanceConfig(max_k=4, prior_mean=0.5, depth_steps=(("default", (1.2, 1.5, 1.5)),), depth_ceiling=0.9)
     est = AcceptanceEstimator(cfg)
     mean = est.mean(est.new_request())
     assert mean == pytest.approx((0.5, 0.6, 0.9, 0.9))
@@ -958,6 +958,6 @@ def test_a_heads_report_gives_greedy_and_sampled_depth_steps(tmp_path) -> None:
     steps = dict(measured_depth_steps(tmp_path))
     assert steps["greedy"] == pytest.approx((1.1, 1.0)) and steps["sampled"] == pytest.approx((1.2, 1.25))
     assert measured_depth_steps(tmp_path / "missing") == ()
-    cfg = AcceptanceConfig(max_k=4, depth_steps_by_prior=tuple(steps.items()))
+    cfg = AcceptanceConfig(max_k=4, depth_steps=tuple(steps.items()))
     assert cfg.depth_step(1, "sampled") == pytest.approx(1.2) and cfg.depth_step(3, "greedy") == 1.0
     assert cfg.depth_step(1, "default") == 1.0

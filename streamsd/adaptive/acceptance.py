@@ -11,11 +11,12 @@ after a are censored (never reached), not failures.
 
 Posterior.  Position j of a request carries Beta(n_j m_j + s_j, n_j (1 − m_j) + f_j), where s_j,
 f_j are the request's own evidence.  For j = 0 the prior mean m_0 is the proposer's *running
-prior* (one per name: the engine keeps one for greedy and one for sampled requests): successes and failures pooled over all its requests, forgotten per scheduler step
-(``tick``), capped so a large batch cannot make it immovable, and weakly anchored to a configured
-default that it drifts back to when starved of data.  For j ≥ 1, m_j is the request's own
-posterior mean at j − 1, times the proposer's *depth step* j where one was measured at a fixed depth
-(``depth_steps``: an EAGLE head's evaluation report).  Consecutive positions accept alike, and a deep position is drafted only
+prior* (one per name: the engine keeps one for greedy and one for sampled requests): successes
+and failures pooled over all its requests, forgotten per scheduler step (``tick``), capped so a
+large batch cannot make it immovable, and weakly anchored to a configured default that it drifts
+back to when starved of data.  For j ≥ 1, m_j is the request's own posterior mean at j − 1, times
+the prior's *depth step* j where one was measured at a fixed depth (``depth_steps``: an EAGLE head's
+evaluation report).  Consecutive positions accept alike, and a deep position is drafted only
 while it is estimated high, so its own data — and the crowd's per-position counts, kept for
 metrics — is adaptively sampled and runs low (≈ −0.1 at position 2 in the simulator); the
 position before it is sampled whenever it is, and more.  Evidence decays per observation (α
@@ -67,14 +68,19 @@ class AcceptanceConfig:
     # high. Empty: alike. Conditional acceptance rises with depth (the shipped head: 0.67, 0.70, 0.78,
     # 0.81 greedy), since a prefix that survived is an easy stretch; read flat, a fresh request at batch 1
     # priced k = 4 at 1.97 tokens against fixed k = 4's 2.41 and never speculated on the H200.
-    depth_steps: tuple[float, ...] = ()
-    # The same per running prior, by its name (a head's greedy and sampled requests): these win.
-    depth_steps_by_prior: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # By running prior (a head's greedy and sampled requests): (name, steps) pairs.
+    depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = ()
     depth_ceiling: float = 0.95  # the most a depth step may raise a prior to
 
-    def depth_step(self, j: int, prior: str = "") -> float:
-        steps = next((s for name, s in self.depth_steps_by_prior if name == prior), self.depth_steps)
-        return steps[j - 1] if 0 < j <= len(steps) else 1.0
+    def depth_steps_for(self, prior: str) -> tuple[float, ...]:
+        return next((steps for name, steps in self.depth_steps if name == prior), ())
+
+    def depth_step(self, j: int, prior: str) -> float:
+        return _depth_step(self.depth_steps_for(prior), j)
+
+
+def _depth_step(steps: tuple[float, ...], j: int) -> float:
+    return steps[j - 1] if 0 < j <= len(steps) else 1.0
 
 
 def depth_steps_of(conditional: list[list[float]]) -> tuple[float, ...]:
@@ -228,9 +234,10 @@ class AcceptanceEstimator:
             safe, mean = np.empty_like(s), np.empty_like(s)  # [n, K]
             m = np.full(len(group), prior.means[0])  # [n]
             reach = np.ones(len(group))  # [n]
+            steps = cfg.depth_steps_for(proposer)
             for j in range(s.shape[1]):
                 n0 = cfg.request_strength if j == 0 else cfg.chain_strength
-                m = np.minimum(m * cfg.depth_step(j, proposer), np.maximum(m, cfg.depth_ceiling)) if j else m
+                m = np.minimum(m * _depth_step(steps, j), np.maximum(m, cfg.depth_ceiling)) if j else m
                 a, b = n0 * m + s[:, j], n0 * (1.0 - m) + f[:, j]
                 m = a / (a + b)
                 mean[:, j] = m
@@ -258,13 +265,14 @@ class AcceptanceEstimator:
         z = self.z
         safe, mean = [], []
         reach, m = 1.0, prior.means[0]
+        steps = cfg.depth_steps_for(state.proposer)
         for j, (s, f) in enumerate(zip(state.successes, state.failures, strict=True)):
             n0 = cfg.request_strength if j == 0 else cfg.chain_strength
             # Position j's prior is this request's own estimate at j − 1 (position 0's is the
             # proposer's running prior): deep positions are drafted only while estimated high, so
             # their own data — and the crowd's — is adaptively sampled and biased low; the position
             # before them is sampled whenever they are, and more. The depth step is measured elsewhere.
-            m = min(m * cfg.depth_step(j, state.proposer), max(m, cfg.depth_ceiling)) if j else m
+            m = min(m * _depth_step(steps, j), max(m, cfg.depth_ceiling)) if j else m
             a, b = n0 * m + s, n0 * (1.0 - m) + f
             m = a / (a + b)
             mean.append(m)
