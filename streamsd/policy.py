@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from streamsd.adaptive import AcceptanceConfig, AcceptanceEstimator, CostTable, PlannerState, plan
-from streamsd.adaptive.planner import RequestView
+from streamsd.policy_record import PolicyRecord, profile_ms
 from streamsd.request import Request
 
 if TYPE_CHECKING:
@@ -141,33 +141,15 @@ class AdaptivePolicy:
     plan_seconds: float = 0.0  # host time of the last plan
     estimator: AcceptanceEstimator = field(init=False)
     planner: PlannerState = field(default_factory=PlannerState)
-    # Of the steps built (`commit`): k per decoding request (a histogram, for metrics), plain steps.
-    chosen_k: dict[int, int] = field(default_factory=dict)
-    plain_steps: int = 0
-    steps: int = 0
+    record: PolicyRecord = field(default_factory=PolicyRecord)  # for /metrics and benchmarks
     choices: int = 0  # `choose` calls (one per step; the last one made ahead may go unused)
     idle_steps: int = 0
     idle_plans: int = 0  # the idle schedule's plans since the batch last speculated (`idle_plan_fits`)
     unticked: int = 0  # a small batch's plain steps between plans whose prior decay is still owed
-    last_predicted: float = 0.0
-    last_measured: float = 0.0
-    abs_error_sum: float = 0.0  # Σ |predicted / measured − 1| over observed steps
-    observed_steps: int = 0
-    # The same per kind of step (0: plain, 1: speculative), corrected and from the start-up table
-    # alone: [Σ corrected error, Σ raw error, steps].
-    errors: dict[int, list[float]] = field(default_factory=dict)
-    # Per step shape (batch, verify tokens): [Σ predicted s, Σ measured s, steps]. The per-step error
-    # above also holds each step's own jitter; these sums say whether the table is right per shape.
-    shapes: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     # Steps observed and not yet learnt from: `observe` runs between two steps, serially with the
     # GPU; `learn` runs at the next `choose`, which the engine overlaps with the GPU.
     unlearnt: list[tuple[Decision, list[tuple[Request, int, int]], float]] = field(default_factory=list)
     last_kind: tuple[int, int] = (1, 0)  # (verify width, draft steps) of the last step learnt: plain
-    # The first steps learnt, for benchmarks: (batch, verify width, draft steps, taught the table,
-    # raw / corrected predicted ms, measured ms).
-    trace: list[tuple[int, int, int, int, float, float, float]] = field(default_factory=list)
-    # The first plans, for benchmarks: why a batch did or did not speculate (``_record_plan``).
-    plans: list[tuple[object, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1), depth_steps=self.depth_steps))
@@ -224,25 +206,16 @@ class AdaptivePolicy:
                   prefill_backlog=backlog, cold=all(map(self.estimator.cold, classes)),
                   guessing=not any(map(self.estimator.informed, classes)))
         self.plan_seconds = time.perf_counter() - t0
-        if views and len(self.plans) < 96:
-            self._record_plan(views, ks)
+        self.record.planned(self.choices, views, st, ks)
         shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens,
                           st.draft_steps + 1)
         return Decision({r.request_id: k for r, k in zip(decoding, ks, strict=True)}, True, shape,
                         st.draft_extra_tokens, st.predicted_s, st.predicted_raw_s)
 
-    def _record_plan(self, views: list[RequestView], ks: list[int]) -> None:
-        """(step, batch, plain tok/s, best expected tok/s scored, chosen plan's, max k, the first request's
-        catch-up lag, means and lower quantiles): the rates say whether the gate or the means refused."""
-        st, v = self.planner, views[0]
-        self.plans.append((self.choices, len(views), round(st.plain_rate, 1), round(st.top_rate, 1),
-                           round(st.spec_rate, 1), max(ks), v.catchup_tokens,
-                           [round(a, 3) for a in (v.mean_alphas or ())[:4]], [round(a, 3) for a in v.alphas[:4]]))
-
     def _idle_plan_due(self) -> bool:
         n = self.idle_steps
-        return (_replan_due(n, idle_replan_every(self.plan_seconds, self.last_measured, self.plan_budget))
-                and idle_plan_fits(self.idle_plans, self.plan_seconds, n, self.last_measured, self.plan_budget))
+        return (_replan_due(n, idle_replan_every(self.plan_seconds, self.record.last_measured, self.plan_budget))
+                and idle_plan_fits(self.idle_plans, self.plan_seconds, n, self.record.last_measured, self.plan_budget))
 
     def default_k(self, r: Request) -> int:
         """Drafts for a request finishing its prompt: follow the batch's current mode."""
@@ -257,11 +230,7 @@ class AdaptivePolicy:
         saw that step's batch. ``ks``: the k each decoding request got. The prediction `observe`
         checks, and the metrics, are the built step's."""
         decision.shape = shape
-        if shape.batch:
-            self.steps += 1
-            self.plain_steps += shape.verify_width == 1 and not shape.draft_steps
-            for k in ks:
-                self.chosen_k[k] = self.chosen_k.get(k, 0) + 1
+        self.record.built(shape.batch, shape.verify_width == 1 and not shape.draft_steps, ks)
         if shape == decision.planned_shape:
             return
         extra = decision.draft_extra_tokens if shape.draft_steps else 0
@@ -320,71 +289,19 @@ class AdaptivePolicy:
             self.cost.observe(decision.predicted_raw_s, seconds, verify_tokens=shape.verify_tokens,
                               draft_steps_k=shape.draft_steps, batch_size=shape.batch,
                               prefill_tokens=shape.prefill_tokens)
-        if len(self.trace) < 96:
-            self.trace.append((shape.batch, shape.verify_width, shape.draft_steps, int(steady and settled),
-                               round(decision.predicted_raw_s * 1e3, 3), round(decision.predicted_s * 1e3, 3),
-                               round(seconds * 1e3, 3)))
-        speculative = int(shape.verify_width > 1 or shape.draft_steps > 0)
-        self._record_error(speculative, decision.predicted_s, decision.predicted_raw_s, seconds,
-                           (shape.batch, shape.verify_tokens))
-
-    def _record_error(self, kind: int, predicted: float, raw: float, seconds: float, shape: tuple[int, int]) -> None:
-        t = self.shapes.setdefault(shape, [0.0, 0.0, 0])
-        t[0] += predicted
-        t[1] += seconds
-        t[2] += 1
-        self.last_predicted, self.last_measured = predicted, seconds
-        self.abs_error_sum += abs(predicted / seconds - 1.0)
-        self.observed_steps += 1
-        e = self.errors.setdefault(kind, [0.0, 0.0, 0])
-        e[0] += abs(predicted / seconds - 1.0)
-        e[1] += abs(raw / seconds - 1.0)
-        e[2] += 1
-
-    @property
-    def plain_step_share(self) -> float:
-        return self.plain_steps / self.steps if self.steps else 0.0
-
-    @property
-    def mean_abs_prediction_error(self) -> float | None:
-        """Mean |predicted / measured − 1| over the steps learnt from so far."""
-        return self.abs_error_sum / self.observed_steps if self.observed_steps else None
+        self.record.learnt((shape.batch, shape.verify_tokens, shape.verify_width, shape.draft_steps), steady and settled,
+                           decision.predicted_s, decision.predicted_raw_s, seconds)
 
     def summary(self) -> dict[str, object]:
         """For benchmarks: how the policy decided and how well it predicted (every observed step learnt)."""
         self.learn()
         return {
-            "steps": self.steps,
-            "plain_step_share": self.plain_step_share,
-            "chosen_k": dict(sorted(self.chosen_k.items())),
-            "mean_abs_prediction_error": self.mean_abs_prediction_error,
-            "observed_steps": self.observed_steps,
-            # Corrected (what the planner used) and raw (the start-up table alone), per kind of step.
-            "prediction_error": {
-                ("plain", "speculative")[kind]: {"mean_abs": e[0] / e[2], "mean_abs_raw": e[1] / e[2], "steps": e[2]}
-                for kind, e in sorted(self.errors.items()) if e[2]
-            },
+            **self.record.summary(),
             "switches": self.planner.switches,
-            # Σ predicted / Σ measured per (batch, verify tokens) shape of step.
-            "by_shape": {f"{b}x{n}": {"ratio": t[0] / t[1], "steps": t[2]}
-                         for (b, n), t in sorted(self.shapes.items()) if t[1] > 0},
             # What the cost table has learnt (it outlives the pass): why a shape is or is not chosen.
             "cost_global_ratio": self.cost.global_ratio,
             "cost_relative": {"x".join(map(str, key)): [rel, self.cost.seen.get(key, 0)]
                               for key, rel in sorted(self.cost.relative.items())},
             "prior_means": {name: list(p.means) for name, p in self.estimator.priors.items()},
-            "trace": self.trace,
-            "plans": self.plans,
-            "profile_ms": self._profile_ms(),
+            "profile_ms": profile_ms(self.cost),
         }
-
-    def _profile_ms(self) -> dict[str, object]:
-        """The start-up table's smallest batch row, draft and catch-up steps, in ms."""
-        c, ms = self.cost, (lambda t: round(t * 1e3, 4))
-        out: dict[str, object] = {"spec_overhead": ms(c.spec_overhead_s),
-                                  "draft": dict(zip(c.draft.keys[:4], map(ms, c.draft.values[:4]), strict=True)),
-                                  "catchup": dict(zip(c.catchup.keys[:6], map(ms, c.catchup.values[:6]), strict=True))}
-        if c.shape is not None and c.shape.batches:
-            out["verify"] = {"batch": c.shape.batches[0],
-                             "by_width": dict(zip(c.shape.widths, map(ms, c.shape.values[0]), strict=True))}
-        return out

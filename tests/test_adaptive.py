@@ -582,7 +582,7 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
         policy.commit_shape(decision, built, [0] * 64)
         policy.observe(decision, [(r, 0, 0) for r in reqs], true_plain)
     policy.learn()  # the next choice would: observing is only queueing, off the step's serial path
-    assert policy.plain_steps == 40
+    assert policy.record.plain_steps == 40
     # Soon after going plain (a close call may have sent it there), then every REPLAN_EVERY steps.
     assert planned == [1, 2, 4, 8, 16, 24, 32, 40]
     assert cost.seen[cost.key(64, 0, batch_size=64)] == 40  # every step taught it, not only the planned 5
@@ -651,7 +651,7 @@ def test_an_idle_batchs_backoff_plans_fit_the_plan_budget_too() -> None:
     assert not policy.planner.speculating
     planned = []
     for _ in range(14):  # idle steps 3 ... 16, each plan as dear as at B = 256 on the H200
-        policy.plan_seconds, policy.last_measured = 4e-3, 9e-3
+        policy.plan_seconds, policy.record.last_measured = 4e-3, 9e-3
         planned.append(policy.choose(reqs[:40], 0, False).planned)
     assert planned.index(True) == 1 and sum(planned) == 1  # idle step 4 is the first due: free; then over budget
 

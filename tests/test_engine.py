@@ -279,8 +279,8 @@ def test_adaptive_policy_keeps_greedy_output_identical(tiny_model_dir, close_dra
     res = llm.generate(PROMPTS * 2, greedy_params() * 2)
     assert [r.outputs[0].token_ids for r in res] == reference * 2
     policy = llm.core.scheduler.policy
-    assert policy.steps > 0 and sum(policy.chosen_k.values()) > 0
-    assert policy.last_measured > 0 and policy.cost.verify.keys  # profiled at start, corrected online
+    assert policy.record.steps > 0 and sum(policy.record.chosen_k.values()) > 0
+    assert policy.record.last_measured > 0 and policy.cost.verify.keys  # profiled at start, corrected online
     _assert_free(llm)
 
 

@@ -95,7 +95,8 @@ class _AdaptiveCollector:
         policy = engine.core.scheduler.policy if engine else None
         if not isinstance(policy, AdaptivePolicy):
             return
-        chosen = policy.chosen_k
+        rec = policy.record
+        chosen = rec.chosen_k
         buckets, running = [], 0
         for k in range(policy.max_k + 1):
             running += chosen.get(k, 0)
@@ -104,12 +105,12 @@ class _AdaptiveCollector:
         yield HistogramMetricFamily("streamsd:spec_decode_chosen_k", "Drafts chosen per request and step",
                                     buckets=buckets, sum_value=sum(k * n for k, n in chosen.items()))
         yield GaugeMetricFamily("streamsd:spec_decode_plain_step_share", "Share of steps in which nobody drafted",
-                                value=policy.plain_step_share)
+                                value=rec.plain_step_share)
         yield GaugeMetricFamily("streamsd:spec_decode_step_predicted_seconds", "The last observed step's predicted time",
-                                value=policy.last_predicted)
+                                value=rec.last_predicted)
         yield GaugeMetricFamily("streamsd:spec_decode_step_measured_seconds", "The last observed step's measured time",
-                                value=policy.last_measured)
-        err = policy.mean_abs_prediction_error
+                                value=rec.last_measured)
+        err = rec.mean_abs_prediction_error
         yield GaugeMetricFamily("streamsd:spec_decode_step_prediction_error",
                                 "Mean |predicted / measured - 1| of the step times observed",
                                 value=err if err is not None else 0.0)
