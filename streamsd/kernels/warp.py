@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from streamsd.kernels.rng import _mix, _row_key, _to_unit, _u32
-from streamsd.kernels.warp_chunked import MAX_ROWS, warp_probs_chunked
+from streamsd.kernels.warp_chunked import MAX_ROWS, _param, warp_probs_chunked
 
 BLOCK_V = 2048
 # One binary per logits dtype: rows arrive as views at any offset (see kernels/warmup.py).
@@ -62,12 +62,6 @@ def _prob(x, temp, top, total, floor, kept):
     """The warped probability of logits x [BLOCK] (float32) given its row's stats."""
     p = tl.math.div_rn(tl.exp(tl.math.div_rn(x, temp) - top), total)
     return tl.math.div_rn(tl.where(p >= floor, p, 0.0), kept)
-
-
-@triton.jit
-def _param(temp_ptr, min_p_ptr, i):
-    t = tl.load(temp_ptr + i)
-    return tl.where(t > 0, t, 1.0), tl.load(min_p_ptr + i)  # greedy rows are warped at temperature 1
 
 
 @triton.jit(**_ANY)
