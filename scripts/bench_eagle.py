@@ -76,6 +76,7 @@ def main() -> None:
     policies: dict[str, Any] = {}
     for temp in (float(x) for x in a.temperatures.split(",")):
         totals = {m: [0, 0.0, 0, 0] for m in (*engines, *(["hf"] if hf is not None else []))}
+        queued = {m: _queued(llm) for m, llm in engines.items()}
         same = dict.fromkeys(engines, 0)  # T=0: answers token-identical to plain's (bf16 verify numerics may differ)
         same_seq = 0  # plain-seq's answers identical to plain's (seeded: at every temperature)
         for i, prompt in enumerate(prompts):
@@ -121,6 +122,9 @@ def main() -> None:
                          "tokens_per_s": round(n / s, 1), "vs_plain": round(n / s / base, 2),
                          "tau": round(emitted / steps, 3) if steps else None,
                          **({"same_as_plain": f"{same[m]}/{len(prompts)}"} if m.startswith("eagle") and temp == 0 else {}),
+                         # Steps queued ahead and taken / dropped (lookahead.py): a drop wastes a step.
+                         **({"queued_taken_dropped": [a - b for a, b in zip(_queued(engines[m]), queued[m], strict=True)]}
+                            if m in engines else {}),
                          **({"same_as_plain": f"{same_seq}/{len(prompts)}"} if m == "plain-seq" else {})})
     doc = {"model": a.model, "head": a.head, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dtype": str(worker.target.model.embed_tokens.weight.dtype).removeprefix("torch."),
@@ -144,6 +148,11 @@ def main() -> None:
               f"{r['tau'] if r['tau'] is not None else '-':>6} {r.get('same_as_plain', '')}")
 
 
+def _queued(llm: Any) -> tuple[int, int]:
+    la = llm.core.rt.worker.lookahead
+    return la.taken, la.dropped
+
+
 def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: float) -> dict[str, dict[str, float]]:
     """Host seconds per phase of a step, per engine: the methods below are wrapped with a timer for
     one answer at `temperature`. Nested phases are included in their callers' (`Verifier.verify` holds the
@@ -154,6 +163,7 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: 
     from streamsd.core import EngineCore
     from streamsd.lookahead import Readback
     from streamsd.model.graphs import GraphRunner
+    from streamsd.policy import AdaptivePolicy
     from streamsd.sampling import rng
     from streamsd.scheduler import Scheduler
     from streamsd.spec.eagle import EagleProposer
@@ -166,7 +176,7 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: 
                Scheduler: ["schedule", "update"], Readback: ["wait"],
                EngineCore: ["emit"], GraphRunner: ["_replay"], EagleProposer: ["propose", "chain"],
                EagleGraphs: ["run", "run_chained"], torch.Tensor: ["tolist"], rng: ["exponentials", "uniforms"],
-               verify_module: ["warp"]}
+               verify_module: ["warp"], AdaptivePolicy: ["choose", "commit", "observe"]}
     seconds: dict[str, float] = {}
     originals = []
 

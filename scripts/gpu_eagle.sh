@@ -21,7 +21,7 @@
 #                               adaptive policy: 6 prompts x 128 tokens beside HF, then all 16 held-out x 256
 #                               (no HF); then `streamsd bench offline` plain vs n-gram vs HF + prompt lookup, ~6 min.
 #   scripts/gpu_eagle.sh heldout carry .gguf2b .whl (after stash + stash2): the 16 held-out x 256 of `figures` only
-#                               (METHODS=eagle,eagle-ad: those beside plain)
+#                               (METHODS=eagle,eagle-ad: those beside plain; PHASES=1: then host ms per phase)
 #   scripts/gpu_eagle.sh kernels carry .gguf2b .whl (after stash + stash2): kernels per step, plain vs eagle k = 4
 #   scripts/gpu_eagle.sh bench  (optional, while still warm; carry .whl) `streamsd bench offline` with the
 #                               new head: plain vs eagle vs HF, then plain vs n-gram vs HF + prompt lookup
@@ -161,8 +161,9 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     log "batch 1, all 16 held-out x 256, no HF"
     timeout 200 python3 scripts/bench_eagle.py --model $GGUF --head $SHIPPED --held-out $SHIPPED/training.json \
       --prompts 16 --max-tokens 256 --device cuda --adaptive --no-hf ${METHODS:+--methods $METHODS} \
-      --out "$OUT/heldout16.json" > "$OUT/heldout16.log" 2>&1
-    echo "bench exit $?" | tee -a "$OUT/run.log"; tail -13 "$OUT/heldout16.log" | tee -a "$OUT/run.log"
+      ${PHASES:+--phases} --out "$OUT/heldout16.json" > "$OUT/heldout16.log" 2>&1
+    echo "bench exit $?" | tee -a "$OUT/run.log"; grep -v "^\[\|shards\|converting" "$OUT/heldout16.log" | tail -60 \
+      | tee -a "$OUT/run.log"
     ;;
   kernels)
     # carry .gguf2b .whl (after stash + stash2, or at once after figures): the CUDA profiler's kernels per

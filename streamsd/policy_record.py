@@ -93,8 +93,8 @@ class PolicyRecord:
                 ("plain", "speculative")[kind]: {"mean_abs": e[0] / e[2], "mean_abs_raw": e[1] / e[2], "steps": e[2]}
                 for kind, e in sorted(self.errors.items()) if e[2]
             },
-            # Σ predicted / Σ measured per (batch, verify tokens) shape of step.
-            "by_shape": {f"{b}x{n}": {"ratio": t[0] / t[1], "steps": t[2]}
+            # Σ predicted / Σ measured per (batch, verify tokens) shape of step, and its mean measured time.
+            "by_shape": {f"{b}x{n}": {"ratio": t[0] / t[1], "measured_ms": 1e3 * t[1] / t[2], "steps": t[2]}
                          for (b, n), t in sorted(self.shapes.items()) if t[1] > 0},
             "trace": self.trace,
             "plans": self.plans,

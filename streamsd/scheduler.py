@@ -97,7 +97,8 @@ class Scheduler:
         for r in list(self.running):
             if r.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            entry = self._plan_one(r, budget, decision.ks.get(r.request_id), follow.get(id(r)))
+            entry = self._plan_one(r, budget, decision.ks.get(r.request_id), follow.get(id(r)),
+                                   decision.verify.get(r.request_id, 0))
             if entry is None:
                 continue
             while not self._reserve(r, entry):
@@ -175,11 +176,12 @@ class Scheduler:
         return self.policy.default_k(r) if k is None else k
 
     def _plan_one(self, r: Request, budget: int, k: int | None,
-                  follow: tuple[int, int] | None = None) -> Scheduled | None:
+                  follow: tuple[int, int] | None = None, verify_at_least: int = 0) -> Scheduled | None:
         """k: drafts to verify now and to propose next (None: the policy's default for this request);
-        follow: (to verify, to propose) instead, to take the step queued ahead (`_follow_held`)."""
+        follow: (to verify, to propose) instead, to take the step queued ahead (`_follow_held`);
+        verify_at_least: drafts to verify where k says fewer (a probe's, proposed in the step before)."""
         k = self.policy.default_k(r) if k is None else k
-        verify_k, k = (k, k) if follow is None else follow
+        verify_k, k = (max(k, verify_at_least), k) if follow is None else follow
         pending = r.num_tokens - r.computed
         drafts = min(len(r.draft_ids), verify_k, max(r.remaining_tokens - 1, 0))
         k_next = max(min(k, r.remaining_tokens - 2, self.cfg.max_model_len - r.num_tokens - drafts - 1), 0)

@@ -118,6 +118,7 @@ class PlannerState:
     switches: int = 0
     since_probe: int = 0
     probe_steps: int = 0
+    probed: list[object] = field(default_factory=list)  # request ids the last plan granted a probe
     predicted_s: float = 0.0  # full predicted time of the planned step: feed to CostTable.observe
     predicted_raw_s: float = 0.0  # the same from the start-up table alone (no online correction)
     batch: int = 0  # decoding requests of the planned step
@@ -198,10 +199,12 @@ def plan(
     flagged = [i for i in everyone if (requests[i].probe or cold) and ks[i] == 0 and caps[i] >= 1]
     # The least-behind requests probe first: their draft catch-up is the cheapest.
     due = sorted(flagged, key=lambda i: requests[i].catchup_tokens)[: b if cold else cfg.max_probes]
+    st.probed = []
     if due and (speculate or _probe_pays(search, due, fresh, caps, (mean, safe), plain_rate * (1.0 + hysteresis),
                                          st, plain_t - prefill_s, cold)):
         for i in due:
             ks[i] = min(caps[i], cfg.probe_k)
+        st.probed = [requests[i].request_id for i in due]
     _record(st, requests, ks, mean, cost, prefill_tokens)
     return ks
 
