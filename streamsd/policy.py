@@ -213,7 +213,7 @@ class AdaptivePolicy:
         views = []
         for r in decoding:
             lag = max(r.num_tokens - self.settled_lag - r.draft_computed, 0) if self.draft_has_cache else 0
-            views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag))
+            views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag, r.remaining_tokens))
         st = self.planner
         ks = plan(views, self.cost, self.max_k, self.hysteresis, state=st, prefill_tokens=prefill_tokens,
                   prefill_backlog=backlog, cold=all(map(self.estimator.cold, classes)),

@@ -142,6 +142,8 @@ def profile_worker(worker: Any, max_batch: int, max_tokens: int, max_k: int, con
                           max_batch=max_batch, max_k=max_k, graphs=worker.graphs,
                           draft_graphs=getattr(proposer, "graphs", None) if has_draft else None,
                           store=worker.store)
+    if hasattr(proposer, "capture_graphs"):  # an EAGLE head's draft chains, at every depth the policy may pick
+        proposer.capture_graphs(max_batch)
     if hasattr(proposer, "catch_up_pass"):
         table.catchup = StepTable.from_samples(time_catch_up(proposer, worker.cache, max_tokens, repeats=3))
     return table

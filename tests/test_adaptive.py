@@ -791,6 +791,41 @@ def test_a_cold_prior_probes_the_whole_batch_once() -> None:
     assert est.cold()
 
 
+def test_entering_speculation_must_pay_for_the_switch_before_the_batch_ends() -> None:
+    """An excursion costs ~2 plain steps beyond its own (the entering step proposes without verifying,
+    the steps around a switch wait for the host): a batch a few tokens from its end stays plain, one
+    already speculating goes on."""
+    cost = h200_cost()
+
+    def views(left: int) -> list[RequestView]:
+        return [RequestView(i, min(4, left - 1), [0.8] * 4, remaining=left) for i in range(64)]
+
+    assert max(plan(views(200), cost, 4)) > 0
+    assert plan(views(3), cost, 4) == [0] * 64
+    assert max(plan(views(3), cost, 4, state=PlannerState(speculating=True))) > 0
+
+
+def test_a_plan_of_no_requests_leaves_no_probe_granted() -> None:
+    """The policy carries each granted probe by request id until it is verified (policy.py): a plan of
+    an empty batch must not leave the last plan's grants behind (the engine plans while a request ends)."""
+    cost, st = h200_cost(), PlannerState()
+    views = [RequestView(f"r{i}", 4, [0.5] * 4) for i in range(128)]
+    assert plan(views, cost, 4, 0.05, state=st, cold=True) == [1] * 128
+    assert st.probed == [f"r{i}" for i in range(128)]
+    assert plan([], cost, 4, 0.05, state=st, cold=True) == [] and st.probed == []
+
+
+def test_a_shape_keeps_its_long_run_price_not_its_last_steps() -> None:
+    """A speculative shape is only re-taught while the planner picks it, so its price must be its steps'
+    average, not the tail of its last excursion: 40 steps at 1.5x the table then 5 slow ones leave it
+    within 12 % of 1.5x (it read 1.4x more, kept at 2.1x, while each key followed a 5-step EMA)."""
+    cost = CostTable.from_samples({1: 1e-3, 8: 1.1e-3})
+    raw = cost.predict_raw(1, 5, 4)
+    for ratio in [1.5] * 40 + [2.5] * 5:
+        cost.observe(raw, ratio * raw, verify_tokens=5, draft_steps_k=4, batch_size=1)
+    assert 1.5 <= cost.predict(1, 5, 4) / raw < 1.5 * 1.13
+
+
 def _lone_request_spec_steps(alpha: float | tuple[float, ...], crowd_alpha: float | tuple[float, ...], seed: int,
                              steps: int = 200, forget: int = 0, depth_steps: tuple[float, ...] = ()) -> int:
     """Steps a lone request speculates, its drafts accepted at ``alpha`` (one value, or the conditional

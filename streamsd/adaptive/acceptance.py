@@ -285,10 +285,12 @@ class AcceptanceEstimator:
     def wants_probe(self, state: RequestAcceptance) -> bool:
         return state.idle_steps >= self.config.probe_after
 
-    def view(self, state: RequestAcceptance, request_id: object, max_k: int, catchup_tokens: int = 0) -> RequestView:
-        """The planner's view of a request; ``max_k`` is its cap this step."""
+    def view(self, state: RequestAcceptance, request_id: object, max_k: int, catchup_tokens: int = 0,
+             remaining: int = 1 << 30) -> RequestView:
+        """The planner's view of a request; ``max_k`` is its cap this step, ``remaining`` the tokens it may
+        still emit."""
         return RequestView(request_id, max_k, self.estimate(state), self.wants_probe(state), catchup_tokens,
-                           state.mean)
+                           state.mean, remaining)
 
 
 def _decay(state: RequestAcceptance, factor: float) -> None:

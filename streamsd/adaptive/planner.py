@@ -33,7 +33,12 @@ Hysteresis.  Entering speculation needs a safe rate better than plain by ``hyste
 happens as soon as plain is predicted better; a new depth limit must beat the last plan's by
 ``depth_hysteresis`` (changing it drops the step queued ahead).  The band stops a batch near break-even from
 flapping between the engine's plain and speculative paths; its asymmetry keeps the failure we
-guard against — speculating while slower than plain — outside it.
+guard against — speculating while slower than plain — outside it.  Entering must also pay for
+itself before the batch ends: an excursion costs about ``entry_steps`` plain steps beyond its
+own (the entering step proposes without verifying, and the steps around a switch wait for the
+host), so a gain g needs ``left · (1 − 1/g) ≥ entry_steps`` with ``left`` the median tokens the
+batch's requests may still emit (on the H200 at B = 256, alpha 0.9, a 14 % gain entered 14 tokens
+before its requests' end and lost 1-16 % of the pass).
 
 Probing.  A request flagged ``probe`` (long at k = 0) drafts ``probe_k`` for free when the step
 speculates anyway; in a plain step one probe step per ``probe_every`` steps is spent, only while
@@ -86,6 +91,7 @@ class RequestView:
     probe: bool = False
     catchup_tokens: int = 0  # draft-model KV to replay before drafting (0 for n-gram / synthetic)
     mean_alphas: Sequence[float] | None = None  # posterior means; None → ``alphas``
+    remaining: int = 1 << 30  # tokens the request may still emit (max_tokens left)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,7 @@ class PlannerConfig:
     # queued ahead, where changing depth wastes one.
     depth_hysteresis: float = 0.0
     catchup_horizon: int = 4
+    entry_steps: float = 2.0  # plain steps an excursion costs beyond its own steps (see Hysteresis)
     fresh_lag: int = 16  # requests at most this far behind form the "resume the fresh ones" plan
     small_batch: int = 16  # batches up to this size gate on the means, within a loss bound (see Small batches)
     small_batch_loss: float = 0.2  # how much slower than plain such a plan may be at the pessimistic read
@@ -170,6 +177,7 @@ def plan(
     b = len(requests)
     st.steps += 1
     st.since_probe += 1
+    st.probed = []
     if b == 0:
         return []
     plain_t = cost.predict(b, b + prefill_tokens, 0, prefill_tokens=prefill_tokens)
@@ -190,6 +198,10 @@ def plan(
     plans = [search.run(mean, safe, group, safe_floor, st.depth, cfg.depth_hysteresis, mean_floor)
              for group in ((everyone, fresh) if len(fresh) < b else (everyone,))]
     best = max((p for p in plans if p is not None), key=lambda p: p.rate, default=None)
+    if best is not None and not st.speculating:
+        left = sorted(r.remaining for r in requests)[b // 2]
+        if left * (1.0 - plain_rate / best.rate) < cfg.entry_steps:
+            best = None  # too close to the batch's end to pay for the switch
     speculate = best is not None
     st.switches += speculate != st.speculating
     st.speculating = speculate
@@ -199,7 +211,6 @@ def plan(
     flagged = [i for i in everyone if (requests[i].probe or cold) and ks[i] == 0 and caps[i] >= 1]
     # The least-behind requests probe first: their draft catch-up is the cheapest.
     due = sorted(flagged, key=lambda i: requests[i].catchup_tokens)[: b if cold else cfg.max_probes]
-    st.probed = []
     if due and (speculate or _probe_pays(search, due, fresh, caps, (mean, safe), plain_rate * (1.0 + hysteresis),
                                          st, plain_t - prefill_s, cold)):
         for i in due:

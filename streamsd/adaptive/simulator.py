@@ -114,7 +114,7 @@ class AdaptivePolicy:
         for i, (r, cap) in enumerate(zip(reqs, caps, strict=True)):
             if r.acceptance is None:
                 r.acceptance = self.estimator.new_request(self.kind)
-            view = self.estimator.view(r.acceptance, r.rid, cap, r.behind if self.draft else 0)
+            view = self.estimator.view(r.acceptance, r.rid, cap, r.behind if self.draft else 0, r.remaining)
             if oracle is not None:  # the true α: an upper reference for the estimator
                 view.alphas = view.mean_alphas = (oracle[i],) * self.max_k
                 view.probe = False
