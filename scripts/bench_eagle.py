@@ -77,6 +77,7 @@ def main() -> None:
     for temp in (float(x) for x in a.temperatures.split(",")):
         totals = {m: [0, 0.0, 0, 0] for m in (*engines, *(["hf"] if hf is not None else []))}
         queued = {m: _queued(llm) for m, llm in engines.items()}
+        compiles = dict.fromkeys(engines, 0)  # Triton kernels compiled inside the timed answers (each a stall)
         same = dict.fromkeys(engines, 0)  # T=0: answers token-identical to plain's (bf16 verify numerics may differ)
         same_seq = 0  # plain-seq's answers identical to plain's (seeded: at every temperature)
         for i, prompt in enumerate(prompts):
@@ -86,8 +87,10 @@ def main() -> None:
                 sp = SamplingParams(temperature=temp, max_tokens=a.max_tokens, seed=i)
                 sync()
                 t0 = time.perf_counter()
+                before = _compiled(dev)
                 r = llm.chat(conv, sp)[0]
                 totals[m][1] += time.perf_counter() - t0  # the engine's last step read its tokens: done
+                compiles[m] += _compiled(dev) - before
                 totals[m][0] += len(r.outputs[0].token_ids)
                 totals[m][2] += r.spec_stats.steps
                 totals[m][3] += r.spec_stats.emitted
@@ -125,6 +128,7 @@ def main() -> None:
                          # Steps queued ahead and taken / dropped (lookahead.py): a drop wastes a step.
                          **({"queued_taken_dropped": [a - b for a, b in zip(_queued(engines[m]), queued[m], strict=True)]}
                             if m in engines else {}),
+                         **({"kernel_compiles": compiles[m]} if m in engines else {}),
                          **({"same_as_plain": f"{same_seq}/{len(prompts)}"} if m == "plain-seq" else {})})
     doc = {"model": a.model, "head": a.head, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dtype": str(worker.target.model.embed_tokens.weight.dtype).removeprefix("torch."),
@@ -146,6 +150,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['method']:8} {r['temperature']:>4g} {r['tokens']:>7} {r['tokens_per_s']:>8} {r['vs_plain']:>8} "
               f"{r['tau'] if r['tau'] is not None else '-':>6} {r.get('same_as_plain', '')}")
+
+
+def _compiled(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 0
+    from streamsd.kernels.warmup import compiled_variants
+
+    return compiled_variants()
 
 
 def _queued(llm: Any) -> tuple[int, int]:

@@ -48,10 +48,12 @@ from its second step.  One stall — a kernel compile, a collection pause, a slo
 not teach the table that a speculative shape costs 4× (or 1.6×): the planner would avoid that shape
 from then on, so no later step could correct it (on the H200 a batch of 4 never speculated again
 after one compile inside its first speculative step, and at B = 64 one slow step sent a batch
-plain for 8 steps).  Past its first samples a key follows a running mean, then an EMA of ~20 steps, as
-the global ratio does: a key that stops being observed keeps what it was last taught, and at 4x that
-rate it kept the last few steps of an excursion (on the H200 at batch 1 a speculative step taught as
-2.7 ms where its 1333 steps averaged 1.6, and adaptive EAGLE then stayed plain).
+plain for 8 steps).
+A key follows its samples 4x faster than the global ratio (a 5-step EMA past its first samples),
+so a key that stops being observed keeps the price of its last few steps.  A 20-step EMA was tried
+in session 15 and read worse on the H200 in its one run (adaptive EAGLE at batch 1 1.12x plain
+against 1.35x; the grid's B = 128, alpha 0.7 cell entered speculation and read 0.92x), so it was
+reverted; one run each cannot tell this from the runs' spread (docs/issue10-gpu/session15).
 
 ``CostTable.from_roofline`` is the analytic fallback before anything is measured (roofline.py).
 """
@@ -268,7 +270,7 @@ class CostTable:
         self.seen[key] = n
         rel = self.relative.get(key, 1.0)
         robust = self._median_of_recent(key, sample / self.global_ratio, rel)
-        self.relative[key] = rel + _weight(n, self.ema) * (robust - rel)
+        self.relative[key] = rel + _weight(n, 4.0 * self.ema) * (robust - rel)
 
     def _rebase(self, factor: float) -> None:
         """Keep every learnt key's price while the global ratio calibrates: what the first plain
