@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from streamsd.adaptive import AcceptanceConfig, AcceptanceEstimator, CostTable, PlannerState, plan
 from streamsd.policy_record import PolicyRecord, profile_ms
+from streamsd.probes import Probes
 from streamsd.request import Request
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ QUEUED_DEPTH_HYSTERESIS = 0.05  # the gain deeper drafts need where deepening dr
 # waiting for the host. (While switches dropped the queued step, 10 % was needed: one excursion had
 # cost alpha 0.7 at B = 128 9 % against plain on the H200.)
 QUEUED_ENTRY_HYSTERESIS = 0.05
-PROBE_STEPS = 4  # steps a granted probe may take to be proposed and verified (see AdaptivePolicy.probing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class Decision:
     predicted_s: float = 0.0  # of the step as built (`commit`)
     predicted_raw_s: float = 0.0  # the same from the start-up table alone
     shape: StepShape | None = None  # as built
-    # Drafts to verify where `ks` says fewer: a probe's, proposed in the step before (see AdaptivePolicy.probing).
+    # Drafts to verify where `ks` says fewer: a probe's, proposed in the step before (probes.py).
     verify: dict[str, int] = field(default_factory=dict)
 
 
@@ -153,13 +153,7 @@ class AdaptivePolicy:
     # GPU; `learn` runs at the next `choose`, which the engine overlaps with the GPU.
     unlearnt: list[tuple[Decision, list[tuple[Request, int, int]], float]] = field(default_factory=list)
     last_kind: tuple[int, int] = (1, 0)  # (verify width, draft steps) of the last step learnt: plain
-    # Probes granted and not yet verified: request id -> (k, proposed, steps since the grant). A probe takes
-    # two steps, one proposing its drafts and one verifying them, and a step that takes a plain step queued
-    # ahead proposes nothing, while the planner grants a probe for one plan only and plans again when it is
-    # due (the next plan, in a plain batch, keeps k = 0). Carried by hand, the drafts are proposed and then
-    # verified whatever the plans in between say. On the H200 at batch 1, ~30 probes in 3000 steps were
-    # granted and not one was verified: the prior never moved and adaptive EAGLE stayed plain.
-    probing: dict[str, tuple[int, bool, int]] = field(default_factory=dict)
+    probes: Probes = field(default_factory=Probes)  # granted and not yet verified (probes.py)
 
     def __post_init__(self) -> None:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1), depth_steps=self.depth_steps))
@@ -191,11 +185,11 @@ class AdaptivePolicy:
         # plan (a new wave of requests): otherwise a fresh batch decodes plain for REPLAN_EVERY steps
         # before its first plan. Not on every arrival: under churn that would re-plan each step.
         fresh = self.choices == 1 or len(decoding) >= 2 * max(self.planner.batch, 1)
-        if self.probing:
-            self._age_probes(decoding)
+        if self.probes:
+            self.probes.age({r.request_id for r in decoding})
         if not (speculating or fresh or self._idle_plan_due()):
             # Every request takes default_k, 0 since the batch is not speculating; but a probe's.
-            return self._with_probes(Decision({}, planned=bool(self.probing)))
+            return self._with_probes(Decision({}, planned=bool(self.probes)))
         # Only the idle schedule's plans count against its budget: the first idle plan stays free after
         # the plans a filling batch made (a cold prior's probe waits for one: B = 128 on the H200).
         self.idle_plans += not (speculating or fresh)
@@ -221,29 +215,16 @@ class AdaptivePolicy:
         self.plan_seconds = time.perf_counter() - t0
         self.record.planned(self.choices, views, st, ks)
         by_id = {r.request_id: k for r, k in zip(decoding, ks, strict=True)}
-        for rid in st.probed:
-            self.probing[str(rid)] = (by_id[str(rid)], False, 0)  # proposed in this step, verified in the next
+        self.probes.grant(st.probed, by_id)
         shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens,
                           st.draft_steps + 1)
         return self._with_probes(Decision(by_id, True, shape, st.draft_extra_tokens, st.predicted_s,
                                           st.predicted_raw_s))
 
-    def _age_probes(self, decoding: list[Request]) -> None:
-        """Probes are dropped once verified (`_learn_step`), and here when their request left the batch
-        or they got nowhere in a few steps (drafts dropped with a step queued ahead, a preemption)."""
-        ids = {r.request_id for r in decoding}
-        self.probing = {rid: (k, proposed, age + 1) for rid, (k, proposed, age) in self.probing.items()
-                        if rid in ids and age < PROBE_STEPS}
-
     def _with_probes(self, decision: Decision) -> Decision:
-        """The decision with the probes in flight: k for one whose drafts are still to be proposed, its
-        drafts verified for one that proposed them. Either changes the step: it is priced as built."""
-        for rid, (k, proposed, _) in self.probing.items():
-            if proposed:
-                decision.verify[rid] = k
-            elif decision.ks.get(rid, 0) < k:
-                decision.ks[rid] = k
-                decision.planned_shape = None
+        """The decision with the probes in flight; one that changes k is priced as built."""
+        if self.probes and self.probes.apply(decision.ks, decision.verify):
+            decision.planned_shape = None
         return decision
 
     def _idle_plan_due(self) -> bool:
@@ -257,11 +238,10 @@ class AdaptivePolicy:
 
     def commit(self, decision: Decision, plan: StepPlan) -> None:
         self.commit_shape(decision, *plan.shape())
-        if self.probing:  # a probe whose drafts this step proposes verifies them in the next
+        if self.probes:
             for e in plan.entries:
-                state = self.probing.get(e.request.request_id)
-                if state is not None and e.verifies and e.k_next:
-                    self.probing[e.request.request_id] = (state[0], True, state[2])
+                if e.verifies and e.k_next:
+                    self.probes.proposed(e.request.request_id)
 
     def commit_shape(self, decision: Decision, shape: StepShape, ks: list[int]) -> None:
         """The step as the scheduler built it, which may differ from the plan: drafts verified are
@@ -311,8 +291,8 @@ class AdaptivePolicy:
         for r, drafted, accepted in verified:
             if r.acceptance is not None:
                 self.estimator.observe(r.acceptance, drafted, accepted)
-            if drafted and self.probing:
-                self.probing.pop(r.request_id, None)
+            if drafted and self.probes:
+                self.probes.verified(r.request_id)
         self.estimator.tick()
         if shape.batch:
             self._learn_cost(decision, shape, seconds)
