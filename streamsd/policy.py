@@ -59,6 +59,7 @@ class Decision:
     shape: StepShape | None = None  # as built
     # Drafts to verify where `ks` says fewer: a probe's, proposed in the step before (probes.py).
     verify: dict[str, int] = field(default_factory=dict)
+    probing: bool = False  # carries a probe in a batch that is not speculating: its extra time is the probe's
 
 
 class SpeculationPolicy(Protocol):
@@ -154,6 +155,8 @@ class AdaptivePolicy:
     unlearnt: list[tuple[Decision, list[tuple[Request, int, int]], float]] = field(default_factory=list)
     last_kind: tuple[int, int] = (1, 0)  # (verify width, draft steps) of the last step learnt: plain
     probes: Probes = field(default_factory=Probes)  # granted and not yet verified (probes.py)
+    probe_extra: float = 0.0  # Σ measured plain steps' worth of time the probing steps took beyond a plain step
+    probes_granted: int = 0
 
     def __post_init__(self) -> None:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1), depth_steps=self.depth_steps))
@@ -216,6 +219,7 @@ class AdaptivePolicy:
         self.record.planned(self.choices, views, st, ks)
         by_id = {r.request_id: k for r, k in zip(decoding, ks, strict=True)}
         self.probes.grant(st.probed, by_id)
+        self.probes_granted += bool(st.probed)
         shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens,
                           st.draft_steps + 1)
         return self._with_probes(Decision(by_id, True, shape, st.draft_extra_tokens, st.predicted_s,
@@ -225,6 +229,7 @@ class AdaptivePolicy:
         """The decision with the probes in flight; one that changes k is priced as built."""
         if self.probes and self.probes.apply(decision.ks, decision.verify):
             decision.planned_shape = None
+        decision.probing = bool(self.probes) and not self.planner.speculating
         return decision
 
     def _idle_plan_due(self) -> bool:
@@ -270,6 +275,10 @@ class AdaptivePolicy:
         shape = decision.shape
         if shape is None or seconds <= 0:
             return
+        if decision.probing and shape.batch and not shape.prefill_tokens:
+            plain_s = self.cost.predict(shape.batch, shape.batch, 0)
+            self.probe_extra += max(seconds / plain_s - 1.0, 0.0)
+            self.planner.probe_extra = self.probe_extra / max(self.probes_granted, 1)
         if not decision.planned:
             # A plain step between re-plans. Its cost still teaches the table (a lookup, no planning),
             # so the plain side of the next plan's comparison is as well calibrated as the speculative

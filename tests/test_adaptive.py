@@ -805,6 +805,35 @@ def test_entering_speculation_must_pay_for_the_switch_before_the_batch_ends() ->
     assert max(plan(views(3), cost, 4, state=PlannerState(speculating=True))) > 0
 
 
+def test_probes_are_spaced_by_what_they_were_measured_to_cost() -> None:
+    """A probe's steps take the shapes no steady step teaches the table, which prices such a shape at
+    the global ratio alone: optimistic, so its real cost must come from its own steps. 32 requests whose
+    drafts fail: probe steps measured at 3x a plain one are granted far more rarely than at 1x."""
+    from streamsd.policy import AdaptivePolicy, StepShape
+    from streamsd.request import Request, SamplingParams
+
+    def grants(probe_cost: float) -> int:
+        policy = AdaptivePolicy(4, CostTable.from_samples({1: 1.0e-3, 256: 1.1e-3}, {1: 0.05e-3, 256: 0.06e-3}),
+                                draft_has_cache=False, plan_budget=0.0)
+        reqs = []
+        for i in range(32):
+            r = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100_000), seed=i, arrival=0.0, spec_k=4)
+            r.output_ids.append(5)
+            r.computed = r.num_tokens - 1
+            reqs.append(r)
+        for _ in range(1500):
+            d = policy.choose(reqs, 0, False)
+            ks = [d.ks.get(r.request_id, policy.default_k(r)) for r in reqs]
+            # As the engine builds a probe's first step: it proposes, verifies nothing (no steady shape).
+            policy.commit_shape(d, StepShape(32, 32, max(ks), sum(k > 0 for k in ks), 0, 1), ks)
+            policy.observe(d, [(r, k, 0) for r, k in zip(reqs, ks, strict=True)],
+                           (probe_cost if any(ks) else 1.0) * 1.0e-3)
+        return policy.planner.probe_steps
+
+    cheap, dear = grants(1.0), grants(3.0)
+    assert cheap >= 10 and dear <= cheap / 3, (cheap, dear)
+
+
 def test_a_plan_of_no_requests_leaves_no_probe_granted() -> None:
     """The policy carries each granted probe by request id until it is verified (policy.py): a plan of
     an empty batch must not leave the last plan's grants behind (the engine plans while a request ends)."""

@@ -44,7 +44,9 @@ Probing.  A request flagged ``probe`` (long at k = 0) drafts ``probe_k`` for fre
 speculates anyway; in a plain step one probe step per ``probe_every`` steps is spent, only while
 an optimistic α (``probe_alpha``) for the probed requests would make speculation pay at this batch
 — a compute-bound batch never pays for probes it could not use — and no more often than keeps the
-probes' predicted extra time under ``probe_budget`` of the steps between them.  While the proposer's
+probes' extra time under ``probe_budget`` of the steps between them (the larger of the table's
+price and what the probes so far were measured to cost: on this CPU at 32 requests the table's
+unseen speculative shape priced them at a fraction of their cost, and they took 3 % of the time).  While the proposer's
 running prior is ``cold`` (no evidence yet, or forgotten) every request may probe, at once: a CUDA
 graph pads the batch to its widest request, so at B = 128 four probes cost the step of 128 and one
 step of them all is what teaches the prior; without it a large batch that the default prior keeps
@@ -126,6 +128,9 @@ class PlannerState:
     since_probe: int = 0
     probe_steps: int = 0
     probed: list[object] = field(default_factory=list)  # request ids the last plan granted a probe
+    # What a probe was measured to cost, in plain steps beyond its own (the policy's record of its steps):
+    # the table prices a speculative shape it never saw at the global ratio alone, optimistic on purpose.
+    probe_extra: float = 0.0
     predicted_s: float = 0.0  # full predicted time of the planned step: feed to CostTable.observe
     predicted_raw_s: float = 0.0  # the same from the start-up table alone (no online correction)
     batch: int = 0  # decoding requests of the planned step
@@ -247,7 +252,7 @@ def _probe_pays(search: Search, due: list[int], fresh: list[int], caps: list[int
         ks = [min(caps[i], cfg.probe_k) for i in due]
         probe_s = search.step_time(len(search.requests) + search.prefill + sum(ks), max(ks), len(due),
                                    sum(search.requests[i].catchup_tokens for i in due)) - search.prefill_s
-        if st.since_probe * cfg.probe_budget < probe_s / plain_s - 1.0:
+        if st.since_probe * cfg.probe_budget < max(probe_s / plain_s - 1.0, st.probe_extra):
             return False
     mean, safe = list(survivals[0]), list(survivals[1])
     for i in due:
