@@ -155,8 +155,6 @@ class AdaptivePolicy:
     unlearnt: list[tuple[Decision, list[tuple[Request, int, int]], float]] = field(default_factory=list)
     last_kind: tuple[int, int] = (1, 0)  # (verify width, draft steps) of the last step learnt: plain
     probes: Probes = field(default_factory=Probes)  # granted and not yet verified (probes.py)
-    probe_extra: float = 0.0  # Σ measured plain steps' worth of time the probing steps took beyond a plain step
-    probes_granted: int = 0
 
     def __post_init__(self) -> None:
         self.estimator = AcceptanceEstimator(AcceptanceConfig(max_k=max(self.max_k, 1), depth_steps=self.depth_steps))
@@ -219,7 +217,6 @@ class AdaptivePolicy:
         self.record.planned(self.choices, views, st, ks)
         by_id = {r.request_id: k for r, k in zip(decoding, ks, strict=True)}
         self.probes.grant(st.probed, by_id)
-        self.probes_granted += bool(st.probed)
         shape = StepShape(st.batch, st.verify_tokens, st.draft_steps, sum(k > 0 for k in ks), st.prefill_tokens,
                           st.draft_steps + 1)
         return self._with_probes(Decision(by_id, True, shape, st.draft_extra_tokens, st.predicted_s,
@@ -276,9 +273,8 @@ class AdaptivePolicy:
         if shape is None or seconds <= 0:
             return
         if decision.probing and shape.batch and not shape.prefill_tokens:
-            plain_s = self.cost.predict(shape.batch, shape.batch, 0)
-            self.probe_extra += max(seconds / plain_s - 1.0, 0.0)
-            self.planner.probe_extra = self.probe_extra / max(self.probes_granted, 1)
+            self.probes.charge(seconds, self.cost.predict(shape.batch, shape.batch, 0))
+            self.planner.probe_extra = self.probes.mean_extra
         if not decision.planned:
             # A plain step between re-plans. Its cost still teaches the table (a lookup, no planning),
             # so the plain side of the next plan's comparison is as well calibrated as the speculative

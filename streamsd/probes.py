@@ -22,14 +22,27 @@ PROBE_STEPS = 4  # steps a grant may take to be proposed and verified before it 
 class Probes:
     # request id -> (k, proposed, steps since the grant)
     inflight: dict[str, tuple[int, bool, int]] = field(default_factory=dict)
+    granted: int = 0  # plans that granted probes
+    extra_steps: float = 0.0  # Σ the time the steps carrying a probe took beyond a plain step, in plain steps
+
+    @property
+    def mean_extra(self) -> float:
+        """What one grant was measured to cost, in plain steps (the planner spaces probes by it)."""
+        return self.extra_steps / max(self.granted, 1)
 
     def __bool__(self) -> bool:
         return bool(self.inflight)
 
     def grant(self, request_ids: Iterable[object], ks: dict[str, int]) -> None:
         """The plan's grants (`ks`: its k by request id): proposed in the step it plans."""
-        for rid in map(str, request_ids):
+        rids = list(map(str, request_ids))
+        for rid in rids:
             self.inflight[rid] = (ks[rid], False, 0)
+        self.granted += bool(rids)
+
+    def charge(self, seconds: float, plain_s: float) -> None:
+        """A step that carried a probe in a plain batch took `seconds` where a plain step takes `plain_s`."""
+        self.extra_steps += max(seconds / plain_s - 1.0, 0.0)
 
     def age(self, decoding: set[str]) -> None:
         """Once per step: drops the grants whose request left the batch or that got nowhere in a few

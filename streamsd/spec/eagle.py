@@ -81,8 +81,9 @@ class EagleProposer:
 
     def capture_graphs(self, max_batch: int) -> None:
         """Every graph a call over at most `max_batch` requests replays, whatever its depth and draw: an
-        adaptive policy changes k step by step, and a graph captured mid-answer cost ~40 ms (on the H200
-        at batch 1, six such steps were a tenth of adaptive EAGLE's time over 16 answers)."""
+        adaptive policy changes k step by step, and a capture (tens of ms) should not land inside a step
+        the policy times. (The ~200 ms stall of the first k = 2 steps on the H200 stayed with this, so it
+        is something else: docs/issue9-eagle/session15.)"""
         if self.graphs is None:
             return
         for mode in (GREEDY, SAMPLED, SORTED) if self.graphs.q_pool is not None else (GREEDY,):
