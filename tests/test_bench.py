@@ -16,10 +16,11 @@ from server_util import start_server
 
 from streamsd.bench import serve, soak
 from streamsd.bench.client import RequestResult, RequestSpec, chunk_text, parse_sse_line, stream_sse
+from streamsd.bench.compare import FASTER, SLOWER, UNKNOWN, WITHIN_NOISE, compare
 from streamsd.bench.datasets import load_dataset, load_mt_bench, load_sharegpt, random_prompts
 from streamsd.bench.metrics_scrape import parse_metrics, spec_delta
 from streamsd.bench.report import plot_serve
-from streamsd.bench.results import FIGURE_GROUPS, CellPlan, build_cell, run_document
+from streamsd.bench.results import FIGURE_GROUPS, CellPlan, CellResult, build_cell, run_document
 from streamsd.bench.soak_tally import Tally
 from streamsd.bench.stats import percentile, spec_totals, summarize, tpot
 
@@ -209,6 +210,48 @@ def test_plan_cells_interleaves_speculation() -> None:
         serve.parse_sweep("1,0")
 
 
+def test_repeats_alternate_the_order_of_off_and_on() -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--base-url", "http://x", "--sweep-concurrency", "1,32", "--compare-speculation",
+                              "--repeats", "3"])
+    assert [p.label for p in serve.plan_cells(args)] == [
+        "c=1 spec off #1", "c=1 spec on #1", "c=1 spec on #2", "c=1 spec off #2", "c=1 spec off #3", "c=1 spec on #3",
+        "c=32 spec off #1", "c=32 spec on #1", "c=32 spec on #2", "c=32 spec off #2", "c=32 spec off #3",
+        "c=32 spec on #3"]
+    with pytest.raises(ValueError):
+        serve.plan_cells(parser.parse_args(["--base-url", "http://x", "--repeats", "0"]))
+
+
+def _timed_cell(concurrency: int, speculative: bool, seconds: float, rnd: int) -> CellResult:
+    """A cell whose 2 requests of 5 tokens took `seconds` in all: 10 / seconds output tokens/s."""
+    return build_cell(CellPlan(concurrency, math.inf, speculative, rnd), [_result(), _result()], seconds, None)
+
+
+def test_compare_reads_speculation_against_the_plain_cells_spread() -> None:
+    # c = 1: on is 10 % slower in every round, the plain cells agree within 2 %: a loss.
+    # c = 32: on is 4 % slower at the median, the plain cells spread 10 %: within noise.
+    cells = [_timed_cell(1, False, 1.00, 0), _timed_cell(1, True, 1.10, 0),
+             _timed_cell(1, True, 1.12, 1), _timed_cell(1, False, 1.02, 1),
+             _timed_cell(32, False, 1.00, 0), _timed_cell(32, True, 1.05, 0),
+             _timed_cell(32, True, 1.02, 1), _timed_cell(32, False, 1.10, 1),
+             _timed_cell(32, False, 1.05, 2), _timed_cell(32, True, 1.09, 2)]
+    slow, noisy = compare(cells)
+    assert slow.setting == "c=1" and len(slow.rounds) == 2
+    assert slow.rounds[0].ratio == pytest.approx(1.0 / 1.1)
+    assert slow.plain_spread == pytest.approx(0.02)
+    assert slow.median_ratio == pytest.approx(1.0 / 1.1)  # the lower of two: no lean towards speculation
+    assert slow.verdict == SLOWER
+    assert noisy.setting == "c=32" and noisy.plain_spread == pytest.approx(0.10)
+    assert noisy.median_ratio == pytest.approx(1.05 / 1.09) and noisy.verdict == WITHIN_NOISE
+    assert compare(cells[:2])[0].verdict == UNKNOWN  # one round: no A/A to read it against
+    faster = compare([_timed_cell(4, False, 1.2, 0), _timed_cell(4, True, 1.0, 0)])[0]
+    assert faster.median_ratio == pytest.approx(1.2) and faster.verdict == FASTER
+    doc = run_document({"model": "m"}, cells, compare(cells))
+    assert [c["verdict"] for c in doc["comparisons"]] == [SLOWER, WITHIN_NOISE]
+    json.dumps(doc, allow_nan=False)
+
+
 def test_tally_classifies_streams() -> None:
     tally = Tally()
     tally.record(_result(text="abc"), "abc", None)
@@ -268,6 +311,10 @@ def test_serve_json_has_every_figure_group(server_url: str, tmp_path: Path) -> N
     assert off["speculation"]["metrics"]["draft_tokens"] == 0
     assert on["speculation"]["metrics"]["draft_tokens"] > 0
     assert on["speculation"]["usage"]["drafted"] > 0
+    (comparison,) = doc["comparisons"]
+    assert comparison["setting"] == "c=4" and len(comparison["rounds"]) == 1
+    assert comparison["median_ratio"] == pytest.approx(
+        on["throughput"]["output_tokens_per_s"] / off["throughput"]["output_tokens_per_s"])
 
 
 def test_serve_sweep_writes_png(server_url: str, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from streamsd.bench.compare import SLOWER, Comparison, lower_median
 from streamsd.bench.results import CellResult
 from streamsd.bench.stats import Summary
 
@@ -130,6 +131,20 @@ def print_serve(config: dict[str, Any], cells: Sequence[CellResult], console: Co
         console.print(summary)
 
 
+def print_comparisons(comparisons: Sequence[Comparison], console: Console | None = None) -> None:
+    """Speculation ÷ plain per setting: each round's ratio, their median, and the plain cells' spread."""
+    console = console or _console()
+    table = Table(title="Speculation ÷ plain (output tokens/s; TPOT: plain ÷ speculation)", title_justify="left")
+    for name in ("setting", "rounds", "tok/s ratios", "TPOT ratios", "median", "plain A/A spread", "verdict"):
+        table.add_column(name, justify="left" if name in ("setting", "verdict") else "right")
+    for c in comparisons:
+        style = "red" if c.verdict == SLOWER else None
+        table.add_row(c.setting, str(len(c.rounds)), " ".join(f"{r.ratio:.3f}" for r in c.rounds),
+                      " ".join("-" if r.tpot_ratio is None else f"{r.tpot_ratio:.3f}" for r in c.rounds),
+                      f"{c.median_ratio:.3f}", _pct(c.plain_spread), c.verdict, style=style)
+    console.print(table)
+
+
 def print_pairs(title: str, rows: Sequence[tuple[str, str]], ok: bool, console: Console | None = None) -> None:
     """A two-column table (the soak report); the title turns red when the run failed."""
     console = console or _console()
@@ -184,8 +199,11 @@ def plot_serve(path: str | Path, cells: Sequence[CellResult]) -> None:
         )
         for ax, (name, pick) in zip(axes[1], figures, strict=True):
             for switch in sorted({c.speculative for c in cells}, key=lambda s: (s is not None, s)):
-                points = sorted((c.concurrency, pick(c)) for c in cells
-                                if c.speculative is switch and c.concurrency is not None and pick(c) is not None)
+                by_c: dict[int, list[float]] = {}
+                for c in cells:
+                    if c.speculative is switch and c.concurrency is not None and pick(c) is not None:
+                        by_c.setdefault(c.concurrency, []).append(pick(c))
+                points = [(n, lower_median(v)) for n, v in sorted(by_c.items())]  # rounds of --repeats: their median
                 if points:
                     ax.plot(*zip(*points, strict=True), marker="o", label=_series_name(switch))
             concurrencies = sorted({c.concurrency for c in cells if c.concurrency is not None})

@@ -24,6 +24,7 @@ class CellPlan:
     concurrency: int | None  # None: unbounded (paced only by request_rate)
     request_rate: float  # requests/s of the Poisson arrivals; inf sends all at once
     speculative: bool | None  # per-request switch; None leaves the server's default
+    round: int | None = None  # with --repeats: which round of the setting (labels gain `#n`)
 
     @property
     def label(self) -> str:
@@ -36,6 +37,8 @@ class CellPlan:
             parts.append("c=all")
         if self.speculative is not None:
             parts.append("spec on" if self.speculative else "spec off")
+        if self.round is not None:
+            parts.append(f"#{self.round + 1}")
         return " ".join(parts)
 
 
@@ -124,6 +127,11 @@ def build_cell(
     )
 
 
-def run_document(config: dict[str, Any], cells: Sequence[CellResult]) -> dict[str, Any]:
-    """The `--output-json` document: the run's settings and every cell's figure groups."""
-    return {"version": 1, "config": config, "cells": [dataclasses.asdict(c) for c in cells]}
+def run_document(config: dict[str, Any], cells: Sequence[CellResult],
+                 comparisons: Sequence[Any] = ()) -> dict[str, Any]:
+    """The `--output-json` document: the run's settings, every cell's figure groups, and (with
+    --compare-speculation) speculation against plain per setting (bench/compare.py)."""
+    doc: dict[str, Any] = {"version": 1, "config": config, "cells": [dataclasses.asdict(c) for c in cells]}
+    if comparisons:
+        doc["comparisons"] = [dataclasses.asdict(c) for c in comparisons]
+    return doc

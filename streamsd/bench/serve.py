@@ -29,6 +29,7 @@ from streamsd.bench.client import (
     first_model,
     stream_sse,
 )
+from streamsd.bench.compare import compare
 from streamsd.bench.datasets import BenchPrompt, load_dataset
 from streamsd.bench.metrics_scrape import scrape, spec_delta
 from streamsd.bench.results import CellPlan, CellResult, build_cell, run_document
@@ -64,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare-speculation", action="store_true",
         help='run every cell with speculative {"enabled": false} and {"enabled": true}',
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="rounds per setting, in ABBA order with --compare-speculation; the rounds' plain cells "
+             "against each other measure the run's noise (bench/compare.py)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a stream may stall")
     parser.add_argument("--output-json", default=None, help="write every figure here")
     parser.add_argument("--plot", default=None, help="write a PNG: latency CDFs, sweep curves")
@@ -79,12 +85,18 @@ def parse_sweep(text: str) -> list[int]:
 
 def plan_cells(args: argparse.Namespace) -> list[CellPlan]:
     """Cells in run order; with --compare-speculation off and on run back to back for each setting
-    so slow drift (thermal, other load) hits both alike."""
+    so slow drift (thermal, other load) hits both alike, and with --repeats the order alternates
+    from round to round (off, on | on, off | ...) so that it favours neither."""
     if args.sweep_concurrency and args.max_concurrency is not None:
         raise ValueError("--sweep-concurrency and --max-concurrency are alternatives")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats needs a positive integer, got {args.repeats}")
     concurrencies = parse_sweep(args.sweep_concurrency) if args.sweep_concurrency else [args.max_concurrency]
     switches: list[bool | None] = [False, True] if args.compare_speculation else [None]
-    return [CellPlan(c, args.request_rate, s) for c in concurrencies for s in switches]
+    numbered = args.repeats > 1
+    return [CellPlan(c, args.request_rate, s, r if numbered else None)
+            for c in concurrencies for r in range(args.repeats)
+            for s in (switches if r % 2 == 0 else switches[::-1])]
 
 
 def request_specs(args: argparse.Namespace, model: str, prompts: Sequence[BenchPrompt], spec: bool | None) -> list[RequestSpec]:
@@ -177,7 +189,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": args.temperature,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
         "max_concurrency": args.max_concurrency, "sweep_concurrency": args.sweep_concurrency,
-        "compare_speculation": args.compare_speculation, "ignore_eos": args.ignore_eos, "seed": args.seed,
+        "compare_speculation": args.compare_speculation, "repeats": args.repeats, "ignore_eos": args.ignore_eos, "seed": args.seed,
     }
     return config, cells
 
@@ -189,8 +201,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench serve: {exc}", file=sys.stderr)
         return 1
     report.print_serve(config, cells)
+    comparisons = compare(cells) if args.compare_speculation else []
+    if comparisons:
+        report.print_comparisons(comparisons)
     if args.output_json:
-        report.write_json(args.output_json, run_document(config, cells))
+        report.write_json(args.output_json, run_document(config, cells, comparisons))
     if args.plot:
         report.plot_serve(args.plot, cells)
     return 0 if all(c.requests.completed for c in cells) else 1
