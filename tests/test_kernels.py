@@ -516,6 +516,20 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
         starts = [sum(lens[:i]) for i in range(len(lens))]
         tiles = prefill_tiles(starts, lens, lens, pa.KERNEL_MAX_QUERY, tokens_per_tile(a.num_heads, a.num_kv_heads))
         prefill_attention(q, cache, cache, table, tiles, 0.1, torch.empty_like(q))
+    from streamsd.kernels.restart import restart_triton
+
+    for b in (1, 3, 4, 7, 16):  # a verify queued ahead, into a graph's packed buffer (bucket x width)
+        for k in range(1, max_k + 1):
+            width, t_all = k + 1, b * (k + 1)
+            packed = torch.zeros(3 * t_all + 2 * b + 1, dtype=torch.int64, device=DEV)
+            rows = torch.zeros(4 * b + 1, dtype=torch.int64, device=DEV)  # views at odd offsets, as a chain graph's
+            table = torch.zeros(b, 3 + b, dtype=torch.int32, device=DEV)
+            prev, acc = rows[1 : 1 + b], rows[1 + b : 1 + 2 * b]
+            tokens = torch.zeros(b, max_k + 1, dtype=torch.int64, device=DEV)
+            drafts = torch.zeros(b, max_k, dtype=torch.int64, device=DEV)[:, :k]  # the chain's first k
+            restart_triton(packed, t_all, torch.empty(b, dtype=torch.int64, device=DEV), width, table, bs,
+                           prev_starts=prev, accepted=acc, tokens=tokens, drafts=drafts)
+            restart_triton(packed, t_all, rows[1 + 2 * b : 1 + 3 * b], width, table, bs, base=rows[1 + 3 * b :])
     torch.cuda.synchronize()
     assert compiled_variants() == before
 
