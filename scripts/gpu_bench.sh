@@ -104,12 +104,14 @@ for c in d["cells"]:
         print(f"{c['acceptance_rate']:.1f} {c['batch']:4d}  {c['measured_speedup']:6.2f}  {c.get('decode_speedup')}  "
               f"{c['acceptance']}  {c.get('decode_step_vs_plain')}  {c.get('pred_err_pct')}  {c.get('pred_err_raw_pct')}  "
               f"{c.get('pred_err_shape_pct')}  {c.get('plain_step_share')}  {c.get('desyncs')}/{c.get('warm_desyncs_per_pass')}  "
-              f"{c.get('kernel_compiles')}  drift {c.get('plain_drift')}  pairs {c.get('pair_measured_speedup')}")
+              f"{c.get('kernel_compiles')}  drift {c.get('plain_drift')}  pairs {c.get('pair_measured_speedup')}  "
+              f"A/A {c.get('plain_spread')}  {c.get('verdict')}")
 for c in d["cells"]:
     if c["method"] == "spec k=0":
         print(f"forced k=0 B={c['batch']}: decode step {c.get('decode_step_vs_plain')}x plain, TPOT ratio {c.get('measured_speedup')}, "
               f"decode tok/s ratio {c.get('decode_speedup')}, plain drift {c.get('plain_drift')}, "
-              f"pairs TPOT {c.get('pair_measured_speedup')} step {c.get('pair_decode_step_vs_plain')}")
+              f"pairs TPOT {c.get('pair_measured_speedup')} step {c.get('pair_decode_step_vs_plain')}, "
+              f"A/A {c.get('plain_spread')} {c.get('verdict')}")
 print("compiles in plain passes:", [c.get("kernel_compiles") for c in d["cells"] if c["method"] == "plain"])
 print("method alpha B: gc_ms device_allocs alloc_retries decode_step_ms decode_step_max_ms")
 for c in d["cells"]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from streamsd.bench import offline_run
+from streamsd.bench.compare import FASTER, SLOWER, WITHIN_NOISE
 from streamsd.cli import build_parser
 from streamsd.spec.synthetic import SyntheticProposer
 
@@ -248,6 +249,11 @@ def test_pairs_report_the_median_pair_and_every_pairs_ratio(tmp_path, tiny_model
         assert c["pairs"] == 3 and len(c["pair_measured_speedup"]) == 3
         assert c["measured_speedup"] == sorted(c["pair_measured_speedup"])[1]
         assert c["same_output_as_plain"]
+        # The cell's plain passes against each other: the noise its verdict reads the median against.
+        tpots = c["pair_plain_tpot_ms"]
+        assert len(tpots) == 3 and c["plain_spread"] == pytest.approx(max(tpots) / min(tpots) - 1, abs=1e-3)
+        assert c["verdict"] in (FASTER, WITHIN_NOISE, SLOWER)
+        assert (c["verdict"] == FASTER) == (c["measured_speedup"] >= 1.0)
 
 
 def test_an_even_number_of_pairs_reports_the_lower_middle_pair():

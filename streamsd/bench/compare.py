@@ -4,7 +4,8 @@ One on/off pair says little on a shared machine: on this 2-core CPU two cells of
 cannot speculate differed by up to 15 %, in either direction. With `--repeats N` every setting runs
 N rounds in ABBA order (off, on | on, off | ...), so a machine drifting over the run favours neither
 side. The rounds' off cells against each other are an A/A test: their spread is the noise this run
-saw, and a deficit of speculation is a loss only beyond it.
+saw, and a deficit of speculation is a loss only beyond it. `bench offline`'s paired cells read
+their plain passes the same way (`verdict`).
 """
 
 from __future__ import annotations
@@ -53,9 +54,8 @@ def compare(cells: Sequence[CellResult]) -> list[Comparison]:
         if not rounds:
             continue
         median = lower_median([r.ratio for r in rounds])
-        plain = [c.throughput.output_tokens_per_s for c in off]
-        spread = max(plain) / min(plain) - 1.0 if len(plain) > 1 and min(plain) > 0 else None
-        out.append(Comparison(_setting(group[0].label), rounds, median, spread, _verdict(median, spread)))
+        spread = spread_of([c.throughput.output_tokens_per_s for c in off])
+        out.append(Comparison(_setting(group[0].label), rounds, median, spread, verdict(median, spread)))
     return out
 
 
@@ -65,7 +65,15 @@ def _round(off: CellResult, on: CellResult) -> Round:
     return Round(a, b, b / a if a > 0 else 0.0, tpot)
 
 
-def _verdict(median: float, spread: float | None) -> str:
+def spread_of(values: Sequence[float]) -> float | None:
+    """max ÷ min − 1 of an A/A sample (the plain passes or cells of one setting); None below two."""
+    if len(values) < 2 or min(values) <= 0:
+        return None
+    return max(values) / min(values) - 1.0
+
+
+def verdict(median: float, spread: float | None) -> str:
+    """Speculation ÷ plain at its median against the plain side's own spread in the same run."""
     if median >= 1.0:
         return FASTER
     if spread is None:

@@ -17,6 +17,7 @@ import torch
 
 from streamsd.adaptive import CostTable
 from streamsd.bench import offline_run as R
+from streamsd.bench.compare import spread_of, verdict
 from streamsd.config import SpecConfig
 from streamsd.policy import AdaptivePolicy
 from streamsd.profiling import profile_worker
@@ -129,7 +130,7 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
     cell = make_cell("streamsd", method, b, res, floor_ms=floor, tokens_per_step=res.tau or 1.0)
     analytic = R.analytic_speedup(res.alpha or 0.0, k, c)
     cell.update(_against_plain(res, plain, paired))
-    cell.update(_pair_spread(passes, plain))
+    cell.update(_pair_spread(passes, plain, cell["measured_speedup"]))
     measured = cell["measured_speedup"]
     cell.update(k=k, c=round(c, 4), analytic_speedup=round(analytic, 3),
                 spec_efficiency=round(measured / analytic, 3) if analytic else None, desyncs=desyncs)
@@ -169,8 +170,9 @@ def forced_plain_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, p
 
     passes = _paired_passes(args.pairs, rerun_plain, measure)
     res, paired, _ = _median_pair(passes, plain)
+    ratios = _against_plain(res, plain, paired)
     return {**make_cell("streamsd", "spec k=0", b, res, floor_ms=floor_ms, tokens_per_step=1.0),
-            **_against_plain(res, plain, paired), **_pair_spread(passes, plain)}
+            **ratios, **_pair_spread(passes, plain, ratios["measured_speedup"])}
 
 
 Pair = tuple[R.PassResult, "R.PassResult | None", Runtime]
@@ -200,12 +202,21 @@ def _median_pair(passes: list[Pair], plain: R.PassResult) -> Pair:
     return ranked[(len(ranked) - 1) // 2]
 
 
-def _pair_spread(passes: list[Pair], plain: R.PassResult) -> dict[str, Any]:
+def _pair_spread(passes: list[Pair], plain: R.PassResult, median: float | None = None) -> dict[str, Any]:
+    """Each pair's ratios, and the cell's plain passes against each other (an A/A test: the spread of
+    their TPOT): with ``median``, the reported ratio, a verdict against that spread (bench/compare.py)."""
     if len(passes) < 2:
         return {}
     ratios = [_against_plain(res, plain, paired) for res, paired, _ in passes]
-    return {"pairs": len(passes), **{f"pair_{key}": [r.get(key) for r in ratios]
-                                     for key in ("measured_speedup", "decode_step_vs_plain", "decode_speedup")}}
+    plain_tpot = [(paired or plain).tpot_ms for _, paired, _ in passes]
+    spread = spread_of(plain_tpot)
+    out = {"pairs": len(passes), **{f"pair_{key}": [r.get(key) for r in ratios]
+                                    for key in ("measured_speedup", "decode_step_vs_plain", "decode_speedup")},
+           "pair_plain_tpot_ms": [round(t, 3) for t in plain_tpot],
+           "plain_spread": None if spread is None else round(spread, 4)}
+    if median is not None:
+        out["verdict"] = verdict(median, spread)
+    return out
 
 
 def _against_plain(res: R.PassResult, plain: R.PassResult, paired: R.PassResult | None = None) -> dict[str, Any]:
