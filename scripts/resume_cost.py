@@ -1,0 +1,115 @@
+"""What resuming speculation costs an EAGLE engine at batch 1, against what the planner's catch-up
+table says. One answer runs a scripted k: K for a while, then n plain steps, then K again, for
+several n; the step that resumes (it verifies no drafts and proposes K, its head first catching up
+on the n positions the plain steps decoded) is timed beside a steady speculative step, and beside
+`EagleProposer.catch_up_pass(n)`, the eager pass the start-up profile times for that table.
+
+The profilers' small random target and an untrained head (scripts/tiny_eagle.py): host and launch
+costs do not depend on weights. CUDA with graphs, as the server runs. Prints a table; `--out F.json`.
+Usage: python3 scripts/resume_cost.py [--gaps 8,24,40,64,120] [--out F.json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_eagle import build_tiny_eagle  # noqa: E402
+
+from streamsd import LLM, SamplingParams  # noqa: E402
+from streamsd.policy import Decision, cap_k  # noqa: E402
+
+
+class Scripted:
+    """k for every decoding request from a script indexed by `choose` calls (the last one repeats)."""
+
+    plans_ahead = False
+
+    def __init__(self, script: list[int]):
+        self.script, self.calls, self.k = script, 0, 0
+
+    def choose(self, decoding, prefill_tokens, backlog):
+        self.k = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+        return Decision({r.request_id: min(self.k, cap_k(r)) for r in decoding})
+
+    def default_k(self, r):
+        return min(self.k, cap_k(r))
+
+    def commit(self, decision, plan):
+        pass
+
+    def observe(self, decision, verified, seconds):
+        pass
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gaps", default="8,24,40,64,120")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    gaps = [int(x) for x in a.gaps.split(",")]
+    target, head = build_tiny_eagle()
+    llm = LLM(str(target), speculative_method="eagle", draft_model=str(head), num_speculative_tokens=a.k,
+              speculation_policy="fixed", device=a.device, dtype="bfloat16")
+    core = llm.core
+    proposer = core.rt.worker.proposer
+    script: list[int] = []
+    marks: list[tuple[int, int]] = []  # (step index of the resuming step, gap)
+    for gap in [*gaps, *gaps]:  # twice: the first round also meets each shape's first use
+        script += [a.k] * 12
+        script += [0] * gap
+        marks.append((len(script), gap))
+    script += [a.k] * 12
+    core.scheduler.policy = Scripted(script)
+    core.add_request("r", core.encode_prompt("Tell me a long story about a lighthouse."),
+                     SamplingParams(temperature=0.0, max_tokens=4 * len(script), ignore_eos=True))
+    times, shapes = [], []
+    for turn in core.run():
+        if turn.plan.entries:
+            e = turn.plan.entries[0]
+            times.append(1e3 * core.last_step_seconds)
+            shapes.append((e.num_tokens, e.num_drafts, e.k_next))
+    # Steady speculative steps: verifying K drafts and proposing K, not right after a switch.
+    steady = [t for i, (t, s) in enumerate(zip(times, shapes, strict=True))
+              if s[1:] == (a.k, a.k) and i > 0 and shapes[i - 1][1:] == (a.k, a.k)]
+    plain = [t for i, (t, s) in enumerate(zip(times, shapes, strict=True))
+             if s[1:] == (0, 0) and i > 0 and shapes[i - 1][1:] == (0, 0)]
+    rows = []
+    table = list(range(1, 1 + max(gaps) // 16 + 4))
+    for step, gap in marks[len(gaps):]:  # the second round
+        i = step  # `choose` call i plans step i (step 0: the prompt, whose k is script[0])
+        if i >= len(times):
+            break
+        sync(a.device)
+        t0 = time.perf_counter()
+        proposer.catch_up_pass(gap, table)  # the run is over: its blocks are free to overwrite
+        sync(a.device)
+        eager = 1e3 * (time.perf_counter() - t0)
+        rows.append({"gap": gap, "resume_ms": round(times[i], 3), "next_ms": round(times[i + 1], 3),
+                     "shape": shapes[i], "catch_up_pass_ms": round(eager, 3)})
+    doc = {"steady_spec_ms": round(statistics.median(steady), 3), "plain_ms": round(statistics.median(plain), 3),
+           "resumes": rows, "times": [round(t, 3) for t in times], "shapes": shapes}
+    print(f"steady speculative step {doc['steady_spec_ms']} ms, plain {doc['plain_ms']} ms (medians)")
+    print("gap  resume ms  next ms  shape (tokens, drafts verified, proposed)  catch_up_pass ms")
+    for r in rows:
+        print(f"{r['gap']:4d}  {r['resume_ms']:9.3f}  {r['next_ms']:7.3f}  {r['shape']!s:40s}  {r['catch_up_pass_ms']:.3f}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
