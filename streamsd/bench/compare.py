@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from streamsd.bench.results import CellResult
+if TYPE_CHECKING:  # `bench offline` reads verdicts too, and must not need the HTTP client's packages
+    from streamsd.bench.results import CellResult
 
 FASTER, WITHIN_NOISE, SLOWER, UNKNOWN = "faster", "within noise", "slower", "no A/A (one round)"
 
