@@ -192,6 +192,12 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         from streamsd.model.graphs import setup_cuda
 
         setup_cuda(worker, scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs)
+        if cfg.cuda_graphs:
+            from streamsd.model.graphs import capture_all
+
+            t1 = time.perf_counter()
+            log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
+                     time.perf_counter() - t1)
     policy = build_policy(cfg, worker, sched)
     seconds = time.perf_counter() - t0
     q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0

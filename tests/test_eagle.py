@@ -759,3 +759,27 @@ def test_cuda_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads):
         assert (la.taken > 20) == pipeline, (la.taken, la.dropped)
         _assert_free(llm)
     assert runs[0] == runs[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_are_captured_before_the_first_request(tiny_model_dir, heads):
+    """A fixed-k EAGLE engine (no start-up profile) has every graph it will replay captured and every
+    kernel compiled when it is built: requests at batch 1 and 3, greedy and sampled, running into their
+    max_tokens (drafts cut step by step) capture and compile nothing. On the H200 the first such request
+    captured graphs and compiled inside its last steps, 1.3-1.5 s each."""
+    from streamsd.kernels.warmup import compiled_variants
+
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]), device="cuda",
+              dtype="float32", kv_cache_tokens=4096, max_num_seqs=4, speculation_policy="fixed")
+    worker = llm.core.rt.worker
+
+    def counts() -> tuple[int, int, int]:
+        return len(worker.graphs.graphs), len(worker.proposer.graphs.graphs), compiled_variants()
+
+    before = counts()
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.9, top_k=20, top_p=0.8)]
+    for i, kw in enumerate(kinds):
+        llm.generate(PROMPTS[i], SamplingParams(max_tokens=13 + i, seed=i, ignore_eos=True, **kw))
+        llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=9 + j, seed=j, ignore_eos=True, **kw) for j in range(3)])
+    assert counts() == before
+    _assert_free(llm)

@@ -135,10 +135,11 @@ class GraphRunner:
             return g.logits[: len(rows)]
         return g.logits.index_select(0, h2d(rows, torch.int64, self.device))
 
-    def capture_up_to(self, batch: int) -> None:
-        """Every (bucket, width) graph a step over at most `batch` requests replays."""
+    def capture_up_to(self, batch: int, widths: tuple[int, ...] | None = None) -> None:
+        """Every (bucket, width) graph a step over at most `batch` requests replays (of `widths` only,
+        when given)."""
         for bucket in buckets_up_to(self.cfg.buckets, batch):
-            for width in self.cfg.query_widths:
+            for width in widths or self.cfg.query_widths:
                 if (bucket, width) not in self.graphs:
                     self._capture(bucket, width)
 
@@ -238,6 +239,32 @@ def forward_logits(model: Transformer, graphs: GraphRunner | None, cache: PagedK
                 hidden_rows=torch.arange(ids_t.shape[0], device=device))
     keep_streams(out.hidden, layout.slot_mapping, store)
     return out.logits
+
+
+def capture_all(worker, max_batch: int) -> int:
+    """Every graph a step over at most `max_batch` requests can replay, captured now: the target's
+    (bucket, width) cells, a draft model's one-token steps, an EAGLE head's chains at every depth and
+    draw. Captured on first use instead, each cost a step 5-110 ms, and 1.3-1.5 s where the capture
+    compiled attention variants for its width (the H200, a fixed-k EAGLE engine's first request that
+    ran into its max_tokens; docs/issue9-eagle/session16). Returns the graphs captured."""
+    proposer = worker.proposer
+    runners = [(worker.graphs, None)]
+    draft_graphs = getattr(proposer, "graphs", None)
+    if isinstance(draft_graphs, GraphRunner):
+        runners.append((draft_graphs, (1,)))  # a draft model steps one token at a time
+    count = 0
+    for runner, widths in runners:
+        if runner is None:
+            continue
+        before = len(runner.graphs)
+        runner.capture_up_to(max_batch, widths)
+        count += len(runner.graphs) - before
+    if hasattr(proposer, "capture_graphs"):
+        head = getattr(proposer, "graphs", None)
+        before = len(head.graphs) if head is not None else 0
+        proposer.capture_graphs(max_batch)
+        count += (len(head.graphs) if head is not None else 0) - before
+    return count
 
 
 def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool) -> None:
