@@ -81,11 +81,9 @@ def main() -> None:
     core = llm.core
     proposer = core.rt.worker.proposer
     script: list[int] = []
-    marks: list[tuple[int, int]] = []  # (step index of the resuming step, gap)
     for gap in [*gaps, *gaps]:  # twice: the first round also meets each shape's first use
         script += [a.k] * 12
         script += [0] * gap
-        marks.append((len(script), gap))
     script += [a.k] * 12
     core.scheduler.policy = Scripted(script)
     core.add_request("r", core.encode_prompt("Tell me a long story about a lighthouse."),
@@ -110,10 +108,10 @@ def main() -> None:
              if s[1:] == (0, 0) and i > 0 and shapes[i - 1][1:] == (0, 0)]
     rows = []
     table = list(range(1, 1 + max(gaps) // 16 + 4))
-    for step, gap in marks[len(gaps):]:  # the second round
-        i = step  # `choose` call i plans step i (step 0: the prompt, whose k is script[0])
-        if i >= len(times):
-            break
+    # The steps that resume: verify nothing, propose K, after a plain one (found by shape: which step a
+    # script entry lands on depends on steps queued ahead). The second round's are reported.
+    resumes = [i for i in range(1, len(times)) if shapes[i][1:] == (0, a.k) and shapes[i - 1][1:] == (0, 0)]
+    for i, gap in zip(resumes[len(gaps):], gaps, strict=False):
         sync(a.device)
         t0 = time.perf_counter()
         proposer.catch_up_pass(gap, table)  # the run is over: its blocks are free to overwrite
