@@ -7,6 +7,8 @@ context_len - query_len + i.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -49,9 +51,16 @@ def _attend_grouped(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int
     kvh = k.shape[0]
     group = heads // kvh
     qg = qs.reshape(kvh, group * qlen, dim)  # [KVH, G*qlen, D]: head h = kv head h // G, rows in head order
-    mask = None
-    if qlen > 1:
-        q_pos = torch.arange(ctx - qlen, ctx, device=qs.device).unsqueeze(-1)  # [qlen, 1]
-        mask = (torch.arange(ctx, device=qs.device).unsqueeze(0) <= q_pos).repeat(group, 1)  # [G*qlen, ctx]
+    mask = _window_mask(ctx, qlen, group, qs.device) if qlen > 1 else None  # [G*qlen, ctx]
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [KVH, G*qlen, D]
     return o.view(heads, qlen, dim)
+
+
+@functools.lru_cache(maxsize=512)
+def _window_mask(ctx: int, qlen: int, group: int, device: torch.device) -> torch.Tensor:
+    """[G*qlen, ctx] bool: query i of a window of qlen at the end of ctx sees positions <= ctx - qlen + i,
+    stacked for the G query heads of a kv head. The same for every layer of a step (and for every
+    sequence of that context and window), so built once: built per call it took 5 ms of a 180 ms
+    verify step at 32 requests on this CPU. Read-only."""
+    q_pos = torch.arange(ctx - qlen, ctx, device=device).unsqueeze(-1)  # [qlen, 1]
+    return (torch.arange(ctx, device=device).unsqueeze(0) <= q_pos).repeat(group, 1)
