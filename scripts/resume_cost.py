@@ -21,33 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from scripted_policy import ScriptedPolicy  # noqa: E402
 from tiny_eagle import build_tiny_eagle  # noqa: E402
 
 from streamsd import LLM, SamplingParams  # noqa: E402
-from streamsd.policy import Decision, cap_k  # noqa: E402
-
-
-class Scripted:
-    """k for every decoding request from a script indexed by `choose` calls (the last one repeats)."""
-
-    plans_ahead = False
-
-    def __init__(self, script: list[int]):
-        self.script, self.calls, self.k = script, 0, 0
-
-    def choose(self, decoding, prefill_tokens, backlog):
-        self.k = self.script[min(self.calls, len(self.script) - 1)]
-        self.calls += 1
-        return Decision({r.request_id: min(self.k, cap_k(r)) for r in decoding})
-
-    def default_k(self, r):
-        return min(self.k, cap_k(r))
-
-    def commit(self, decision, plan):
-        pass
-
-    def observe(self, decision, verified, seconds):
-        pass
 
 
 def _counters(worker) -> dict[str, int]:
@@ -85,7 +63,7 @@ def main() -> None:
         script += [a.k] * 12
         script += [0] * gap
     script += [a.k] * 12
-    core.scheduler.policy = Scripted(script)
+    core.scheduler.policy = ScriptedPolicy(script, plans_ahead=False)
     core.add_request("r", core.encode_prompt("Tell me a long story about a lighthouse."),
                      SamplingParams(temperature=0.0, max_tokens=4 * len(script), ignore_eos=True))
     times, shapes, stalls = [], [], []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scripted_policy import ScriptedPolicy
 
 from streamsd import LLM, SamplingParams
 from tests.test_engine import MAX_TOKENS, PROMPTS, _assert_free, greedy_params, hf_greedy
@@ -150,37 +151,6 @@ def test_cuda_pipelined_steps_match_unpipelined(tiny_model_dir):
     _assert_free(on)
 
 
-class _ScriptedPolicy:
-    """Every decoding request drafts the same k, from a script indexed by the policy's `choose` calls:
-    switches of every kind (enter, leave, shallower, deeper) while steps are queued ahead."""
-
-    plans_ahead = True
-
-    def __init__(self, script: list[int]):
-        self.script, self.calls, self.k = script, 0, 0
-        self.built: list[tuple[int, int]] = []  # (widest verify, drafts proposed) of each decode step
-
-    def choose(self, decoding, prefill_tokens, backlog):
-        from streamsd.policy import Decision, cap_k
-
-        self.k = self.script[min(self.calls, len(self.script) - 1)]
-        self.calls += 1
-        return Decision({r.request_id: min(self.k, cap_k(r)) for r in decoding})
-
-    def default_k(self, r):
-        from streamsd.policy import cap_k
-
-        return min(self.k, cap_k(r))
-
-    def commit(self, decision, plan):
-        shape, _ = plan.shape()
-        if shape.batch and not shape.prefill_tokens:
-            self.built.append((shape.verify_width - 1, shape.draft_steps))
-
-    def observe(self, decision, verified, seconds):
-        pass
-
-
 def test_switches_take_the_step_queued_ahead(tiny_model_dir):
     """Leaving speculation, drafting shallower and entering it take the step queued ahead instead of
     dropping it (its GPU time is spent): the queued speculative step's drafts are cut, the queued
@@ -203,7 +173,7 @@ def test_switches_take_the_step_queued_ahead(tiny_model_dir):
     la = rt.worker.lookahead
     la.chained = True
     script = [0, 0, 0, 4, 4, 4, 0, 0, 0, 3, 3, 3, 1, 1, 1, 0, 0, 0, 2, 2, 2, 4, 4, 4, 0, 0, 0] * 3
-    policy = _ScriptedPolicy(script)
+    policy = ScriptedPolicy(script)
     rt = dataclasses.replace(rt, policy=policy,
                              scheduler_config=dataclasses.replace(rt.scheduler_config, lookahead=5))
     core = EngineCore(rt, SpecConfig(method="synthetic", num_tokens=4, policy="fixed"))
