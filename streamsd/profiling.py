@@ -24,7 +24,7 @@ import torch
 from streamsd.adaptive import CostTable
 from streamsd.adaptive.cost import StepTable
 from streamsd.adaptive.shape import ShapeTable
-from streamsd.model.graphs import GraphRunner, buckets_up_to, forward_logits
+from streamsd.model.graphs import GraphRunner, buckets_up_to, capture_all, forward_logits
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore
@@ -137,13 +137,12 @@ def profile_worker(worker: Any, max_batch: int, max_tokens: int, max_k: int, con
     proposer = getattr(proposer, "inner", None) or proposer  # the synthetic proposer wraps a draft model
     draft = getattr(proposer, "model", None)
     has_draft = isinstance(draft, Transformer)
+    capture_all(worker, max_batch)  # a start-up cost of the graphs, not the profile's (and done at build)
     table = profile_costs(worker.target, worker.cache, draft if has_draft else None,
                           getattr(proposer, "cache", None) if has_draft else None, max_tokens, context,
                           max_batch=max_batch, max_k=max_k, graphs=worker.graphs,
                           draft_graphs=getattr(proposer, "graphs", None) if has_draft else None,
                           store=worker.store)
-    if hasattr(proposer, "capture_graphs"):  # an EAGLE head's draft chains, at every depth the policy may pick
-        proposer.capture_graphs(max_batch)
     if hasattr(proposer, "catch_up_pass"):
         table.catchup = StepTable.from_samples(time_catch_up(proposer, worker.cache, max_tokens, repeats=3))
     return table

@@ -16,6 +16,7 @@ import torch
 from streamsd.config import SpecConfig
 from streamsd.core import EngineCore
 from streamsd.model.arch import ModelArgs
+from streamsd.model.graphs import capture_all
 from streamsd.model.llama import Transformer
 from streamsd.profiling import sync, time_step
 from streamsd.request import SamplingParams
@@ -186,10 +187,7 @@ def _stall_counters(device: torch.device) -> list[int] | None:
 
 def capture_graphs(rt: Runtime, batch: int) -> None:
     """Capture every graph a pass over `batch` requests can use, so no capture lands in a timing."""
-    for runner in (rt.worker.graphs, getattr(rt.worker.proposer, "graphs", None),
-                   getattr(getattr(rt.worker.proposer, "inner", None), "graphs", None)):
-        if runner is not None:
-            runner.capture_up_to(batch)
+    capture_all(rt.worker, batch)
 
 
 def draft_cost_ratio(rt: Runtime, batch: int) -> float:

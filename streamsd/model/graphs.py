@@ -247,24 +247,21 @@ def capture_all(worker, max_batch: int) -> int:
     draw. Captured on first use instead, each cost a step 5-110 ms, and 1.3-1.5 s where the capture
     compiled attention variants for its width (the H200, a fixed-k EAGLE engine's first request that
     ran into its max_tokens; docs/issue9-eagle/session16). Returns the graphs captured."""
-    proposer = worker.proposer
-    runners = [(worker.graphs, None)]
-    draft_graphs = getattr(proposer, "graphs", None)
-    if isinstance(draft_graphs, GraphRunner):
-        runners.append((draft_graphs, (1,)))  # a draft model steps one token at a time
-    count = 0
-    for runner, widths in runners:
-        if runner is None:
-            continue
-        before = len(runner.graphs)
-        runner.capture_up_to(max_batch, widths)
-        count += len(runner.graphs) - before
+    proposer = getattr(worker.proposer, "inner", None) or worker.proposer  # the synthetic proposer wraps a draft
+    draft = getattr(proposer, "graphs", None)
+    runners = [r for r in (worker.graphs, draft) if r is not None]  # an EAGLE head's graphs are EagleGraphs
+
+    def count() -> int:
+        return sum(len(r.graphs) for r in runners)
+
+    before = count()
+    if worker.graphs is not None:
+        worker.graphs.capture_up_to(max_batch)
+    if isinstance(draft, GraphRunner):
+        draft.capture_up_to(max_batch, (1,))  # a draft model steps one token at a time
     if hasattr(proposer, "capture_graphs"):
-        head = getattr(proposer, "graphs", None)
-        before = len(head.graphs) if head is not None else 0
         proposer.capture_graphs(max_batch)
-        count += (len(head.graphs) if head is not None else 0) - before
-    return count
+    return count() - before
 
 
 def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool) -> None:
