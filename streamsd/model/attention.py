@@ -7,8 +7,6 @@ context_len - query_len + i.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -21,10 +19,9 @@ def paged_attention_reference(
     """q [T, H, D]; caches [NB, BS, KVH, D] -> out [T, H, D]."""
     out = torch.empty_like(q)
     kvh, dim = k_cache.shape[2], k_cache.shape[3]
-    for start, qlen, ctx, blocks in zip(
-        layout.query_starts, layout.query_lens, layout.context_lens, _blocks(layout, k_cache.shape[1], q.device),
-        strict=True,
-    ):
+    per_seq = _per_sequence(layout, k_cache.shape[1], q.shape[1] // kvh, q.device)
+    for start, qlen, ctx, (blocks, mask) in zip(layout.query_starts, layout.query_lens, layout.context_lens, per_seq,
+                                                strict=True):
         if qlen == 0:
             continue
         k = k_cache.index_select(0, blocks).reshape(-1, kvh, dim)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
@@ -34,24 +31,39 @@ def paged_attention_reference(
             o = F.scaled_dot_product_attention(qs, k.to(qs.dtype), v.to(qs.dtype), is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            o = _attend_grouped(qs, k.to(qs.dtype), v.to(qs.dtype), ctx, scale)
+            o = _attend_grouped(qs, k.to(qs.dtype), v.to(qs.dtype), mask, scale)
         out[start : start + qlen] = o.transpose(0, 1)
     return out
 
 
-def _blocks(layout: BatchLayout, block_size: int, device: torch.device) -> list[torch.Tensor]:
-    """Each sequence's blocks up to its context, as index tensors: built once per step and read by
-    every layer (built per call they were 960 small tensors a step at 32 requests)."""
-    key = ("reference_blocks", block_size)
-    blocks = layout.derived.get(key)
-    if blocks is None:
-        blocks = layout.derived[key] = [torch.tensor(t[: -(-ctx // block_size)], dtype=torch.int64, device=device)
-                                        for t, ctx in zip(layout.block_tables, layout.context_lens, strict=True)]
-    return blocks
+def _per_sequence(layout: BatchLayout, block_size: int, group: int,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each sequence's blocks up to its context (an index tensor) and its window mask, built once per
+    step and read by every layer: built per call they were 960 small tensors a step at 32 requests on
+    this CPU, and the masks 5 ms of a 180 ms verify step. A mask is [G*qlen, ctx] bool: query i of a
+    window of qlen at the end of ctx sees positions <= ctx - qlen + i, stacked for the G query heads of
+    a kv head (None for one query: no mask, SDPA's fused path). Sequences of one shape share it."""
+    key = ("reference", block_size, group)
+    cached = layout.derived.get(key)
+    if cached is None:
+        masks: dict[tuple[int, int], torch.Tensor] = {}
+        cached = layout.derived[key] = []
+        for table, qlen, ctx in zip(layout.block_tables, layout.query_lens, layout.context_lens, strict=True):
+            blocks = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.int64, device=device)
+            mask = None
+            if 1 < qlen < ctx:
+                mask = masks.get((ctx, qlen))
+                if mask is None:
+                    q_pos = torch.arange(ctx - qlen, ctx, device=device).unsqueeze(-1)  # [qlen, 1]
+                    mask = masks[(ctx, qlen)] = (torch.arange(ctx, device=device).unsqueeze(0) <= q_pos).repeat(group, 1)
+            cached.append((blocks, mask))
+    return cached
 
 
-def _attend_grouped(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: float) -> torch.Tensor:
-    """A decode token or verify window after cached context: qs [H, qlen, D], k/v [KVH, ctx, D] -> [H, qlen, D].
+def _attend_grouped(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """A decode token or verify window after cached context: qs [H, qlen, D], k/v [KVH, ctx, D], its
+    window mask [G*qlen, ctx] (None for one token) -> [H, qlen, D].
 
     The G = H / KVH query heads that share a kv head are stacked as G * qlen rows of one attention
     call per kv head, so K and V are never repeated and, for a single decode token, no mask is
@@ -60,18 +72,6 @@ def _attend_grouped(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int
     """
     heads, qlen, dim = qs.shape
     kvh = k.shape[0]
-    group = heads // kvh
-    qg = qs.reshape(kvh, group * qlen, dim)  # [KVH, G*qlen, D]: head h = kv head h // G, rows in head order
-    mask = _window_mask(ctx, qlen, group, qs.device) if qlen > 1 else None  # [G*qlen, ctx]
+    qg = qs.reshape(kvh, heads // kvh * qlen, dim)  # [KVH, G*qlen, D]: head h = kv head h // G, rows in head order
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [KVH, G*qlen, D]
     return o.view(heads, qlen, dim)
-
-
-@functools.lru_cache(maxsize=512)
-def _window_mask(ctx: int, qlen: int, group: int, device: torch.device) -> torch.Tensor:
-    """[G*qlen, ctx] bool: query i of a window of qlen at the end of ctx sees positions <= ctx - qlen + i,
-    stacked for the G query heads of a kv head. The same for every layer of a step (and for every
-    sequence of that context and window), so built once: built per call it took 5 ms of a 180 ms
-    verify step at 32 requests on this CPU. Read-only."""
-    q_pos = torch.arange(ctx - qlen, ctx, device=device).unsqueeze(-1)  # [qlen, 1]
-    return (torch.arange(ctx, device=device).unsqueeze(0) <= q_pos).repeat(group, 1)
