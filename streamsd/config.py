@@ -7,6 +7,42 @@ from typing import Literal
 
 SpecMethod = Literal["draft", "ngram", "eagle", "synthetic"]
 BLOCK_SIZE = 16
+MAX_TREE_NODES = 62  # a tree's window (its root and nodes) fits one int64 bitmask per row
+
+
+@dataclass(frozen=True, slots=True)
+class TreeShape:
+    """How an EAGLE head grows a draft tree each step (spec/eagle_tree.py): the `branch` likeliest
+    children of the root, then for each further level the `frontier` likeliest nodes of the last one
+    each get their `branch` likeliest children, `depth` levels in all; the `nodes` likeliest of them
+    (by path probability) are verified. A chain of k is TreeShape(k, 1, 1, k)."""
+
+    depth: int = 6
+    frontier: int = 6
+    branch: int = 6
+    nodes: int = 31
+
+    def __post_init__(self) -> None:
+        d, m, c, n = self.depth, self.frontier, self.branch, self.nodes
+        if not (1 <= d <= 16 and 1 <= m <= c and 1 <= n <= MAX_TREE_NODES):
+            raise ValueError(f"a draft tree needs 1 <= depth <= 16, 1 <= frontier <= branch and 1 <= nodes <= "
+                             f"{MAX_TREE_NODES}; got {self}")
+        if n > c + (d - 1) * m * c or d > n:
+            raise ValueError(f"a tree of depth {d}, frontier {m} and branch {c} cannot have {n} nodes")
+        if m * (d - 1) > n:  # the head's tree slots stay within the verify window the scheduler reserves
+            raise ValueError(f"frontier x (depth - 1) = {m * (d - 1)} must not exceed nodes ({n})")
+
+    @staticmethod
+    def parse(text: str) -> TreeShape:
+        """'depth,frontier,branch,nodes', e.g. '6,6,6,31'."""
+        try:
+            d, m, c, n = (int(x) for x in text.split(","))
+        except ValueError as exc:
+            raise ValueError(f"a draft tree is 'depth,frontier,branch,nodes' (e.g. 6,6,6,31), not {text!r}") from exc
+        return TreeShape(d, m, c, n)
+
+    def __str__(self) -> str:
+        return f"{self.depth},{self.frontier},{self.branch},{self.nodes}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,10 +55,20 @@ class SpecConfig:
     ngram_min: int = 1
     synthetic_acceptance: float = 0.8  # only for the labelled synthetic proposer
     policy: Literal["adaptive", "fixed"] = "fixed"  # adaptive: k per request and step from measured costs
+    # An EAGLE head drafts a tree of this shape per step instead of a chain (`num_tokens` is then its
+    # node count: the drafts a step verifies).
+    tree: TreeShape | None = None
 
     def __post_init__(self) -> None:
-        if self.method is not None and not 1 <= self.num_tokens <= 16:
+        if self.tree is not None and self.method != "eagle":
+            raise ValueError("draft trees are grown by an EAGLE head: use speculative_method='eagle'")
+        if self.tree is not None and self.policy != "fixed":
+            raise ValueError("draft trees are verified whole each step: use speculation_policy='fixed'")
+        if self.method is not None and not 1 <= self.num_tokens <= 16 and self.tree is None:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if self.tree is not None and self.num_tokens != self.tree.nodes:
+            raise ValueError(f"a draft tree of {self.tree.nodes} nodes verifies {self.tree.nodes} drafts a step, "
+                             f"not num_speculative_tokens={self.num_tokens}")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative_method='draft' needs a draft_model")
         if not 0.0 <= self.draft_greedy_threshold <= 100.0:
@@ -44,6 +90,9 @@ class SchedulerConfig:
     # Tokens of KV held past a speculative step's own reservation, for the step the worker queues
     # behind it before reading it (lookahead.py: an EAGLE head's verify and chain); 0 when it does not.
     lookahead: int = 0
+    # Positions past the pending token that drafting writes whatever k is (an EAGLE head's draft-tree
+    # window, spec/eagle_tree.py); 0 when drafting writes only the k drafts' own.
+    draft_window: int = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamsd.config import EngineConfig, SpecConfig
+from streamsd.config import EngineConfig, SpecConfig, TreeShape
 from streamsd.core import EngineCore, RequestOutput
 from streamsd.detokenizer import TokenInfo
 from streamsd.request import SamplingParams, SpecStats
@@ -51,12 +51,16 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         speculation_policy: str = "fixed",
         pipeline: bool | None = None,
+        speculative_tree: str | TreeShape | None = None,
     ):
         if speculative_method is None and draft_model is not None:
             speculative_method = "draft"
+        tree = TreeShape.parse(speculative_tree) if isinstance(speculative_tree, str) else speculative_tree
+        if tree is not None:
+            num_speculative_tokens = tree.nodes  # a tree verifies all its nodes
         spec = SpecConfig(method=speculative_method, num_tokens=num_speculative_tokens,  # type: ignore[arg-type]
                           draft_model=draft_model, draft_greedy_threshold=draft_greedy_threshold,
-                          policy=speculation_policy)  # type: ignore[arg-type]
+                          policy=speculation_policy, tree=tree)  # type: ignore[arg-type]
         cfg = EngineConfig(model=model, spec=spec, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_queue=1 << 40, pipeline=pipeline)  # offline: every prompt waits its turn

@@ -157,6 +157,9 @@ class Request:
     draft_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)
+    # A draft tree's shape (spec/tree.py): each draft's parent index, ROOT (-1) under the pending
+    # token; empty for a chain.
+    draft_parents: list[int] = field(default_factory=list)
     q_slot: int | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -158,14 +158,18 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     max_len = min(cfg.max_model_len or args.max_position, args.max_position, num_blocks * BLOCK_SIZE)
     if draft is not None:
         max_len = min(max_len, draft.args.max_position)
-    q_slots = cfg.max_num_seqs if draft is not None or head is not None else 0
+    tree = cfg.spec.tree
+    # A tree's drafts are one-hot whatever the temperature (tree_verify.py): no dense q to keep.
+    q_slots = cfg.max_num_seqs if (draft is not None or head is not None) and tree is None else 0
     # One row more than the scheduler hands out: graph-captured drafting writes the q of its greedy and
     # padding rows there (spec/eagle_graphs.py).
     # A verify queued ahead (lookahead.py) drafts into each request's second half of the pool, so that
     # dropping it leaves the q the next verify reads intact: two rows a slot then.
-    queues_ahead = head is not None and (device.type == "cuda" if cfg.pipeline is None else cfg.pipeline)
+    queues_ahead = head is not None and tree is None and (device.type == "cuda" if cfg.pipeline is None else cfg.pipeline)
     halves = 2 if queues_ahead else 1
     q_pool = torch.zeros(halves * q_slots + 1, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
+    if tree is not None:
+        q_pool = torch.zeros(1, 1, args.vocab_size, device=device)  # the proposer's q rows nobody reads
     proposer: Proposer | None = None
     if draft is not None and q_pool is not None:
         proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
@@ -174,6 +178,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         store = StreamStore(head.input_layers, args.hidden_size, (num_blocks + 1) * BLOCK_SIZE, dtype, device)
         proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
                                  q_pool, store, depth_steps)
+        proposer.tree = tree
     elif cfg.spec.method == "ngram":
         proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)
     elif cfg.spec.method is not None:
@@ -185,8 +190,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         max_num_batched_tokens=max(cfg.max_num_batched_tokens, 2 * (cfg.spec.num_tokens + 1)),
         max_queue=cfg.max_queue,
         lookahead=cfg.spec.num_tokens + 1 if queues_ahead else 0,
+        draft_window=tree.frontier * (tree.depth - 1) if tree is not None else 0,
     )
-    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline)
+    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree)
     worker.lookahead.chained = queues_ahead
     if device.type == "cuda":
         from streamsd.model.graphs import setup_cuda
@@ -204,7 +210,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB; "
              "speculation: %s", path, device, dtype, seconds, num_blocks, max_len, q_slots, cfg.spec.num_tokens,
              args.vocab_size, q_bytes / 2**20,
-             f"{cfg.spec.method}, k <= {cfg.spec.num_tokens}, {cfg.spec.policy}" if cfg.spec.enabled else "none")
+             f"{cfg.spec.method}, k <= {cfg.spec.num_tokens}, {cfg.spec.policy}"
+             + (f", trees {cfg.spec.tree}" if cfg.spec.tree else "") if cfg.spec.enabled else "none")
     # Everything loaded so far (modules, the tokenizer's vocabulary, graphs) lives as long as the
     # process: frozen, a full collection no longer walks it, which made it a step-sized pause.
     gc.collect()

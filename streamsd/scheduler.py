@@ -72,7 +72,7 @@ class Scheduler:
                 f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) = {need} exceeds "
                 f"the context window of {self.cfg.max_model_len} tokens"
             )
-        if self._blocks_for(need + r.spec_k + 1 + self.cfg.lookahead) > self.blocks.total:
+        if self._blocks_for(need + max(r.spec_k, self.cfg.draft_window) + 1 + self.cfg.lookahead) > self.blocks.total:
             raise AdmissionError(f"the request needs {need} tokens of KV cache, more than the pool holds")
         if len(self.waiting) >= self.cfg.max_queue:
             raise QueueFullError("the waiting queue is full; retry later")
@@ -185,6 +185,8 @@ class Scheduler:
         pending = r.num_tokens - r.computed
         drafts = min(len(r.draft_ids), verify_k, max(r.remaining_tokens - 1, 0))
         k_next = max(min(k, r.remaining_tokens - 2, self.cfg.max_model_len - r.num_tokens - drafts - 1), 0)
+        if k_next and r.num_tokens + drafts + self.cfg.draft_window > self.cfg.max_model_len:
+            k_next = 0  # the drafter's window would pass the end of the context
         if pending + drafts <= budget:
             return Scheduled(r, r.computed, pending, drafts, k_next)
         chunk = min(pending - 1, budget)  # leave the last token so its drafts are verified with it
@@ -199,7 +201,8 @@ class Scheduler:
     def _reserve(self, r: Request, e: Scheduled) -> bool:
         end = e.start + e.num_tokens + e.num_drafts
         if e.verifies:
-            end += 1 + e.k_next  # the next drafts are written by the draft model in this step
+            # the next drafts are written by the draft model in this step (or a head's tree window)
+            end += 1 + (max(e.k_next, self.cfg.draft_window) if e.k_next else 0)
             if e.k_next:
                 end += self.cfg.lookahead  # and the step queued behind this one writes further
         need = self._blocks_for(min(end, self.cfg.max_model_len + 1)) - len(r.blocks)
@@ -234,6 +237,7 @@ class Scheduler:
             r.computed = e.start + e.num_tokens + res.num_accepted
             r.draft_computed = res.draft_computed
             r.draft_ids = list(res.draft_ids)
+            r.draft_parents = list(res.draft_parents)
             kept = self._append(r, res.new_tokens)
             # Drafts accepted past a stop are not emitted: count only what the client receives.
             r.stats.record(e.num_drafts, min(res.num_accepted, len(kept)), len(kept))
@@ -278,6 +282,7 @@ class Scheduler:
             self.q_slots_free.append(r.q_slot % self.q_slots_total)  # the worker may have moved it to its pair
             r.q_slot = None
         r.draft_ids = []
+        r.draft_parents = []
         r.status = Status.FINISHED
         r.finish_reason = r.finish_reason or reason
 

@@ -74,4 +74,5 @@ class EntryResult:
     draft_computed: int
     draft_flags: list[bool] = field(default_factory=list)  # per new token: was it an accepted draft
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    draft_parents: list[int] = field(default_factory=list)  # the proposed drafts' tree (empty: a chain)
 

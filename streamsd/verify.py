@@ -135,7 +135,7 @@ class Verifier:
             draft_ids = ints[at:].view(b, k)  # [B, K]
         probs = None
         if rows is not None and not all(r.params.greedy for r in reqs):
-            probs = warp(rows.view(-1, self.vocab), self._warp_params(reqs), reps=k + 1).view(b, k + 1, -1)  # [B, K+1, V]
+            probs = warp(rows.view(-1, self.vocab), self.warp_params(reqs), reps=k + 1).view(b, k + 1, -1)  # [B, K+1, V]
         q = None
         if any(dense) and self.q_pool is not None:
             q = self.q_pool[q_slots, :k]  # [B, K, V]
@@ -185,9 +185,9 @@ class Verifier:
             return row_argmax(logits)  # [B]
         ints = h2d([[r.params.greedy for r in reqs], [r.seed for r in reqs], [r.num_tokens + ahead for r in reqs]],
                    torch.int64, self.device)  # [3, B]: greedy, seeds, positions
-        return sample_keyed(logits, self._warp_params(reqs), ints)  # [B]
+        return sample_keyed(logits, self.warp_params(reqs), ints)  # [B]
 
-    def _warp_params(self, reqs: list[Request]) -> WarpParams:
+    def warp_params(self, reqs: list[Request]) -> WarpParams:
         """The batch's warp parameters on the device, built once per set of parameters: a batch keeps
         its requests for many steps, and building them is several launches and a copy."""
         key = tuple((r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p) for r in reqs)

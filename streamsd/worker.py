@@ -17,6 +17,7 @@ import threading
 import torch
 
 from streamsd import pipelined
+from streamsd.config import TreeShape
 from streamsd.lookahead import Lookahead, Readback
 from streamsd.model.graphs import GraphRunner
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
@@ -25,13 +26,16 @@ from streamsd.model.stream_store import StreamStore, keep_streams
 from streamsd.request import Request
 from streamsd.spec.base import ProposeItem, Proposer
 from streamsd.step import EntryResult, Scheduled, StepPlan
+from streamsd.tree_verify import entry_tree, verify_trees
 from streamsd.verify import Chain, Verified, Verifier
 
 
 class Worker:
     def __init__(self, target: Transformer, cache: PagedKVCache, proposer: Proposer | None,
-                 q_pool: torch.Tensor | None, device: torch.device, pipeline: bool | None = None):
+                 q_pool: torch.Tensor | None, device: torch.device, pipeline: bool | None = None,
+                 tree: TreeShape | None = None):
         self.target = target
+        self.tree = tree  # drafts are trees of this shape (an EAGLE head's): verified by tree_verify.py
         self.cache = cache
         self.proposer = proposer
         self.device = device
@@ -58,6 +62,9 @@ class Worker:
             streams_kept = self.store is not None or not getattr(self.proposer, "hidden_layers", ())
             if Lookahead.serves(plan.entries) and streams_kept:
                 return pipelined.plain_step(self, plan.entries, plan.queue_next)
+            if self.tree is not None:
+                self.lookahead.drop()
+                return self._tree_step(plan.entries)
             if ((Lookahead.chains(plan.entries) or self.lookahead.follows(plan.entries))
                     and hasattr(self.proposer, "chain")):
                 return pipelined.chained_step(self, plan.entries, plan.queue_next)
@@ -71,6 +78,15 @@ class Worker:
         logits, hidden = self._forward(entries)  # [rows, V], [tokens, layers * hidden] | None
         verified = self.verifier.verify([e for e in entries if e.verifies], logits, self._chain(entries, hidden),
                                         self._graph_verified(entries, logits))
+        return self._propose(entries, verified)
+
+    def _tree_step(self, entries: list[Scheduled]) -> list[EntryResult]:
+        """A step whose drafts are trees: a tree-masked forward, the walk, then the next trees."""
+        assert self.tree is not None
+        trees = [entry_tree(e) for e in entries]
+        logits, _ = self._forward(entries, trees if any(trees) else None)
+        verified = verify_trees(self.verifier, [e for e in entries if e.verifies], logits, self.cache, self.store,
+                                self.tree.depth)
         return self._propose(entries, verified)
 
     def _graph_verified(self, entries: list[Scheduled], logits: torch.Tensor
@@ -87,7 +103,7 @@ class Worker:
         both): when every entry verifies its last token and its drafts, so the head catches up on all
         of each one's rows (spec/eagle_graphs.py says why that is safe)."""
         chain = getattr(self.proposer, "chain", None)
-        if chain is None or not entries or (hidden is None and getattr(self.proposer, "hidden_layers", ())):
+        if chain is None or self.tree is not None or not entries or (hidden is None and getattr(self.proposer, "hidden_layers", ())):
             return None
         if not any(e.num_drafts for e in entries) or any(not e.verifies or e.num_tokens != 1 for e in entries):
             return None  # a plain step (the verifier samples, no rejection) or prompt chunks: propose after
@@ -98,7 +114,9 @@ class Worker:
         return lambda tokens, accepted: chain(reqs, starts, counts, ks, tokens, accepted, hidden)
 
     # -- target forward -------------------------------------------------------------------------
-    def _forward(self, entries: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, entries: list[Scheduled], trees: list[tuple[list[int], list[int]] | None] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """trees: per entry, its draft tree's window (tree_verify.entry_tree), when the step verifies trees."""
         ids: list[int] = []
         rows: list[int] = []
         starts, counts, tables = [], [], []
@@ -116,12 +134,12 @@ class Worker:
         layers = tuple(getattr(self.proposer, "hidden_layers", ()))
         # A graph serves the step only if it captures exactly these streams (none, or the head's).
         fits = self.graphs is not None and self.graphs.hidden_layers == layers
-        key = self.graphs.key_for(counts, tables) if self.graphs is not None and fits else None
+        key = self.graphs.key_for(counts, tables) if self.graphs is not None and fits and trees is None else None
         if self.graphs is not None and key is not None:
             if not layers:
                 return self.graphs.run(key, ids, starts, counts, tables, rows), None
             return self.graphs.run_hidden(key, ids, starts, counts, tables, rows)  # views: read before the next replay
-        layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device)
+        layout = BatchLayout.build(starts, counts, tables, self.cache.block_size, self.device, trees)
         out = self.target(h2d(ids, torch.int64, self.device), layout, self.cache,
                           h2d(rows, torch.int64, self.device), hidden_layers=layers,
                           hidden_rows=torch.arange(len(ids), device=self.device) if layers else None)
@@ -169,6 +187,7 @@ class Worker:
             res.draft_computed = proposal.draft_computed
             if entries[owner].verifies:
                 res.draft_ids = proposal.draft_ids
+                res.draft_parents = proposal.draft_parents
         return results
 
 

@@ -145,6 +145,34 @@ def test_prompt_chunks_and_verify_windows_in_one_step_match_reference(dtype, cas
     assert _rel(pa.cuda_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
 
 
+TREE_CASES = [  # per sequence: (tokens before the window, cached before them, tree parents or None), kv, heads, dim
+    ([(0, 40, [-1, -1, 0, 0, 1, 2, 4]), (0, 7, None), (0, 100, [-1] * 3)], 2, 8, 32),
+    ([(0, 17, [-1, -1, -1, 0, 1, 2, 3, 3, 4, 5, 6, 7, 8] + [0] * 10 + [-1] * 8)], 3, 9, 64),  # a 31-node tree
+    ([(5, 20, [-1, 0, -1]), (30, 0, None), (0, 3, [-1])], 1, 4, 16),  # a recomputed request before its window
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(TREE_CASES)))
+@pytest.mark.parametrize("splits", [1, 4])
+def test_tree_windows_match_reference(dtype, case, splits):
+    """Draft-tree windows (spec/tree.py) beside causal queries in one step, through cuda_attention: each
+    window row sees the context and its own path, rows before a window attend causally."""
+    from streamsd.tree_verify import host_tree
+
+    seqs, kvh, heads, dim = TREE_CASES[case]
+    counts = [pre + (1 + len(p) if p is not None else 1) for pre, _, p in seqs]
+    q, kc, vc, base = _random_batch(counts, [c for _, c, _ in seqs], kvh, heads, dim, dtype, 40 + case)
+    trees = [host_tree(p) if p is not None else None for _, _, p in seqs]
+    layout = BatchLayout.build([c for _, c, _ in seqs], counts, base.block_tables, 16, DEV, trees)
+    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
+    out = torch.full_like(q, float("nan"))
+    pa.paged_attention(q, kc, vc, layout.block_table, layout.context_lens_t, layout.query_starts_t, dim**-0.5,
+                       max(counts), out=out, splits=splits, tree_bits=layout.tree_bits, tree_start=layout.tree_start)
+    assert _rel(out, ref) < TOL[dtype]
+    assert _rel(pa.cuda_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
+
+
 def test_prefill_tiles_cover_each_long_query_once():
     tiles = prefill_tiles([0, 40, 43], [40, 3, 20], [40, 53, 53], 16, 16)
     assert tiles == [(0, 0, 16, 0), (0, 16, 16, 16), (0, 32, 8, 32), (2, 43, 16, 33), (2, 59, 4, 49)]

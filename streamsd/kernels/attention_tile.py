@@ -2,7 +2,10 @@
 
 Both kernels hold a [BLOCK_M, D] tile of queries (tokens x the GROUP heads of one kv head) and
 walk the keys through the block table a tile at a time; they differ only in how they pick the
-query rows and which key tiles they visit. Keys past `end` or after a row's own position are masked.
+query rows and which key tiles they visit. Keys past `end` or after a row's own position are masked;
+with TREE, a row in the draft-tree window of its sequence (which starts at `win` >= 0) sees every key
+before the window and the window keys its `bits` set (bit c: position win + c), see spec/tree.py;
+rows before the window attend causally.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import triton.language as tl
 
 @triton.jit
 def attend_tile(q, qpos, m, l_sum, acc, kpos, end, bt_row_ptr, k_ptr, v_ptr, kvh,
-                sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, d, scale_log2, PAGE: tl.constexpr, IEEE: tl.constexpr):
+                sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, d, scale_log2, PAGE: tl.constexpr, IEEE: tl.constexpr,
+                bits, win, TREE: tl.constexpr):
     """q [BLOCK_M, D], qpos [BLOCK_M], running (m, l_sum [BLOCK_M], acc [BLOCK_M, D]) over the keys at
     kpos [N] (< end are live) -> the updated (m, l_sum, acc), in log2 units."""
     kv_ok = kpos < end
@@ -28,7 +32,13 @@ def attend_tile(q, qpos, m, l_sum, acc, kpos, end, bt_row_ptr, k_ptr, v_ptr, kvh
     else:
         s = tl.dot(q, tl.trans(k))
     s = s * scale_log2  # [BLOCK_M, N]
-    s = tl.where((kpos[None, :] <= qpos[:, None]) & kv_ok[None, :], s, float("-inf"))
+    seen = kpos[None, :] <= qpos[:, None]  # [BLOCK_M, N]
+    if TREE:
+        rel = kpos[None, :] - win  # [1, N]
+        shift = tl.where(rel > 0, rel, 0).to(tl.int64)
+        in_tree = ((bits[:, None] >> shift) & 1) != 0  # [BLOCK_M, N]
+        seen = tl.where((win >= 0) & (qpos[:, None] >= win), (rel < 0) | in_tree, seen)
+    s = tl.where(seen & kv_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])

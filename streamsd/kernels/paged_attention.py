@@ -26,6 +26,7 @@ from streamsd.kernels.prefill_attention import prefill_attention, prefill_tiles,
 from streamsd.model.kv_cache import BatchLayout
 
 KERNEL_MAX_QUERY = 16  # longest query (1 + k) the kernel takes; longer ones are prefill_attention's
+TREE_MAX_QUERY = 64  # ... in a step that verifies draft trees (a root and up to 62 nodes per window)
 TILE_TOKENS = 64  # keys per inner iteration (4 pages of 16)
 LOG2E = 1.4426950408889634
 
@@ -34,10 +35,10 @@ LOG2E = 1.4426950408889634
 @triton.jit(do_not_specialize=["s_bt"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    bt_ptr, ctx_ptr, qs_ptr, scale_log2,
+    bt_ptr, ctx_ptr, qs_ptr, tb_ptr, tw_ptr, scale_log2,
     sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, s_bt,
     GROUP: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, TREE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -54,6 +55,11 @@ def _paged_attn_kernel(
     q = tl.load(q_ptr + (q0 + tok)[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
     qpos = ctx - qlen + tok  # [BLOCK_M]
+    bits = tl.zeros([BLOCK_M], tl.int64)
+    win = -1
+    if TREE:  # draft-tree windows: each row's visible window keys (spec/tree.py)
+        bits = tl.load(tb_ptr + q0 + tok, mask=row_ok, other=0)
+        win = tl.load(tw_ptr + seq)
     n_tiles = tl.cdiv(ctx, TILE)
     per_split = tl.cdiv(n_tiles, SPLITS)
     t_lo = split * per_split
@@ -65,7 +71,7 @@ def _paged_attn_kernel(
     offs = tl.arange(0, TILE)
     for t in range(t_lo, t_hi):
         m, l_sum, acc = attend_tile(q, qpos, m, l_sum, acc, t * TILE + offs, ctx, bt_ptr + seq * s_bt, k_ptr, v_ptr,
-                                    kvh, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, d, scale_log2, PAGE, IEEE)
+                                    kvh, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, d, scale_log2, PAGE, IEEE, bits, win, TREE)
     if SPLITS == 1:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + (q0 + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :],
@@ -130,13 +136,17 @@ def paged_attention(
     max_query: int,
     out: torch.Tensor | None = None,  # [T, H, D]; rows of skipped (long) sequences are left as they are
     splits: int | None = None,
+    tree_bits: torch.Tensor | None = None,  # [T] int64 (kv_cache.BatchLayout.tree_bits)
+    tree_start: torch.Tensor | None = None,  # [S] int64
 ) -> torch.Tensor:
-    """Attention of every sequence whose query length <= max_query (<= 16); returns out [T, H, D]."""
+    """Attention of every sequence whose query length <= max_query (<= 16, or with draft trees <= 64);
+    returns out [T, H, D]."""
     t, heads, dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
     group = heads // kv_heads
-    qmax = triton.next_power_of_2(max(1, min(max_query, KERNEL_MAX_QUERY)))
+    tree = tree_bits is not None and tree_start is not None
+    qmax = triton.next_power_of_2(max(1, min(max_query, TREE_MAX_QUERY if tree else KERNEL_MAX_QUERY)))
     block_m = max(16, triton.next_power_of_2(qmax * group))
     out = torch.empty_like(q) if out is None else out
     if splits is None:
@@ -149,10 +159,11 @@ def paged_attention(
         part_acc = part_ml = out  # unused
     meta = dict(GROUP=group, QMAX=qmax, BLOCK_M=block_m, HEAD_DIM=dim)
     _paged_attn_kernel[(num_seqs, kv_heads, splits)](
-        q, k_cache, v_cache, out, part_acc, part_ml, block_table, context_lens, query_starts, scale * LOG2E,
+        q, k_cache, v_cache, out, part_acc, part_ml, block_table, context_lens, query_starts,
+        tree_bits if tree else context_lens, tree_start if tree else context_lens, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
-        PAGE=page, TILE=TILE_TOKENS, SPLITS=splits, IEEE=q.dtype == torch.float32, **meta,
+        PAGE=page, TILE=TILE_TOKENS, SPLITS=splits, IEEE=q.dtype == torch.float32, TREE=tree, **meta,
         num_warps=4, num_stages=2,
     )
     if splits > 1:
@@ -174,18 +185,19 @@ def cuda_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = torch.empty_like(q)  # [T, H, D]
     key = ("cuda_attention", q.shape[1], k_cache.shape[2])  # the tiles depend on the GQA group
     route = layout.derived.get(key)
+    limit = TREE_MAX_QUERY if layout.has_trees else KERNEL_MAX_QUERY
     if route is None:
-        short = [n for n in layout.query_lens if 0 < n <= KERNEL_MAX_QUERY]
+        short = [n for n in layout.query_lens if 0 < n <= limit]
         tiles = None
         if len(short) < len(layout.query_lens):
             tiles = tiles_tensor(prefill_tiles(layout.query_starts, layout.query_lens, layout.context_lens,
-                                               KERNEL_MAX_QUERY, tokens_per_tile(q.shape[1], k_cache.shape[2])),
+                                               limit, tokens_per_tile(q.shape[1], k_cache.shape[2])),
                                  q.device)
         route = layout.derived[key] = (max(short, default=0), tiles)
     longest_short, tiles = route
     if longest_short:
         paged_attention(q, k_cache, v_cache, layout.block_table, layout.context_lens_t, layout.query_starts_t,
-                        scale, longest_short, out=out)
+                        scale, longest_short, out=out, tree_bits=layout.tree_bits, tree_start=layout.tree_start)
     if tiles is not None:
         prefill_attention(q, k_cache, v_cache, layout.block_table, tiles, scale, out)
     return out

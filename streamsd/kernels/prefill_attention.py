@@ -57,7 +57,7 @@ def _prefill_attn_kernel(
     offs = tl.arange(0, TILE_N)
     for start in range(0, end, TILE_N):
         m, l_sum, acc = attend_tile(q, qpos, m, l_sum, acc, start + offs, end, bt_ptr + seq * s_bt, k_ptr, v_ptr, kvh,
-                                    sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, d, scale_log2, PAGE, IEEE)
+                                    sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, d, scale_log2, PAGE, IEEE, qpos, -1, False)
     out = acc / l_sum[:, None]
     tl.store(out_ptr + (row0 + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

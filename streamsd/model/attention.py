@@ -27,7 +27,7 @@ def paged_attention_reference(
         k = k_cache.index_select(0, blocks).reshape(-1, kvh, dim)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
         v = v_cache.index_select(0, blocks).reshape(-1, kvh, dim)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
         qs = q[start : start + qlen].transpose(0, 1)  # [H, qlen, D]
-        if qlen == ctx:
+        if qlen == ctx and mask is None:
             o = F.scaled_dot_product_attention(qs, k.to(qs.dtype), v.to(qs.dtype), is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
@@ -42,22 +42,44 @@ def _per_sequence(layout: BatchLayout, block_size: int, group: int,
     step and read by every layer: built per call they were 960 small tensors a step at 32 requests on
     this CPU, and the masks 5 ms of a 180 ms verify step. A mask is [G*qlen, ctx] bool: query i of a
     window of qlen at the end of ctx sees positions <= ctx - qlen + i, stacked for the G query heads of
-    a kv head (None for one query: no mask, SDPA's fused path). Sequences of one shape share it."""
+    a kv head (None for one query: no mask, SDPA's fused path). Sequences of one shape share it.
+    A sequence verifying a draft tree gets its own mask from its tokens' window bits."""
     key = ("reference", block_size, group)
     cached = layout.derived.get(key)
     if cached is None:
         masks: dict[tuple[int, int], torch.Tensor] = {}
         cached = layout.derived[key] = []
-        for table, qlen, ctx in zip(layout.block_tables, layout.query_lens, layout.context_lens, strict=True):
+        trees = _tree_masks(layout, device) if layout.tree_bits is not None else {}
+        for s, (table, qlen, ctx) in enumerate(zip(layout.block_tables, layout.query_lens, layout.context_lens,
+                                                    strict=True)):
             blocks = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.int64, device=device)
             mask = None
-            if 1 < qlen < ctx:
+            if s in trees:
+                mask = trees[s].repeat(group, 1)
+            elif 1 < qlen < ctx:
                 mask = masks.get((ctx, qlen))
                 if mask is None:
                     q_pos = torch.arange(ctx - qlen, ctx, device=device).unsqueeze(-1)  # [qlen, 1]
                     mask = masks[(ctx, qlen)] = (torch.arange(ctx, device=device).unsqueeze(0) <= q_pos).repeat(group, 1)
             cached.append((blocks, mask))
     return cached
+
+
+def _tree_masks(layout: BatchLayout, device: torch.device) -> dict[int, torch.Tensor]:
+    """[qlen, ctx] bool masks of the sequences with a tree window (kv_cache.BatchLayout.tree_bits)."""
+    assert layout.tree_bits is not None and layout.tree_start is not None
+    bits, starts = layout.tree_bits.cpu(), layout.tree_start.tolist()
+    out = {}
+    for s, (q0, qlen, ctx, win) in enumerate(zip(layout.query_starts, layout.query_lens, layout.context_lens, starts,
+                                                  strict=True)):
+        if win < 0 or qlen == 0:
+            continue
+        keys = torch.arange(ctx)  # [ctx]
+        offset = (keys - win).clamp(min=0, max=62)  # [ctx]
+        seen = (bits[q0 : q0 + qlen].unsqueeze(1) >> offset) & 1  # [qlen, ctx]
+        qpos = torch.arange(ctx - qlen, ctx).unsqueeze(1)  # [qlen, 1]: rows before the window are causal
+        out[s] = torch.where(qpos >= win, (keys < win) | (seen == 1), keys <= qpos).to(device)
+    return out
 
 
 def _attend_grouped(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

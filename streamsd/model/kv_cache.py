@@ -46,23 +46,36 @@ class BatchLayout:
     block_table: torch.Tensor  # [S, max_blocks] int32, padded with 0
     context_lens_t: torch.Tensor  # [S] int32
     query_starts_t: torch.Tensor  # [S + 1] int32, prefix sums of query_lens
+    # Draft trees (spec/tree.py): token t in the window of a sequence whose window starts at position
+    # tree_start[s] >= 0 sees the keys before the window and the window keys whose bits tree_bits[t]
+    # sets (bit c: position tree_start + c); other tokens and sequences (tree_start -1) attend causally.
+    tree_bits: torch.Tensor | None = None  # [T] int64
+    tree_start: torch.Tensor | None = None  # [S] int64
     # What an attention backend derives from the step once and every layer reuses (e.g. the CUDA
     # backend's routing and prompt tiles), keyed by the backend.
     derived: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(
-        starts: list[int], counts: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+        starts: list[int], counts: list[int], block_tables: list[list[int]], block_size: int, device: torch.device,
+        trees: list[tuple[list[int], list[int]] | None] | None = None,
     ) -> BatchLayout:
-        """starts[i]: first position this step computes for sequence i; counts[i]: how many."""
+        """starts[i]: first position this step computes for sequence i; counts[i]: how many.
+        trees[i]: (depth, bits) of its last len(depth) tokens, its draft tree's window, when sequence
+        i verifies one: window row j goes to KV slot w + j, sits at position w + depth[j] and sees
+        the keys before w and the window keys bits[j] sets (w: the window's first position)."""
         positions: list[int] = []
         slots: list[int] = []
         q_starts: list[int] = []
-        for start, count, table in zip(starts, counts, block_tables, strict=True):
+        bits: list[int] = []
+        for i, (start, count, table) in enumerate(zip(starts, counts, block_tables, strict=True)):
             q_starts.append(len(positions))
-            for pos in range(start, start + count):
-                positions.append(pos)
+            tree = trees[i] if trees is not None else None
+            pre = count - len(tree[0]) if tree is not None else count  # tokens before the window
+            for j, pos in enumerate(range(start, start + count)):
+                positions.append(pos if tree is None or j < pre else start + pre + tree[0][j - pre])
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
+                bits.append(0 if tree is None or j < pre else tree[1][j - pre])
         width = max((len(t) for t in block_tables), default=1) or 1
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         ctx = [s + c for s, c in zip(starts, counts, strict=True)]
@@ -76,7 +89,15 @@ class BatchLayout:
             block_table=h2d(padded, torch.int32, device),
             context_lens_t=h2d(ctx, torch.int32, device),
             query_starts_t=h2d(q_starts + [len(positions)], torch.int32, device),
+            tree_bits=h2d(bits, torch.int64, device) if trees is not None else None,
+            tree_start=h2d([s + c - len(t[0]) if t is not None else -1 for s, c, t in zip(starts, counts, trees,
+                                                                                              strict=True)],
+                           torch.int64, device) if trees is not None else None,
         )
+
+    @property
+    def has_trees(self) -> bool:
+        return self.tree_bits is not None
 
 
 class PagedKVCache:
@@ -96,6 +117,12 @@ class PagedKVCache:
         """k, v [T, KVH, D] into the flat slots [T]."""
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K and V at flat slots src [M] copied to dst [M] (all read before any is
+        written): a verified tree's accepted nodes to their positions (spec/tree.py)."""
+        flat = self.data.view(*self.data.shape[:2], -1, *self.data.shape[-2:])  # [L, 2, slots, KVH, D]
+        flat[:, :, dst] = flat[:, :, src]
 
     @staticmethod
     def bytes_for(args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:

@@ -8,7 +8,7 @@ the request's `greedy_draft` flag.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from streamsd.request import Request
@@ -27,6 +27,7 @@ class ProposeItem:
 class Proposal:
     draft_ids: list[int]
     draft_computed: int
+    draft_parents: list[int] = field(default_factory=list)  # a draft tree's parents (spec/tree.py); [] a chain
 
 
 class Proposer(Protocol):

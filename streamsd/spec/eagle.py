@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from streamsd.config import TreeShape
 from streamsd.lookahead import pair_slot
 from streamsd.model.attention import paged_attention_reference
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
@@ -33,6 +34,7 @@ from streamsd.spec.base import Proposal, ProposeItem
 from streamsd.spec.drafting import DraftPicker
 from streamsd.spec.eagle_graphs import GREEDY, SAMPLED, SORTED, DraftRow, EagleGraphs
 from streamsd.spec.eagle_head import EagleHead, HeadAttention
+from streamsd.spec.eagle_tree import grow
 
 if TYPE_CHECKING:
     from streamsd.spec.eagle_fast import FastHead
@@ -58,6 +60,7 @@ class EagleProposer:
         self.hidden_layers: tuple[int, ...] = head.input_layers
         self.graphs: EagleGraphs | None = None
         self.fast: FastHead | None = None
+        self.tree: TreeShape | None = None  # draft trees of this shape instead of chains (spec/eagle_tree.py)
 
     @property
     def _fits_kernels(self) -> bool:
@@ -145,7 +148,7 @@ class EagleProposer:
         # Draft only from a fully caught-up slot (a prefill chunk may stop short of the prompt's end).
         wants = [it.k if it.k > 0 and s + n == it.upto else 0 for _, it, s, n in work]
         key = rows = None
-        if self.graphs is not None:
+        if self.graphs is not None and self.tree is None:
             sampling = any(k and not it.request.greedy_draft for (_, it, _, _), k in zip(work, wants, strict=True))
             rows = [self._draw(it.request, k) for (_, it, _, _), k in zip(work, wants, strict=True)] \
                 if sampling else None
@@ -168,11 +171,31 @@ class EagleProposer:
         ends = list(itertools.accumulate(counts))
         last = h2d([ends[w] - 1 for w in drafting], torch.int64, self.device)  # [Bd] last row of each drafting item
         draft_items = [work[w][1] for w in drafting]
+        if self.tree is not None:
+            tokens, parents = self._grow(draft_items, out.index_select(0, last))  # [Bd, N] each
+            for row, w in enumerate(drafting):
+                i, it, _, _ = work[w]
+                results[i] = Proposal(tokens[row][: it.k], it.upto, parents[row][: it.k])
+            return results
         host = self._draft_loop(draft_items, out.index_select(0, last)).tolist()  # [Bd, K]
         for row, w in enumerate(drafting):
             i, it, _, _ = work[w]
             results[i] = Proposal(host[row][: it.k], it.upto)
         return results
+
+    def _grow(self, items: list[ProposeItem], h0: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+        """h0 [Bd, H]: the head's output at each item's last caught-up slot -> each one's tree, best
+        first (tokens, parents), eagerly."""
+        assert self.tree is not None
+        pending = [it.upto for it in items]
+        tables = [it.request.blocks for it in items]
+        width = max(len(t) for t in tables)
+        table = h2d([t + [0] * (width - len(t)) for t in tables], torch.int64, self.device)  # [Bd, W]
+        tokens, parents = grow(self.head, self._run, h0, h2d(pending, torch.int64, self.device), table,
+                               self.cache.block_size, self.tree, host=(pending, tables))
+        host = torch.cat([tokens, parents], dim=1).tolist()
+        n = tokens.shape[1]
+        return [h[:n] for h in host], [h[n:] for h in host]
 
     def _catch_up_long(self, work: list[tuple[int, ProposeItem, int, int]], results: list[Proposal]
                        ) -> list[tuple[int, ProposeItem, int, int]]:

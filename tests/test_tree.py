@@ -1,0 +1,290 @@
+"""Draft trees (spec/tree.py, spec/eagle_tree.py, tree_verify.py): the walk, the masks, the head's
+growth, and the engine's exactness with trees on tiny random targets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from test_eagle import _train_head
+from test_engine import MAX_TOKENS, PROMPTS, _assert_free, _target_next_token_probs, greedy_params, hf_greedy
+
+from streamsd import LLM, SamplingParams
+from streamsd.config import SpecConfig, TreeShape
+from streamsd.model.attention import paged_attention_reference
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.runtime import load_model
+from streamsd.sampling import rng
+from streamsd.sampling.sampler import sample_keyed
+from streamsd.sampling.warp import WarpParams
+from streamsd.spec.tree import NONE, ROOT, ancestor_bits, depths, path_moves, select, walk, window_bits
+from streamsd.tree_verify import host_tree
+
+CPU = torch.device("cpu")
+# A tree over nodes 0..5: the root's children 0 (token 5) and 1 (7); 0's children 2 (9) and 3 (4);
+# 2's child 4 (1); node 5 is padding.
+PARENTS = torch.tensor([[ROOT, ROOT, 0, 0, 2, NONE]])
+TOKENS = torch.tensor([[5, 7, 9, 4, 1, 0]])
+
+
+@pytest.fixture(scope="module")
+def head(tiny_model_dir, tmp_path_factory):
+    return _train_head(tiny_model_dir, tmp_path_factory.mktemp("tree_head"), "eagle3_norm_first")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return hf_greedy(tiny_model_dir, PROMPTS, MAX_TOKENS)
+
+
+def test_depths_and_masks_of_a_small_tree():
+    assert depths(PARENTS, 4).tolist() == [[1, 1, 2, 2, 3, 1]]
+    assert ancestor_bits(PARENTS, 4).tolist() == [[0b1, 0b10, 0b101, 0b1001, 0b10101, 0b100000]]
+    # window rows: the root, then node i at 1 + i; every real node sees the root, padding only itself
+    assert window_bits(PARENTS, 4).tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b10011, 0b101011, 0b1000000]]
+    depth, bits = host_tree(PARENTS[0, :5].tolist())
+    assert depth == [0, 1, 1, 2, 2, 3] and bits == window_bits(PARENTS[:, :5], 4)[0].tolist()
+
+
+@pytest.mark.parametrize("target,emitted,path", [
+    ([5, 9, 0, 1, 0, 3, 0], [5, 9, 1, 3, -1], [0, 2, 4, -1]),  # down the deepest branch, bonus 3
+    ([7, 9, 0, 1, 0, 3, 0], [7, 0, -1, -1, -1], [1, -1, -1, -1]),  # the second child, then node 1's row
+    ([5, 4, 0, 1, 0, 3, 0], [5, 4, 0, -1, -1], [0, 3, -1, -1]),  # a sibling at depth 2
+    ([8, 9, 0, 1, 0, 3, 0], [8, -1, -1, -1, -1], [-1, -1, -1, -1]),  # no child holds the root's token
+    ([0, 9, 0, 1, 0, 3, 0], [0, -1, -1, -1, -1], [-1, -1, -1, -1]),  # padding (token 0) is never a child
+])
+def test_walk_follows_the_targets_tokens_down_the_tree(target, emitted, path):
+    out, accepted, taken = walk(torch.tensor([target]), TOKENS, PARENTS, 4)
+    assert out.tolist() == [emitted] and taken.tolist() == [path]
+    assert accepted.tolist() == [sum(p >= 0 for p in path)]
+    src, dst = path_moves(torch.tensor([10]), taken)
+    a = accepted.item()
+    assert src[0, :a].tolist() == [11 + p for p in path[:a]] and dst[0, :a].tolist() == list(range(11, 11 + a))
+    assert (src[0, a:] == 10).all() and (dst[0, a:] == 10).all()  # no-op moves stay on the root's slot
+
+
+def test_select_keeps_every_ancestor_and_lists_parents_first():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        c = 40
+        parents = torch.full((3, c), ROOT)
+        for i in range(4, c):
+            parents[:, i] = torch.randint(0, i, (3,), generator=g)
+        step = -torch.rand(3, c, generator=g)  # log-probabilities
+        step[:, 7] = 0.0  # a certain child: ties its parent's score
+        scores = step.clone()
+        for i in range(c):  # a path's score is its parent's plus its own step
+            up = parents[:, i]
+            scores[:, i] += torch.where(up >= 0, scores.gather(1, up.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+        tokens = torch.arange(c).expand(3, c)
+        kept, kept_parents, kept_scores = select(scores, tokens, parents, 12)
+        assert (kept_scores[:, :-1] >= kept_scores[:, 1:]).all()  # best first
+        for b in range(3):
+            for i, p in enumerate(kept_parents[b].tolist()):
+                assert p == ROOT or 0 <= p < i  # parents first, so any prefix is a tree
+                if p != ROOT:
+                    assert parents[b, kept[b, i]] == kept[b, p]  # the kept parent is the candidate's parent
+            assert set(kept[b].tolist()) == set(torch.sort(scores[b], descending=True, stable=True).indices[:12].tolist())
+
+
+def test_walking_sampled_rows_emits_the_targets_distribution():
+    """Each row's token drawn as a plain step draws it (the race against (seed, position) noise): the
+    first emitted token follows the root's distribution and the second the accepted child's row."""
+    g = torch.Generator().manual_seed(3)
+    vocab, n = 12, 6000
+    logits = torch.randn(7, vocab, generator=g) * 2  # window rows: root + 6 nodes
+    tokens = torch.tensor([[int(logits[0].argmax()), int(logits[0].argsort()[-2]), 3, 4, 1, 6]])
+    parents = torch.tensor([[ROOT, ROOT, 0, 0, 2, 1]])
+    depth = torch.tensor(host_tree(parents[0].tolist())[0])  # [7]
+    seeds = torch.arange(n)
+    rows = logits.repeat(n, 1)  # [n * 7, V]
+    ints = torch.stack([torch.zeros(n * 7, dtype=torch.int64), seeds.repeat_interleave(7),
+                        (100 + depth).repeat(n)])
+    wp = WarpParams.build([(0.8, 0, 1.0, 0.0)], CPU).repeat(n * 7)
+    target = sample_keyed(rows, wp, ints).view(n, 7)
+    emitted, accepted, _ = walk(target, tokens.expand(n, 6), parents.expand(n, 6), 3)
+    p = torch.softmax(logits.double() / 0.8, dim=-1)  # [7, V]
+    first = emitted[:, 0]
+
+    def fits(tokens: torch.Tensor, probs: torch.Tensor) -> bool:
+        seen = torch.bincount(tokens, minlength=vocab).double()
+        return chisquare(seen.numpy(), (probs * seen.sum()).numpy()).pvalue > 1e-3
+
+    assert fits(first, p[0])
+    assert (accepted > 0).float().mean() > 0.3  # the root's two likeliest tokens are its children
+    for child in (0, 1):  # given the walk took child c, the next token is c's row's
+        took = first == tokens[0, child]
+        assert fits(emitted[took, 1], p[1 + child])
+    # the same noise, position by position, as a plain step: the root's token is plain sampling's
+    plain = sample_keyed(logits[:1].repeat(n, 1), WarpParams.build([(0.8, 0, 1.0, 0.0)], CPU).repeat(n),
+                         torch.stack([torch.zeros(n, dtype=torch.int64), seeds, torch.full((n,), 100)]))
+    assert torch.equal(first, plain)
+    assert rng.TARGET  # the stream both draw from
+
+
+def test_tree_masks_attend_to_the_context_and_each_nodes_own_path():
+    """Each window row's attention equals attention over the context plus its path alone."""
+    g = torch.Generator().manual_seed(1)
+    heads, kvh, dim, bs = 4, 2, 8, 4
+    cache_k, cache_v = torch.randn(6, bs, kvh, dim, generator=g), torch.randn(6, bs, kvh, dim, generator=g)
+    parents = [ROOT, ROOT, 0, 0, 2]
+    depth, bits = host_tree(parents)
+    start, table = 9, [3, 0, 5, 1]  # the window: positions 9 .. 14
+    q = torch.randn(6, heads, dim, generator=g)
+    layout = BatchLayout.build([start], [6], [table], bs, CPU, trees=[(depth, bits)])
+    assert layout.positions.tolist() == [start + d for d in depth]
+    assert layout.slot_mapping.tolist() == [table[p // bs] * bs + p % bs for p in range(start, start + 6)]
+    out = paged_attention_reference(q, cache_k, cache_v, layout, 0.5)
+    keys = cache_k[table].reshape(-1, kvh, dim)
+    vals = cache_v[table].reshape(-1, kvh, dim)
+    for r in range(6):
+        seen = list(range(start)) + [start + c for c in range(6) if bits[r] >> c & 1]
+        k, v = keys[seen].repeat_interleave(heads // kvh, 1), vals[seen].repeat_interleave(heads // kvh, 1)
+        att = torch.softmax(torch.einsum("hd,khd->hk", q[r], k) * 0.5, dim=-1)
+        assert torch.allclose(out[r], torch.einsum("hk,khd->hd", att, v), atol=1e-5)
+
+
+def test_tree_verify_logits_equal_each_paths_own_forward(tiny_model_dir):
+    """The target over a tree window gives at each node the logits of a causal pass over its path."""
+    target = load_model(str(tiny_model_dir), CPU, torch.float32)[0]
+    prompt = list(range(3, 23))
+    parents = [ROOT, ROOT, ROOT, 0, 0, 1, 3, 6]
+    tokens = [40, 41, 42, 50, 51, 52, 60, 70]
+    depth, bits = host_tree(parents)
+    cache = PagedKVCache(target.args, 8, 16, torch.float32, CPU)
+    table = [4, 2, 7]
+    pre = BatchLayout.build([0], [len(prompt) - 1], [table], 16, CPU)
+    target(torch.tensor(prompt[:-1]), pre, cache, torch.tensor([0]))
+    start = len(prompt) - 1
+    layout = BatchLayout.build([start], [9], [table], 16, CPU, trees=[(depth, bits)])
+    tree_logits = target(torch.tensor([prompt[-1], *tokens]), layout, cache, torch.arange(9)).logits
+    for node in range(len(tokens)):
+        path, up = [], node
+        while up != ROOT:
+            path.insert(0, tokens[up])
+            up = parents[up]
+        ids = prompt + path
+        fresh = PagedKVCache(target.args, 4, 16, torch.float32, CPU)
+        full = BatchLayout.build([0], [len(ids)], [[0, 1, 2]], 16, CPU)
+        ref = target(torch.tensor(ids), full, fresh, torch.tensor([len(ids) - 1])).logits[0]
+        assert torch.allclose(tree_logits[1 + node], ref, atol=1e-4), node
+
+
+def test_a_chain_shaped_tree_drafts_the_chain(tiny_model_dir, head):
+    """A tree of frontier 1 and branch 1 is EAGLE's greedy chain: same drafts, parents 0, 1, ..."""
+    k = 4
+    chain = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), num_speculative_tokens=k)
+    tree = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head),
+               speculative_tree=TreeShape(k, 1, 1, k))
+    seen = {}
+    for name, llm in (("chain", chain), ("tree", tree)):
+        drafts = []
+        original = llm.core.scheduler.update
+
+        def update(plan, results, original=original, drafts=drafts):
+            drafts.extend((r.draft_ids, r.draft_parents) for r in results if r.draft_ids)
+            return original(plan, results)
+
+        llm.core.scheduler.update = update  # type: ignore[method-assign]
+        llm.generate(PROMPTS[:3], [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 3)
+        seen[name] = drafts
+    assert [d for d, _ in seen["tree"]] == [d for d, _ in seen["chain"]]
+    assert all(p == [ROOT, 0, 1, 2][: len(p)] for _, p in seen["tree"])
+
+
+@pytest.mark.parametrize("shape", ["4,1,1,4", "3,2,2,6", "4,3,3,10", "5,4,5,16"])
+def test_greedy_tree_speculation_is_token_identical(tiny_model_dir, head, reference, shape):
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree=shape)
+    res = llm.generate(PROMPTS, greedy_params())
+    assert [r.outputs[0].token_ids for r in res] == reference
+    stats = [r.spec_stats for r in res]
+    assert sum(s.accepted for s in stats) > 0 and sum(s.drafted - s.accepted for s in stats) > 0
+    _assert_free(llm)
+
+
+def test_trees_beat_a_chain_of_their_depth(tiny_model_dir, head):
+    """More candidates per depth: more tokens per verify step on the same head (greedy)."""
+    taus = {}
+    for shape in ("4,1,1,4", "4,4,4,16"):
+        llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree=shape)
+        res = llm.generate(PROMPTS * 2, greedy_params() * 2)
+        steps, emitted = sum(r.spec_stats.steps for r in res), sum(r.spec_stats.emitted for r in res)
+        taus[shape] = emitted / steps
+    assert taus["4,4,4,16"] > taus["4,1,1,4"] * 1.05, taus
+
+
+def test_seeded_tree_sampling_is_plain_sampling_token_for_token(tiny_model_dir, head):
+    """The walk draws each token as a plain step does: seeded, the same text, top-k/top-p/min-p too."""
+    plain = LLM(str(tiny_model_dir))
+    tree = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10")
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, max_tokens=24, seed=s, ignore_eos=True)
+              for s, (t, k, p, m) in enumerate([(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (0.8, 5, 1.0, 0.0),
+                                                (1.0, 0, 0.8, 0.0), (1.2, 0, 1.0, 0.1), (0.0, 0, 1.0, 0.0)])]
+    a, b = plain.generate(PROMPTS, params), tree.generate(PROMPTS, params)
+    assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
+    assert sum(r.spec_stats.accepted for r in b) > 0
+    _assert_free(tree)
+
+
+def test_end_to_end_tree_sampling_matches_target_distribution(tiny_model_dir, head):
+    n, temperature = 2000, 1.0
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="3,3,3,8",
+              max_num_seqs=n, kv_cache_tokens=n * 48, max_num_batched_tokens=16384)
+    prompt = llm.core.encode_prompt("Once upon a time")
+    params = [SamplingParams(temperature=temperature, max_tokens=3, seed=s + 10_000, ignore_eos=True) for s in range(n)]
+    res = llm.generate([prompt] * n, params)
+    pairs = [tuple(r.outputs[0].token_ids[:2]) for r in res]
+    assert sum(r.spec_stats.accepted for r in res) > 0
+    p1 = _target_next_token_probs(tiny_model_dir, prompt, temperature, 0, 1.0, 0.0)
+    observed, expected = [], []
+    for a in sorted({a for a, _ in pairs} | set((p1 > 0.01).nonzero().flatten().tolist())):
+        p2 = _target_next_token_probs(tiny_model_dir, prompt + [a], temperature, 0, 1.0, 0.0)
+        for b in range(p2.numel()):
+            o = sum(1 for x in pairs if x == (a, b))
+            assert p1[a] * p2[b] > 0 or o == 0, "emitted a pair the target forbids"
+            observed.append(o)
+            expected.append(n * p1[a].item() * p2[b].item())
+    obs, exp = np.array(observed, dtype=np.float64), np.array(expected, dtype=np.float64)
+    big = exp >= 5
+    o2, e2 = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+    assert chisquare(o2, e2 * o2.sum() / e2.sum()).pvalue > 1e-3
+    _assert_free(llm)
+
+
+def test_trees_under_preemption_stops_and_logprobs(tiny_model_dir, head, reference):
+    """A pool too small for every request (preemption by recompute), min_tokens, stop ids and
+    log-probabilities through tree steps: exact, and nothing leaks."""
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10",
+              kv_cache_tokens=160)
+    sched = llm.core.scheduler
+    preempted = []
+    original = sched._preempt
+    sched._preempt = lambda r: (preempted.append(list(r.draft_parents)), original(r))  # type: ignore[method-assign]
+    res = llm.generate(PROMPTS, greedy_params())
+    assert [r.outputs[0].token_ids for r in res] == reference
+    assert preempted and any(preempted), "no request was preempted holding a tree"
+    plain = LLM(str(tiny_model_dir))
+    eos = llm.core.rt.eos_ids
+    params = [SamplingParams(temperature=0.9, max_tokens=16, min_tokens=10, seed=4, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[reference[0][5]], logprobs=1)]
+    a, b = plain.generate(PROMPTS[:2], params), llm.generate(PROMPTS[:2], params)
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert len(y.outputs[0].logprobs) == len(y.outputs[0].token_ids)
+        assert np.allclose(x.outputs[0].logprobs, y.outputs[0].logprobs, atol=1e-4)
+    assert not set(b[0].outputs[0].token_ids[:10]) & set(eos)
+    _assert_free(llm)
+
+
+def test_tree_shapes_and_settings_are_checked():
+    assert TreeShape.parse("6,6,6,31") == TreeShape(6, 6, 6, 31)
+    for bad in ("6,6,6", "6,7,6,31", "6,6,6,70", "2,2,2,9", "6,8,8,20", "x"):
+        with pytest.raises(ValueError):
+            TreeShape.parse(bad)
+    with pytest.raises(ValueError, match="EAGLE"):
+        SpecConfig(method="ngram", tree=TreeShape(), num_tokens=31)
+    with pytest.raises(ValueError, match="fixed"):
+        SpecConfig(method="eagle", tree=TreeShape(), num_tokens=31, policy="adaptive")
+    with pytest.raises(ValueError, match="31 nodes"):
+        SpecConfig(method="eagle", tree=TreeShape(), num_tokens=4)
