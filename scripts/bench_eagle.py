@@ -43,6 +43,8 @@ def main() -> None:
     p.add_argument("--methods", default=None, help="a comma list of the methods to run (default: all)")
     p.add_argument("--adaptive", action="store_true",
                    help="also eagle under the adaptive policy (what `streamsd serve` runs by default)")
+    p.add_argument("--trees", default=None,
+                   help="draft-tree shapes 'D,M,C,N' separated by ';', each one more engine (method tree-D,M,C,N)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -50,14 +52,17 @@ def main() -> None:
 
     prompts = json.load(open(a.held_out))["held_out"][: a.prompts]
     # plain-seq: plain decoding with each step read before the next is queued (no lookahead.py)
+    trees = [t for t in (a.trees or "").split(";") if t]
     methods = {"plain": None, "plain-seq": None, "ngram": "ngram", "eagle": "eagle",
-               **({"eagle-ad": "eagle"} if a.adaptive else {})}
+               **({"eagle-ad": "eagle"} if a.adaptive else {}), **{f"tree-{t}": "eagle" for t in trees}}
     if a.methods:
-        methods = {m: s for m, s in methods.items() if m in a.methods.split(",") or m == "plain"}
+        methods = {m: s for m, s in methods.items() if m in a.methods.split(",") or m == "plain"
+                   or m.startswith("tree-")}
     engines = {m: LLM(a.model, speculative_method=s, draft_model=a.head if s == "eagle" else None,
                       num_speculative_tokens=a.k, device=a.device, max_num_seqs=4, kv_cache_tokens=8192,
                       pipeline=False if m == "plain-seq" else None,
-                      speculation_policy="adaptive" if m.endswith("-ad") else "fixed")
+                      speculation_policy="adaptive" if m.endswith("-ad") else "fixed",
+                      speculative_tree=m.removeprefix("tree-") if m.startswith("tree-") else None)
                for m, s in methods.items()}
     worker = engines["plain"].core.rt.worker
     dev = worker.device
@@ -124,7 +129,8 @@ def main() -> None:
             rows.append({"method": m, "temperature": temp, "tokens": n, "seconds": round(s, 3),
                          "tokens_per_s": round(n / s, 1), "vs_plain": round(n / s / base, 2),
                          "tau": round(emitted / steps, 3) if steps else None,
-                         **({"same_as_plain": f"{same[m]}/{len(prompts)}"} if m.startswith("eagle") and temp == 0 else {}),
+                         **({"same_as_plain": f"{same[m]}/{len(prompts)}"}
+                            if m.startswith(("eagle", "tree")) and temp == 0 else {}),
                          # Steps queued ahead and taken / dropped (lookahead.py): a drop wastes a step.
                          **({"queued_taken_dropped": [a - b for a, b in zip(_queued(engines[m]), queued[m], strict=True)]}
                             if m in engines else {}),
@@ -146,9 +152,9 @@ def main() -> None:
             json.dump(doc, f, indent=2)
     print(f"{doc['device']} {doc['dtype']}, graphs {doc['cuda_graphs']}, batch 1, {len(prompts)} held-out prompts, "
           f"up to {a.max_tokens} tokens, k={a.k}")
-    print(f"{'method':8} {'T':>4} {'tokens':>7} {'tok/s':>8} {'x plain':>8} {'tau':>6}")
+    print(f"{'method':18} {'T':>4} {'tokens':>7} {'tok/s':>8} {'x plain':>8} {'tau':>6}")
     for r in rows:
-        print(f"{r['method']:8} {r['temperature']:>4g} {r['tokens']:>7} {r['tokens_per_s']:>8} {r['vs_plain']:>8} "
+        print(f"{r['method']:18} {r['temperature']:>4g} {r['tokens']:>7} {r['tokens_per_s']:>8} {r['vs_plain']:>8} "
               f"{r['tau'] if r['tau'] is not None else '-':>6} {r.get('same_as_plain', '')}")
 
 
@@ -170,6 +176,7 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: 
     one answer at `temperature`. Nested phases are included in their callers' (`Verifier.verify` holds the
     read of its tokens); `Tensor.tolist` is where the host waits for the GPU."""
     import streamsd.pipelined as pipelined
+    import streamsd.tree_step as tree_step
     import streamsd.verify as verify_module
     from streamsd import SamplingParams
     from streamsd.core import EngineCore
@@ -180,11 +187,13 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: 
     from streamsd.scheduler import Scheduler
     from streamsd.spec.eagle import EagleProposer
     from streamsd.spec.eagle_graphs import EagleGraphs
+    from streamsd.tree_graphs import TreeGraphs
     from streamsd.verify import Verifier
     from streamsd.worker import Worker
 
     wrapped = {Worker: ["step", "_forward", "_propose"], Verifier: ["verify", "_sample_plain", "launch"],
                pipelined: ["plain_step", "chained_step", "_queue_plain", "_queue_chained"],
+               tree_step: ["tree_step", "eager_tree_step", "_queue_next"], TreeGraphs: ["run", "replay"],
                Scheduler: ["schedule", "update"], Readback: ["wait"],
                EngineCore: ["emit"], GraphRunner: ["_replay"], EagleProposer: ["propose", "chain"],
                EagleGraphs: ["run", "run_chained"], torch.Tensor: ["tolist"], rng: ["exponentials", "uniforms"],

@@ -23,6 +23,10 @@
 #   scripts/gpu_eagle.sh heldout carry .gguf2b .whl (after stash + stash2): the 16 held-out x 256 of `figures` only
 #                               (METHODS=eagle,eagle-ad: those beside plain; PHASES=1: then host ms per phase)
 #   scripts/gpu_eagle.sh kernels carry .gguf2b .whl (after stash + stash2): kernels per step, plain vs eagle k = 4
+#   scripts/gpu_eagle.sh treetests carry .gguf1 (= stash, then the CUDA tests of draft trees and of EAGLE's chains)
+#   scripts/gpu_eagle.sh trees  carry .gguf2b .whl (after stash + stash2): batch 1, 16 held-out x 256: plain, n-gram,
+#                               eagle k = 4 and the draft trees of TREES ('D,M,C,N;...'), T=0 and T=1 (PHASES=1:
+#                               host ms per phase; HF=1: HF transformers beside them)
 #   scripts/gpu_eagle.sh bench  (optional, while still warm; carry .whl) `streamsd bench offline` with the
 #                               new head: plain vs eagle vs HF, then plain vs n-gram vs HF + prompt lookup
 # Writes logs and JSON under $OUT (./out here). Tables print last.
@@ -165,13 +169,30 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     echo "bench exit $?" | tee -a "$OUT/run.log"; grep -v "^\[\|shards\|converting" "$OUT/heldout16.log" | tail -60 \
       | tee -a "$OUT/run.log"
     ;;
+  treetests)
+    cp .gguf1/part1 /tmp/part1 && ls -l /tmp/part1 | tee -a "$OUT/run.log"
+    log "CUDA tests: draft trees, the Triton tree windows, EAGLE's chains and graphs"
+    timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py tests/test_kernels.py tests/test_eagle.py \
+      -k "cuda or tree_windows or paged_attention or graph or warm" > "$OUT/cuda_tests.log" 2>&1
+    tail -15 "$OUT/cuda_tests.log" | tee -a "$OUT/run.log"
+    ;;
+  trees)
+    [ -f $GGUF ] || join_gguf
+    SHIPPED=streamsd/assets/eagle/smollm2-135m-instruct
+    log "batch 1, ${PROMPTS:-16} held-out x 256: plain, n-gram, eagle k=4, trees ${TREES:-6,6,6,31}"
+    timeout ${LIMIT:-420} python3 scripts/bench_eagle.py --model $GGUF --head $SHIPPED --held-out $SHIPPED/training.json \
+      --prompts ${PROMPTS:-16} --max-tokens 256 --device cuda $([ -n "${HF:-}" ] || echo --no-hf) --methods eagle,ngram \
+      --trees "${TREES:-6,6,6,31}" ${PHASES:+--phases} --out "$OUT/trees.json" > "$OUT/trees.log" 2>&1
+    echo "bench exit $?" | tee -a "$OUT/run.log"; grep -v "^\[\|shards\|converting" "$OUT/trees.log" | tail -70 \
+      | tee -a "$OUT/run.log"
+    ;;
   kernels)
     # carry .gguf2b .whl (after stash + stash2, or at once after figures): the CUDA profiler's kernels per
     # step, plain against fixed eagle k = 4 at batch 1 (scripts/profile_eagle_kernels.py), ~1.5 min.
     [ -f $GGUF ] || join_gguf
     log "kernels per step, plain vs eagle k = 4, batch 1"
     timeout 240 python3 scripts/profile_eagle_kernels.py $GGUF streamsd/assets/eagle/smollm2-135m-instruct 96 \
-      > "$OUT/kernels.log" 2>&1
+      "${TREES:-}" > "$OUT/kernels.log" 2>&1
     echo "profile exit $?" | tee -a "$OUT/run.log"; grep "===" "$OUT/kernels.log" | tee -a "$OUT/run.log"
     ;;
   bench)

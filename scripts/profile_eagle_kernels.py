@@ -1,7 +1,7 @@
 """Where an eagle step's GPU time goes, kernel by kernel, against a plain step: the real model and
 head, batch 1, CUDA graphs, through the CUDA profiler. Prints per engine and temperature the wall
 ms per step, the GPU ms per step (sum of kernel times) and the kernels by total time per step.
-Usage: python3 scripts/profile_eagle_kernels.py MODEL HEAD [TOKENS]"""
+Usage: python3 scripts/profile_eagle_kernels.py MODEL HEAD [TOKENS] ['D,M,C,N;...' draft trees, profiled too]"""
 
 from __future__ import annotations
 
@@ -45,11 +45,17 @@ def profile(llm: LLM, name: str, temperature: float, tokens: int) -> None:
 def main() -> None:
     model, head = sys.argv[1], sys.argv[2]
     tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 96
+    trees = [t for t in sys.argv[4].split(";") if t] if len(sys.argv) > 4 else []
     common = dict(device="cuda", dtype="bfloat16", max_num_seqs=8)  # few graphs to capture
     plain = LLM(model, **common)
     for t in (0.0, 1.0):
         profile(plain, "plain", t, tokens)
     del plain
+    for shape in trees:
+        tree = LLM(model, draft_model=head, speculative_method="eagle", speculative_tree=shape, **common)
+        for t in (0.0, 1.0):
+            profile(tree, f"tree {shape}", t, tokens)
+        del tree
     eagle = LLM(model, draft_model=head, speculative_method="eagle", speculation_policy="fixed",
                 num_speculative_tokens=4, **common)
     for t in (0.0, 1.0):

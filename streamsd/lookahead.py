@@ -41,6 +41,7 @@ class Queued:
     tokens: torch.Tensor  # [B] sampled (plain), or [B, k+1] emitted, -1 past each row's
     accepted: torch.Tensor | None = None  # [B] (chained)
     drafts: torch.Tensor | None = None  # [B, k] the next drafts (chained)
+    key: tuple[int, int] | None = None  # a tree step's graph (tree_graphs.py): `tokens` is its whole result
 
 
 class Lookahead:
@@ -163,6 +164,15 @@ class Lookahead:
         first = [e.start // bs for e in entries]
         blocks = [e.request.blocks[f : -(-(e.start + reach) // bs)] for e, f in zip(entries, first, strict=True)]
         self.queued = Queued([e.request for e in entries], [], first, blocks, k, tokens, accepted, drafts)
+
+    def queue_tree(self, entries: list[Scheduled], k: int, result: torch.Tensor, key: tuple[int, int],
+                   reach: int) -> None:
+        """Records the tree step just queued (tree_step.py) for `entries`: its graph's result, its
+        rows' starts still to come (`place`), the blocks it may write up to `reach` past them."""
+        bs = self.block_size
+        first = [e.start // bs for e in entries]
+        blocks = [e.request.blocks[f : -(-(e.start + reach) // bs)] for e, f in zip(entries, first, strict=True)]
+        self.queued = Queued([e.request for e in entries], [], first, blocks, k, result, key=key)
 
     def place(self, starts: list[int]) -> None:
         """The chained step queued last starts its rows here (known once this step is read)."""

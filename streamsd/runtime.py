@@ -31,6 +31,7 @@ from streamsd.spec.draft_model import DraftModelProposer
 from streamsd.spec.eagle import EagleProposer
 from streamsd.spec.eagle_ckpt import head_dir, load_head, measured_depth_steps
 from streamsd.spec.ngram import NgramProposer
+from streamsd.tree_graphs import tree_graphs_for
 from streamsd.worker import Worker
 
 GC_YOUNG_THRESHOLD = 10_000  # see build_runtime
@@ -165,7 +166,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     # padding rows there (spec/eagle_graphs.py).
     # A verify queued ahead (lookahead.py) drafts into each request's second half of the pool, so that
     # dropping it leaves the q the next verify reads intact: two rows a slot then.
-    queues_ahead = head is not None and tree is None and (device.type == "cuda" if cfg.pipeline is None else cfg.pipeline)
+    # Speculative steps queue ahead (lookahead.py): an EAGLE head's chains or trees.
+    ahead = head is not None and (device.type == "cuda" if cfg.pipeline is None else cfg.pipeline)
+    queues_ahead = ahead and tree is None  # chains draft into each request's second q row meanwhile
     halves = 2 if queues_ahead else 1
     q_pool = torch.zeros(halves * q_slots + 1, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
     if tree is not None:
@@ -189,7 +192,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=max(cfg.max_num_batched_tokens, 2 * (cfg.spec.num_tokens + 1)),
         max_queue=cfg.max_queue,
-        lookahead=cfg.spec.num_tokens + 1 if queues_ahead else 0,
+        lookahead=cfg.spec.num_tokens + 1 if ahead else 0,
         draft_window=tree.frontier * (tree.depth - 1) if tree is not None else 0,
     )
     worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree)
@@ -198,6 +201,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         from streamsd.model.graphs import setup_cuda
 
         setup_cuda(worker, scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs)
+        if tree is not None and cfg.cuda_graphs and isinstance(proposer, EagleProposer):
+            worker.tree_graphs = tree_graphs_for(worker, proposer, num_blocks, max_len)
         if cfg.cuda_graphs:
             from streamsd.model.graphs import capture_all
 

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from streamsd import pipelined
+from streamsd import pipelined, tree_step
 from streamsd.config import TreeShape
 from streamsd.lookahead import Lookahead, Readback
 from streamsd.model.graphs import GraphRunner
@@ -26,7 +26,7 @@ from streamsd.model.stream_store import StreamStore, keep_streams
 from streamsd.request import Request
 from streamsd.spec.base import ProposeItem, Proposer
 from streamsd.step import EntryResult, Scheduled, StepPlan
-from streamsd.tree_verify import entry_tree, verify_trees
+from streamsd.tree_graphs import TreeGraphs
 from streamsd.verify import Chain, Verified, Verifier
 
 
@@ -35,7 +35,8 @@ class Worker:
                  q_pool: torch.Tensor | None, device: torch.device, pipeline: bool | None = None,
                  tree: TreeShape | None = None):
         self.target = target
-        self.tree = tree  # drafts are trees of this shape (an EAGLE head's): verified by tree_verify.py
+        self.tree = tree  # drafts are trees of this shape (an EAGLE head's): tree_step.py
+        self.tree_graphs: TreeGraphs | None = None  # their steps as CUDA graphs (build_runtime sets them)
         self.cache = cache
         self.proposer = proposer
         self.device = device
@@ -63,8 +64,7 @@ class Worker:
             if Lookahead.serves(plan.entries) and streams_kept:
                 return pipelined.plain_step(self, plan.entries, plan.queue_next)
             if self.tree is not None:
-                self.lookahead.drop()
-                return self._tree_step(plan.entries)
+                return tree_step.tree_step(self, plan.entries, plan.queue_next)
             if ((Lookahead.chains(plan.entries) or self.lookahead.follows(plan.entries))
                     and hasattr(self.proposer, "chain")):
                 return pipelined.chained_step(self, plan.entries, plan.queue_next)
@@ -78,15 +78,6 @@ class Worker:
         logits, hidden = self._forward(entries)  # [rows, V], [tokens, layers * hidden] | None
         verified = self.verifier.verify([e for e in entries if e.verifies], logits, self._chain(entries, hidden),
                                         self._graph_verified(entries, logits))
-        return self._propose(entries, verified)
-
-    def _tree_step(self, entries: list[Scheduled]) -> list[EntryResult]:
-        """A step whose drafts are trees: a tree-masked forward, the walk, then the next trees."""
-        assert self.tree is not None
-        trees = [entry_tree(e) for e in entries]
-        logits, _ = self._forward(entries, trees if any(trees) else None)
-        verified = verify_trees(self.verifier, [e for e in entries if e.verifies], logits, self.cache, self.store,
-                                self.tree.depth)
         return self._propose(entries, verified)
 
     def _graph_verified(self, entries: list[Scheduled], logits: torch.Tensor

@@ -288,3 +288,49 @@ def test_tree_shapes_and_settings_are_checked():
         SpecConfig(method="eagle", tree=TreeShape(), num_tokens=31, policy="adaptive")
     with pytest.raises(ValueError, match="31 nodes"):
         SpecConfig(method="eagle", tree=TreeShape(), num_tokens=4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temperature):
+    """The work of a tree graph (tree_graphs.py: verify, walk, moves, catch-up, growth, the next
+    replay's inputs), run eagerly on the CPU with steps queued ahead: the same text as plain decoding,
+    and steps queued ahead are taken."""
+    from streamsd.tree_graphs import tree_graphs_for
+
+    plain = LLM(str(tiny_model_dir))
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10",
+              pipeline=True)
+    rt, w = llm.core.rt, llm.core.rt.worker
+    w.tree_graphs = tree_graphs_for(w, w.proposer, rt.scheduler_config.num_blocks, rt.scheduler_config.max_model_len)
+    params = [SamplingParams(temperature=temperature, max_tokens=40, seed=s, ignore_eos=True) for s in range(4)]
+    a, b = plain.generate(PROMPTS[:4], params), llm.generate(PROMPTS[:4], params)
+    assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
+    assert w.tree_graphs.replays > 0 and w.lookahead.taken > 0
+    assert sum(r.spec_stats.accepted for r in b) > 0
+    _assert_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, head):
+    """On CUDA whole tree steps are graph replays queued one ahead (tree_graphs.py): greedy and
+    seeded answers (top-k/top-p ones take the eager path) equal plain decoding's, batch 1 and 4, and
+    nothing is captured or compiled once the engine is built."""
+    from streamsd.kernels.warmup import compiled_variants
+
+    plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=8192)
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), device="cuda",
+              dtype="float32", kv_cache_tokens=8192, max_num_seqs=4, speculative_tree="4,3,3,10")
+    w = llm.core.rt.worker
+    assert w.tree_graphs is not None and w.tree_graphs.graphs
+    before = (len(w.tree_graphs.graphs), compiled_variants())
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, min_p=0.05),
+             dict(temperature=0.9, top_k=20, top_p=0.8)]
+    for i, kw in enumerate(kinds):
+        params = [SamplingParams(max_tokens=60, seed=10 * i + j, ignore_eos=True, **kw) for j in range(4)]
+        for batch in (PROMPTS[i : i + 1], PROMPTS[:4]):
+            a, b = plain.generate(batch, params[: len(batch)]), llm.generate(batch, params[: len(batch)])
+            assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b], kw
+    assert w.tree_graphs.replays > 20 and w.lookahead.taken > 10, (w.tree_graphs.replays, w.lookahead.taken)
+    assert (len(w.tree_graphs.graphs), compiled_variants()) == before
+    _assert_free(llm)

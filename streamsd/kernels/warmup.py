@@ -25,6 +25,7 @@ import torch
 
 from streamsd.kernels.paged_attention import (
     KERNEL_MAX_QUERY,
+    TREE_MAX_QUERY,
     _merge_splits_kernel,
     _paged_attn_kernel,
     paged_attention,
@@ -64,13 +65,14 @@ def compiled_variants() -> int:
 
 
 def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab: int, max_k: int,
-            device: torch.device) -> tuple[int, float]:
-    """Compiles the attention kernel of each model (head layout), the rejection sampler for every
-    k ≤ ``max_k`` and the sampling noise; returns (variants compiled, seconds)."""
+            device: torch.device, trees: bool = False) -> tuple[int, float]:
+    """Compiles the attention kernel of each model (head layout; with `trees` its draft-tree
+    variants too), the rejection sampler for every k ≤ ``max_k`` and the sampling noise; returns
+    (variants compiled, seconds)."""
     t0, before = time.perf_counter(), compiled_variants()
     layouts = {(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in models}
     for heads, kv_heads, dim in sorted(layouts):
-        _attention_variants(heads, kv_heads, dim, cache_dtype, block_size, device)
+        _attention_variants(heads, kv_heads, dim, cache_dtype, block_size, device, trees)
     for k in range(1, max_k + 1):
         for has_p, has_q in ((False, False), (True, False), (True, True)):
             vi = _verify_input(k, vocab, has_p, has_q, device)
@@ -92,16 +94,22 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
 
 
 def _attention_variants(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, page: int,
-                        device: torch.device) -> None:
-    cache = torch.zeros(2, page, kv_heads, dim, dtype=dtype, device=device)  # [NB, BS, KVH, D]
-    table = torch.zeros(1, 2, dtype=torch.int32, device=device)  # [S, max_blocks]
+                        device: torch.device, trees: bool = False) -> None:
+    cache = torch.zeros(4, page, kv_heads, dim, dtype=dtype, device=device)  # [NB, BS, KVH, D]
+    table = torch.zeros(1, 4, dtype=torch.int32, device=device)  # [S, max_blocks]
     qmax = 1
-    while qmax <= KERNEL_MAX_QUERY:
+    while qmax <= (TREE_MAX_QUERY if trees else KERNEL_MAX_QUERY):
         q = torch.zeros(qmax, heads, dim, dtype=dtype, device=device)  # [T, H, D]
         ctx = torch.tensor([qmax], dtype=torch.int32, device=device)  # [S]
         starts = torch.tensor([0, qmax], dtype=torch.int32, device=device)  # [S + 1]
+        bits = torch.ones(qmax, dtype=torch.int64, device=device)  # [T]
+        root = torch.zeros(1, dtype=torch.int64, device=device)  # [S]
         for splits in _SPLITS:
-            paged_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits)
+            if qmax <= KERNEL_MAX_QUERY:
+                paged_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits)
+            if trees:
+                paged_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits, tree_bits=bits,
+                                tree_start=root)
         qmax *= 2
     chunk = KERNEL_MAX_QUERY + 1
     q = torch.zeros(chunk, heads, dim, dtype=dtype, device=device)  # [T, H, D]

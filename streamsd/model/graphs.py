@@ -254,7 +254,12 @@ def capture_all(worker, max_batch: int) -> int:
     def count() -> int:
         return sum(len(r.graphs) for r in runners)
 
+    trees = getattr(worker, "tree_graphs", None)  # a tree engine's whole steps (tree_graphs.py)
+    if trees is not None:
+        runners.append(trees)
     before = count()
+    if trees is not None:
+        trees.capture_up_to(max_batch)
     if worker.graphs is not None:
         worker.graphs.capture_up_to(max_batch)
     if isinstance(draft, GraphRunner):
@@ -283,8 +288,9 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
             model.attend = cuda_attention
             enable_fast_forward(model)
             kernel_models.append(model)
-    n, seconds = warm_up(kernel_models, worker.cache.data.dtype, worker.cache.block_size, worker.vocab, k,
-                         worker.device)
+    trees = getattr(worker, "tree", None) is not None  # drafts are trees: tree_graphs.py verifies them
+    n, seconds = warm_up(kernel_models, worker.cache.data.dtype, worker.cache.block_size, worker.vocab,
+                         1 if trees else k, worker.device, trees=trees)
     log.info("compiled %d Triton kernel variants in %.1fs", n, seconds)
     if hasattr(proposer, "enable_kernels"):  # an EAGLE head's layer on the target's fused kernels
         proposer.enable_kernels()
@@ -293,12 +299,12 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
     bs = worker.cache.block_size
     # Narrow verify widths too: at large batch the planner drafts 1 or 2 tokens, and a step replays
     # the narrowest graph that holds its longest query, so without them k = 1 pays for k = K.
-    cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=tuple(sorted({1, min(2, k + 1),
-                                                                                            min(3, k + 1), k + 1})))
+    cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=(1,) if trees else tuple(sorted({
+        1, min(2, k + 1), min(3, k + 1), k + 1})))
     # An EAGLE head reads the target's streams at every verified token: its graphs return them too.
     worker.graphs = GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device,
                                 hidden_layers=tuple(getattr(proposer, "hidden_layers", ())), store=worker.store)
     if isinstance(draft, Transformer) and hasattr(proposer, "graphs"):
         proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, cfg, worker.device, verifies=False)
-    if hasattr(proposer, "enable_graphs"):  # an EAGLE head: catch-up and draft chain in one graph
+    if hasattr(proposer, "enable_graphs") and not trees:  # an EAGLE head: catch-up and draft chain in one graph
         proposer.enable_graphs(scratch_block, cfg.max_blocks, width=k + 1)
