@@ -93,6 +93,9 @@ class SchedulerConfig:
     # Positions past the pending token that drafting writes whatever k is (an EAGLE head's draft-tree
     # window, spec/eagle_tree.py); 0 when drafting writes only the k drafts' own.
     draft_window: int = 0
+    # Drafts form trees, verified whole up to a request's last tokens (what they accept past
+    # max_tokens is cut when appended): a step near the end stays the same step as every other.
+    whole_drafts: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

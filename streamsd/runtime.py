@@ -194,6 +194,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         max_queue=cfg.max_queue,
         lookahead=cfg.spec.num_tokens + 1 if ahead else 0,
         draft_window=tree.frontier * (tree.depth - 1) if tree is not None else 0,
+        whole_drafts=tree is not None,
     )
     worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree)
     worker.lookahead.chained = queues_ahead

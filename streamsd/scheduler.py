@@ -185,6 +185,10 @@ class Scheduler:
         pending = r.num_tokens - r.computed
         drafts = min(len(r.draft_ids), verify_k, max(r.remaining_tokens - 1, 0))
         k_next = max(min(k, r.remaining_tokens - 2, self.cfg.max_model_len - r.num_tokens - drafts - 1), 0)
+        if self.cfg.whole_drafts and k > 0:  # a tree: whole, or not at all
+            fits = self.cfg.max_model_len - r.num_tokens
+            drafts = len(r.draft_ids) if verify_k > 0 and len(r.draft_ids) < fits else 0
+            k_next = r.spec_k if r.remaining_tokens >= 3 and r.spec_k < fits - drafts else 0
         if k_next and r.num_tokens + drafts + self.cfg.draft_window > self.cfg.max_model_len:
             k_next = 0  # the drafter's window would pass the end of the context
         if pending + drafts <= budget:

@@ -31,8 +31,9 @@ from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore, keep_streams
 from streamsd.request import Request
-from streamsd.sampling import rng
 from streamsd.sampling.greedy import row_argmax
+from streamsd.sampling.sampler import sample_keyed
+from streamsd.sampling.warp import WarpParams
 from streamsd.spec.eagle_tree import HeadLayer, grow
 from streamsd.spec.tree import NONE, depths, positions_to_slots, walk, window_bits
 from streamsd.tree_verify import host_tree, move_kv
@@ -160,14 +161,18 @@ class TreeGraphs:
         if g.mode == GREEDY:
             target = row_argmax(logits.view(b, w, -1))  # [B, W]
         else:
-            from streamsd.kernels.warp import sample_tokens
-
             ints = torch.stack([g.draws[:, 0].repeat_interleave(w), g.draws[:, 1].repeat_interleave(w),
                                 layout.positions + 1])  # the token each row decides sits one past it
             temp, min_p = (g.warp_f[:, i].repeat_interleave(w) for i in (0, 1))
-            target = sample_tokens(logits, ints.view(-1), temp, min_p, rng.TARGET).view(b, w)
+            wp = WarpParams(temp, torch.zeros_like(ints[0]), torch.ones_like(temp), min_p, needs_sort=False)
+            target = sample_keyed(logits, wp, ints).view(b, w)  # kernels/warp.py's race on CUDA
         tokens, parents = g.tree[:, :n], g.tree[:, n:]
-        emitted, accepted, path = walk(target, tokens, parents, dmax)
+        if logits.is_cuda:  # one launch each, not dozens (kernels/tree.py)
+            from streamsd.kernels import tree as kernels
+
+            emitted, accepted, path = kernels.walk(target, tokens, parents, dmax)
+        else:
+            emitted, accepted, path = walk(target, tokens, parents, dmax)
         move_kv(self.cache, self.store, g.roots, path, g.block_table, bs)
         # The head catches up on the root and the accepted nodes (D + 1 slots from the root).
         c = dmax + 1
@@ -190,13 +195,16 @@ class TreeGraphs:
         g.result = torch.cat([emitted, accepted.unsqueeze(1), next_tokens, next_parents], dim=1)
         # The next replay's inputs: its roots are the pending tokens, its windows the new trees.
         bonus = emitted.gather(1, accepted.unsqueeze(1))  # [B, 1]
-        depth = torch.cat([torch.zeros_like(pending).unsqueeze(1), depths(next_parents, dmax)], dim=1)  # [B, W]
-        window = pending.unsqueeze(1) + torch.arange(w, device=self.device)  # [B, W]
-        g.packed[:t_all].copy_(torch.cat([bonus, next_tokens], dim=1).view(-1))
-        g.packed[t_all : 2 * t_all].copy_((pending.unsqueeze(1) + depth).view(-1))
-        g.packed[2 * t_all : 3 * t_all].copy_(positions_to_slots(window, g.block_table, bs).view(-1))
-        g.packed[3 * t_all : 3 * t_all + b].copy_(pending + w)
-        g.bits.copy_(window_bits(next_parents, dmax).view(-1))
+        if logits.is_cuda:
+            kernels.next_window(next_parents, next_tokens, bonus, pending, g.block_table, bs, g.packed, g.bits, dmax)
+        else:
+            depth = torch.cat([torch.zeros_like(pending).unsqueeze(1), depths(next_parents, dmax)], dim=1)  # [B, W]
+            window = pending.unsqueeze(1) + torch.arange(w, device=self.device)  # [B, W]
+            g.packed[:t_all].copy_(torch.cat([bonus, next_tokens], dim=1).view(-1))
+            g.packed[t_all : 2 * t_all].copy_((pending.unsqueeze(1) + depth).view(-1))
+            g.packed[2 * t_all : 3 * t_all].copy_(positions_to_slots(window, g.block_table, bs).view(-1))
+            g.packed[3 * t_all : 3 * t_all + b].copy_(pending + w)
+            g.bits.copy_(window_bits(next_parents, dmax).view(-1))
         g.roots.copy_(pending)
         g.tree.copy_(torch.cat([next_tokens, next_parents], dim=1))
 

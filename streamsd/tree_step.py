@@ -80,14 +80,15 @@ def _whole_trees(w: Worker, entries: list[Scheduled]) -> bool:
 
 def _queue_next(w: Worker, entries: list[Scheduled], key: tuple[int, int]) -> list[int]:
     """Replays the graph once more (its inputs are this step's outputs) when every entry may take
-    that step whatever this one emits: far enough from max_tokens for a whole tree step more, with
-    the blocks it writes held. Returns the rows queued (all or none)."""
+    that step: this one cannot end it by its length, and it holds the blocks that step writes.
+    Returns the rows queued (all or none)."""
     if not w.lookahead.enabled or w.tree_graphs is None:
         return []
     shape, bs = w.tree, w.cache.block_size
     assert shape is not None
     reach = shape.depth + 2 + max(shape.nodes, shape.depth + shape.frontier * (shape.depth - 1))
-    ok = all(e.k_next == shape.nodes and len(e.request.output_ids) + 2 * (shape.depth + 1) < e.request.params.max_tokens
+    # A request this step may finish by its length would leave the queued step unread: none then.
+    ok = all(e.k_next == shape.nodes and len(e.request.output_ids) + shape.depth + 1 < e.request.params.max_tokens
              and len(e.request.blocks) * bs >= e.start + reach for e in entries)
     if not ok:
         return []

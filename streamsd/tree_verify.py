@@ -88,6 +88,14 @@ def verify_trees(v: Verifier, entries: list[Scheduled], logits: torch.Tensor, ca
 def move_kv(cache: PagedKVCache, store: StreamStore | None, starts: torch.Tensor, path: torch.Tensor,
             block_table: torch.Tensor, block_size: int) -> None:
     """The accepted nodes' K/V (and streams) moved from their window rows to their positions."""
+    if path.is_cuda:  # one launch per store (kernels/tree.py)
+        from streamsd.kernels.tree import move_path
+
+        d = cache.data
+        move_path(d.view(d.shape[0] * 2, -1, d.shape[-2] * d.shape[-1]), starts, path, block_table, block_size)
+        if store is not None:
+            move_path(store.data.unsqueeze(0), starts, path, block_table, block_size)
+        return
     src, dst = path_moves(starts, path)  # [B, D] positions
     src_slots = positions_to_slots(src, block_table, block_size).view(-1)
     dst_slots = positions_to_slots(dst, block_table, block_size).view(-1)
@@ -98,7 +106,7 @@ def move_kv(cache: PagedKVCache, store: StreamStore | None, starts: torch.Tensor
 
 def _block_table(reqs: list[Request], dev: torch.device) -> torch.Tensor:
     width = max(len(r.blocks) for r in reqs)
-    return h2d([r.blocks + [0] * (width - len(r.blocks)) for r in reqs], torch.int64, dev)  # [B, W]
+    return h2d([r.blocks + [0] * (width - len(r.blocks)) for r in reqs], torch.int32, dev)  # [B, W] as graphs hold it
 
 
 def _suppress_by_depth(v: Verifier, entries: list[Scheduled], rows: torch.Tensor, depth: np.ndarray) -> torch.Tensor:

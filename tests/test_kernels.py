@@ -670,3 +670,77 @@ def test_restart_kernel_equals_the_torch_layout(mode):
     if mode == "ids":
         assert p0[width] == tokens[1, 3] and p0[width + 1 : 2 * width].tolist() == drafts[1].tolist()
     assert (p0[n * width : t_all] == -7).all()  # rows past S untouched
+
+
+@pytest.mark.parametrize("vocab,k", [(1000, 3), (49152, 6), (5000, 8)])
+def test_topk_logprobs_equal_torchs_log_softmax_and_topk(vocab, k):
+    from streamsd.kernels.topk import topk_logprobs
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(5, vocab, generator=g) * 3).to(DEV)
+    logits[1, 7] = float("-inf")  # impossible ids (outside a head's draft vocabulary)
+    logits[2, 100:] = float("-inf")
+    ref_v, ref_i = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    v, i = topk_logprobs(logits, k)
+    assert torch.equal(i, ref_i)
+    assert torch.allclose(v, ref_v, atol=1e-5)
+
+
+def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
+    """kernels/tree.py against spec/tree.py: the walk, the accepted nodes' moves (all read before
+    any is written) and the next window's ids, positions, slots and masks."""
+    from streamsd.kernels import tree as kt
+    from streamsd.spec import tree as st
+    from streamsd.tree_verify import host_tree
+
+    g = torch.Generator().manual_seed(5)
+    b, n, d, bs = 3, 10, 4, 4
+    parents = torch.tensor([[-1, -1, -1, 0, 0, 1, 3, 3, 6, -2],
+                            [-1, 0, 1, 2, -1, 4, 5, -2, -2, -2],
+                            [-1, -1, 1, 1, 2, -1, 4, 5, 3, 0]])  # depth <= 4
+    tokens = torch.randint(0, 6, (b, n), generator=g)
+    for row in range(b):  # siblings hold distinct tokens
+        for i in range(n):
+            sib = [tokens[row, j].item() for j in range(i) if parents[row, j] == parents[row, i]]
+            while tokens[row, i].item() in sib:
+                tokens[row, i] = (tokens[row, i] + 1) % 50
+    for trial in range(20):
+        target = torch.randint(0, 6, (b, n + 1), generator=g)
+        if trial % 2:  # a walk down a long path
+            target[:, 0] = tokens[:, 0]
+            target[:, 1] = torch.where(parents[:, 3] == 0, tokens[:, 3], target[:, 1])
+        ref = st.walk(target, tokens, parents, d)
+        out = kt.walk(target.to(DEV), tokens.to(DEV), parents.to(DEV), d)
+        assert all(torch.equal(x.cpu(), y) for x, y in zip(out, ref, strict=True)), trial
+    # moves: one cache plane of 8 slots a block, path nodes anywhere in the window
+    table = torch.tensor([[3, 1, 4, 0], [2, 6, 5, 7], [8, 9, 10, 11]], dtype=torch.int32)
+    roots = torch.tensor([2, 5, 1])
+    path = torch.tensor([[2, 5, -1, -1], [0, 1, 2, 3], [1, -1, -1, -1]])
+    data = torch.randn(2, 12 * bs, 6, generator=g)
+    ref = data.clone()
+    src, dst = st.path_moves(roots, path)
+    s_slot, d_slot = (st.positions_to_slots(x, table, bs).view(-1) for x in (src, dst))
+    ref[:, d_slot] = ref[:, s_slot]
+    moved = data.to(DEV)
+    kt.move_path(moved, roots.to(DEV), path.to(DEV), table.to(DEV), bs)
+    assert torch.equal(moved.cpu(), ref)
+    # the next window
+    first, pending = torch.tensor([7, 8, 9]), torch.tensor([3, 0, 6])
+    packed, bits = torch.zeros(3 * b * (n + 1) + 2 * b + 1, dtype=torch.int64).to(DEV), torch.zeros(b * (n + 1),
+                                                                                                dtype=torch.int64).to(DEV)
+    big = torch.tensor([list(range(12, 20)), list(range(20, 28)), list(range(28, 36))], dtype=torch.int32)
+    kt.next_window(parents.to(DEV), tokens.to(DEV), first.to(DEV), pending.to(DEV), big.to(DEV), bs, packed, bits, d)
+    t = b * (n + 1)
+    packed, bits = packed.cpu(), bits.cpu()
+    for row in range(b):
+        depth, mask = host_tree([p for p in parents[row].tolist() if p != -2])
+        live = len(depth)
+        w = slice(row * (n + 1), row * (n + 1) + live)
+        assert packed[w].tolist() == [first[row].item(), *tokens[row, : live - 1].tolist()]
+        assert packed[t:][w].tolist() == [pending[row].item() + x for x in depth]
+        assert bits[w].tolist() == mask
+        pos = pending[row] + torch.arange(n + 1)
+        assert packed[2 * t + row * (n + 1) : 2 * t + (row + 1) * (n + 1)].tolist() == \
+            st.positions_to_slots(pos.unsqueeze(0), big[row : row + 1], bs)[0].tolist()
+        assert packed[3 * t + row] == pending[row] + n + 1
+    assert torch.equal(bits.view(b, n + 1), st.window_bits(parents, d))

@@ -27,6 +27,8 @@ from streamsd.model.kv_cache import BatchLayout
 
 KERNEL_MAX_QUERY = 16  # longest query (1 + k) the kernel takes; longer ones are prefill_attention's
 TREE_MAX_QUERY = 64  # ... in a step that verifies draft trees (a root and up to 62 nodes per window)
+TREE_MAX_SPLITS = 4
+MERGE_ROWS = 32  # rows of a tile each merging program takes: a tree window's tile is split among several
 TILE_TOKENS = 64  # keys per inner iteration (4 pages of 16)
 LOG2E = 1.4426950408889634
 
@@ -87,13 +89,13 @@ def _paged_attn_kernel(
 def _merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, ctx_ptr, qs_ptr, so_t, so_h,
     GROUP: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     q0 = tl.load(qs_ptr + seq)
     qlen = tl.load(qs_ptr + seq + 1) - q0
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)  # this program's rows of the tile
     tok = rows // GROUP
     head = kvh * GROUP + rows % GROUP
     # A prompt chunk (qlen > QMAX) writes nothing here. Folded into the bound, not and-ed as a scalar
@@ -101,11 +103,11 @@ def _merge_splits_kernel(
     row_ok = (tok < tl.where(qlen <= QMAX, qlen, 0)) & (tok < QMAX)
     d = tl.arange(0, HEAD_DIM)
     base = (seq * tl.num_programs(1) + kvh) * SPLITS
-    m_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    m_max = tl.full([ROWS], -1.0e30, tl.float32)
     for s in tl.static_range(SPLITS):
         m_max = tl.maximum(m_max, tl.load(part_ml_ptr + ((base + s) * 2) * BLOCK_M + rows))
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    denom = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     for s in tl.static_range(SPLITS):
         w = tl.exp2(tl.load(part_ml_ptr + ((base + s) * 2) * BLOCK_M + rows) - m_max)  # [BLOCK_M]
         denom += w * tl.load(part_ml_ptr + ((base + s) * 2 + 1) * BLOCK_M + rows)
@@ -152,6 +154,10 @@ def paged_attention(
     if splits is None:
         sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         splits = pick_splits(num_seqs, kv_heads, block_table.shape[1], page, sm)
+        if tree and block_m > 32:
+            # A tree window's tile is up to 8x a decode token's: splitting a short context 16 ways left
+            # most splits empty, and merging them cost more than the attention (the H200, batch 1).
+            splits = min(splits, TREE_MAX_SPLITS)
     if splits > 1:
         part_acc = torch.empty(num_seqs * kv_heads * splits * block_m * dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs * kv_heads * splits * 2 * block_m, dtype=torch.float32, device=q.device)
@@ -167,9 +173,10 @@ def paged_attention(
         num_warps=4, num_stages=2,
     )
     if splits > 1:
-        _merge_splits_kernel[(num_seqs, kv_heads)](
+        rows = min(block_m, MERGE_ROWS)
+        _merge_splits_kernel[(num_seqs, kv_heads, block_m // rows)](
             part_acc, part_ml, out, context_lens, query_starts, out.stride(0), out.stride(1), SPLITS=splits,
-            **meta, num_warps=4,
+            ROWS=rows, **meta, num_warps=4,
         )
     return out
 

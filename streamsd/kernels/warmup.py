@@ -39,6 +39,8 @@ from streamsd.kernels.prefill_attention import (
 from streamsd.kernels.rejection import _rejection_kernel, rejection_sample_triton
 from streamsd.kernels.restart import _restart, restart_triton
 from streamsd.kernels.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
+from streamsd.kernels.topk import _chunk_topk_kernel, _merge_topk_kernel
+from streamsd.kernels.tree import _move_kernel, _next_window_kernel, _walk_kernel
 from streamsd.kernels.warp import _sample_kernel, _warp_kernel, sample_tokens, warp_probs
 from streamsd.kernels.warp_chunked import (
     _argmax_chunk_kernel,
@@ -56,12 +58,18 @@ _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
 
 def compiled_variants() -> int:
     """Kernel binaries compiled in this process so far (a step that raises it stalled on a compile)."""
-    total = 0
+    return sum(compiled_by_kernel().values())
+
+
+def compiled_by_kernel() -> dict[str, int]:
+    """compiled_variants by kernel name (which one compiled inside a step)."""
+    counts = {}
     for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel,
                _exponentials_kernel, _uniforms_kernel, _restart, _warp_kernel, _sample_kernel,
-               _chunk_stats_kernel, _chunk_kept_kernel, _warp_out_kernel, _merge_best_kernel, _argmax_chunk_kernel):
-        total += sum(len(cache[0]) for cache in fn.device_caches.values())
-    return total
+               _chunk_stats_kernel, _chunk_kept_kernel, _warp_out_kernel, _merge_best_kernel, _argmax_chunk_kernel,
+               _walk_kernel, _move_kernel, _next_window_kernel, _chunk_topk_kernel, _merge_topk_kernel):
+        counts[fn.__name__] = sum(len(cache[0]) for cache in fn.device_caches.values())
+    return counts
 
 
 def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab: int, max_k: int,

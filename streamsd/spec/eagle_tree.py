@@ -68,8 +68,12 @@ def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Ten
 
 def _children(head: EagleHead, out: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's `c` likeliest next tokens after outputs out [R, H]: (log-probabilities, ids) [R, C]."""
-    logp = torch.log_softmax(head.target_logits(out), dim=-1)  # [R, V]
-    values, ids = logp.topk(c, dim=-1)
+    logits = head.target_logits(out)  # [R, V]
+    if logits.is_cuda:  # two launches, not a softmax and a radix top-k (kernels/topk.py)
+        from streamsd.kernels.topk import topk_logprobs
+
+        return topk_logprobs(logits, c)
+    values, ids = torch.log_softmax(logits, dim=-1).topk(c, dim=-1)
     return values, ids
 
 

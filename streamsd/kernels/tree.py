@@ -1,0 +1,145 @@
+"""A draft tree's bookkeeping in three Triton launches (spec/tree.py's torch functions are the oracles).
+
+Inside a tree step's CUDA graph (tree_graphs.py) the walk, the moves of the accepted nodes' KV and
+the next step's window were ~100 small torch kernels, a few microseconds each on the H200:
+- `walk`: one program per request follows the target's tokens down its tree (D scalar steps);
+- `move_path`: one program per (request, cache plane, chunk of a slot's elements) reads every
+  accepted node's slot, then writes them to their positions (all read first: a move may read a slot
+  another one writes);
+- `next_window`: one program per request lays out the next verify from the new tree: each row's
+  depth and mask (parents settle in D rounds through the output itself), ids, positions and slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["n"])
+def _walk_kernel(target_ptr, tokens_ptr, parents_ptr, emitted_ptr, accepted_ptr, path_ptr, n,
+                 W: tl.constexpr, D: tl.constexpr, NP: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, NP)
+    live = idx < n
+    tok = tl.load(tokens_ptr + b * n + idx, mask=live, other=-1)
+    par = tl.load(parents_ptr + b * n + idx, mask=live, other=-2)
+    cur = -1  # the node the walk is at (-1: the root), and its window row
+    row = 0
+    taken = 0
+    going = 1
+    for d in tl.static_range(D):
+        t = tl.load(target_ptr + b * W + row)
+        hit = (par == cur) & (tok == t) & live
+        found = (tl.max(hit.to(tl.int32), 0) > 0) & (going > 0)
+        j = tl.argmax(hit.to(tl.int32), 0)
+        tl.store(path_ptr + b * D + d, tl.where(found, j, -1).to(tl.int64))
+        tl.store(emitted_ptr + b * (D + 1) + d, tl.where(found, t, -1))
+        cur = tl.where(found, j, cur)
+        row = tl.where(found, j + 1, row)
+        taken += found.to(tl.int32)
+        going = found.to(tl.int32)
+    tl.debug_barrier()
+    tl.store(emitted_ptr + b * (D + 1) + D, -1)
+    tl.debug_barrier()
+    tl.store(emitted_ptr + b * (D + 1) + taken, tl.load(target_ptr + b * W + row))
+    tl.store(accepted_ptr + b, taken.to(tl.int64))
+
+
+def walk(target: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, max_depth: int
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """spec/tree.walk in one launch: (emitted [B, D + 1], accepted [B], path [B, D])."""
+    b, n = tokens.shape
+    dev = tokens.device
+    emitted = torch.empty(b, max_depth + 1, dtype=torch.int64, device=dev)
+    accepted = torch.empty(b, dtype=torch.int64, device=dev)
+    path = torch.empty(b, max_depth, dtype=torch.int64, device=dev)
+    _walk_kernel[(b,)](target.contiguous(), tokens.contiguous(), parents.contiguous(), emitted, accepted, path, n,
+                       W=target.shape[1], D=max_depth, NP=triton.next_power_of_2(n), num_warps=1)
+    return emitted, accepted, path
+
+
+@triton.jit(do_not_specialize=["plane_stride", "s_bt", "elems"])
+def _move_kernel(data_ptr, plane_stride, roots_ptr, path_ptr, bt_ptr, s_bt, elems,
+                 D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    plane = tl.program_id(1).to(tl.int64)
+    e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, DP)
+    p = tl.load(path_ptr + b * D + d, mask=d < D, other=-1)  # [DP]
+    moving = p >= 0
+    root = tl.load(roots_ptr + b)
+    src_pos = tl.where(moving, root + 1 + p, root)
+    dst_pos = tl.where(moving, root + 1 + d, root)
+    src = tl.load(bt_ptr + b * s_bt + src_pos // PAGE).to(tl.int64) * PAGE + src_pos % PAGE
+    dst = tl.load(bt_ptr + b * s_bt + dst_pos // PAGE).to(tl.int64) * PAGE + dst_pos % PAGE
+    ok = moving[:, None] & (e < elems)[None, :]
+    base = data_ptr + plane * plane_stride
+    vals = tl.load(base + src[:, None] * elems + e[None, :], mask=ok)  # [DP, BLOCK]: every source first
+    tl.store(base + dst[:, None] * elems + e[None, :], vals, mask=ok)
+
+
+def move_path(data: torch.Tensor, roots: torch.Tensor, path: torch.Tensor, block_table: torch.Tensor,
+              block_size: int) -> None:
+    """tree_verify.move_kv's moves on one store, data [planes, slots, elems] (contiguous per slot):
+    the node accepted at depth d + 1 from position root + 1 + path[d] to root + 1 + d."""
+    planes, _, elems = data.shape
+    b, dmax = path.shape
+    block = min(1024, triton.next_power_of_2(elems))
+    _move_kernel[(b, planes, triton.cdiv(elems, block))](
+        data, data.stride(0), roots, path.contiguous(), block_table, block_table.stride(0), elems,
+        D=dmax, DP=triton.next_power_of_2(dmax), BLOCK=block, PAGE=block_size, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["s_bt", "t_all", "n"])
+def _next_window_kernel(parents_ptr, tokens_ptr, first_ptr, pending_ptr, bt_ptr, s_bt, packed_ptr, t_all,
+                        bits_ptr, depth_ptr, n, W: tl.constexpr, D: tl.constexpr, NP: tl.constexpr,
+                        PAGE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, NP)
+    live = idx < n
+    par = tl.load(parents_ptr + b * n + idx, mask=live, other=-2)
+    up = tl.where(par >= 0, par, 0)
+    own = tl.full([NP], 1, tl.int64) << (idx + 1).to(tl.int64)
+    depth = tl.full([NP], 1, tl.int64)
+    bits = tl.where(par == -2, own, own | 1)  # a node sees itself and the root (padding: itself)
+    scratch = depth_ptr + b * 2 * NP
+    for _ in tl.static_range(D - 1):  # parents precede children: D - 1 rounds settle every path
+        tl.store(scratch + idx, depth)
+        tl.store(scratch + NP + idx, bits)
+        tl.debug_barrier()
+        pd = tl.load(scratch + up)
+        pb = tl.load(scratch + NP + up)
+        tl.debug_barrier()
+        depth = tl.where(par >= 0, pd + 1, 1)
+        bits = tl.where(par >= 0, own | pb, bits)
+    pending = tl.load(pending_ptr + b)
+    row0 = b * W
+    # the root row, then node i at row 1 + i
+    tl.store(packed_ptr + row0, tl.load(first_ptr + b))
+    tl.store(packed_ptr + t_all + row0, pending)
+    tl.store(bits_ptr + row0, 1)
+    tl.store(packed_ptr + row0 + 1 + idx, tl.load(tokens_ptr + b * n + idx, mask=live, other=0), mask=live)
+    tl.store(packed_ptr + t_all + row0 + 1 + idx, pending + depth, mask=live)
+    tl.store(bits_ptr + row0 + 1 + idx, bits, mask=live)
+    w = tl.arange(0, 2 * NP)
+    pos = pending + w
+    slot = tl.load(bt_ptr + b * s_bt + pos // PAGE, mask=w < W, other=0).to(tl.int64) * PAGE + pos % PAGE
+    tl.store(packed_ptr + 2 * t_all + row0 + w, slot, mask=w < W)
+    tl.store(packed_ptr + 3 * t_all + b, pending + W)  # the context length
+
+
+def next_window(parents: torch.Tensor, tokens: torch.Tensor, first: torch.Tensor, pending: torch.Tensor,
+                block_table: torch.Tensor, block_size: int, packed: torch.Tensor, bits: torch.Tensor,
+                max_depth: int) -> None:
+    """Writes the next verify's window into a tree graph's packed inputs (ids | positions | slots
+    for the B x W rows) and masks: row 0 the pending token `first` at `pending`, row 1 + i node i of
+    the new tree (tokens, parents [B, N]) at pending + its depth; slots pending + row."""
+    b, n = parents.shape
+    w = n + 1
+    np_ = triton.next_power_of_2(n)
+    scratch = torch.empty(b * 2 * np_, dtype=torch.int64, device=parents.device)
+    _next_window_kernel[(b,)](parents.contiguous(), tokens.contiguous(), first.contiguous(), pending, block_table,
+                              block_table.stride(0), packed, b * w, bits, scratch, n,
+                              W=w, D=max_depth, NP=np_, PAGE=block_size, num_warps=1)
