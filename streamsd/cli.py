@@ -31,6 +31,10 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K, the most drafts verified per step")
     p.add_argument("--speculation-policy", choices=["adaptive", "fixed"], default="adaptive",
                    help="adaptive: k per request and step from measured costs and acceptance; fixed: always K")
+    p.add_argument("--speculative-tree", default=None, metavar="D,M,C,N",
+                   help="EAGLE only: draft a tree per step instead of a chain: depth D, the M likeliest nodes of "
+                        "each level expanded into their C likeliest children, the N likeliest nodes verified "
+                        "(e.g. 5,4,4,16); verified whole each step (the fixed policy)")
     p.add_argument("--draft-greedy-threshold", type=float, default=0.75,
                    help="requests below this temperature draft greedily (one-hot q); others sample drafts")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -60,12 +64,14 @@ def default_speculation(model: str, draft_model: str | None, device: str | None)
 
 
 def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
-    from streamsd.config import EngineConfig, SpecConfig
+    from streamsd.config import EngineConfig, SpecConfig, TreeShape
 
     method = a.speculative_method or default_speculation(a.model, a.draft_model, a.device)
-    spec = SpecConfig(method=None if method == "none" else method, num_tokens=a.num_speculative_tokens,
-                      draft_model=a.draft_model, draft_greedy_threshold=a.draft_greedy_threshold,
-                      policy=a.speculation_policy)
+    tree = TreeShape.parse(a.speculative_tree) if a.speculative_tree else None
+    spec = SpecConfig(method=None if method == "none" else method,
+                      num_tokens=tree.nodes if tree else a.num_speculative_tokens, draft_model=a.draft_model,
+                      draft_greedy_threshold=a.draft_greedy_threshold,
+                      policy="fixed" if tree else a.speculation_policy, tree=tree)
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline))

@@ -206,7 +206,8 @@ class Scheduler:
         end = e.start + e.num_tokens + e.num_drafts
         if e.verifies:
             # the next drafts are written by the draft model in this step (or a head's tree window)
-            end += 1 + (max(e.k_next, self.cfg.draft_window) if e.k_next else 0)
+            grows = e.k_next or (self.cfg.whole_drafts and e.num_drafts)  # a tree step always grows the next
+            end += 1 + (max(e.k_next, self.cfg.draft_window) if grows else 0)
             if e.k_next:
                 end += self.cfg.lookahead  # and the step queued behind this one writes further
         need = self._blocks_for(min(end, self.cfg.max_model_len + 1)) - len(r.blocks)

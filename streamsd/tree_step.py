@@ -68,12 +68,13 @@ def eager_tree_step(w: Worker, entries: list[Scheduled]) -> list[EntryResult]:
 
 
 def _whole_trees(w: Worker, entries: list[Scheduled]) -> bool:
-    """Every entry verifies its pending token and a full tree and wants the next full one, its head
-    caught up to the root, with nothing the graph leaves to the eager path."""
+    """Every entry verifies its pending token and a full tree and wants the next full one (or none:
+    its last step, whose grown tree is dropped), its head caught up to the root, with nothing the
+    graph leaves to the eager path."""
     assert w.tree is not None
     n = w.tree.nodes
     return bool(entries) and all(
-        e.verifies and e.num_tokens == 1 and e.num_drafts == n and e.k_next == n
+        e.verifies and e.num_tokens == 1 and e.num_drafts == n and e.k_next in (0, n)
         and e.request.draft_computed == e.start and e.request.params.logprobs is None
         and not below_min_tokens(e.request) for e in entries)
 

@@ -339,3 +339,21 @@ def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, h
     assert len(w.tree_graphs.graphs) == graphs
     assert after == compiled, {k: after[k] - compiled[k] for k in after if after[k] != compiled[k]}
     _assert_free(llm)
+
+
+def test_cli_generates_with_a_tree_and_refuses_a_bad_one(tiny_model_dir, head, reference, capsys):
+    from streamsd.cli import main
+
+    args = ["generate", "--model", str(tiny_model_dir), "--draft-model", str(head), "--speculative-method", "eagle",
+            "--max-tokens", str(MAX_TOKENS[0]), "--prompt", PROMPTS[0]]
+    assert main([*args, "--speculative-tree", "4,3,3,10"]) == 0
+    tree = capsys.readouterr().out
+    assert main(["generate", "--model", str(tiny_model_dir), "--max-tokens", str(MAX_TOKENS[0]),
+                 "--prompt", PROMPTS[0]]) == 0
+    plain = capsys.readouterr().out
+    assert "(eagle)" in tree and "mean accepted length" in tree
+    assert tree.splitlines()[0] == plain.splitlines()[0]  # greedy: the same text as plain decoding
+    assert main([*args, "--speculative-tree", "4,3,3,70"]) == 2
+    assert "nodes" in capsys.readouterr().err
+    assert main([*args[:6], "ngram", *args[7:], "--speculative-tree", "4,3,3,10"]) == 2
+    assert "EAGLE" in capsys.readouterr().err

@@ -190,7 +190,7 @@ class EagleProposer:
         pending = [it.upto for it in items]
         tables = [it.request.blocks for it in items]
         width = max(len(t) for t in tables)
-        table = h2d([t + [0] * (width - len(t)) for t in tables], torch.int64, self.device)  # [Bd, W]
+        table = h2d([t + [0] * (width - len(t)) for t in tables], torch.int32, self.device)  # [Bd, W] as graphs hold it
         tokens, parents = grow(self.head, self._run, h0, h2d(pending, torch.int64, self.device), table,
                                self.cache.block_size, self.tree, host=(pending, tables))
         host = torch.cat([tokens, parents], dim=1).tolist()
