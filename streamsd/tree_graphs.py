@@ -129,10 +129,12 @@ class TreeGraphs:
         """One more step from the inputs the last replay of this graph wrote (a step queued ahead);
         `tables`: the requests' blocks now (the scheduler may have added some since)."""
         g = self.graphs[key]
-        table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+        # Whole: a padding row's next window goes through its row of the table, which must not still
+        # hold the blocks of a request that sat there before (it would write into them).
+        table = np.full(tuple(g.block_table.shape), self.scratch, dtype=np.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
-        g.block_table[: table.shape[0], : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
+        g.block_table.copy_(torch.from_numpy(table), non_blocking=True)
         if g.graph is None:
             self._step(g)
         else:

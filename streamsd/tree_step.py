@@ -34,13 +34,16 @@ def tree_step(w: Worker, entries: list[Scheduled], queue_next: bool = True) -> l
             return eager_tree_step(w, entries)
         assert graphs is not None
         result = graphs.run(key, [e.request for e in entries], [e.start for e in entries])
+        whole = True
     else:
         queued, picked = taken
         key = queued.key
-        result = queued.tokens if len(picked) == len(queued.requests) else \
-            queued.tokens.index_select(0, h2d(picked, torch.int64, w.device))
+        whole = len(picked) == len(queued.requests)
+        result = queued.tokens if whole else queued.tokens.index_select(0, h2d(picked, torch.int64, w.device))
     w.readback.start(result[: len(entries)])
-    queued_rows = _queue_next(w, entries, key) if queue_next else []
+    # The graph's own next inputs are row for row those of the step it ran: a step that lost rows
+    # (a request stopped) is followed by one with the host's inputs instead.
+    queued_rows = _queue_next(w, entries, key) if queue_next and whole else []
     w.launched.set()
     host = w.readback.wait()
     d1, n = w.tree.depth + 1, w.tree.nodes

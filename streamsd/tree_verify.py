@@ -21,7 +21,7 @@ from streamsd.sampling.greedy import row_argmax
 from streamsd.sampling.sampler import sample_keyed, token_logprobs
 from streamsd.spec.tree import NONE, ROOT, path_moves, positions_to_slots, walk
 from streamsd.step import Scheduled
-from streamsd.verify import Verified, Verifier, below_min_tokens
+from streamsd.verify import Verified, Verifier
 
 
 def host_tree(parents: list[int]) -> tuple[list[int], list[int]]:
@@ -70,7 +70,7 @@ def verify_trees(v: Verifier, entries: list[Scheduled], logits: torch.Tensor, ca
         row += 1 + k
     depth_t = h2d(torch.from_numpy(depth), torch.int64, dev)  # [B, N + 1]
     rows = logits[h2d(torch.from_numpy(index.ravel()), torch.int64, dev)].view(b, n + 1, -1)  # [B, N + 1, V]
-    rows = _suppress_by_depth(v, entries, rows, depth)
+    rows = v.suppress_early_stops(entries, rows, depth=depth)
     target = _target_tokens(v, reqs, rows, depth_t)  # [B, N + 1]
     tok_t, par_t = (h2d(torch.from_numpy(x), torch.int64, dev) for x in (tokens, parents))
     emitted, accepted, path = walk(target, tok_t, par_t, max_depth)
@@ -107,27 +107,6 @@ def move_kv(cache: PagedKVCache, store: StreamStore | None, starts: torch.Tensor
 def _block_table(reqs: list[Request], dev: torch.device) -> torch.Tensor:
     width = max(len(r.blocks) for r in reqs)
     return h2d([r.blocks + [0] * (width - len(r.blocks)) for r in reqs], torch.int32, dev)  # [B, W] as graphs hold it
-
-
-def _suppress_by_depth(v: Verifier, entries: list[Scheduled], rows: torch.Tensor, depth: np.ndarray) -> torch.Tensor:
-    """Below min_tokens a row whose token would come too early may not stop the request."""
-    cells = []
-    for i, e in enumerate(entries):
-        r = e.request
-        if not below_min_tokens(r):
-            continue
-        p = r.params
-        banned = ([] if p.ignore_eos else list(r.eos_ids)) + list(p.stop_token_ids or [])
-        made = len(r.output_ids)
-        for j in range(e.num_drafts + 1):
-            if made + int(depth[i, j]) < p.min_tokens:
-                cells.extend((i, j, t) for t in banned if t < v.vocab)
-    if not cells:
-        return rows
-    rows = rows.clone()
-    b, j, t = zip(*cells, strict=True)
-    rows[list(b), list(j), list(t)] = float("-inf")
-    return rows
 
 
 def _target_tokens(v: Verifier, reqs: list[Request], rows: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:

@@ -198,9 +198,11 @@ class Verifier:
             wp = self._warp_cache[key] = WarpParams.build(list(key), self.device)
         return wp
 
-    def suppress_early_stops(self, entries: list[Scheduled], rows: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+    def suppress_early_stops(self, entries: list[Scheduled], rows: torch.Tensor, ahead: int = 0,
+                             depth: np.ndarray | None = None) -> torch.Tensor:
         """Below min_tokens, EOS and stop ids are impossible in the target distribution itself.
-        rows [B, K+1, V]; `ahead`: tokens the requests will have gained before these rows."""
+        rows [B, K+1, V]; `ahead`: tokens the requests will have gained before these rows; `depth`
+        [B, K+1]: how far past the pending token each row decides (a draft tree's; default: j)."""
         cells = []
         for b, e in enumerate(entries):
             p, r = e.request.params, e.request
@@ -209,7 +211,7 @@ class Verifier:
             made = len(r.output_ids) + ahead
             banned = ([] if p.ignore_eos else list(r.eos_ids)) + list(p.stop_token_ids or [])
             for j in range(e.num_drafts + 1):
-                if made + j < p.min_tokens:
+                if made + (j if depth is None else int(depth[b, j])) < p.min_tokens:
                     cells.extend((b, j, t) for t in banned if t < self.vocab)
         if not cells:
             return rows

@@ -8,7 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_engine import MAX_TOKENS, PROMPTS, _assert_free, _target_next_token_probs, greedy_params, hf_greedy
+from test_engine import (
+    MAX_TOKENS,
+    PROMPTS,
+    _assert_free,
+    assert_pairs_follow_target,
+    greedy_params,
+    hf_greedy,
+)
 from tiny import CORPUS, build_model
 from transformers import AutoModelForCausalLM
 
@@ -252,25 +259,8 @@ def test_end_to_end_eagle_sampling_matches_target_distribution(tiny_model_dir, h
     prompt = llm.core.encode_prompt("Once upon a time")
     params = [SamplingParams(temperature=temperature, max_tokens=4, seed=s, ignore_eos=True) for s in range(n)]
     res = llm.generate([prompt] * n, params)
-    pairs = [tuple(r.outputs[0].token_ids[:2]) for r in res]
     assert sum(r.spec_stats.accepted for r in res) > 0 and sum(r.spec_stats.drafted for r in res) > 0
-    p1 = _target_next_token_probs(tiny_model_dir, prompt, temperature, 0, 1.0, 0.0)
-    firsts = sorted({a for a, _ in pairs} | set((p1 > 0.01).nonzero().flatten().tolist()))
-    observed, expected = [], []
-    for a in firsts:
-        p2 = _target_next_token_probs(tiny_model_dir, prompt + [a], temperature, 0, 1.0, 0.0)
-        for b in range(p2.numel()):
-            o = sum(1 for x in pairs if x == (a, b))
-            assert p1[a] * p2[b] > 0 or o == 0, "emitted a pair the target forbids"
-            observed.append(o)
-            expected.append(n * p1[a].item() * p2[b].item())
-    from scipy.stats import chisquare
-
-    obs, exp = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
-    big = exp >= 5
-    o2 = torch.cat([obs[big], obs[~big].sum().view(1)])
-    e2 = torch.cat([exp[big], exp[~big].sum().view(1)])
-    assert chisquare(o2.numpy(), (e2 * o2.sum() / e2.sum()).numpy()).pvalue > 1e-3
+    assert_pairs_follow_target(tiny_model_dir, prompt, res, (temperature, 0, 1.0, 0.0))
     _assert_free(llm)
 
 

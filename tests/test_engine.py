@@ -241,13 +241,20 @@ def test_end_to_end_sampling_matches_target_distribution(tiny_model_dir, close_d
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_tokens=4,
                              seed=s, ignore_eos=True) for s in range(n)]
     res = llm.generate([prompt] * n, params)
-    pairs = [tuple(r.outputs[0].token_ids[:2]) for r in res]
     assert sum(r.spec_stats.accepted for r in res) > 0
-    p1 = _target_next_token_probs(tiny_model_dir, prompt, temperature, top_k, top_p, min_p)
+    assert_pairs_follow_target(tiny_model_dir, prompt, res, (temperature, top_k, top_p, min_p))
+
+
+def assert_pairs_follow_target(model_dir, prompt: list[int], res: list, warp: tuple) -> None:
+    """The first two tokens of the answers `res` (one per seed) against the target's exact warped
+    joint p(t1) p(t2 | t1): no forbidden pair, and a chi-square test (sparse cells pooled)."""
+    n = len(res)
+    pairs = [tuple(r.outputs[0].token_ids[:2]) for r in res]
+    p1 = _target_next_token_probs(model_dir, prompt, *warp)
     firsts = sorted({a for a, _ in pairs} | set((p1 > 0.01).nonzero().flatten().tolist()))
     observed, expected = [], []
     for a in firsts:
-        p2 = _target_next_token_probs(tiny_model_dir, prompt + [a], temperature, top_k, top_p, min_p)
+        p2 = _target_next_token_probs(model_dir, prompt + [a], *warp)
         for b in range(p2.numel()):
             e = n * p1[a].item() * p2[b].item()
             o = sum(1 for x in pairs if x == (a, b))
