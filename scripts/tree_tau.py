@@ -89,17 +89,16 @@ class Simulator:
                                                None, causal)
 
     def _layer(self, ids, feats, positions, keys, values, mask):
-        """The head's layer over new rows that see `keys`/`values` (all of them) and each other by `mask`."""
+        """The head's layer over new rows that see `keys`/`values` and their own K/V where `mask` [rows,
+        keys + rows] says."""
         captured = {}
 
         def attend(q, k, v):
             captured["k"], captured["v"] = k, v
             kk = k if keys is None else torch.cat([keys, k])
             vv = v if values is None else torch.cat([values, v])
-            seen = mask if keys is None else torch.cat([torch.ones(q.shape[0], keys.shape[0], dtype=torch.bool),
-                                                        mask], dim=1)
             o = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                                               attn_mask=seen, scale=self.scale, enable_gqa=True)
+                                               attn_mask=mask, scale=self.scale, enable_gqa=True)
             return o.transpose(0, 1)
 
         out = self.head.run_layer(ids, feats, positions, attend)
@@ -118,11 +117,12 @@ class Simulator:
         for depth in range(1, s.depth):
             frontier = sorted(level, key=lambda i: -nodes[i][2])[: s.frontier]
             ntree = 0 if tree_k is None else tree_k.shape[0]
-            mask = torch.zeros(len(frontier), ntree + len(frontier), dtype=torch.bool)
+            mask = torch.zeros(len(frontier), pos + ntree + len(frontier), dtype=torch.bool)
+            mask[:, :pos] = True  # the context
             for r, i in enumerate(frontier):
                 for up in anc[i]:
-                    mask[r, slot[up]] = True
-                mask[r, ntree + r] = True
+                    mask[r, pos + slot[up]] = True
+                mask[r, pos + ntree + r] = True
             kk = keys if tree_k is None else torch.cat([keys, tree_k])
             vv = values if tree_v is None else torch.cat([values, tree_v])
             out, k, v = self._layer(torch.tensor([nodes[i][0] for i in frontier]),
