@@ -75,9 +75,10 @@ def _whole_trees(w: Worker, entries: list[Scheduled]) -> bool:
     its last step, whose grown tree is dropped), its head caught up to the root, with nothing the
     graph leaves to the eager path."""
     assert w.tree is not None
-    n = w.tree.nodes
+    n, room = w.tree.nodes, w.target.args.max_position - 2 * (w.tree.nodes + w.tree.depth + 1)
+    # A last step still grows a tree (dropped): only where its positions stay inside the model's.
     return bool(entries) and all(
-        e.verifies and e.num_tokens == 1 and e.num_drafts == n and e.k_next in (0, n)
+        e.verifies and e.num_tokens == 1 and e.num_drafts == n and (e.k_next == n or (e.k_next == 0 and e.start < room))
         and e.request.draft_computed == e.start and e.request.params.logprobs is None
         and not below_min_tokens(e.request) for e in entries)
 
