@@ -20,7 +20,7 @@ path (tree_verify.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -55,6 +55,7 @@ class _TreeGraph:
     draws: torch.Tensor  # [B, 2] int64 greedy flag, seed
     warp_f: torch.Tensor  # [B, 2] float32 temperature, min-p
     result: torch.Tensor | None = None  # [B, D + 2 + 2N] emitted | accepted | next tokens | next parents
+    tables: list[list[int]] | None = None  # what block_table holds (a request gains a block every 16 tokens)
 
 
 class TreeGraphs:
@@ -75,10 +76,6 @@ class TreeGraphs:
         self.graphs: dict[tuple[int, int], _TreeGraph] = {}
         self.pool: tuple[int, int] | None = None
         self.replays = 0
-
-    @property
-    def result_width(self) -> int:
-        return self.shape.depth + 2 + 2 * self.shape.nodes
 
     def key_for(self, reqs: list[Request], tables: list[list[int]]) -> tuple[int, int] | None:
         bucket = next((b for b in self.buckets if b >= len(reqs)), None)
@@ -129,12 +126,14 @@ class TreeGraphs:
         """One more step from the inputs the last replay of this graph wrote (a step queued ahead);
         `tables`: the requests' blocks now (the scheduler may have added some since)."""
         g = self.graphs[key]
-        # Whole: a padding row's next window goes through its row of the table, which must not still
-        # hold the blocks of a request that sat there before (it would write into them).
-        table = np.full(tuple(g.block_table.shape), self.scratch, dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        g.block_table.copy_(torch.from_numpy(table), non_blocking=True)
+        if tables != g.tables:
+            # Whole: a padding row's next window goes through its row of the table, which must not still
+            # hold the blocks of a request that sat there before (it would write into them).
+            table = np.full(tuple(g.block_table.shape), self.scratch, dtype=np.int32)
+            for i, t in enumerate(tables):
+                table[i, : len(t)] = t
+            g.block_table.copy_(torch.from_numpy(table), non_blocking=True)
+            g.tables = [list(t) for t in tables]
         if g.graph is None:
             self._step(g)
         else:
@@ -154,7 +153,7 @@ class TreeGraphs:
         shape, w, b = self.shape, self.width, g.bucket
         n, dmax, bs = shape.nodes, shape.depth, self.cache.block_size
         ids, layout = static_layout(g.packed, g.block_table, b, w, self.scratch)
-        layout = _host_lists(_with_trees(layout, g.bits, g.roots), self.cache.block_size)
+        layout = replace(layout, tree_bits=g.bits, tree_start=g.roots).for_host(bs)
         t_all = b * w
         rows = torch.arange(t_all, device=self.device)
         out = self.target(ids, layout, self.cache, rows, hidden_layers=self.store.layers, hidden_rows=rows)
@@ -180,20 +179,12 @@ class TreeGraphs:
         c = dmax + 1
         at = g.roots.unsqueeze(1) + torch.arange(c, device=self.device)  # [B, C]
         slots = positions_to_slots(at, g.block_table, bs).view(-1)
-        catch = BatchLayout(
-            positions=at.view(-1), slot_mapping=slots, query_starts=[i * c for i in range(b)], query_lens=[c] * b,
-            context_lens=[c] * b, block_tables=[[self.scratch]] * b, block_table=g.block_table,
-            context_lens_t=(g.roots + c).to(torch.int32), query_starts_t=(torch.arange(b + 1, device=self.device)
-                                                                          * c).to(torch.int32))
-        catch = _host_lists(catch, bs)
+        catch = BatchLayout.uniform(c, at.view(-1), slots, g.block_table, g.roots + c).for_host(bs)
         feats = self.head.features(self.store.gather(slots))  # [B * C, H]
         h = self.head_layer(emitted.clamp(min=0).view(-1), feats, catch).view(b, c, -1)  # [B, C, H]
         h0 = h.gather(1, accepted.view(b, 1, 1).expand(b, 1, h.shape[-1])).squeeze(1)  # [B, H]
         pending = g.roots + accepted + 1  # [B]
-        host = None
-        if self.device.type != "cuda":  # the torch attention reads host lists (CPU tests of this graph's work)
-            host = (pending.tolist(), [row.tolist() for row in g.block_table])
-        next_tokens, next_parents = grow(self.head, self.head_layer, h0, pending, g.block_table, bs, shape, host)
+        next_tokens, next_parents = grow(self.head, self.head_layer, h0, pending, g.block_table, bs, shape)
         g.result = torch.cat([emitted, accepted.unsqueeze(1), next_tokens, next_parents], dim=1)
         # The next replay's inputs: its roots are the pending tokens, its windows the new trees.
         bonus = emitted.gather(1, accepted.unsqueeze(1))  # [B, 1]
@@ -240,25 +231,6 @@ class TreeGraphs:
         for x, y in zip((g.packed, g.bits, g.roots, g.tree), snapshot, strict=True):
             x.copy_(y)
         return g
-
-
-def _host_lists(layout: BatchLayout, block_size: int) -> BatchLayout:
-    """On a CPU the torch attention reads the layout's host lists: made from its tensors (a graph's
-    kernels read only the tensors, so its host lists are placeholders)."""
-    if layout.positions.is_cuda:
-        return layout
-    qs, ctx = layout.query_starts_t.tolist(), layout.context_lens_t.tolist()
-    tables = [row[: -(-c // block_size)] if c > 0 else [] for row, c in zip(layout.block_table.tolist(), ctx,
-                                                                            strict=True)]
-    return BatchLayout(layout.positions, layout.slot_mapping, qs[:-1], [b - a for a, b in zip(qs, qs[1:], strict=False)],
-                       ctx, tables, layout.block_table, layout.context_lens_t, layout.query_starts_t,
-                       tree_bits=layout.tree_bits, tree_start=layout.tree_start)
-
-
-def _with_trees(layout: BatchLayout, bits: torch.Tensor, roots: torch.Tensor) -> BatchLayout:
-    return BatchLayout(layout.positions, layout.slot_mapping, layout.query_starts, layout.query_lens,
-                       layout.context_lens, layout.block_tables, layout.block_table, layout.context_lens_t,
-                       layout.query_starts_t, tree_bits=bits, tree_start=roots)
 
 
 def tree_graphs_for(worker, proposer, scratch: int, max_len: int) -> TreeGraphs:

@@ -7,7 +7,7 @@ entries past it are never read and are overwritten when the positions are writte
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -94,6 +94,29 @@ class BatchLayout:
                                                                                               strict=True)],
                            torch.int64, device) if trees is not None else None,
         )
+
+    @staticmethod
+    def uniform(q: int, positions: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                context_lens: torch.Tensor, tree_bits: torch.Tensor | None = None,
+                tree_start: torch.Tensor | None = None) -> BatchLayout:
+        """q tokens for each sequence of block_table [S, W], from device tensors alone (a step a CUDA
+        graph captures, whose values the host never sees): its host lists are placeholders that only
+        steer the kernels' dispatch (`for_host` makes real ones for the torch attention)."""
+        s = block_table.shape[0]
+        return BatchLayout(positions, slot_mapping, [i * q for i in range(s)], [q] * s, [q] * s, [[0]] * s, block_table,
+                           context_lens.to(torch.int32),
+                           (torch.arange(s + 1, device=block_table.device) * q).to(torch.int32), tree_bits, tree_start)
+
+    def for_host(self, block_size: int) -> BatchLayout:
+        """This layout with its host lists read from its tensors where the torch attention runs (a CPU);
+        unchanged on CUDA, whose kernels read the tensors only."""
+        if self.positions.is_cuda:
+            return self
+        qs, ctx = self.query_starts_t.tolist(), self.context_lens_t.tolist()
+        tables = [row[: -(-c // block_size)] if c > 0 else [] for row, c in zip(self.block_table.tolist(), ctx,
+                                                                                strict=True)]
+        return replace(self, query_starts=qs[:-1], query_lens=[b - a for a, b in zip(qs, qs[1:], strict=False)],
+                       context_lens=ctx, block_tables=tables, derived={})
 
     @property
     def has_trees(self) -> bool:

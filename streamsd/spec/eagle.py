@@ -192,7 +192,7 @@ class EagleProposer:
         width = max(len(t) for t in tables)
         table = h2d([t + [0] * (width - len(t)) for t in tables], torch.int32, self.device)  # [Bd, W] as graphs hold it
         tokens, parents = grow(self.head, self._run, h0, h2d(pending, torch.int64, self.device), table,
-                               self.cache.block_size, self.tree, host=(pending, tables))
+                               self.cache.block_size, self.tree)
         host = torch.cat([tokens, parents], dim=1).tolist()
         n = tokens.shape[1]
         return [h[:n] for h in host], [h[n:] for h in host]

@@ -32,12 +32,10 @@ HeadLayer = Callable[[torch.Tensor, torch.Tensor, BatchLayout], torch.Tensor]
 
 
 def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Tensor, block_table: torch.Tensor,
-         block_size: int, shape: TreeShape, host: tuple[list[int], list[list[int]]] | None = None
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+         block_size: int, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
     """A tree per request from h0 [B, H], the head's output at its last caught-up slot; pending [B]:
     each request's pending position P, block_table [B, W] its blocks (the window's slots must be in
-    them). `host`: (pending, block tables) as host lists, for the torch attention (the CPU); a
-    graph's kernel reads only the device tensors. Returns (tokens, parents) [B, nodes], best first."""
+    them). Returns (tokens, parents) [B, nodes], best first."""
     b, hidden = h0.shape
     m, c = shape.frontier, shape.branch
     score, tok = _children(head, h0, c)  # [B, C] level 1
@@ -51,7 +49,7 @@ def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Ten
         f_feat = feats.gather(1, f.unsqueeze(-1).expand(b, m, hidden))  # [B, M, H]
         own = torch.ones(m, dtype=torch.int64, device=f.device) << ((level - 1) * m + torch.arange(m, device=f.device))
         f_bits = bits.gather(1, f) | own  # [B, M]
-        layout = level_layout(pending, block_table, block_size, level, m, f_bits, host)
+        layout = level_layout(pending, block_table, block_size, level, m, f_bits)
         out = layer(f_tok.reshape(-1), f_feat.reshape(-1, hidden), layout).view(b, m, hidden)  # [B, M, H]
         s, t = _children(head, out.view(-1, hidden), c)  # [B * M, C]
         score = (f_score.unsqueeze(-1) + s.view(b, m, c)).view(b, m * c)  # [B, M * C]
@@ -78,16 +76,9 @@ def _children(head: EagleHead, out: torch.Tensor, c: int) -> tuple[torch.Tensor,
 
 
 def level_layout(pending: torch.Tensor, block_table: torch.Tensor, block_size: int, level: int, m: int,
-                 bits: torch.Tensor, host: tuple[list[int], list[list[int]]] | None) -> BatchLayout:
+                 bits: torch.Tensor) -> BatchLayout:
     """The layout of one expansion: m nodes of `level` per request, bits [B, M] their window masks."""
-    b, dev = pending.shape[0], pending.device
-    at = pending.unsqueeze(1) + (level - 1) * m + torch.arange(m, device=dev)  # [B, M] their window positions
-    ctx = pending + level * m  # [B]
-    lens = [p + level * m for p in host[0]] if host is not None else [m] * b
-    return BatchLayout(
-        positions=(pending + level - 1).repeat_interleave(m), slot_mapping=positions_to_slots(at, block_table,
-                                                                                            block_size).view(-1),
-        query_starts=[i * m for i in range(b)], query_lens=[m] * b, context_lens=lens,
-        block_tables=host[1] if host is not None else [[0]] * b, block_table=block_table,
-        context_lens_t=ctx.to(torch.int32), query_starts_t=(torch.arange(b + 1, device=dev) * m).to(torch.int32),
-        tree_bits=bits.reshape(-1), tree_start=pending)
+    at = pending.unsqueeze(1) + (level - 1) * m + torch.arange(m, device=pending.device)  # [B, M] window positions
+    return BatchLayout.uniform(m, (pending + level - 1).repeat_interleave(m),
+                               positions_to_slots(at, block_table, block_size).view(-1), block_table,
+                               pending + level * m, bits.reshape(-1), pending).for_host(block_size)
