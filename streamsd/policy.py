@@ -201,14 +201,11 @@ class AdaptivePolicy:
         for r in decoding:
             if r.acceptance is None:
                 r.acceptance = self.estimator.new_request(acceptance_class(r))
-        self.estimator.refresh_many([r.acceptance for r in decoding])
         # Cold (a whole-batch probe) and guessing (the strict gate) describe a batch that knows nothing:
         # a request of a new class among informed ones is probed, and corrected, like any other.
         classes = {r.acceptance.proposer for r in decoding}
-        views = []
-        for r in decoding:
-            lag = max(r.num_tokens - self.settled_lag - r.draft_computed, 0) if self.draft_has_cache else 0
-            views.append(self.estimator.view(r.acceptance, r.request_id, cap_k(r), lag, r.remaining_tokens))
+        views = self.estimator.views([(r.acceptance, r.request_id, cap_k(r), self._lag(r), r.remaining_tokens)
+                                      for r in decoding])
         st = self.planner
         ks = plan(views, self.cost, self.max_k, self.hysteresis, state=st, prefill_tokens=prefill_tokens,
                   prefill_backlog=backlog, cold=all(map(self.estimator.cold, classes)),
@@ -221,6 +218,10 @@ class AdaptivePolicy:
                           st.draft_steps + 1)
         return self._with_probes(Decision(by_id, True, shape, st.draft_extra_tokens, st.predicted_s,
                                           st.predicted_raw_s))
+
+    def _lag(self, r: Request) -> int:
+        """Draft catch-up owed beyond the settled lag: what a resuming proposer cache must replay."""
+        return max(r.num_tokens - self.settled_lag - r.draft_computed, 0) if self.draft_has_cache else 0
 
     def _with_probes(self, decision: Decision) -> Decision:
         """The decision with the probes in flight; one that changes k is priced as built."""

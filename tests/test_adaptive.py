@@ -1014,3 +1014,71 @@ def test_a_heads_report_gives_greedy_and_sampled_depth_steps(tmp_path) -> None:
     cfg = AcceptanceConfig(max_k=4, depth_steps=tuple(steps.items()))
     assert cfg.depth_step(1, "sampled") == pytest.approx(1.2) and cfg.depth_step(3, "greedy") == 1.0
     assert cfg.depth_step(1, "default") == 1.0
+
+
+def _random_cost(rng: random.Random) -> CostTable:
+    """A measured-looking table: padded graphs, eager steps or tokens only; a draft table or none; and
+    online corrections learnt per key, some far below 1 (so a wider shape may read cheaper)."""
+    batches, widths = (1, 4, 16, 64, 256), (1, 2, 3, 5)
+    per = rng.uniform(5e-6, 6e-5)
+    samples = {(b, w): 4e-3 + per * b * w * rng.uniform(0.8, 1.2) for b in batches for w in widths}
+    kind = rng.choice(("padded", "eager", "tokens"))
+    shape = None if kind == "tokens" else ShapeTable.from_samples(samples, padded=kind == "padded")
+    verify = {n: 4e-3 + per * n for n in (1, 8, 64, 256, 512, 1024, 2048)}
+    draft = {b: 2e-4 + 3e-6 * b for b in (1, 16, 256)} if rng.random() < 0.5 else None
+    cost = CostTable.from_samples(verify, draft, shape=shape, spec_overhead_s=rng.choice((0.0, 1e-4)))
+    for _ in range(40):
+        b, k = rng.choice(batches), rng.randrange(0, 5)
+        prefill = rng.choice((0, 0, 300))
+        tokens = b * (1 + k) + prefill
+        raw = cost.predict_raw(b, tokens, k, prefill_tokens=prefill)
+        for _ in range(3):
+            cost.observe(raw, raw * rng.uniform(0.4, 1.6), verify_tokens=tokens, draft_steps_k=k, batch_size=b,
+                         prefill_tokens=prefill)
+    return cost
+
+
+def test_the_plans_ceiling_never_changes_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch that no budget could make pass the gate is planned plain without ranking its drafts
+    (``planner._hopeless``: at B = 256 on the H200 the ranking took ~4 ms a plan). Its bound must hold
+    wherever the search might look: with and without it, every plan and planner state is the same."""
+    from streamsd.adaptive import planner as planner_module
+
+    rng = random.Random(11)
+    real = planner_module._hopeless
+    calls: list[float | None] = []
+
+    def watched(*args: object) -> float | None:
+        calls.append(real(*args))  # type: ignore[arg-type]
+        return calls[-1]
+
+    fired = 0
+    for case in range(300):
+        cost = _random_cost(rng)
+        b = rng.choice((1, 3, 16, 40, 128, 256))
+        level = rng.uniform(0.05, 0.95)
+        views = []
+        for i in range(b):
+            mean = [min(max(level + rng.uniform(-0.3, 0.3), 0.0), 1.0) for _ in range(4)]
+            safe = [m * rng.uniform(0.6, 1.0) for m in mean]
+            views.append(RequestView(i, rng.choice((0, 1, 2, 4, 4)), safe, probe=rng.random() < 0.05,
+                                     catchup_tokens=rng.choice((0, 0, 5, 60)), mean_alphas=mean,
+                                     remaining=rng.choice((3, 50, 1 << 30))))
+        kwargs = dict(prefill_tokens=rng.choice((0, 0, 0, 300)), prefill_backlog=rng.random() < 0.2,
+                      cold=rng.random() < 0.1, guessing=rng.random() < 0.2)
+        start = dict(speculating=rng.random() < 0.15, depth=rng.randrange(0, 5), since_probe=rng.randrange(0, 40))
+        hysteresis = rng.choice((0.0, 0.02, 0.05))
+        fast, slow = PlannerState(**start), PlannerState(**start)  # type: ignore[arg-type]
+        calls.clear()
+        monkeypatch.setattr(planner_module, "_hopeless", watched)
+        got = plan(views, cost, 4, hysteresis, state=fast, **kwargs)  # type: ignore[arg-type]
+        monkeypatch.setattr(planner_module, "_hopeless", lambda *a: None)
+        want = plan(views, cost, 4, hysteresis, state=slow, **kwargs)  # type: ignore[arg-type]
+        assert got == want, case
+        for name in ("speculating", "switches", "depth", "probed", "since_probe", "probe_steps", "plain_rate",
+                     "spec_rate", "verify_tokens", "draft_steps", "predicted_s", "expected_tokens"):
+            assert getattr(fast, name) == getattr(slow, name), (case, name)
+        if calls and calls[0] is not None:
+            fired += 1
+            assert fast.top_rate >= slow.top_rate * (1 - 1e-12), case  # a ceiling of what the search scored
+    assert fired >= 20, fired  # the cases are not all ones the ceiling leaves to the search

@@ -289,8 +289,16 @@ class AcceptanceEstimator:
              remaining: int = 1 << 30) -> RequestView:
         """The planner's view of a request; ``max_k`` is its cap this step, ``remaining`` the tokens it may
         still emit."""
-        return RequestView(request_id, max_k, self.estimate(state), self.wants_probe(state), catchup_tokens,
-                           state.mean, remaining)
+        return self.views([(state, request_id, max_k, catchup_tokens, remaining)])[0]
+
+    def views(self, requests: list[tuple[RequestAcceptance, object, int, int, int]]) -> list[RequestView]:
+        """``view`` of many requests, their posteriors refreshed at once: (state, request id, max_k,
+        catch-up tokens, remaining) each. One pass, since the planner reads the whole batch each plan
+        (at B = 256 the per-request calls were most of a plan that the ceiling cut short)."""
+        self.refresh_many([r[0] for r in requests])
+        probe_after = self.config.probe_after
+        return [RequestView(rid, max_k, st.safe, st.idle_steps >= probe_after, catchup, st.mean, remaining)
+                for st, rid, max_k, catchup, remaining in requests]
 
 
 def _decay(state: RequestAcceptance, factor: float) -> None:

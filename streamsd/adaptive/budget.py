@@ -8,7 +8,8 @@ requests and K depths costs O(B·K log(B·K)) for the sort and a few dozen cost 
 
 from __future__ import annotations
 
-from bisect import bisect_left
+import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -113,6 +114,31 @@ class Search:
         for _, j, i in items[:best_s]:
             ks[i] = max(ks[i], j + 1)
         return Plan(best_rate, ks), top
+
+    def ceiling(self, safe: Sequence[float], mean: Sequence[float]) -> list[tuple[float, float]]:
+        """Upper bounds on the (pessimistic, expected) rate of any budget ``run`` could choose, one per
+        depth band L: a budget of ((L − 1)·B, L·B] drafts has at least L draft steps (a request drafts
+        at most one per depth), each draft at depth j survives at most ``safe[j]`` / ``mean[j]`` (the
+        batch's best survival there, falling with depth), and its step costs at least the cheapest
+        step of at least that many tokens at any depth ≥ L with one request drafting and no
+        catch-up. The tables are monotone and each correction flat within its token bucket, so that
+        step is read at the band's first token and at the first token of each bucket it crosses.
+        O(K² · buckets crossed) cost lookups, whatever the batch: a plan that cannot pass is known
+        without ranking B·K drafts."""
+        b, depth = len(self.requests), len(safe)
+        base = b + self.prefill
+        edges = self.cost.verify.keys
+        bounds = []
+        exp_safe = exp_mean = b + self.credit
+        for band in range(1, depth + 1):
+            exp_safe += b * safe[band - 1]
+            exp_mean += b * mean[band - 1]
+            lo, hi = base + (band - 1) * b + 1, base + band * b
+            starts = [lo, *(e + 1 for e in edges[bisect_left(edges, lo):bisect_right(edges, hi - 1)])]
+            t = min(self.step_time(n, k, 1, 0) for n in starts for k in range(band, depth + 1)) - self.prefill_s
+            # A step priced at or below the prefill's share bounds nothing (a correction far below 1).
+            bounds.append((exp_safe / t, exp_mean / t) if t > 0 else (math.inf, math.inf))
+        return bounds
 
     def step_time(self, n: int, kmax: int, n_spec: int, catchup: int) -> float:
         b = len(self.requests)
