@@ -1082,3 +1082,26 @@ def test_the_plans_ceiling_never_changes_a_plan(monkeypatch: pytest.MonkeyPatch)
             fired += 1
             assert fast.top_rate >= slow.top_rate * (1 - 1e-12), case  # a ceiling of what the search scored
     assert fired >= 20, fired  # the cases are not all ones the ceiling leaves to the search
+
+
+def test_a_recurring_tail_of_slow_steps_is_priced_and_a_lone_stall_is_not() -> None:
+    """On the H200 one step in ~10 of a speculative shape took twice the others (a queued step dropped, a
+    slow host turn). The median of three never sees such a tail: priced at it, B = 256 at alpha 0.9
+    entered speculation for a predicted +10 % that its mean step time did not have. The key's price
+    follows its mean, less the largest recent sample, so one stall among steady steps moves nothing."""
+    shape = _graph_shape()
+    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
+    steady = 1.2 * cost.predict_raw(64, 128, 1)
+    times = [2 * steady if i % 8 == 7 else steady for i in range(48)]
+    for t in times:
+        cost.observe(cost.predict_raw(64, 128, 1), t, verify_tokens=128, draft_steps_k=1, batch_size=64)
+    mean = sum(times) / len(times)
+    assert cost.predict(64, 128, 1) == pytest.approx(mean, rel=0.06)  # the median alone: 11 % below it
+    assert cost.predict(64, 128, 1) > 1.05 * steady
+    quiet = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
+    for _ in range(20):
+        quiet.observe(quiet.predict_raw(64, 128, 1), steady, verify_tokens=128, draft_steps_k=1, batch_size=64)
+    settled = quiet.predict(64, 128, 1)
+    assert settled == pytest.approx(steady, rel=1e-6)
+    quiet.observe(quiet.predict_raw(64, 128, 1), 3 * steady, verify_tokens=128, draft_steps_k=1, batch_size=64)
+    assert quiet.predict(64, 128, 1) == pytest.approx(settled, rel=1e-9)

@@ -49,6 +49,9 @@ not teach the table that a speculative shape costs 4× (or 1.6×): the planner w
 from then on, so no later step could correct it (on the H200 a batch of 4 never speculated again
 after one compile inside its first speculative step, and at B = 64 one slow step sent a batch
 plain for 8 steps).
+A tail that recurs is priced, though: a key is also read at the mean of its last 12 samples less their
+largest (``_tail_of_recent``), when that is above the median's, so a shape whose every tenth step takes
+twice the others costs its mean, and a lone stall among them still moves nothing.
 A key follows its samples 4x faster than the global ratio (a 5-step EMA past its first samples),
 so a key that stops being observed keeps the price of its last few steps.  A 20-step EMA was tried
 in session 15 and read worse on the H200 in its one run (adaptive EAGLE at batch 1 1.12x plain
@@ -69,6 +72,7 @@ from streamsd.adaptive.shape import ShapeTable
 
 CorrectionKey = tuple[int, ...]
 _GLOBAL: CorrectionKey = ()
+TAIL_WINDOW, TAIL_MIN = 12, 6  # a key's recent samples whose mean (less the largest) also prices it
 CALIBRATION_STEPS = 8  # the global ratio's first plain steps: calibration, not drift (see ``_rebase``)
 
 
@@ -121,6 +125,7 @@ class CostTable:
     catchup: StepTable = field(default_factory=StepTable)
     # The last three samples per key (``_GLOBAL`` for the global ratio): see the module doc.
     recent: dict[CorrectionKey, list[float]] = field(default_factory=dict)
+    tails: dict[CorrectionKey, list[float]] = field(default_factory=dict)  # the last TAIL_WINDOW samples per key
 
     @classmethod
     def from_samples(
@@ -270,7 +275,8 @@ class CostTable:
         self.seen[key] = n
         rel = self.relative.get(key, 1.0)
         robust = self._median_of_recent(key, sample / self.global_ratio, rel)
-        self.relative[key] = rel + _weight(n, 4.0 * self.ema) * (robust - rel)
+        tail = self._tail_of_recent(key, sample / self.global_ratio)
+        self.relative[key] = rel + _weight(n, 4.0 * self.ema) * (max(robust, tail) - rel)
 
     def _rebase(self, factor: float) -> None:
         """Keep every learnt key's price while the global ratio calibrates: what the first plain
@@ -281,6 +287,24 @@ class CostTable:
             self.relative[key] *= factor
             if key in self.recent:
                 self.recent[key] = [v * factor for v in self.recent[key]]
+            if key in self.tails:
+                self.tails[key] = [v * factor for v in self.tails[key]]
+
+    def _tail_of_recent(self, key: CorrectionKey, value: float) -> float:
+        """The mean of the key's last TAIL_WINDOW samples, once TAIL_MIN are in (else 0), less their
+        largest unless another is slow too (over 1.5x their median): a tail of slow steps that recurs is
+        part of a shape's price, where the median of three never sees it, while one stall is left out. On the H200 the steps of a speculative shape
+        at B = 4-256 took 2x their median once in ~10 (a queued step dropped, a slow host turn): priced
+        at the median, B = 256 at alpha 0.9 entered speculation for a predicted +10 % it never had."""
+        window = self.tails.setdefault(key, [])
+        window.append(value)
+        del window[:-TAIL_WINDOW]
+        if len(window) < TAIL_MIN:
+            return 0.0
+        median = sorted(window)[len(window) // 2]
+        if sum(v > 1.5 * median for v in window) >= 2:  # slow steps recur: all of them count
+            return sum(window) / len(window)
+        return (sum(window) - max(window)) / (len(window) - 1)
 
     def _median_of_recent(self, key: CorrectionKey, value: float, current: float) -> float:
         window = self.recent.setdefault(key, [current, current])
