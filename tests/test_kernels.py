@@ -744,3 +744,40 @@ def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
             st.positions_to_slots(pos.unsqueeze(0), big[row : row + 1], bs)[0].tolist()
         assert packed[3 * t + row] == pending[row] + n + 1
     assert torch.equal(bits.view(b, n + 1), st.window_bits(parents, d))
+
+
+def test_tree_growth_levels_equal_the_torch_oracle():
+    """kernels/tree_grow.py against spec/eagle_tree.expand_level over a whole growth (depth 4, frontier
+    3, branch 4, two requests): the candidates written level by level, and each frontier's tokens,
+    scores, candidate indices, feature rows, masks, positions, slots and context lengths."""
+    from streamsd.kernels import tree_grow as kg
+    from streamsd.spec import eagle_tree as et
+
+    g = torch.Generator().manual_seed(9)
+    b, m, c, depth, bs = 2, 3, 4, 4, 4
+    pending = torch.tensor([5, 13])
+    table = torch.tensor([[3, 1, 4, 0, 9, 8], [2, 6, 5, 7, 10, 11]], dtype=torch.int32)
+    total = c + (depth - 1) * m * c
+    ref_c, out_c = et.Candidates.empty(b, total, torch.device("cpu")), et.Candidates.empty(b, total, DEV)
+    ref_base, out_base = et.Frontier.root(b, torch.device("cpu")), et.Frontier.root(b, DEV)
+    offset = 0
+    for level in range(1, depth + 1):
+        rows = b * ref_base.scores.shape[1]
+        s = torch.log_softmax(torch.randn(rows, 50, generator=g), -1).topk(c, -1).values  # distinct scores
+        t = torch.randint(0, 1000, (rows, c), generator=g)
+        expand = m if level < depth else 0
+        ref = et.expand_level(s, t, ref_base, offset, ref_c, expand, level, pending, table, bs)
+        out = kg.expand_level(s.to(DEV), t.to(DEV), out_base, offset, out_c, expand, level, pending.to(DEV),
+                              table.to(DEV), bs)
+        offset += rows // b * c
+        if ref is None:
+            assert out is None
+            break
+        assert out is not None
+        for name in ("tokens", "index", "rows", "bits", "positions", "slots", "context_lens"):
+            assert torch.equal(getattr(out, name).cpu(), getattr(ref, name)), (level, name)
+        assert torch.allclose(out.scores.cpu(), ref.scores), level
+        ref_base, out_base = ref, out
+    assert offset == total
+    assert torch.equal(out_c.tokens.cpu(), ref_c.tokens) and torch.equal(out_c.parents.cpu(), ref_c.parents)
+    assert torch.allclose(out_c.scores.cpu(), ref_c.scores)

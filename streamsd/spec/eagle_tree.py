@@ -19,6 +19,7 @@ CPU) it is the same code.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -31,37 +32,103 @@ from streamsd.spec.tree import ROOT, positions_to_slots, select
 HeadLayer = Callable[[torch.Tensor, torch.Tensor, BatchLayout], torch.Tensor]
 
 
+@dataclass(slots=True)
+class Candidates:
+    """Every candidate a growth scored, level after level: [B, total] each."""
+
+    scores: torch.Tensor  # float32 path log-probability
+    tokens: torch.Tensor  # int64
+    parents: torch.Tensor  # int64 the parent's candidate index, or ROOT
+
+    @staticmethod
+    def empty(b: int, total: int, device: torch.device) -> Candidates:
+        return Candidates(torch.empty(b, total, device=device), torch.empty(b, total, dtype=torch.int64, device=device),
+                          torch.empty(b, total, dtype=torch.int64, device=device))
+
+
+@dataclass(slots=True)
+class Frontier:
+    """The nodes one level expands, M per request (the root alone before level 1)."""
+
+    tokens: torch.Tensor  # [B, M] int64
+    scores: torch.Tensor  # [B, M] float32 path log-probability
+    index: torch.Tensor  # [B, M] int64 candidate index (ROOT: the root)
+    rows: torch.Tensor  # [B * M] int64 the row of the last head output that is each one's parent's
+    bits: torch.Tensor  # [B, M] int64 window slots of each one's ancestors and its own
+    positions: torch.Tensor  # [B * M] int64 RoPE position
+    slots: torch.Tensor  # [B * M] int64 KV slot of its window position
+    context_lens: torch.Tensor  # [B] int32 what the level's attention sees: context and window so far
+
+    @staticmethod
+    def empty(b: int, m: int, device: torch.device) -> Frontier:
+        def longs(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=torch.int64, device=device)
+
+        return Frontier(longs(b, m), torch.empty(b, m, device=device), longs(b, m), longs(b * m), longs(b, m),
+                        longs(b * m), longs(b * m), torch.empty(b, dtype=torch.int32, device=device))
+
+    @staticmethod
+    def root(b: int, device: torch.device) -> Frontier:
+        fr = Frontier.empty(b, 1, device)
+        fr.scores.zero_()
+        fr.index.fill_(ROOT)
+        fr.bits.zero_()
+        return fr
+
+
 def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Tensor, block_table: torch.Tensor,
          block_size: int, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
     """A tree per request from h0 [B, H], the head's output at its last caught-up slot; pending [B]:
     each request's pending position P, block_table [B, W] its blocks (the window's slots must be in
     them). Returns (tokens, parents) [B, nodes], best first."""
-    b, hidden = h0.shape
+    b = h0.shape[0]
     m, c = shape.frontier, shape.branch
-    score, tok = _children(head, h0, c)  # [B, C] level 1
-    scores, toks, parents = [score], [tok], [torch.full_like(tok, ROOT)]
-    feats = h0.unsqueeze(1).expand(b, c, hidden)  # [B, C, H] each candidate's parent output
-    bits = torch.zeros_like(tok)  # [B, C] the window slots of each candidate's ancestors
-    offset = 0  # global index of the current level's first candidate
+    if h0.is_cuda:  # one launch a level (kernels/tree_grow.py)
+        from streamsd.kernels.tree_grow import expand_level as expand
+    else:
+        expand = expand_level
+    cands = Candidates.empty(b, c + (shape.depth - 1) * m * c, h0.device)
+    s, t = _children(head, h0, c)  # [B, C] the root's children
+    base, src, offset = Frontier.root(b, h0.device), h0, 0
     for level in range(1, shape.depth):
-        f = score.topk(m, dim=1).indices  # [B, M] the level's likeliest, expanded
-        f_tok, f_score = tok.gather(1, f), score.gather(1, f)  # [B, M]
-        f_feat = feats.gather(1, f.unsqueeze(-1).expand(b, m, hidden))  # [B, M, H]
-        own = torch.ones(m, dtype=torch.int64, device=f.device) << ((level - 1) * m + torch.arange(m, device=f.device))
-        f_bits = bits.gather(1, f) | own  # [B, M]
-        layout = level_layout(pending, block_table, block_size, level, m, f_bits)
-        out = layer(f_tok.reshape(-1), f_feat.reshape(-1, hidden), layout).view(b, m, hidden)  # [B, M, H]
-        s, t = _children(head, out.view(-1, hidden), c)  # [B * M, C]
-        score = (f_score.unsqueeze(-1) + s.view(b, m, c)).view(b, m * c)  # [B, M * C]
-        tok = t.view(b, m * c)
-        parents.append((offset + f).repeat_interleave(c, dim=1))  # [B, M * C] global candidate index
-        offset += scores[-1].shape[1]
-        scores.append(score)
-        toks.append(tok)
-        feats = out.repeat_interleave(c, dim=1)  # [B, M * C, H]
-        bits = f_bits.repeat_interleave(c, dim=1)  # [B, M * C]
-    tokens, node_parents, _ = select(torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(parents, 1), shape.nodes)
+        fr = expand(s, t, base, offset, cands, m, level, pending, block_table, block_size)
+        assert fr is not None
+        offset += base.scores.shape[1] * c
+        layout = BatchLayout.uniform(m, fr.positions, fr.slots, block_table, fr.context_lens, fr.bits.view(-1),
+                                     pending).for_host(block_size)
+        out = layer(fr.tokens.view(-1), src.index_select(0, fr.rows), layout)  # [B * M, H]
+        s, t = _children(head, out, c)  # [B * M, C]
+        base, src = fr, out
+    expand(s, t, base, offset, cands, 0, shape.depth, pending, block_table, block_size)  # the last level's
+    tokens, node_parents, _ = select(cands.scores, cands.tokens, cands.parents, shape.nodes)
     return tokens, node_parents
+
+
+def expand_level(s: torch.Tensor, t: torch.Tensor, base: Frontier, offset: int, cands: Candidates, m: int,
+                 level: int, pending: torch.Tensor, block_table: torch.Tensor, block_size: int) -> Frontier | None:
+    """One level: the children s, t [B * P, C] (log-probabilities, ids) of the P nodes `base` expanded
+    per request become candidates offset .. offset + P * C (path score: the parent's plus the
+    child's); then, unless m = 0 (the last level), the m likeliest of them are the next frontier, whose
+    window positions follow the level before's: P + (level - 1) * m + r for the r-th."""
+    b, p = base.scores.shape
+    c = s.shape[1]
+    dev = s.device
+    score = (base.scores.unsqueeze(-1) + s.view(b, p, c)).reshape(b, p * c)  # [B, P * C]
+    tok = t.reshape(b, p * c)
+    cands.scores[:, offset : offset + p * c] = score
+    cands.tokens[:, offset : offset + p * c] = tok
+    cands.parents[:, offset : offset + p * c] = base.index.repeat_interleave(c, dim=1)
+    if not m:
+        return None
+    f = score.topk(m, dim=1).indices  # [B, M] the level's likeliest
+    local = f // c  # [B, M] each one's parent among the P
+    r = torch.arange(m, device=dev)
+    at = pending.unsqueeze(1) + (level - 1) * m + r  # [B, M] window positions
+    return Frontier(tok.gather(1, f), score.gather(1, f), offset + f,
+                    (torch.arange(b, device=dev).unsqueeze(1) * p + local).view(-1),
+                    base.bits.gather(1, local) | (torch.ones_like(r) << ((level - 1) * m + r)),
+                    (pending + level - 1).repeat_interleave(m), positions_to_slots(at, block_table, block_size).view(-1),
+                    (pending + level * m).to(torch.int32))
 
 
 def _children(head: EagleHead, out: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,12 +140,3 @@ def _children(head: EagleHead, out: torch.Tensor, c: int) -> tuple[torch.Tensor,
         return topk_logprobs(logits, c)
     values, ids = torch.log_softmax(logits, dim=-1).topk(c, dim=-1)
     return values, ids
-
-
-def level_layout(pending: torch.Tensor, block_table: torch.Tensor, block_size: int, level: int, m: int,
-                 bits: torch.Tensor) -> BatchLayout:
-    """The layout of one expansion: m nodes of `level` per request, bits [B, M] their window masks."""
-    at = pending.unsqueeze(1) + (level - 1) * m + torch.arange(m, device=pending.device)  # [B, M] window positions
-    return BatchLayout.uniform(m, (pending + level - 1).repeat_interleave(m),
-                               positions_to_slots(at, block_table, block_size).view(-1), block_table,
-                               pending + level * m, bits.reshape(-1), pending).for_host(block_size)
