@@ -49,9 +49,9 @@ not teach the table that a speculative shape costs 4× (or 1.6×): the planner w
 from then on, so no later step could correct it (on the H200 a batch of 4 never speculated again
 after one compile inside its first speculative step, and at B = 64 one slow step sent a batch
 plain for 8 steps).
-A tail that recurs is priced, though: a key is also read at the mean of its last 12 samples less their
-largest (``_tail_of_recent``), when that is above the median's, so a shape whose every tenth step takes
-twice the others costs its mean, and a lone stall among them still moves nothing.
+A tail that recurs is priced, though: where two or more of a key's last 12 samples are slow, it follows
+their mean instead (``_tail_of_recent``), so a shape whose every fifth step takes twice the others costs
+its mean, and a lone stall among steady steps still moves nothing.
 A key follows its samples 4x faster than the global ratio (a 5-step EMA past its first samples),
 so a key that stops being observed keeps the price of its last few steps.  A 20-step EMA was tried
 in session 15 and read worse on the H200 in its one run (adaptive EAGLE at batch 1 1.12x plain
@@ -72,7 +72,7 @@ from streamsd.adaptive.shape import ShapeTable
 
 CorrectionKey = tuple[int, ...]
 _GLOBAL: CorrectionKey = ()
-TAIL_WINDOW, TAIL_MIN = 12, 6  # a key's recent samples whose mean (less the largest) also prices it
+TAIL_WINDOW, TAIL_MIN = 12, 6  # a key's recent samples whose mean prices it where slow ones recur
 CALIBRATION_STEPS = 8  # the global ratio's first plain steps: calibration, not drift (see ``_rebase``)
 
 
@@ -276,7 +276,7 @@ class CostTable:
         rel = self.relative.get(key, 1.0)
         robust = self._median_of_recent(key, sample / self.global_ratio, rel)
         tail = self._tail_of_recent(key, sample / self.global_ratio)
-        self.relative[key] = rel + _weight(n, 4.0 * self.ema) * (max(robust, tail) - rel)
+        self.relative[key] = rel + _weight(n, 4.0 * self.ema) * ((robust if tail is None else tail) - rel)
 
     def _rebase(self, factor: float) -> None:
         """Keep every learnt key's price while the global ratio calibrates: what the first plain
@@ -290,21 +290,23 @@ class CostTable:
             if key in self.tails:
                 self.tails[key] = [v * factor for v in self.tails[key]]
 
-    def _tail_of_recent(self, key: CorrectionKey, value: float) -> float:
-        """The mean of the key's last TAIL_WINDOW samples, once TAIL_MIN are in (else 0), less their
-        largest unless another is slow too (over 1.5x their median): a tail of slow steps that recurs is
-        part of a shape's price, where the median of three never sees it, while one stall is left out. On the H200 the steps of a speculative shape
-        at B = 4-256 took 2x their median once in ~10 (a queued step dropped, a slow host turn): priced
-        at the median, B = 256 at alpha 0.9 entered speculation for a predicted +10 % it never had."""
+    def _tail_of_recent(self, key: CorrectionKey, value: float) -> float | None:
+        """The mean of the key's last TAIL_WINDOW samples where at least two of them are slow (over 1.5x
+        their median), else None (the median of three prices the key): a tail of slow steps that recurs
+        is part of a shape's price, which the median never sees, while a lone stall is left out. On the
+        H200 one step in 4-10 of a speculative shape took twice the others (a queued step dropped, a
+        slow host turn): priced at the median, B = 256 at alpha 0.9 entered speculation for a predicted
+        +10 % its mean step time did not have. (Taking the larger of this and the median of three
+        overpriced such a shape by 17 %: the median jumps to a slow step whenever two of three are.)"""
         window = self.tails.setdefault(key, [])
         window.append(value)
         del window[:-TAIL_WINDOW]
         if len(window) < TAIL_MIN:
-            return 0.0
+            return None
         median = sorted(window)[len(window) // 2]
-        if sum(v > 1.5 * median for v in window) >= 2:  # slow steps recur: all of them count
-            return sum(window) / len(window)
-        return (sum(window) - max(window)) / (len(window) - 1)
+        if sum(v > 1.5 * median for v in window) < 2:
+            return None
+        return sum(window) / len(window)
 
     def _median_of_recent(self, key: CorrectionKey, value: float, current: float) -> float:
         window = self.recent.setdefault(key, [current, current])
