@@ -1105,3 +1105,7 @@ def test_a_recurring_tail_of_slow_steps_is_priced_and_a_lone_stall_is_not() -> N
     assert settled == pytest.approx(steady, rel=1e-6)
     quiet.observe(quiet.predict_raw(64, 128, 1), 3 * steady, verify_tokens=128, draft_steps_k=1, batch_size=64)
     assert quiet.predict(64, 128, 1) == pytest.approx(settled, rel=1e-9)
+    # A lasting shift is no tail: it is followed as the median of three follows it.
+    for _ in range(4):
+        quiet.observe(quiet.predict_raw(64, 128, 1), 1.6 * steady, verify_tokens=128, draft_steps_k=1, batch_size=64)
+    assert quiet.predict(64, 128, 1) > 1.25 * settled

@@ -49,9 +49,10 @@ not teach the table that a speculative shape costs 4× (or 1.6×): the planner w
 from then on, so no later step could correct it (on the H200 a batch of 4 never speculated again
 after one compile inside its first speculative step, and at B = 64 one slow step sent a batch
 plain for 8 steps).
-A tail that recurs is priced, though: where two or more of a key's last 12 samples are slow, it follows
-their mean instead (``_tail_of_recent``), so a shape whose every fifth step takes twice the others costs
-its mean, and a lone stall among steady steps still moves nothing.
+A tail that recurs is priced, though: where two or more of a key's last 12 samples are slow (but not the
+last two: a shift, which the median follows), it follows their mean instead (``_tail_of_recent``), so a
+shape whose every fifth step takes twice the others costs its mean, and a lone stall among steady steps
+still moves nothing (scripts/correction_study.py).
 A key follows its samples 4x faster than the global ratio (a 5-step EMA past its first samples),
 so a key that stops being observed keeps the price of its last few steps.  A 20-step EMA was tried
 in session 15 and read worse on the H200 in its one run (adaptive EAGLE at batch 1 1.12x plain
@@ -292,8 +293,9 @@ class CostTable:
 
     def _tail_of_recent(self, key: CorrectionKey, value: float) -> float | None:
         """The mean of the key's last TAIL_WINDOW samples where at least two of them are slow (over 1.5x
-        their median), else None (the median of three prices the key): a tail of slow steps that recurs
-        is part of a shape's price, which the median never sees, while a lone stall is left out. On the
+        their median) but not the last two (a shift in the key's cost, which the median follows faster),
+        else None (the median of three prices the key): a tail of slow steps that recurs is part of a
+        shape's price, which the median never sees, while a lone stall is left out. On the
         H200 one step in 4-10 of a speculative shape took twice the others (a queued step dropped, a
         slow host turn): priced at the median, B = 256 at alpha 0.9 entered speculation for a predicted
         +10 % its mean step time did not have. (Taking the larger of this and the median of three
@@ -304,7 +306,9 @@ class CostTable:
         if len(window) < TAIL_MIN:
             return None
         median = sorted(window)[len(window) // 2]
-        if sum(v > 1.5 * median for v in window) < 2:
+        slow = [v > 1.5 * median for v in window]
+        # The last two slow as well: the key's cost is shifting, which the median of three follows.
+        if sum(slow) < 2 or slow[-1] and slow[-2]:
             return None
         return sum(window) / len(window)
 
