@@ -1040,16 +1040,16 @@ def _random_cost(rng: random.Random) -> CostTable:
 
 def test_the_plans_ceiling_never_changes_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch that no budget could make pass the gate is planned plain without ranking its drafts
-    (``planner._hopeless``: at B = 256 on the H200 the ranking took ~4 ms a plan). Its bound must hold
+    (``Search.hopeless``: at B = 256 on the H200 the ranking took ~4 ms a plan). Its bound must hold
     wherever the search might look: with and without it, every plan and planner state is the same."""
-    from streamsd.adaptive import planner as planner_module
+    from streamsd.adaptive.budget import Search
 
     rng = random.Random(11)
-    real = planner_module._hopeless
+    real = Search.hopeless
     calls: list[float | None] = []
 
-    def watched(*args: object) -> float | None:
-        calls.append(real(*args))  # type: ignore[arg-type]
+    def watched(search: Search, *args: object) -> float | None:
+        calls.append(real(search, *args))  # type: ignore[arg-type]
         return calls[-1]
 
     fired = 0
@@ -1070,9 +1070,9 @@ def test_the_plans_ceiling_never_changes_a_plan(monkeypatch: pytest.MonkeyPatch)
         hysteresis = rng.choice((0.0, 0.02, 0.05))
         fast, slow = PlannerState(**start), PlannerState(**start)  # type: ignore[arg-type]
         calls.clear()
-        monkeypatch.setattr(planner_module, "_hopeless", watched)
+        monkeypatch.setattr(Search, "hopeless", watched)
         got = plan(views, cost, 4, hysteresis, state=fast, **kwargs)  # type: ignore[arg-type]
-        monkeypatch.setattr(planner_module, "_hopeless", lambda *a: None)
+        monkeypatch.setattr(Search, "hopeless", lambda *a: None)
         want = plan(views, cost, 4, hysteresis, state=slow, **kwargs)  # type: ignore[arg-type]
         assert got == want, case
         for name in ("speculating", "switches", "depth", "probed", "since_probe", "probe_steps", "plain_rate",
