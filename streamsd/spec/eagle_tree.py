@@ -12,8 +12,9 @@ ends at slot P - 1). A node attends to the context and to its own ancestors' win
 (BatchLayout.tree_bits), and sits at RoPE position P + level - 1, where a chain would put it. Those
 slots hold guesses, never kept: the next catch-up overwrites them.
 
-Fixed shapes throughout and no host read, so a CUDA graph captures a whole growth; eagerly (the
-CPU) it is the same code.
+Fixed shapes throughout and no host read, so a CUDA graph captures a whole growth. Between two head
+forwards a level's bookkeeping (`expand_level`: rank its candidates, lay out the next frontier) is
+one Triton launch on CUDA (kernels/tree_grow.py) and these torch ops on the CPU, its oracle.
 """
 
 from __future__ import annotations
