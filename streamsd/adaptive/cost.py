@@ -308,7 +308,7 @@ class CostTable:
         median = sorted(window)[len(window) // 2]
         slow = [v > 1.5 * median for v in window]
         # The last two slow as well: the key's cost is shifting, which the median of three follows.
-        if sum(slow) < 2 or slow[-1] and slow[-2]:
+        if sum(slow) < 2 or (slow[-1] and slow[-2]):
             return None
         return sum(window) / len(window)
 
