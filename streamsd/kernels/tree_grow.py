@@ -65,7 +65,7 @@ def expand_level(s: torch.Tensor, t: torch.Tensor, base: Frontier, offset: int, 
     c = s.shape[1]
     dev = s.device
     fr = base.empty(b, m, dev) if m else None
-    some = fr if fr is not None else base.empty(b, 1, dev)  # unwritten placeholders where M = 0
+    some = fr if fr is not None else base  # where M = 0 the kernel writes no frontier: any pointers do
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     _expand_kernel[(b,)](s.contiguous(), t.contiguous(), base.scores, base.index, base.bits, pending, table,
                          table.stride(0), cands.scores, cands.tokens, cands.parents, cands.scores.shape[1], offset,

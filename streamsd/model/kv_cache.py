@@ -98,14 +98,16 @@ class BatchLayout:
     @staticmethod
     def uniform(q: int, positions: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
                 context_lens: torch.Tensor, tree_bits: torch.Tensor | None = None,
-                tree_start: torch.Tensor | None = None) -> BatchLayout:
+                tree_start: torch.Tensor | None = None, query_starts: torch.Tensor | None = None) -> BatchLayout:
         """q tokens for each sequence of block_table [S, W], from device tensors alone (a step a CUDA
         graph captures, whose values the host never sees): its host lists are placeholders that only
-        steer the kernels' dispatch (`for_host` makes real ones for the torch attention)."""
+        steer the kernels' dispatch (`for_host` makes real ones for the torch attention).
+        `query_starts` [S + 1] int32 (0, q, 2q, ...): given where many layouts share it (a tree's levels)."""
         s = block_table.shape[0]
+        if query_starts is None:
+            query_starts = uniform_starts(s, q, block_table.device)
         return BatchLayout(positions, slot_mapping, [i * q for i in range(s)], [q] * s, [q] * s, [[0]] * s, block_table,
-                           context_lens.to(torch.int32),
-                           (torch.arange(s + 1, device=block_table.device) * q).to(torch.int32), tree_bits, tree_start)
+                           context_lens.to(torch.int32), query_starts, tree_bits, tree_start)
 
     def for_host(self, block_size: int) -> BatchLayout:
         """This layout with its host lists read from its tensors where the torch attention runs (a CPU);
@@ -121,6 +123,11 @@ class BatchLayout:
     @property
     def has_trees(self) -> bool:
         return self.tree_bits is not None
+
+
+def uniform_starts(s: int, q: int, device: torch.device) -> torch.Tensor:
+    """Query starts [S + 1] int32 of S sequences of q tokens each."""
+    return (torch.arange(s + 1, device=device) * q).to(torch.int32)
 
 
 class PagedKVCache:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from streamsd.config import TreeShape
-from streamsd.model.kv_cache import BatchLayout
+from streamsd.model.kv_cache import BatchLayout, uniform_starts
 from streamsd.spec.eagle_head import EagleHead
 from streamsd.spec.tree import ROOT, positions_to_slots, select
 
@@ -91,12 +91,13 @@ def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Ten
     cands = Candidates.empty(b, c + (shape.depth - 1) * m * c, h0.device)
     s, t = _children(head, h0, c)  # [B, C] the root's children
     base, src, offset = Frontier.root(b, h0.device), h0, 0
+    starts = uniform_starts(b, m, h0.device)  # [B + 1] every level's query starts
     for level in range(1, shape.depth):
         fr = expand(s, t, base, offset, cands, m, level, pending, block_table, block_size)
         assert fr is not None
         offset += base.scores.shape[1] * c
         layout = BatchLayout.uniform(m, fr.positions, fr.slots, block_table, fr.context_lens, fr.bits.view(-1),
-                                     pending).for_host(block_size)
+                                     pending, starts).for_host(block_size)
         out = layer(fr.tokens.view(-1), src.index_select(0, fr.rows), layout)  # [B * M, H]
         s, t = _children(head, out, c)  # [B * M, C]
         base, src = fr, out
