@@ -5,7 +5,7 @@ the target over the B x (N + 1) window rows (tree-masked attention, its streams 
 each row's token (argmax, or the keyed race a plain step would run), the walk, the accepted nodes'
 KV and streams moved to their positions, the head's catch-up over the accepted path (D + 1 rows, the
 ones past the accepted writing head slots the growth rewrites before anything reads them), its
-growth of the next tree from the pending token, and last the next replay's own inputs: the new
+growth of the next tree from the pending token (a sampled request's ranked by its target's race), and last the next replay's own inputs: the new
 roots, trees, positions, slots and masks, written into the buffers this replay read. So a step
 queued right behind the last (lookahead.py) is one more replay with no host copy, and the host's
 only work per step is starting the read of `result` and waiting for it.
@@ -34,7 +34,7 @@ from streamsd.request import Request
 from streamsd.sampling.greedy import row_argmax
 from streamsd.sampling.sampler import sample_keyed
 from streamsd.sampling.warp import WarpParams
-from streamsd.spec.eagle_tree import HeadLayer, grow
+from streamsd.spec.eagle_tree import HeadLayer, Race, grow
 from streamsd.spec.tree import NONE, depths, positions_to_slots, walk, window_bits
 from streamsd.tree_verify import host_tree, move_kv
 
@@ -184,7 +184,9 @@ class TreeGraphs:
         h = self.head_layer(emitted.clamp(min=0).view(-1), feats, catch).view(b, c, -1)  # [B, C, H]
         h0 = h.gather(1, accepted.view(b, 1, 1).expand(b, 1, h.shape[-1])).squeeze(1)  # [B, H]
         pending = g.roots + accepted + 1  # [B]
-        next_tokens, next_parents = grow(self.head, self.head_layer, h0, pending, g.block_table, bs, shape)
+        race = None if g.mode == GREEDY else Race(g.draws[:, 0].contiguous(), g.draws[:, 1].contiguous(),
+                                                  g.warp_f[:, 0].contiguous())
+        next_tokens, next_parents = grow(self.head, self.head_layer, h0, pending, g.block_table, bs, shape, race)
         g.result = torch.cat([emitted, accepted.unsqueeze(1), next_tokens, next_parents], dim=1)
         # The next replay's inputs: its roots are the pending tokens, its windows the new trees.
         bonus = emitted.gather(1, accepted.unsqueeze(1))  # [B, 1]

@@ -25,6 +25,7 @@ from streamsd.runtime import load_model
 from streamsd.sampling import rng
 from streamsd.sampling.sampler import sample_keyed
 from streamsd.sampling.warp import WarpParams
+from streamsd.spec.eagle_tree import Race, grow, race_logits
 from streamsd.spec.tree import NONE, ROOT, ancestor_bits, depths, path_moves, select, walk, window_bits
 from streamsd.tree_verify import host_tree
 
@@ -128,6 +129,48 @@ def test_walking_sampled_rows_emits_the_targets_distribution():
                          torch.stack([torch.zeros(n, dtype=torch.int64), seeds, torch.full((n,), 100)]))
     assert torch.equal(first, plain)
     assert rng.TARGET  # the stream both draw from
+
+
+def test_a_heads_race_picks_the_targets_draw_when_its_probabilities_are_the_targets():
+    """race_logits runs the target's race (the noise keyed at the position, the temperature) over the
+    head's logits: where they are the target's, the raced best is exactly what the target samples,
+    where the head's own likeliest token agrees with it far less often."""
+    g = torch.Generator().manual_seed(4)
+    n, vocab = 400, 64
+    logits = torch.randn(n, vocab, generator=g)  # flat-ish: T = 1.3 leaves many plausible tokens
+    seeds, keys = torch.arange(n) * 7 + 1, torch.arange(n) + 50
+    wp = WarpParams.build([(1.3, 0, 1.0, 0.0)], CPU).repeat(n)
+    target = sample_keyed(logits, wp, torch.stack([torch.zeros(n, dtype=torch.int64), seeds, keys]))
+    race = Race(torch.zeros(n, dtype=torch.int64), seeds, torch.full((n,), 1.3))
+    assert torch.equal(race_logits(logits, race, keys).argmax(-1), target)
+    assert (logits.argmax(-1) == target).float().mean() < 0.5
+    greedy = Race(torch.ones(n, dtype=torch.int64), seeds, torch.zeros(n))
+    assert torch.equal(race_logits(logits, greedy, keys), logits)
+
+
+def test_a_sampled_tree_ranks_each_level_by_the_race_at_its_position():
+    """A head whose probabilities are all but flat leaves the ranking to the noise: the best child at
+    depth d is then the target's draw at position P + d (the argmin of its Exp(1) noise); a greedy
+    request in the same batch keeps q's order (a slight slope: the lowest ids first)."""
+    vocab, hidden, shape = 40, 8, TreeShape(4, 2, 3, 21)  # every candidate kept
+
+    class FlatHead:
+        def target_logits(self, out: torch.Tensor) -> torch.Tensor:
+            return (-1e-6 * torch.arange(vocab, dtype=torch.float32)).expand(out.shape[0], vocab)
+
+    def layer(ids, feats, layout):
+        return torch.zeros(ids.shape[0], hidden)
+
+    pending, seeds = torch.tensor([9, 30]), torch.tensor([5, 6])
+    race = Race(torch.tensor([0, 1]), seeds, torch.tensor([0.8, 0.0]))
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    tokens, parents = grow(FlatHead(), layer, torch.zeros(2, hidden), pending, table, 16, shape, race)  # type: ignore[arg-type]
+    depth = depths(parents, shape.depth)  # [2, N]
+    for d in range(1, shape.depth + 1):
+        noise = rng.exponentials(seeds[:1], pending[:1].view(1, 1) + d, rng.TARGET, vocab)[0, 0]  # [V]
+        at = tokens[0][depth[0] == d]
+        assert at[0] == noise.argmin(), d  # best first: the level's best node holds the race's winner
+    assert tokens[1][depth[1] == 1].tolist() == [0, 1, 2]
 
 
 def test_tree_masks_attend_to_the_context_and_each_nodes_own_path():

@@ -6,24 +6,44 @@ batch-1 step on the H200 each time. Here a first launch takes each row in chunks
 program a chunk: the chunk's max, its sum of exp(x - max), and its k best (ids ascending among
 equal values). A second launch per row merges the chunks' sums into the log-normaliser and their
 candidates into the row's k best, best first, the lowest id first among equal values.
+
+With a race (spec/eagle_tree.Race) the first launch ranks a sampled request's row by its logits at
+the request's temperature plus the Gumbel noise its target will race at the children's position
+(kernels/rng.py's bits, -log of the Exp(1) noise): the same numbers spec/eagle_tree.race_logits
+makes in torch, never written out.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from streamsd.kernels.rng import _mix, _row_key, _to_unit, _u32
+from streamsd.sampling import rng
+
+if TYPE_CHECKING:
+    from streamsd.spec.eagle_tree import Race
+
 CHUNK = 2048
 
 
-@triton.jit(do_not_specialize=["vocab", "stride"])
-def _chunk_topk_kernel(x_ptr, stride, vocab, stats_ptr, vals_ptr, ids_ptr, K: tl.constexpr, CHUNK_V: tl.constexpr):
+@triton.jit(do_not_specialize=["vocab", "stride", "reps", "stream"])
+def _chunk_topk_kernel(x_ptr, stride, vocab, stats_ptr, vals_ptr, ids_ptr, greedy_ptr, seed_ptr, key_ptr, temp_ptr,
+                       reps, stream, K: tl.constexpr, CHUNK_V: tl.constexpr, RACE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
     idx = chunk * CHUNK_V + tl.arange(0, CHUNK_V)
     x = tl.load(x_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+    if RACE:
+        req = row // reps
+        if tl.load(greedy_ptr + req) == 0:
+            key = _row_key(tl.load(seed_ptr + req), tl.load(key_ptr + req), stream)
+            gumbel = -tl.log(-tl.log(_to_unit(_mix(key ^ _u32(idx.to(tl.int64) * 0x61C88647)))))
+            x = x / tl.load(temp_ptr + req) + gumbel
     top = tl.max(x, 0)
     safe = tl.where(top > float("-inf"), top, 0.0)
     total = tl.sum(tl.exp(x - safe), 0)
@@ -60,8 +80,10 @@ def _merge_topk_kernel(stats_ptr, vals_ptr, ids_ptr, out_v_ptr, out_i_ptr, chunk
         v = tl.where(cand == at, float("-inf"), v)
 
 
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] -> (log-probabilities [R, k] float32, ids [R, k] int64), best first."""
+def topk_logprobs(logits: torch.Tensor, k: int, race: Race | None = None, keys: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] -> (log-probabilities [R, k] float32, ids [R, k] int64), best first. With a race
+    over B requests (R = B * reps rows, request-major), keys [B] int64: each one's children's position."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     r, vocab = logits.shape
     chunks = triton.cdiv(vocab, CHUNK)
@@ -72,8 +94,13 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     out_v = torch.empty(r, k, dtype=torch.float32, device=dev)
     out_i = torch.empty(r, k, dtype=torch.int64, device=dev)
     if r:
-        _chunk_topk_kernel[(r, chunks)](logits, logits.stride(0), vocab, stats, vals, ids, K=k, CHUNK_V=CHUNK,
-                                        num_warps=8)
+        if race is None:
+            flags, args = False, (ids, ids, ids, stats, 1, 0)  # unread
+        else:
+            assert keys is not None
+            flags, args = True, (race.greedy, race.seeds, keys, race.temperature, r // race.seeds.shape[0], rng.TARGET)
+        _chunk_topk_kernel[(r, chunks)](logits, logits.stride(0), vocab, stats, vals, ids, *args, K=k, CHUNK_V=CHUNK,
+                                        RACE=flags, num_warps=8)
         _merge_topk_kernel[(r,)](stats, vals, ids, out_v, out_i, chunks, K=k,
                                  CHUNKS=triton.next_power_of_2(chunks), CANDS=triton.next_power_of_2(chunks * k),
                                  num_warps=4)

@@ -34,7 +34,7 @@ from streamsd.spec.base import Proposal, ProposeItem
 from streamsd.spec.drafting import DraftPicker
 from streamsd.spec.eagle_graphs import GREEDY, SAMPLED, SORTED, DraftRow, EagleGraphs
 from streamsd.spec.eagle_head import EagleHead, HeadAttention
-from streamsd.spec.eagle_tree import grow
+from streamsd.spec.eagle_tree import Race, grow
 
 if TYPE_CHECKING:
     from streamsd.spec.eagle_fast import FastHead
@@ -191,8 +191,14 @@ class EagleProposer:
         tables = [it.request.blocks for it in items]
         width = max(len(t) for t in tables)
         table = h2d([t + [0] * (width - len(t)) for t in tables], torch.int32, self.device)  # [Bd, W] as graphs hold it
+        reqs = [it.request for it in items]
+        race = None
+        if not all(r.params.greedy for r in reqs):
+            race = Race(h2d([int(r.params.greedy) for r in reqs], torch.int64, self.device),
+                        h2d([r.seed for r in reqs], torch.int64, self.device),
+                        h2d([r.params.temperature or 1.0 for r in reqs], torch.float32, self.device))
         tokens, parents = grow(self.head, self._run, h0, h2d(pending, torch.int64, self.device), table,
-                               self.cache.block_size, self.tree)
+                               self.cache.block_size, self.tree, race)
         host = torch.cat([tokens, parents], dim=1).tolist()
         n = tokens.shape[1]
         return [h[:n] for h in host], [h[n:] for h in host]

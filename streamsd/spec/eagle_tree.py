@@ -12,6 +12,13 @@ ends at slot P - 1). A node attends to the context and to its own ancestors' win
 (BatchLayout.tree_bits), and sits at RoPE position P + level - 1, where a chain would put it. Those
 slots hold guesses, never kept: the next catch-up overwrites them.
 
+A sampled request's children are ranked by its target's own race (`Race`): the race at position m
+takes argmax(p / E) over the noise E keyed (seed, m), so the head runs that race over its own
+probabilities q at the children's position, ranking by log q - log E, and the winner is the
+target's token wherever q's race agrees with p's; the next best fill in. That covers the target's
+sample far better than q's likeliest tokens at T = 1 (`scripts/tree_tau.py --race`), and costs no
+exactness: the walk (spec/tree.py) keeps what the target draws whatever the tree holds.
+
 Fixed shapes throughout and no host read, so a CUDA graph captures a whole growth. Between two head
 forwards a level's bookkeeping (`expand_level`: rank its candidates, lay out the next frontier) is
 one Triton launch on CUDA (kernels/tree_grow.py) and these torch ops on the CPU, its oracle.
@@ -26,11 +33,34 @@ import torch
 
 from streamsd.config import TreeShape
 from streamsd.model.kv_cache import BatchLayout, uniform_starts
+from streamsd.sampling import rng
 from streamsd.spec.eagle_head import EagleHead
 from streamsd.spec.tree import ROOT, positions_to_slots, select
 
 # (ids [T], feats [T, H], layout) -> the head layer's output [T, H], its K/V written
 HeadLayer = Callable[[torch.Tensor, torch.Tensor, BatchLayout], torch.Tensor]
+
+
+@dataclass(slots=True)
+class Race:
+    """What the target's race needs of B requests; their children are ranked by it (greedy ones: by q)."""
+
+    greedy: torch.Tensor  # [B] int64 1: rank by the head's log-probabilities
+    seeds: torch.Tensor  # [B] int64
+    temperature: torch.Tensor  # [B] float32, > 0 where not greedy
+
+
+def race_logits(logits: torch.Tensor, race: Race, keys: torch.Tensor) -> torch.Tensor:
+    """logits [B * R, V] (R rows a request) -> what ranks their children [B * R, V]: greedy rows as they
+    are, others at their temperature plus the Gumbel noise -log E, E the Exp(1) noise the target races
+    at each request's children's position keys [B]. The warp's cut-offs (top-k, top-p, min-p) stay
+    out: a token they cut is never the target's, so ranking it costs a node, not exactness."""
+    b = race.seeds.shape[0]
+    reps = logits.shape[0] // b
+    noise = rng.exponentials(race.seeds, keys.unsqueeze(1), rng.TARGET, logits.shape[-1])[:, 0]  # [B, V]
+    temp = torch.where(race.greedy.bool(), 1.0, race.temperature).unsqueeze(1)  # [B, 1]
+    raced = logits.float().reshape(b, reps, -1) / temp.unsqueeze(1) - torch.log(noise).unsqueeze(1)  # [B, R, V]
+    return torch.where(race.greedy.bool().view(b, 1, 1), logits.float().reshape(b, reps, -1), raced).view_as(logits)
 
 
 @dataclass(slots=True)
@@ -78,10 +108,11 @@ class Frontier:
 
 
 def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Tensor, block_table: torch.Tensor,
-         block_size: int, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
+         block_size: int, shape: TreeShape, race: Race | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A tree per request from h0 [B, H], the head's output at its last caught-up slot; pending [B]:
     each request's pending position P, block_table [B, W] its blocks (the window's slots must be in
-    them). Returns (tokens, parents) [B, nodes], best first."""
+    them); race: the requests' target races (None: all greedy). Returns (tokens, parents) [B, nodes],
+    best first."""
     b = h0.shape[0]
     m, c = shape.frontier, shape.branch
     if h0.is_cuda:  # one launch a level (kernels/tree_grow.py)
@@ -89,7 +120,7 @@ def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Ten
     else:
         expand = expand_level
     cands = Candidates.empty(b, c + (shape.depth - 1) * m * c, h0.device)
-    s, t = _children(head, h0, c)  # [B, C] the root's children
+    s, t = _children(head, h0, c, race, pending + 1)  # [B, C] the root's children, decided at P + 1
     base, src, offset = Frontier.root(b, h0.device), h0, 0
     starts = uniform_starts(b, m, h0.device)  # [B + 1] every level's query starts
     for level in range(1, shape.depth):
@@ -99,7 +130,7 @@ def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Ten
         layout = BatchLayout.uniform(m, fr.positions, fr.slots, block_table, fr.context_lens, fr.bits.view(-1),
                                      pending, starts).for_host(block_size)
         out = layer(fr.tokens.view(-1), src.index_select(0, fr.rows), layout)  # [B * M, H]
-        s, t = _children(head, out, c)  # [B * M, C]
+        s, t = _children(head, out, c, race, pending + level + 1)  # [B * M, C]
         base, src = fr, out
     expand(s, t, base, offset, cands, 0, shape.depth, pending, block_table, block_size)  # the last level's
     tokens, node_parents, _ = select(cands.scores, cands.tokens, cands.parents, shape.nodes)
@@ -133,12 +164,17 @@ def expand_level(s: torch.Tensor, t: torch.Tensor, base: Frontier, offset: int, 
                     (pending + level * m).to(torch.int32))
 
 
-def _children(head: EagleHead, out: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's `c` likeliest next tokens after outputs out [R, H]: (log-probabilities, ids) [R, C]."""
-    logits = head.target_logits(out)  # [R, V]
-    if logits.is_cuda:  # two launches, not a softmax and a radix top-k (kernels/topk.py)
+def _children(head: EagleHead, out: torch.Tensor, c: int, race: Race | None, keys: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `c` best next tokens after the head's outputs out [B * R, H] and their log-probabilities
+    [B * R, C] under what ranks them: the head's logits, raced at positions keys [B] for sampled
+    requests."""
+    logits = head.target_logits(out)  # [B * R, V]
+    if logits.is_cuda:  # two launches, the race's noise inside, not a softmax and a radix top-k (kernels/topk.py)
         from streamsd.kernels.topk import topk_logprobs
 
-        return topk_logprobs(logits, c)
+        return topk_logprobs(logits, c, race, keys)
+    if race is not None:
+        logits = race_logits(logits, race, keys)
     values, ids = torch.log_softmax(logits, dim=-1).topk(c, dim=-1)
     return values, ids
