@@ -40,10 +40,11 @@ def _chunk_topk_kernel(x_ptr, stride, vocab, stats_ptr, vals_ptr, ids_ptr, greed
     x = tl.load(x_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
     if RACE:
         req = row // reps
-        if tl.load(greedy_ptr + req) == 0:
+        temp = tl.load(temp_ptr + req)
+        if (tl.load(greedy_ptr + req) == 0) & (temp > 0):  # a graph's padding rows hold temperature 0
             key = _row_key(tl.load(seed_ptr + req), tl.load(key_ptr + req), stream)
             gumbel = -tl.log(-tl.log(_to_unit(_mix(key ^ _u32(idx.to(tl.int64) * 0x61C88647)))))
-            x = x / tl.load(temp_ptr + req) + gumbel
+            x = x / temp + gumbel
     top = tl.max(x, 0)
     safe = tl.where(top > float("-inf"), top, 0.0)
     total = tl.sum(tl.exp(x - safe), 0)

@@ -58,9 +58,10 @@ def race_logits(logits: torch.Tensor, race: Race, keys: torch.Tensor) -> torch.T
     b = race.seeds.shape[0]
     reps = logits.shape[0] // b
     noise = rng.exponentials(race.seeds, keys.unsqueeze(1), rng.TARGET, logits.shape[-1])[:, 0]  # [B, V]
-    temp = torch.where(race.greedy.bool(), 1.0, race.temperature).unsqueeze(1)  # [B, 1]
-    raced = logits.float().reshape(b, reps, -1) / temp.unsqueeze(1) - torch.log(noise).unsqueeze(1)  # [B, R, V]
-    return torch.where(race.greedy.bool().view(b, 1, 1), logits.float().reshape(b, reps, -1), raced).view_as(logits)
+    raced_rows = (race.greedy == 0) & (race.temperature > 0)  # [B] (a graph's padding rows: temperature 0)
+    temp = torch.where(raced_rows, race.temperature, 1.0).view(b, 1, 1)
+    x = logits.float().reshape(b, reps, -1)  # [B, R, V]
+    return torch.where(raced_rows.view(b, 1, 1), x / temp - torch.log(noise).unsqueeze(1), x).view_as(logits)
 
 
 @dataclass(slots=True)
