@@ -689,22 +689,24 @@ def test_topk_logprobs_equal_torchs_log_softmax_and_topk(vocab, k):
 def test_raced_topk_equals_the_torch_race_and_its_noise_is_the_targets():
     """With a race, the first launch ranks sampled rows by their tempered logits plus the Gumbel noise of
     the target's race at each request's key (spec/eagle_tree.race_logits, bit for bit the same noise);
-    a greedy request's rows stay as they are. Two rows a request, three requests, one greedy."""
+    a greedy request's rows stay as they are, and so do a graph's padding rows (temperature 0). Two rows
+    a request, four requests."""
     from streamsd.kernels.topk import topk_logprobs
     from streamsd.spec.eagle_tree import Race, race_logits
 
     g = torch.Generator().manual_seed(3)
     vocab, k, reps = 5000, 4, 2
-    logits = (torch.randn(3 * reps, vocab, generator=g) * 2).to(DEV)
-    race = Race(torch.tensor([0, 1, 0]).to(DEV), torch.tensor([7, 8, 2**40 + 9]).to(DEV),
-                torch.tensor([1.0, 0.0, 0.6]).to(DEV))
-    keys = torch.tensor([31, 5, 1000]).to(DEV)
+    logits = (torch.randn(4 * reps, vocab, generator=g) * 2).to(DEV)
+    race = Race(torch.tensor([0, 1, 0, 0]).to(DEV), torch.tensor([7, 8, 2**40 + 9, 0]).to(DEV),
+                torch.tensor([1.0, 0.0, 0.6, 0.0]).to(DEV))
+    keys = torch.tensor([31, 5, 1000, 3]).to(DEV)
     ref_v, ref_i = torch.log_softmax(race_logits(logits.cpu(), _cpu(race), keys.cpu()), -1).topk(k, -1)
     v, i = topk_logprobs(logits, k, race, keys)
     assert torch.equal(i.cpu(), ref_i)
     assert torch.allclose(v.cpu(), ref_v, atol=1e-4)
     plain_v, plain_i = topk_logprobs(logits, k)
-    assert torch.equal(i[2:4], plain_i[2:4]) and not torch.equal(i[:2], plain_i[:2])
+    assert torch.equal(i[2:4], plain_i[2:4]) and torch.equal(i[6:], plain_i[6:])
+    assert not torch.equal(i[:2], plain_i[:2]) and not torch.equal(i[4:6], plain_i[4:6])
 
 
 def _cpu(race):
