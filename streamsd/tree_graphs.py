@@ -5,8 +5,9 @@ the target over the B x (N + 1) window rows (tree-masked attention, its streams 
 each row's token (argmax, or the keyed race a plain step would run), the walk, the accepted nodes'
 KV and streams moved to their positions, the head's catch-up over the accepted path (D + 1 rows, the
 ones past the accepted writing head slots the growth rewrites before anything reads them), its
-growth of the next tree from the pending token (a sampled request's ranked by its target's race), and last the next replay's own inputs: the new
-roots, trees, positions, slots and masks, written into the buffers this replay read. So a step
+growth of the next tree from the pending token (a sampled request's children ranked by its target's
+race), and last the next replay's own inputs: the new roots, trees, positions, slots and masks,
+written into the buffers this replay read. So a step
 queued right behind the last (lookahead.py) is one more replay with no host copy, and the host's
 only work per step is starting the read of `result` and waiting for it.
 
