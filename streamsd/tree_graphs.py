@@ -53,8 +53,8 @@ class _TreeGraph:
     roots: torch.Tensor  # [B] int64 each window's first position (its root's)
     tree: torch.Tensor  # [B, 2N] int64 the trees verified: tokens | parents
     block_table: torch.Tensor  # [B, max_blocks] int32
-    draws: torch.Tensor  # [B, 2] int64 greedy flag, seed
-    warp_f: torch.Tensor  # [B, 2] float32 temperature, min-p
+    draws: torch.Tensor  # [2, B] int64 greedy flags | seeds (field-major: each row is what a kernel reads)
+    warp_f: torch.Tensor  # [2, B] float32 temperatures | min-p
     result: torch.Tensor | None = None  # [B, D + 2 + 2N] emitted | accepted | next tokens | next parents
     tables: list[list[int]] | None = None  # what block_table holds (a request gains a block every 16 tokens)
 
@@ -112,14 +112,14 @@ class TreeGraphs:
         side[:n, 3:] = tree
         dev_side = torch.from_numpy(side).to(self.device, non_blocking=True)
         g.roots.copy_(dev_side[:, 0])
-        g.draws.copy_(dev_side[:, 1:3])
+        g.draws.copy_(dev_side[:, 1:3].T)
         g.tree.copy_(dev_side[:, 3:])
         all_bits = np.zeros(t, dtype=np.int64)
         all_bits[: n * w] = bits
         g.bits.copy_(torch.from_numpy(all_bits), non_blocking=True)
         if g.mode == SAMPLED:
-            wf = np.zeros((g.bucket, 2), dtype=np.float32)
-            wf[:n] = [(r.params.temperature, r.params.min_p) for r in reqs]
+            wf = np.zeros((2, g.bucket), dtype=np.float32)
+            wf[:, :n] = [[r.params.temperature for r in reqs], [r.params.min_p for r in reqs]]
             g.warp_f.copy_(torch.from_numpy(wf), non_blocking=True)
         return self.replay(key, tables)
 
@@ -163,9 +163,9 @@ class TreeGraphs:
         if g.mode == GREEDY:
             target = row_argmax(logits.view(b, w, -1))  # [B, W]
         else:
-            ints = torch.stack([g.draws[:, 0].repeat_interleave(w), g.draws[:, 1].repeat_interleave(w),
+            ints = torch.stack([g.draws[0].repeat_interleave(w), g.draws[1].repeat_interleave(w),
                                 layout.positions + 1])  # the token each row decides sits one past it
-            temp, min_p = (g.warp_f[:, i].repeat_interleave(w) for i in (0, 1))
+            temp, min_p = (g.warp_f[i].repeat_interleave(w) for i in (0, 1))
             wp = WarpParams(temp, torch.zeros_like(ints[0]), torch.ones_like(temp), min_p, needs_sort=False)
             target = sample_keyed(logits, wp, ints).view(b, w)  # kernels/warp.py's race on CUDA
         tokens, parents = g.tree[:, :n], g.tree[:, n:]
@@ -185,8 +185,7 @@ class TreeGraphs:
         h = self.head_layer(emitted.clamp(min=0).view(-1), feats, catch).view(b, c, -1)  # [B, C, H]
         h0 = h.gather(1, accepted.view(b, 1, 1).expand(b, 1, h.shape[-1])).squeeze(1)  # [B, H]
         pending = g.roots + accepted + 1  # [B]
-        race = None if g.mode == GREEDY else Race(g.draws[:, 0].contiguous(), g.draws[:, 1].contiguous(),
-                                                  g.warp_f[:, 0].contiguous())
+        race = None if g.mode == GREEDY else Race(g.draws[0], g.draws[1], g.warp_f[0])
         next_tokens, next_parents = grow(self.head, self.head_layer, h0, pending, g.block_table, bs, shape, race)
         g.result = torch.cat([emitted, accepted.unsqueeze(1), next_tokens, next_parents], dim=1)
         # The next replay's inputs: its roots are the pending tokens, its windows the new trees.
@@ -214,8 +213,8 @@ class TreeGraphs:
             torch.cat([torch.zeros(bucket, n, dtype=torch.int64, device=dev),
                        torch.full((bucket, n), NONE, dtype=torch.int64, device=dev)], dim=1),
             torch.full((bucket, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
-            torch.zeros(bucket, 2, dtype=torch.int64, device=dev), torch.ones(bucket, 2, dtype=torch.float32, device=dev))
-        g.warp_f[:, 1] = 0.0
+            torch.zeros(2, bucket, dtype=torch.int64, device=dev), torch.ones(2, bucket, dtype=torch.float32, device=dev))
+        g.warp_f[1] = 0.0
         self.graphs[(bucket, mode)] = g
         if g.graph is None:
             return g

@@ -121,7 +121,9 @@ def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Ten
     else:
         expand = expand_level
     cands = Candidates.empty(b, c + (shape.depth - 1) * m * c, h0.device)
-    s, t = _children(head, h0, c, race, pending + 1)  # [B, C] the root's children, decided at P + 1
+    # The position each level's children are decided at, P + depth: only a race reads it.
+    keys = None if race is None else pending + torch.arange(1, shape.depth + 1, device=h0.device).unsqueeze(1)  # [D, B]
+    s, t = _children(head, h0, c, race, keys, 0)  # [B, C] the root's children
     base, src, offset = Frontier.root(b, h0.device), h0, 0
     starts = uniform_starts(b, m, h0.device)  # [B + 1] every level's query starts
     for level in range(1, shape.depth):
@@ -131,7 +133,7 @@ def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Ten
         layout = BatchLayout.uniform(m, fr.positions, fr.slots, block_table, fr.context_lens, fr.bits.view(-1),
                                      pending, starts).for_host(block_size)
         out = layer(fr.tokens.view(-1), src.index_select(0, fr.rows), layout)  # [B * M, H]
-        s, t = _children(head, out, c, race, pending + level + 1)  # [B * M, C]
+        s, t = _children(head, out, c, race, keys, level)  # [B * M, C]
         base, src = fr, out
     expand(s, t, base, offset, cands, 0, shape.depth, pending, block_table, block_size)  # the last level's
     tokens, node_parents, _ = select(cands.scores, cands.tokens, cands.parents, shape.nodes)
@@ -165,17 +167,19 @@ def expand_level(s: torch.Tensor, t: torch.Tensor, base: Frontier, offset: int, 
                     (pending + level * m).to(torch.int32))
 
 
-def _children(head: EagleHead, out: torch.Tensor, c: int, race: Race | None, keys: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `c` best next tokens after the head's outputs out [B * R, H] and their log-probabilities
-    [B * R, C] under what ranks them: the head's logits, raced at positions keys [B] for sampled
-    requests."""
+def _children(head: EagleHead, out: torch.Tensor, c: int, race: Race | None, keys: torch.Tensor | None,
+              level: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `c` best next tokens after the head's outputs out [B * R, H] at `level` and their
+    log-probabilities [B * R, C] under what ranks them: the head's logits, raced at positions
+    keys[level] [B] for sampled requests."""
     logits = head.target_logits(out)  # [B * R, V]
+    at = None if keys is None else keys[level]  # [B]
     if logits.is_cuda:  # two launches, the race's noise inside, not a softmax and a radix top-k (kernels/topk.py)
         from streamsd.kernels.topk import topk_logprobs
 
-        return topk_logprobs(logits, c, race, keys)
+        return topk_logprobs(logits, c, race, at)
     if race is not None:
-        logits = race_logits(logits, race, keys)
+        assert at is not None
+        logits = race_logits(logits, race, at)
     values, ids = torch.log_softmax(logits, dim=-1).topk(c, dim=-1)
     return values, ids
