@@ -329,15 +329,15 @@ def test_tree_shapes_and_settings_are_checked():
         SpecConfig(method="eagle", tree=TreeShape(), num_tokens=4)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temperature):
+@pytest.mark.parametrize(("temperature", "shape"), [(0.0, "4,3,3,10"), (0.9, "4,3,3,10"), (0.9, "3,8,8,24")])
+def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temperature, shape):
     """The work of a tree graph (tree_graphs.py: verify, walk, moves, catch-up, growth, the next
     replay's inputs), run eagerly on the CPU with steps queued ahead: the same text as plain decoding,
     and steps queued ahead are taken."""
     from streamsd.tree_graphs import tree_graphs_for
 
     plain = LLM(str(tiny_model_dir))
-    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10",
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree=shape,
               pipeline=True)
     rt, w = llm.core.rt, llm.core.rt.worker
     w.tree_graphs = tree_graphs_for(w, w.proposer, rt.scheduler_config.num_blocks, rt.scheduler_config.max_model_len)
@@ -358,7 +358,8 @@ def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, head):
+@pytest.mark.parametrize("shape", ["4,3,3,10", "3,8,8,24", "4,6,6,24"])
+def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, head, shape):
     """On CUDA whole tree steps are graph replays queued one ahead (tree_graphs.py): greedy and
     seeded answers (top-k/top-p ones take the eager path) equal plain decoding's, batch 1 and 4, and
     nothing is captured or compiled once the engine is built."""
@@ -366,7 +367,7 @@ def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, h
 
     plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=8192)
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), device="cuda",
-              dtype="float32", kv_cache_tokens=8192, max_num_seqs=4, speculative_tree="4,3,3,10")
+              dtype="float32", kv_cache_tokens=8192, max_num_seqs=4, speculative_tree=shape)
     w = llm.core.rt.worker
     assert w.tree_graphs is not None and w.tree_graphs.graphs
     before = (len(w.tree_graphs.graphs), compiled_by_kernel())

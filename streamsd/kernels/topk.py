@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 CHUNK = 2048
 
 
-@triton.jit(do_not_specialize=["vocab", "stride", "reps", "stream"])
+# The race's per-request operands are rows of [2, B] or [D, B] tensors in a tree graph (offset by 8 bytes
+# at B = 1) and separate tensors in an eager growth: read once a program, so not a variant per alignment.
+@triton.jit(do_not_specialize=["vocab", "stride", "reps", "stream"],
+            do_not_specialize_on_alignment=["greedy_ptr", "seed_ptr", "key_ptr", "temp_ptr"])
 def _chunk_topk_kernel(x_ptr, stride, vocab, stats_ptr, vals_ptr, ids_ptr, greedy_ptr, seed_ptr, key_ptr, temp_ptr,
                        reps, stream, K: tl.constexpr, CHUNK_V: tl.constexpr, RACE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -55,7 +58,8 @@ def _chunk_topk_kernel(x_ptr, stride, vocab, stats_ptr, vals_ptr, ids_ptr, greed
         best = tl.max(x, 0)
         at = tl.argmax(x, 0)  # the first maximum: the lowest id
         tl.store(vals_ptr + part * K + j, best)
-        tl.store(ids_ptr + part * K + j, (chunk * CHUNK_V + at).to(tl.int64))
+        # (a row of NaN, a graph padding row's garbage, argmaxes past the vocabulary: kept inside it)
+        tl.store(ids_ptr + part * K + j, tl.minimum(chunk * CHUNK_V + at, vocab - 1).to(tl.int64))
         x = tl.where(tl.arange(0, CHUNK_V) == at, float("-inf"), x)
 
 
