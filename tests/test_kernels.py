@@ -810,3 +810,30 @@ def test_tree_growth_levels_equal_the_torch_oracle():
     assert offset == total
     assert torch.equal(out_c.tokens.cpu(), ref_c.tokens) and torch.equal(out_c.parents.cpu(), ref_c.parents)
     assert torch.allclose(out_c.scores.cpu(), ref_c.scores)
+
+
+def test_tree_growth_of_garbage_rows_stays_in_range():
+    """A CUDA graph's padding rows grow trees from garbage: NaN scores must still name candidates and
+    feature rows of their own level (a branch of 3 leaves dead lanes in the kernel's power-of-two
+    vector, where an argmax over NaN landed on the H200 and index_select then faulted)."""
+    from streamsd.kernels import tree_grow as kg
+    from streamsd.spec import eagle_tree as et
+
+    b, m, c, depth, bs = 2, 3, 3, 3, 4
+    pending = torch.tensor([5, 9], device=DEV)
+    table = torch.arange(12, dtype=torch.int32, device=DEV).view(b, 6)
+    total = c + (depth - 1) * m * c
+    cands, base, offset = et.Candidates.empty(b, total, DEV), et.Frontier.root(b, DEV), 0
+    for level in range(1, depth):
+        p = base.scores.shape[1]
+        s = torch.full((b * p, c), float("nan"), device=DEV)
+        s[:p] = torch.tensor([-0.1, -1.0, -2.0], device=DEV)  # request 0 real, request 1 garbage
+        t = torch.arange(b * p * c, device=DEV).view(b * p, c)
+        fr = kg.expand_level(s, t, base, offset, cands, m, level, pending, table, bs)
+        assert fr is not None
+        rows, index = fr.rows.view(b, m).cpu(), fr.index.cpu()
+        for r in range(b):
+            assert ((rows[r] >= r * p) & (rows[r] < (r + 1) * p)).all(), (level, r, rows[r])
+            assert ((index[r] >= offset) & (index[r] < offset + p * c)).all(), (level, r, index[r])
+        offset += p * c
+        base = fr

@@ -38,10 +38,12 @@ def _expand_kernel(s_ptr, t_ptr, base_score_ptr, base_index_ptr, base_bits_ptr, 
     tl.store(all_p_ptr + b * total + offset + j, tl.load(base_index_ptr + b * P + par, mask=live, other=0), mask=live)
     if M > 0:
         pending = tl.load(pending_ptr + b)
-        x = tl.where(live, score, float("-inf"))
+        # A graph's padding rows score garbage, NaN included, and NaN loses every comparison: the argmax
+        # could then land past the live candidates, and the feature row it names past the level's.
+        x = tl.where(live & (score == score), score, float("-inf"))
         for r in tl.static_range(M):
             best = tl.max(x, 0)
-            at = tl.argmax(x, 0)  # the first maximum: the lowest index
+            at = tl.minimum(tl.argmax(x, 0), P * C - 1)  # the first maximum: the lowest index
             p_local = at // C
             out = b * M + r
             tl.store(f_tok_ptr + out, tl.sum(tl.where(j == at, tok, 0), 0))
