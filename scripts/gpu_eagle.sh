@@ -23,10 +23,14 @@
 #   scripts/gpu_eagle.sh heldout carry .gguf2b .whl (after stash + stash2): the 16 held-out x 256 of `figures` only
 #                               (METHODS=eagle,eagle-ad: those beside plain; PHASES=1: then host ms per phase)
 #   scripts/gpu_eagle.sh kernels carry .gguf2b .whl (after stash + stash2): kernels per step, plain vs eagle k = 4
-#   scripts/gpu_eagle.sh treetests carry .gguf1 (= stash, then the CUDA tests of draft trees and of EAGLE's chains)
+#   scripts/gpu_eagle.sh treetests carry .gguf1 (= stash, then the CUDA tests of draft trees and of EAGLE's chains;
+#                               TESTS_K: another pytest -k selection)
 #   scripts/gpu_eagle.sh trees  carry .gguf2b .whl (after stash + stash2): batch 1, 16 held-out x 256: plain, n-gram,
 #                               eagle k = 4 and the draft trees of TREES ('D,M,C,N;...'), T=0 and T=1 (PHASES=1:
 #                               host ms per phase; HF=1: HF transformers beside them)
+#   scripts/gpu_eagle.sh shapes carry .gguf2b .whl (after stash + stash2): each tree shape of SHAPES alone on the
+#                               default model, graphs captured up to batch 16, answers beside plain's (BLOCKING=1:
+#                               CUDA_LAUNCH_BLOCKING=1, so a device-side assert names its kernel)
 #   scripts/gpu_eagle.sh bench  (optional, while still warm; carry .whl) `streamsd bench offline` with the
 #                               new head: plain vs eagle vs HF, then plain vs n-gram vs HF + prompt lookup
 # Writes logs and JSON under $OUT (./out here). Tables print last.
@@ -45,7 +49,9 @@ log() { echo "=== $(date +%T) $*" | tee -a "$OUT/run.log"; }
 HEAD=/tmp/eagle_head
 GGUF=/tmp/smollm2.gguf
 join_gguf() {  # part1 (stash) + part2, carried whole or as 2a (stash2) + 2b
-  if [ -f .gguf2/part2 ]; then cat /tmp/part1 .gguf2/part2 > $GGUF; else cat /tmp/part1 /tmp/part2a .gguf2b/part > $GGUF; fi
+  # (two parts: part1 + .gguf2b/part, with no stash2, when the tree travels without docs/)
+  if [ -f .gguf2/part2 ]; then cat /tmp/part1 .gguf2/part2 > $GGUF
+  else cat /tmp/part1 $([ -f /tmp/part2a ] && echo /tmp/part2a) .gguf2b/part > $GGUF; fi
 }
 
 case "$MODE" in
@@ -173,15 +179,39 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     cp .gguf1/part1 /tmp/part1 && ls -l /tmp/part1 | tee -a "$OUT/run.log"
     log "CUDA tests: draft trees, the Triton tree windows, EAGLE's chains and graphs"
     timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py tests/test_kernels.py ${EAGLE_TESTS:+tests/test_eagle.py} \
-      -k "cuda or tree or topk or bookkeeping or paged_attention or graph or warm" > "$OUT/cuda_tests.log" 2>&1
+      -k "${TESTS_K:-cuda or tree or topk or bookkeeping or paged_attention or graph or warm}" > "$OUT/cuda_tests.log" 2>&1
     tail -15 "$OUT/cuda_tests.log" | tee -a "$OUT/run.log"
+    ;;
+  shapes)
+    # Each tree shape of SHAPES alone (scripts/tree_shapes_cuda.py), its graphs captured up to batch 16;
+    # BLOCKING=1 runs it with CUDA_LAUNCH_BLOCKING=1, so a device-side assert names its kernel.
+    [ -f $GGUF ] || join_gguf
+    log "tree shapes one by one: ${SHAPES:-3,8,8,24;4,6,6,24}"
+    CUDA_LAUNCH_BLOCKING=${BLOCKING:-0} timeout ${LIMIT:-300} python3 scripts/tree_shapes_cuda.py --model $GGUF \
+      --head streamsd/assets/eagle/smollm2-135m-instruct --shapes "${SHAPES:-3,8,8,24;4,6,6,24}" > "$OUT/shapes.log" 2>&1
+    echo "shapes exit $?" | tee -a "$OUT/run.log"; grep -v "^\[\|shards\|converting" "$OUT/shapes.log" | tail -60 \
+      | tee -a "$OUT/run.log"
+    ;;
+  diag)
+    # The bench's engines built one after the other (TREES), CUDA_LAUNCH_BLOCKING=1, a short timed pass:
+    # a fault in a tree graph's capture then names its line.
+    [ -f $GGUF ] || join_gguf
+    SHIPPED=streamsd/assets/eagle/smollm2-135m-instruct
+    for blocking in 1 0; do
+      log "engines of the bench, CUDA_LAUNCH_BLOCKING=$blocking: trees ${TREES:-5,4,4,16;3,8,8,24}"
+      CUDA_LAUNCH_BLOCKING=$blocking timeout 150 python3 scripts/bench_eagle.py --model $GGUF --head $SHIPPED \
+        --held-out $SHIPPED/training.json --prompts 1 --max-tokens 32 --device cuda --no-hf --methods eagle,ngram \
+        --trees "${TREES:-5,4,4,16;3,8,8,24}" > "$OUT/diag_$blocking.log" 2>&1
+      echo "exit $?" | tee -a "$OUT/run.log"
+      grep -v "Indexing.cu\|^\[\|shards\|converting" "$OUT/diag_$blocking.log" | tail -40 | tee -a "$OUT/run.log"
+    done
     ;;
   trees)
     [ -f $GGUF ] || join_gguf
     SHIPPED=streamsd/assets/eagle/smollm2-135m-instruct
     log "batch 1, ${PROMPTS:-16} held-out x 256: plain, n-gram, eagle k=4, trees ${TREES:-6,6,6,31}"
     timeout ${LIMIT:-420} python3 scripts/bench_eagle.py --model $GGUF --head $SHIPPED --held-out $SHIPPED/training.json \
-      --prompts ${PROMPTS:-16} --max-tokens 256 --device cuda $([ -n "${HF:-}" ] || echo --no-hf) --methods eagle,ngram \
+      --prompts ${PROMPTS:-16} --max-tokens 256 --device cuda $([ -n "${HF:-}" ] || echo --no-hf) --methods ${METHODS:-eagle,ngram} \
       --trees "${TREES:-6,6,6,31}" ${PHASES:+--phases} --out "$OUT/trees.json" > "$OUT/trees.log" 2>&1
     echo "bench exit $?" | tee -a "$OUT/run.log"; grep -v "^\[\|shards\|converting" "$OUT/trees.log" | tail -70 \
       | tee -a "$OUT/run.log"
