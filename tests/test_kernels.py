@@ -812,6 +812,7 @@ def test_tree_growth_levels_equal_the_torch_oracle():
     assert torch.allclose(out_c.scores.cpu(), ref_c.scores)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's argmax is numpy's: NaN wins there")
 def test_tree_growth_of_garbage_rows_stays_in_range():
     """A CUDA graph's padding rows grow trees from garbage: NaN scores must still name candidates and
     feature rows of their own level (a branch of 3 leaves dead lanes in the kernel's power-of-two
