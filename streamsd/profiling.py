@@ -4,8 +4,11 @@ Decode/verify steps: B requests × w query tokens each, at a representative cont
 through the worker's CUDA graphs when it has them (each (batch bucket, query width) graph is
 captured, if it was not yet, and its replay timed: exactly what a step over that bucket runs), else
 eagerly as the worker's CPU path runs them (one attention call per request, so the batch costs on
-its own, not only its tokens). Widths: the graphs' (1 and 1 + K), or 1 and 1 + K on the CPU, where
-the table interpolates between them. Draft-model steps: B requests × 1 token the same way. Prefill
+its own, not only its tokens). Widths: the graphs' (1 and 1 + K); on the CPU 1 and 1 + K at every
+batch edge, and every width between where a step holds at most CONCAVE_TOKENS tokens: a GEMM over a
+few rows costs far more than its share of a longer one's (SmolLM2 on 2 cores: 31, 49, 58 and 63 ms
+for 1, 2, 3 and 5 rows), so a line from width 1 to 1 + K prices a small verify too low and the policy
+speculates where plain decoding is faster. Past that the table interpolates. Draft-model steps: B requests × 1 token the same way. Prefill
 chunks: one sequence of n tokens (the shape a chunk has).
 
 Runs before any request exists (or, in the benchmark, between passes), so every KV block is free
@@ -31,6 +34,7 @@ from streamsd.model.stream_store import StreamStore
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SLOW_PASS_S = 0.05  # a pass this slow is timed once: its noise is small next to it, the budget is not
+CONCAVE_TOKENS = 16  # CPU steps up to this many tokens are timed at every width (see above)
 
 
 def sync(dev: torch.device) -> None:
@@ -104,8 +108,10 @@ def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer |
     prefill = {n: _time_pass(target, cache, n, context, repeats) for n in BUCKETS if n <= max_tokens}
     edges = graphs.cfg.buckets if graphs is not None else BUCKETS
     batches = buckets_up_to(edges, max_batch)
-    widths = sorted(set(graphs.cfg.query_widths if graphs is not None else (1, 1 + max(max_k, 0))))
-    cells = sorted(((b, w) for b in batches for w in widths if graphs is not None or b * w <= max_tokens),
+    edge_widths = set(graphs.cfg.query_widths if graphs is not None else (1, 1 + max(max_k, 0)))
+    widths = sorted(edge_widths if graphs is not None else range(1, 2 + max(max_k, 0)))
+    cells = sorted(((b, w) for b in batches for w in widths
+                    if graphs is not None or (b * w <= max_tokens and (w in edge_widths or b * w <= CONCAVE_TOKENS))),
                    key=lambda bw: (bw[0] * bw[1], bw[1]))
     # Capturing is the graphs' own start-up cost, paid once whether or not they are profiled: done
     # first, outside the budget, so every cell the engine can run is timed rather than extrapolated.

@@ -469,6 +469,20 @@ def test_shape_table_fills_untimed_cells_pessimistically_and_stays_monotone() ->
         assert list(row) == sorted(row)
 
 
+def test_an_eager_table_prices_small_verifies_as_timed_and_fills_its_rows_between_timed_widths() -> None:
+    # This CPU's SmolLM2 at batch 1: 31, 49, 58, 61 and 63 ms for 1..5 rows. A line from width 1 to 5 priced
+    # width 2 at 39 ms, and k = 1 looked cheaper than it is; a batch of 8 is timed at widths 1, 2 and 5 only.
+    samples = {(1, 1): 31e-3, (1, 2): 49e-3, (1, 3): 58e-3, (1, 4): 61e-3, (1, 5): 63e-3,
+               (8, 1): 70e-3, (8, 2): 110e-3, (8, 5): 200e-3}
+    shape = ShapeTable.from_samples(samples, padded=False)
+    cost = CostTable.from_samples({1: 31e-3}, shape=shape)
+    assert cost.predict(1, 2, 1) == pytest.approx(49e-3)
+    assert cost.predict(1, 3, 2) == pytest.approx(58e-3)
+    # (8, 3) and (8, 4) lie on the row's line from (8, 2) to (8, 5), not on batch 1's curve scaled by 8.
+    assert shape.values[1][2] == pytest.approx(140e-3) and shape.values[1][3] == pytest.approx(170e-3)
+    assert cost.predict(8, 8 * 4, 3) == pytest.approx(170e-3)
+
+
 def test_correction_learns_each_graph_within_a_few_steps() -> None:
     """The true step costs what the graph costs plus host work the profile did not see (more for a
     speculative step: the rejection sampler and the proposer), with 1% noise: after a few steps of

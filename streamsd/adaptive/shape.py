@@ -34,15 +34,22 @@ class ShapeTable:
     def from_samples(cls, samples: Mapping[tuple[int, int], float], *, padded: bool,
                      batches: Iterable[int] = (), widths: Iterable[int] = ()) -> ShapeTable:
         """``samples``: (batch, width) → seconds; cells of ``batches`` × ``widths`` (default: those
-        sampled) that were not timed are filled from their neighbours."""
+        sampled) that were not timed are filled from their neighbours: linearly between two timed
+        widths of their row (the CPU times the middle widths of small steps only), else scaled from a
+        smaller batch (out of time: pessimistic)."""
         batches = tuple(sorted({*batches, *(b for b, _ in samples)}))
         widths = tuple(sorted({*widths, *(w for _, w in samples)}))
         rows: list[tuple[float, ...]] = []
         below = [0.0] * len(widths)
         for b in batches:
             row, left = [], 0.0
+            timed = sorted(w for pb, w in samples if pb == b)
             for j, w in enumerate(widths):
                 v = samples.get((b, w))
+                if v is None and timed and timed[0] < w < timed[-1]:  # between two timed widths of its row
+                    w0 = max(x for x in timed if x < w)
+                    w1 = min(x for x in timed if x > w)
+                    v = samples[(b, w0)] + (samples[(b, w1)] - samples[(b, w0)]) * (w - w0) / (w1 - w0)
                 if v is None:  # unmeasured (profiling ran out of time): scale the row below
                     prev = next((pb for pb in reversed(batches) if pb < b and (pb, w) in samples), None)
                     v = samples[(prev, w)] * b / prev if prev else left
