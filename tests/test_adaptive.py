@@ -481,6 +481,10 @@ def test_an_eager_table_prices_small_verifies_as_timed_and_fills_its_rows_betwee
     # (8, 3) and (8, 4) lie on the row's line from (8, 2) to (8, 5), not on batch 1's curve scaled by 8.
     assert shape.values[1][2] == pytest.approx(140e-3) and shape.values[1][3] == pytest.approx(170e-3)
     assert cost.predict(8, 8 * 4, 3) == pytest.approx(170e-3)
+    # Out of time at a batch of 64 after its width 1: its width 5 is the 32 row's scaled, the middle on
+    # that row's line (not a width-3 step at batch 1 times 64).
+    late = ShapeTable.from_samples({**samples, (32, 1): 0.3, (32, 5): 0.8, (64, 1): 0.6}, padded=False)
+    assert late.values[3][4] == pytest.approx(1.6) and late.values[3][2] == pytest.approx(1.1)
 
 
 def test_correction_learns_each_graph_within_a_few_steps() -> None:

@@ -34,26 +34,29 @@ class ShapeTable:
     def from_samples(cls, samples: Mapping[tuple[int, int], float], *, padded: bool,
                      batches: Iterable[int] = (), widths: Iterable[int] = ()) -> ShapeTable:
         """``samples``: (batch, width) → seconds; cells of ``batches`` × ``widths`` (default: those
-        sampled) that were not timed are filled from their neighbours: linearly between two timed
-        widths of their row (the CPU times the middle widths of small steps only), else scaled from a
-        smaller batch (out of time: pessimistic)."""
+        sampled) that were not timed are filled from their neighbours: a row's first and last widths
+        scaled from a smaller batch (profiling ran out of time: pessimistic), the widths between on the
+        row's line between its nearest timed or filled widths (the CPU times the middle widths of small
+        steps only)."""
         batches = tuple(sorted({*batches, *(b for b, _ in samples)}))
         widths = tuple(sorted({*widths, *(w for _, w in samples)}))
         rows: list[tuple[float, ...]] = []
         below = [0.0] * len(widths)
         for b in batches:
+            known = {w: float(v) for (pb, w), v in samples.items() if pb == b}
+            for w in (widths[0], widths[-1]):  # a row's ends, out of time: scaled from a smaller batch
+                prev = next((pb for pb in reversed(batches) if pb < b and (pb, w) in samples), None)
+                if w not in known and prev:
+                    known[w] = samples[(prev, w)] * b / prev
             row, left = [], 0.0
-            timed = sorted(w for pb, w in samples if pb == b)
             for j, w in enumerate(widths):
-                v = samples.get((b, w))
-                if v is None and timed and timed[0] < w < timed[-1]:  # between two timed widths of its row
-                    w0 = max(x for x in timed if x < w)
-                    w1 = min(x for x in timed if x > w)
-                    v = samples[(b, w0)] + (samples[(b, w1)] - samples[(b, w0)]) * (w - w0) / (w1 - w0)
-                if v is None:  # unmeasured (profiling ran out of time): scale the row below
-                    prev = next((pb for pb in reversed(batches) if pb < b and (pb, w) in samples), None)
-                    v = samples[(prev, w)] * b / prev if prev else left
-                left = max(left, below[j], float(v))
+                lo = max((x for x in known if x <= w), default=None)
+                hi = min((x for x in known if x >= w), default=None)
+                if lo is None or hi is None or lo == hi:  # timed, or past the row's known widths
+                    v = known.get(w, left)
+                else:  # on the row's line between its nearest known widths
+                    v = known[lo] + (known[hi] - known[lo]) * (w - lo) / (hi - lo)
+                left = max(left, below[j], v)
                 row.append(left)
             below = row
             rows.append(tuple(row))
