@@ -45,8 +45,9 @@ class ShapeTable:
         for b in batches:
             known = {w: float(v) for (pb, w), v in samples.items() if pb == b}
             for w in (widths[0], widths[-1]):  # a row's ends, out of time: scaled from a smaller batch
-                prev = next((pb for pb in reversed(batches) if pb < b and (pb, w) in samples), None)
-                if w not in known and prev:
+                prev = None if w in known else next((pb for pb in reversed(batches) if pb < b and (pb, w) in samples),
+                                                    None)
+                if prev:
                     known[w] = samples[(prev, w)] * b / prev
             row, left = [], 0.0
             for j, w in enumerate(widths):
