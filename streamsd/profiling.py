@@ -8,8 +8,8 @@ its own, not only its tokens). Widths: the graphs' (1 and 1 + K); on the CPU 1 a
 batch edge, and every width between where a step holds at most CONCAVE_TOKENS tokens: a GEMM over a
 few rows costs far more than its share of a longer one's (SmolLM2 on 2 cores: 31, 49, 58 and 63 ms
 for 1, 2, 3 and 5 rows), so a line from width 1 to 1 + K prices a small verify too low and the policy
-speculates where plain decoding is faster. Past that the table interpolates. Draft-model steps: B requests × 1 token the same way. Prefill
-chunks: one sequence of n tokens (the shape a chunk has).
+speculates where plain decoding is faster. Past that the table interpolates. Draft-model steps: B
+requests × 1 token the same way. Prefill chunks: one sequence of n tokens (the shape a chunk has).
 
 Runs before any request exists (or, in the benchmark, between passes), so every KV block is free
 scratch space. Bounded in time (graph captures excluded): cells are timed cheapest first, and once
