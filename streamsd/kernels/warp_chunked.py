@@ -127,8 +127,9 @@ def _merge_best_kernel(best_ptr, out_ptr, n_chunks, CP: tl.constexpr):
 def _argmax_chunk_kernel(x_ptr, stride, best_ptr, vocab, n_chunks, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     idx, m = _chunk_ids(vocab, CHUNK)
-    _store_best(best_ptr, row, n_chunks, tl.load(x_ptr + row * stride + idx, mask=m, other=float("-inf")).to(
-        tl.float32), idx)
+    x = tl.load(x_ptr + row * stride + idx, mask=m, other=float("-inf")).to(tl.float32)
+    # NaN (a graph padding row's garbage) equals nothing: a chunk of it would name an id past the vocabulary
+    _store_best(best_ptr, row, n_chunks, tl.where(x == x, x, float("-inf")), idx)
 
 
 def _grid(logits: torch.Tensor) -> tuple[int, int, int]:
