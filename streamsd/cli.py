@@ -34,7 +34,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--speculative-tree", default=None, metavar="D,M,C,N",
                    help="EAGLE only: draft a tree per step instead of a chain: depth D, the M likeliest nodes of "
                         "each level expanded into their C likeliest children, the N likeliest nodes verified "
-                        "(e.g. 5,4,4,16); verified whole each step (the fixed policy)")
+                        "(e.g. 3,8,8,24); verified whole each step (the fixed policy)")
     p.add_argument("--draft-greedy-threshold", type=float, default=0.75,
                    help="requests below this temperature draft greedily (one-hot q); others sample drafts")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
