@@ -327,7 +327,8 @@ class AdaptivePolicy:
             "switches": self.planner.switches,
             # What the cost table has learnt (it outlives the pass): why a shape is or is not chosen.
             "cost_global_ratio": self.cost.global_ratio,
-            "cost_relative": {"x".join(map(str, key)): [rel, self.cost.seen.get(key, 0)]
+            # Per key: its relative ratio, its samples, its first samples (measured / raw).
+            "cost_relative": {"x".join(map(str, key)): [rel, self.cost.seen.get(key, 0), self.cost.first.get(key, [])]
                               for key, rel in sorted(self.cost.relative.items())},
             "prior_means": {name: list(p.means) for name, p in self.estimator.priors.items()},
             "profile_ms": profile_ms(self.cost),

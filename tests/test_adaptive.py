@@ -1127,3 +1127,16 @@ def test_a_recurring_tail_of_slow_steps_is_priced_and_a_lone_stall_is_not() -> N
     for _ in range(4):
         quiet.observe(quiet.predict_raw(64, 128, 1), 1.6 * steady, verify_tokens=128, draft_steps_k=1, batch_size=64)
     assert quiet.predict(64, 128, 1) > 1.25 * settled
+
+
+def test_a_keys_first_samples_are_kept_for_the_summary() -> None:
+    """A key priced high by its first steps is never chosen again (H200, B = 64: k = 1 at 1.38x its profile
+    from three early steps): the summary shows those steps, measured / raw, and only the first few."""
+    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=_graph_shape())
+    raw = cost.predict_raw(64, 128, 1)
+    ratios = [1.8, 0.7, 2.2, 1.1, 1.0, 1.05, 1.3, 0.9]
+    for r in ratios:
+        cost.observe(cost.predict_raw(64, 128, 1), r * raw, verify_tokens=128, draft_steps_k=1, batch_size=64)
+    key = cost.key(128, 1, batch_size=64)
+    assert cost.first[key] == ratios[:6] and cost.seen[key] == len(ratios)
+    assert cost.first.keys() == cost.seen.keys()

@@ -74,6 +74,7 @@ from streamsd.adaptive.shape import ShapeTable
 CorrectionKey = tuple[int, ...]
 _GLOBAL: CorrectionKey = ()
 TAIL_WINDOW, TAIL_MIN = 12, 6  # a key's recent samples whose mean prices it where slow ones recur
+FIRST_KEPT = 6  # a key's first samples, kept for the benchmarks' summary (see ``CostTable.first``)
 CALIBRATION_STEPS = 8  # the global ratio's first plain steps: calibration, not drift (see ``_rebase``)
 
 
@@ -127,6 +128,10 @@ class CostTable:
     # The last three samples per key (``_GLOBAL`` for the global ratio): see the module doc.
     recent: dict[CorrectionKey, list[float]] = field(default_factory=dict)
     tails: dict[CorrectionKey, list[float]] = field(default_factory=dict)  # the last TAIL_WINDOW samples per key
+    # The first FIRST_KEPT samples (measured / raw) per key. A key priced high by its first steps is never
+    # chosen again, so never corrected: these say whether those steps were steady or a pass's start-up
+    # transients (on the H200 at B = 64 three early steps priced k = 1 at 1.38x its profile for good).
+    first: dict[CorrectionKey, list[float]] = field(default_factory=dict)
 
     @classmethod
     def from_samples(
@@ -274,6 +279,8 @@ class CostTable:
         key = self.key(verify_tokens, draft_steps_k, batch_size=batch_size, prefill_tokens=prefill_tokens)
         n = self.seen.get(key, 0) + 1
         self.seen[key] = n
+        if n <= FIRST_KEPT:
+            self.first.setdefault(key, []).append(round(sample, 3))
         rel = self.relative.get(key, 1.0)
         robust = self._median_of_recent(key, sample / self.global_ratio, rel)
         tail = self._tail_of_recent(key, sample / self.global_ratio)
