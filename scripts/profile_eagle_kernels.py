@@ -32,25 +32,28 @@ def profile(llm: LLM, name: str, temperature: float, tokens: int) -> None:
     with torch.profiler.profile(activities=acts) as prof:
         llm.generate(PROMPT, params)
         torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    runtime: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # host CUDA API calls: ms, calls
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # name -> [ms, launches]
+    runtime: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # host CUDA API call -> [ms, calls]
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            t = per_name[ev.name]
-            t[0] += ev.self_device_time_total / 1e3
-            t[1] += 1
+            table, us = kernels, ev.self_device_time_total
         elif ev.name.startswith("cuda"):
-            t = runtime[ev.name]
-            t[0] += ev.self_cpu_time_total / 1e3
-            t[1] += 1
-    gpu_ms = sum(t[0] for t in per_name.values())
+            table, us = runtime, ev.self_cpu_time_total
+        else:
+            continue
+        table[ev.name][0] += us / 1e3
+        table[ev.name][1] += 1
+    gpu_ms = sum(t[0] for t in kernels.values())
     print(f"\n=== {name} T={temperature:g}: {len(out.outputs[0].token_ids)} tokens in {steps} steps, "
           f"wall {1e3 * wall / steps:.3f} ms/step, GPU {gpu_ms / steps:.3f} ms/step (profiled pass)")
-    for kname, (ms, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:28]:
-        print(f"  {ms / steps * 1e3:8.1f} us/step  {n / steps:6.1f} launches/step  {kname[:90]}")
+    _print_per_step(kernels, steps, 28, "launches")
     print("  host CUDA runtime calls:")
-    for call, (ms, n) in sorted(runtime.items(), key=lambda kv: -kv[1][0])[:10]:
-        print(f"  {ms / steps * 1e3:8.1f} us/step  {n / steps:6.1f} calls/step     {call}")
+    _print_per_step(runtime, steps, 10, "calls")
+
+
+def _print_per_step(table: dict[str, list[float]], steps: int, rows: int, unit: str) -> None:
+    for what, (ms, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"  {ms / steps * 1e3:8.1f} us/step  {n / steps:6.1f} {unit}/step  {what[:90]}")
 
 
 def main() -> None:
