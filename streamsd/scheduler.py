@@ -270,7 +270,11 @@ class Scheduler:
         return kept
 
     def _trim(self, r: Request) -> None:
-        ahead = 2 * self.cfg.lookahead if r.draft_ids else 0  # what a step queued ahead writes
+        # What a step queued ahead may write, as the worker recorded it: 3 (k + 1) past the last step's
+        # start (lookahead.chained_reach), num_tokens being 2 past it or more. A step whose blocks
+        # changed is dropped; with 2 (k + 1) the trim freed the last of them when nothing was accepted
+        # at k >= 2 (on the H200 at B = 64, k = 2 dropped 10 of 21 queued steps, k = 1 none).
+        ahead = 3 * self.cfg.lookahead if r.draft_ids else 0
         keep = self._blocks_for(max(r.num_tokens + ahead, r.draft_computed))
         if len(r.blocks) > keep:
             self.blocks.give(r.blocks[keep:])
