@@ -172,11 +172,14 @@ class EngineCore:
             if e.request.first_scheduled is None:
                 e.request.first_scheduled = now
         verified = []
-        for entry, res, kept in self.scheduler.update(plan, results):
-            accepted = min(res.num_accepted, len(kept))
-            self.totals.record(entry.num_drafts, accepted, len(kept))
+        for entry, res, kept, drafted in self.scheduler.update(plan, results):
+            accepted = min(res.num_accepted, len(kept), drafted)
+            self.totals.record(drafted, accepted, len(kept))
+            # Drafts verified past max_tokens are still the target's verdict on the drafter: the policy
+            # learns from every one.
             verified.append((entry.request, entry.num_drafts, res.num_accepted))
-            em.pending.append((entry.request, res, kept, entry.num_drafts, accepted))
+            em.pending.append((entry.request, res, kept, drafted, accepted))
+        self.rt.worker.lookahead.forget_finished()
         if plan.decision is not None:
             self.scheduler.policy.observe(plan.decision, verified, self.last_step_seconds)
         return em if em.outputs or em.pending else None

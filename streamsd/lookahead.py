@@ -51,6 +51,10 @@ class Lookahead:
         self.queued: Queued | None = None
         # Speculative steps too (the runtime gave the q pool a second half, see `pair_slot`).
         self.chained = False
+        # Set where chained steps verify past max_tokens (SchedulerConfig.drafts_past_max_tokens): the
+        # context length a queued step may not pass. None: a row is queued only while max_tokens leaves
+        # room for both steps' k + 1 tokens.
+        self.past_max_tokens_within: int | None = None
         self.taken = 0  # steps served by a queued step
         self.dropped = 0  # queued steps thrown away
 
@@ -116,6 +120,13 @@ class Lookahead:
                 and all(e.num_tokens == 1 and e.num_drafts == q.k and e.k_next < q.k and e.verifies
                         and e.request.params.logprobs is None for e in entries))
 
+    def forget_finished(self) -> None:
+        """Drops a queued step whose requests have all finished (rows queued near their ends, which the
+        last of them did not need): no plan would take it."""
+        q = self.queued
+        if q is not None and all(r.finished for r in q.requests):
+            self.drop()
+
     def drop(self) -> None:
         if self.queued is not None:
             self.queued = None
@@ -135,15 +146,18 @@ class Lookahead:
     def next_chained(self, entries: list[Scheduled]) -> list[int]:
         """All entries of a chained step (`chains`) when each one's next step can be queued now: far
         enough from max_tokens that it verifies its k drafts whatever this step emits (up to k + 1;
-        proposing fewer after them near the end, the scheduler's next plan still takes it), past
+        proposing fewer after them near the end, the scheduler's next plan still takes it), or, where
+        drafts run past max_tokens, from the end of the context (a row that ends meanwhile is left
+        out of the next plan, which still takes the rest); past
         min_tokens (no stops to suppress), with the blocks it writes already held (the scheduler
         reserves them: SchedulerConfig.lookahead); else none."""
         k = entries[0].k_next
         if not self.queues_speculative or k == 0 or any(e.k_next != k for e in entries):
             return []
-        reach, bs = chained_reach(k), self.block_size
+        reach, bs, limit = chained_reach(k), self.block_size, self.past_max_tokens_within
         rows = [i for i, e in enumerate(entries)
-                if len(e.request.output_ids) + 2 * (k + 1) <= e.request.params.max_tokens
+                if (len(e.request.output_ids) + 2 * (k + 1) <= e.request.params.max_tokens if limit is None
+                    else e.start + reach <= limit)
                 and not below_min_tokens(e.request)
                 and len(e.request.blocks) * bs >= e.start + reach]
         # A row left out would most likely be in the next plan, which would then drop the queued step.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -197,7 +198,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         whole_drafts=tree is not None,
     )
     worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree)
-    worker.lookahead.chained = queues_ahead
+    if queues_ahead:
+        sched = queue_chains(worker, sched, cfg.spec.num_tokens)
     if device.type == "cuda":
         from streamsd.model.graphs import setup_cuda
 
@@ -228,6 +230,16 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy)
+
+
+def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerConfig:
+    """Speculative steps queued ahead (lookahead.py) for a proposer that drafts on the device (an EAGLE
+    head's chains, synthetic drafts): the KV a queued verify writes past its step's, and one k for the
+    whole chain up to max_tokens (SchedulerConfig.drafts_past_max_tokens). Returns the scheduler's
+    config for it."""
+    worker.lookahead.chained = True
+    worker.lookahead.past_max_tokens_within = sched.max_model_len
+    return dataclasses.replace(sched, lookahead=k + 1, drafts_past_max_tokens=True)
 
 
 def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> SpeculationPolicy:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 from streamsd.config import SchedulerConfig
-from streamsd.policy import Decision, FixedPolicy, SpeculationPolicy
+from streamsd.policy import Decision, FixedPolicy, SpeculationPolicy, cap_k
 from streamsd.request import FinishReason, Request, Status
 from streamsd.step import EntryResult, HeldStep, Scheduled, StepPlan
 
@@ -72,7 +72,9 @@ class Scheduler:
                 f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) = {need} exceeds "
                 f"the context window of {self.cfg.max_model_len} tokens"
             )
-        if self._blocks_for(need + max(r.spec_k, self.cfg.draft_window) + 1 + self.cfg.lookahead) > self.blocks.total:
+        past_end = r.spec_k if self.cfg.drafts_past_max_tokens else 0  # drafts verified past max_tokens
+        if self._blocks_for(need + max(r.spec_k, self.cfg.draft_window) + 1 + self.cfg.lookahead + past_end) \
+                > self.blocks.total:
             raise AdmissionError(f"the request needs {need} tokens of KV cache, more than the pool holds")
         if len(self.waiting) >= self.cfg.max_queue:
             raise QueueFullError("the waiting queue is full; retry later")
@@ -93,11 +95,12 @@ class Scheduler:
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
         decision, self._ahead = self._ahead or self._choose_k(), None  # planned ahead, or now
-        follow, plan.queue_next = self._follow_held(decision)
+        depth = self._depth(decision)
+        follow, plan.queue_next = self._follow_held(decision, depth)
         for r in list(self.running):
             if r.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            entry = self._plan_one(r, budget, decision.ks.get(r.request_id), follow.get(id(r)),
+            entry = self._plan_one(r, budget, self._k_for(r, decision, depth), follow.get(id(r)),
                                    decision.verify.get(r.request_id, 0))
             if entry is None:
                 continue
@@ -154,7 +157,7 @@ class Scheduler:
         prefill += sum(len(r.prompt_ids) for r in list(self.waiting)[:4])
         return self.policy.choose(decoding, min(prefill, self.cfg.max_num_batched_tokens), bool(self.waiting))
 
-    def _follow_held(self, decision: Decision) -> tuple[dict[int, tuple[int, int]], bool]:
+    def _follow_held(self, decision: Decision, depth: int | None = None) -> tuple[dict[int, tuple[int, int]], bool]:
         """Where the decision changes what the step queued ahead computes, the step is taken anyway:
         its GPU time is spent (dropping it cost a whole step per switch on the H200). Leaving
         speculation or drafting shallower, its requests verify the drafts it verifies and propose
@@ -165,13 +168,30 @@ class Scheduler:
         held, self.held = self.held, None
         if held is None:
             return {}, True
-        wants = [(r, self._k_for(r, decision)) for r in held.requests if r.status is Status.RUNNING]
+        wants = [(r, self._k_for(r, decision, depth)) for r in held.requests if r.status is Status.RUNNING]
         if held.k == 0:
             entering = {id(r): (0, 0) for r, k in wants if k > 0}
             return entering, not entering
         return {id(r): (held.k, k) for r, k in wants if k < held.k}, True
 
-    def _k_for(self, r: Request, decision: Decision) -> int:
+    def _k_for(self, r: Request, decision: Decision, depth: int | None = None) -> int:
+        """The request's k this step. Where drafts run past max_tokens (SchedulerConfig.drafts_past_max_tokens)
+        a k that max_tokens cut is raised to the step's `depth` (`_depth`), or with no request to set
+        it, to the drafts it proposed last step: the k of the chain it is in."""
+        k = self._policy_k(r, decision)
+        if self.cfg.drafts_past_max_tokens and k == cap_k(r) < r.spec_k:
+            return max(k, min(r.spec_k, len(r.draft_ids) if depth is None else depth))
+        return k
+
+    def _depth(self, decision: Decision) -> int | None:
+        """The largest k of the running requests whose k max_tokens did not cut (None: there is none)."""
+        if not self.cfg.drafts_past_max_tokens:
+            return None
+        free = [k for r in self.running if r.status is Status.RUNNING
+                if (k := self._policy_k(r, decision)) < cap_k(r) or cap_k(r) == r.spec_k]
+        return max(free, default=None)
+
+    def _policy_k(self, r: Request, decision: Decision) -> int:
         k = decision.ks.get(r.request_id)
         return self.policy.default_k(r) if k is None else k
 
@@ -183,8 +203,10 @@ class Scheduler:
         k = self.policy.default_k(r) if k is None else k
         verify_k, k = (max(k, verify_at_least), k) if follow is None else follow
         pending = r.num_tokens - r.computed
-        drafts = min(len(r.draft_ids), verify_k, max(r.remaining_tokens - 1, 0))
-        k_next = max(min(k, r.remaining_tokens - 2, self.cfg.max_model_len - r.num_tokens - drafts - 1), 0)
+        # What max_tokens leaves, unless drafts run past it (their tokens are cut when appended).
+        left = self.cfg.max_model_len - r.num_tokens + 1 if self.cfg.drafts_past_max_tokens else r.remaining_tokens
+        drafts = min(len(r.draft_ids), verify_k, max(left - 1, 0))
+        k_next = max(min(k, left - 2, self.cfg.max_model_len - r.num_tokens - drafts - 1), 0)
         if self.cfg.whole_drafts and k > 0:  # a tree: whole, or not at all
             fits = self.cfg.max_model_len - r.num_tokens
             drafts = len(r.draft_ids) if verify_k > 0 and len(r.draft_ids) < fits else 0
@@ -228,8 +250,10 @@ class Scheduler:
         self.waiting.appendleft(r)  # drafts and q slot stay with the request
 
     # -- after the step ----------------------------------------------------------------------
-    def update(self, plan: StepPlan, results: list[EntryResult]) -> list[tuple[Scheduled, EntryResult, list[int]]]:
-        """Apply a step's results; returns (entry, result, tokens appended) for verifying entries."""
+    def update(self, plan: StepPlan, results: list[EntryResult]
+               ) -> list[tuple[Scheduled, EntryResult, list[int], int]]:
+        """Apply a step's results; returns (entry, result, tokens appended, drafts that could be emitted)
+        for verifying entries."""
         emitted = []
         for e, res in zip(plan.entries, results, strict=True):
             r = e.request
@@ -243,14 +267,17 @@ class Scheduler:
             r.draft_computed = res.draft_computed
             r.draft_ids = list(res.draft_ids)
             r.draft_parents = list(res.draft_parents)
+            # A chain's drafts verified past max_tokens (SchedulerConfig.drafts_past_max_tokens) could never
+            # be emitted: not counted as drafted (a tree's nodes are not positions: all count). Drafts
+            # accepted past a stop are not emitted either: count only what the client receives.
+            usable = e.num_drafts if self.cfg.whole_drafts else min(e.num_drafts, r.remaining_tokens)
             kept = self._append(r, res.new_tokens)
-            # Drafts accepted past a stop are not emitted: count only what the client receives.
-            r.stats.record(e.num_drafts, min(res.num_accepted, len(kept)), len(kept))
+            r.stats.record(usable, min(res.num_accepted, len(kept), usable), len(kept))
             if r.finished:
                 self.finish(r, r.finish_reason or FinishReason.STOP)
             else:
                 self._trim(r)
-            emitted.append((e, res, kept))
+            emitted.append((e, res, kept, usable))
         return emitted
 
     def _append(self, r: Request, tokens: list[int]) -> list[int]:

@@ -311,11 +311,12 @@ def test_synthetic_drafts_made_on_the_device_equal_the_hosts(tiny_model_dir):
 def test_synthetic_steps_queue_ahead_and_change_nothing(tiny_model_dir, alpha):
     """With its drafts made on the device, a synthetic speculative step queues the next one before
     it is read (pipelined, here on the CPU): outputs equal plain decoding, and drafted / accepted
-    counts equal the engine that reads every step first."""
+    counts equal the engine that reads every step first (both with one k to max_tokens, as the
+    benchmark runs them: runtime.queue_chains)."""
     import dataclasses
 
     from streamsd.config import EngineConfig, SpecConfig
-    from streamsd.runtime import build_runtime
+    from streamsd.runtime import build_runtime, queue_chains
 
     spec = SpecConfig(method="synthetic", num_tokens=4, policy="fixed")
     prompts = [[3 + i, 40 + 7 * i, 11, 90 - i, 5] for i in range(6)]
@@ -326,8 +327,7 @@ def test_synthetic_steps_queue_ahead_and_change_nothing(tiny_model_dir, alpha):
         plain = offline_run.engine_pass(rt, dataclasses.replace(spec, method=None), prompts, 40, 4, speculative=False)
         rt.worker.proposer = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
                                                alpha, rt.args.vocab_size)
-        rt.worker.lookahead.chained = True
-        rt = dataclasses.replace(rt, scheduler_config=dataclasses.replace(rt.scheduler_config, lookahead=5))
+        rt = dataclasses.replace(rt, scheduler_config=queue_chains(rt.worker, rt.scheduler_config, 4))
         res = offline_run.engine_pass(rt, spec, prompts, 40, 4, speculative=True)
         assert res.outputs == plain.outputs and res.drafted > 100
         assert rt.worker.proposer.counters.desyncs == 0
@@ -338,3 +338,29 @@ def test_synthetic_steps_queue_ahead_and_change_nothing(tiny_model_dir, alpha):
         if alpha == 1.0:
             assert res.accepted == res.drafted
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_batch_that_starts_together_takes_every_queued_step(tiny_model_dir, k):
+    """Eight requests that start together and end at max_tokens, synthetic drafts queued ahead at
+    k = 2 or 4: no request joins, so every step queued is taken, but the one behind the last step,
+    which no plan needs. (A trim that kept 2 (k + 1) tokens past the pending one freed a block the
+    queued step had recorded whenever a step accepted nothing: four of these steps were dropped.)"""
+    import dataclasses
+
+    from streamsd.config import EngineConfig, SpecConfig
+    from streamsd.runtime import build_runtime, queue_chains
+
+    prompts = [[3 + i, 40 + 7 * i, 11, 90 - i, 5] for i in range(8)]
+    rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method=None, num_tokens=k),
+                                    device="cpu", max_num_seqs=8, pipeline=True))
+    spec = SpecConfig(method="synthetic", num_tokens=k, policy="fixed")
+    plain = offline_run.engine_pass(rt, dataclasses.replace(spec, method=None), prompts, 32, 8, speculative=False)
+    rt.worker.proposer = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
+                                           0.7, rt.args.vocab_size)
+    rt = dataclasses.replace(rt, scheduler_config=queue_chains(rt.worker, rt.scheduler_config, k))
+    la = rt.worker.lookahead
+    taken, dropped = la.taken, la.dropped
+    res = offline_run.engine_pass(rt, spec, prompts, 32, 8, speculative=True)
+    assert res.outputs == plain.outputs
+    assert la.dropped - dropped == 1 and la.taken - taken >= 10, (la.taken - taken, la.dropped - dropped)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -497,12 +498,17 @@ def _tensor_layout(layout):
                        layout.context_lens_t, layout.query_starts_t)
 
 
-def _chained_engine(model_dir, head_dir, k: int = 4, **kwargs) -> LLM:
+def _chained_engine(model_dir, head_dir, k: int = 4, past_max_tokens: bool = False, **kwargs) -> LLM:
     """An eagle engine whose propose calls run the graph bodies eagerly on the CPU (no capture), so the
-    worker's chained path (the head queued behind the verify) runs here as it does on CUDA."""
+    worker's chained path (the head queued behind the verify) runs here as it does on CUDA.
+    `past_max_tokens`: near max_tokens requests keep the batch's k, as where chained steps queue ahead
+    (SchedulerConfig.drafts_past_max_tokens; pipeline=True sets it): a reference for such an engine."""
     from streamsd.spec.eagle_graphs import EagleGraphs
 
     llm = LLM(str(model_dir), speculative_method="eagle", draft_model=str(head_dir), num_speculative_tokens=k, **kwargs)
+    if past_max_tokens:
+        sched = llm.core.scheduler
+        sched.cfg = dataclasses.replace(sched.cfg, drafts_past_max_tokens=True)
     worker = llm.core.rt.worker
     proposer = worker.proposer
 
@@ -670,7 +676,7 @@ def test_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads, refere
     assert la.taken >= 1, (la.taken, la.dropped)
     kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.9, top_k=20, top_p=0.8, min_p=0.05)]
     runs = []
-    for llm in (_chained_engine(tiny_model_dir, heads[kind]), ahead):
+    for llm in (_chained_engine(tiny_model_dir, heads[kind], past_max_tokens=True), ahead):
         out = []
         for i, kw in enumerate(kinds):  # batch 1: every step of the answer can be queued ahead
             p = SamplingParams(max_tokens=60, seed=100 + i, min_tokens=3 * i, **kw)
@@ -681,6 +687,40 @@ def test_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads, refere
         _assert_free(llm)
     assert runs[0] == runs[1]
     assert la.taken >= 15 and sum(r[-1] for r in runs[0]) > 0, (la.taken, la.dropped)
+
+
+def test_chained_steps_stay_queued_up_to_max_tokens(tiny_model_dir, heads, reference):
+    """Where chained steps queue ahead, a request near max_tokens keeps the batch's k
+    (SchedulerConfig.drafts_past_max_tokens): its drafts past the end are free in a graph padded to the
+    widest request, and what they accept past it is cut. So its last steps are queued ones too, where
+    otherwise none is from 2(k + 1) tokens before its end. The answers stay the target's, the queued
+    step left behind by the last request is dropped, nothing leaks (test_lookahead.py has the
+    scheduler's side: the k kept, the drafts counted)."""
+
+    def run(past: bool) -> tuple[LLM, list]:
+        llm = _chained_engine(tiny_model_dir, heads["eagle3"], pipeline=True)
+        sched, la = llm.core.scheduler, llm.core.rt.worker.lookahead
+        assert sched.cfg.drafts_past_max_tokens and la.past_max_tokens_within == sched.cfg.max_model_len
+        if not past:
+            sched.cfg = dataclasses.replace(sched.cfg, drafts_past_max_tokens=False)
+            la.past_max_tokens_within = None
+        out = []
+        for prompt, params in zip(PROMPTS, greedy_params(), strict=True):  # batch 1: every step may queue
+            out += llm.generate([prompt], params)
+        assert la.queued is None
+        _assert_free(llm)
+        return llm, out
+
+    (on, got), (off, want) = run(True), run(False)
+    assert [r.outputs[0].token_ids for r in got] == reference == [r.outputs[0].token_ids for r in want]
+    la_on, la_off = on.core.rt.worker.lookahead, off.core.rt.worker.lookahead
+    steps = sum(r.spec_stats.steps for r in got)
+    # Every step of each answer but its first two (its prompt, then the first verify: nothing queued
+    # before them) was a queued one, to its last; the step queued behind each answer's last one was
+    # dropped (forget_finished).
+    assert (la_on.taken, la_on.dropped) == (steps - 2 * len(PROMPTS), len(PROMPTS)), (steps, la_on.taken)
+    assert la_off.taken < la_on.taken - len(PROMPTS), (la_off.taken, la_on.taken)
+    assert [r.spec_stats.emitted for r in got] == MAX_TOKENS
 
 
 def test_dropped_queued_chains_leave_the_next_verify_intact(tiny_model_dir, heads):
@@ -701,7 +741,7 @@ def test_dropped_queued_chains_leave_the_next_verify_intact(tiny_model_dir, head
         return got, core.totals.accepted
 
     ahead = _chained_engine(tiny_model_dir, heads["eagle3"], pipeline=True)
-    assert drive(ahead) == drive(_chained_engine(tiny_model_dir, heads["eagle3"]))
+    assert drive(ahead) == drive(_chained_engine(tiny_model_dir, heads["eagle3"], past_max_tokens=True))
     la = ahead.core.rt.worker.lookahead
     assert la.dropped >= 3 and la.taken >= 5, (la.taken, la.dropped)
     # Directly: the replacing verify reads the q rows the queued one read (the last read step's).

@@ -192,3 +192,45 @@ def test_switches_take_the_step_queued_ahead(tiny_model_dir):
     assert follows >= 4 and la.taken - taken >= follows, (la.taken - taken, follows)
     assert la.dropped - dropped <= deeper, (la.dropped - dropped, deeper)
     assert core.scheduler.blocks.num_free == core.scheduler.blocks.total
+
+
+@pytest.mark.parametrize("past", [True, False])
+def test_near_max_tokens_a_request_keeps_the_chains_k_where_drafts_run_past_it(past):
+    """SchedulerConfig.drafts_past_max_tokens (set where chained steps queue ahead): a request with 2
+    tokens left still verifies the 4 drafts it holds and proposes 4 more beside one far from its end,
+    so the step stays one chain of k = 4 (Lookahead.chains) that the worker can queue behind. What it
+    accepts past max_tokens is cut, and only the drafts that could be emitted count as drafted.
+    Without it the request verifies 1 draft and proposes none."""
+    from streamsd.config import SchedulerConfig
+    from streamsd.lookahead import Lookahead
+    from streamsd.request import FinishReason, Request
+    from streamsd.scheduler import Scheduler
+    from streamsd.step import EntryResult
+
+    sched = Scheduler(SchedulerConfig(num_blocks=64, max_model_len=512, drafts_past_max_tokens=past))
+    near, far = (Request(rid, [1, 2, 3], SamplingParams(max_tokens=n), seed=0, arrival=0.0, spec_k=4)
+                 for rid, n in (("near", 12), ("far", 50)))
+    near.output_ids = [5] * 6  # recomputed after a preemption: its first step emits its 7th token
+    for r in (near, far):
+        sched.add(r)
+    plan, _ = sched.schedule()
+    assert [e.k_next for e in plan.entries] == [4, 4]
+    sched.update(plan, [EntryResult([5], 0, [7] * 4, e.start + e.num_tokens) for e in plan.entries])
+    plan, _ = sched.schedule()  # "near" accepts 2 of its 4 drafts: 2 tokens left after this step
+    assert [e.k_next for e in plan.entries] == ([4, 4] if past else [3, 4])
+    sched.update(plan, [EntryResult([7, 7, 6] if e.request is near else [7], 2 if e.request is near else 0,
+                                    [7] * e.k_next, e.start + 5) for e in plan.entries])
+    assert near.remaining_tokens == 2
+    plan, _ = sched.schedule()
+    got = [(e.request.request_id, e.num_drafts, e.k_next) for e in plan.entries]
+    if not past:
+        assert got == [("near", 1, 0), ("far", 4, 4)] and not Lookahead.chains(plan.entries)
+        return
+    assert got == [("near", 4, 4), ("far", 4, 4)] and Lookahead.chains(plan.entries)
+    # All four drafts accepted and a bonus token: two are kept, two drafts counted, the request ends.
+    out = sched.update(plan, [EntryResult([7, 7, 7, 7, 9], 4, [8] * 4, 12) if e.request is near
+                              else EntryResult([7, 2], 1, [8] * 4, 8) for e in plan.entries])
+    assert near.output_ids[-2:] == [7, 7] and near.finish_reason is FinishReason.LENGTH
+    assert [(e.request.request_id, drafted) for e, _, _, drafted in out] == [("near", 2), ("far", 4)]
+    assert (near.stats.drafted, near.stats.accepted, near.stats.emitted) == (4 + 2, 2 + 2, 1 + 3 + 2)
+    assert near.blocks == []  # freed at its end, the KV past max_tokens with it

@@ -21,7 +21,7 @@ from streamsd.bench.compare import spread_of, verdict
 from streamsd.config import SpecConfig
 from streamsd.policy import AdaptivePolicy
 from streamsd.profiling import profile_worker
-from streamsd.runtime import Runtime, adaptive_policy
+from streamsd.runtime import Runtime, adaptive_policy, queue_chains
 
 PlainRerun = Callable[[], R.PassResult]
 WARM_PASSES = 3  # at most: synthetic warm-up passes that record oracle branches
@@ -95,8 +95,7 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
         if inner is None and rt.worker.lookahead.enabled:
             # Drafts made on the device (SyntheticProposer.chain): its steps queue ahead like an EAGLE
             # head's, with the KV margin a queued verify writes into.
-            rt.worker.lookahead.chained = True
-            rt = dataclasses.replace(rt, scheduler_config=dataclasses.replace(rt.scheduler_config, lookahead=k + 1))
+            rt = dataclasses.replace(rt, scheduler_config=queue_chains(rt.worker, rt.scheduler_config, k))
         # Warm-up passes also record the spec-shaped continuations as branches of the oracle (see
         # spec/synthetic.py); a second one only when the first left the oracle somewhere.
         rt_w: Runtime | None = None
