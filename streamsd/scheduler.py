@@ -176,24 +176,20 @@ class Scheduler:
 
     def _k_for(self, r: Request, decision: Decision, depth: int | None = None) -> int:
         """The request's k this step. Where drafts run past max_tokens (SchedulerConfig.drafts_past_max_tokens)
-        a k that max_tokens cut is raised to the step's `depth` (`_depth`), or with no request to set
-        it, to the drafts it proposed last step: the k of the chain it is in."""
-        k = self._policy_k(r, decision)
-        if self.cfg.drafts_past_max_tokens and k == cap_k(r) < r.spec_k:
+        a k that max_tokens cut is raised to the step's `depth` (`_depth`), or where the policy gave
+        no per-request k, to the drafts it proposed last step: the k of the chain it is in."""
+        k = decision.ks.get(r.request_id)
+        k = self.policy.default_k(r) if k is None else k
+        if self.cfg.drafts_past_max_tokens and r.remaining_tokens <= r.spec_k and k == cap_k(r):
             return max(k, min(r.spec_k, len(r.draft_ids) if depth is None else depth))
         return k
 
     def _depth(self, decision: Decision) -> int | None:
-        """The largest k of the running requests whose k max_tokens did not cut (None: there is none)."""
-        if not self.cfg.drafts_past_max_tokens:
+        """The step's largest planned k, if the policy planned one per request (None: it did not). A
+        max over the dict's values: the scheduler's per-step Python stays O(1) per request."""
+        if not self.cfg.drafts_past_max_tokens or not decision.ks:
             return None
-        free = [k for r in self.running if r.status is Status.RUNNING
-                if (k := self._policy_k(r, decision)) < cap_k(r) or cap_k(r) == r.spec_k]
-        return max(free, default=None)
-
-    def _policy_k(self, r: Request, decision: Decision) -> int:
-        k = decision.ks.get(r.request_id)
-        return self.policy.default_k(r) if k is None else k
+        return max(decision.ks.values())
 
     def _plan_one(self, r: Request, budget: int, k: int | None,
                   follow: tuple[int, int] | None = None, verify_at_least: int = 0) -> Scheduled | None:
