@@ -5,7 +5,8 @@
 #                               8B plain B=1/16/64 + HF, synthetic a=0.8 k=4 with the 1B draft at B=1/16
 #   scripts/gpu_bench.sh adaptive  issue 10: 8B synthetic, adaptive k vs plain, B 1..256 x alpha 0.3..0.9 (one call)
 #   scripts/gpu_bench.sh b64       issue 10: the batch-64 row alone, adaptive then fixed k = 1 and 2 (alpha 0.7, 0.9),
-#                               with each cost key's first samples: why the policy chooses the k it does (~3 min)
+#                               with each cost key's first samples: why the policy chooses the k it does (~3 min);
+#                               BATCH=128 (or any) for another row, RUNS="fixed:1 fixed:2" for other policies
 #   scripts/gpu_bench.sh verify    every CUDA test of the GPU paths, then scripts/launch_costs.py and host_phases.py
 #   scripts/gpu_bench.sh pipeline  GPU tests (lookahead, kernels, EAGLE's CUDA paths); 8B plain B=1/16/64, pipelined
 #                               plain steps vs not (--unpipelined-plain), one call
@@ -125,24 +126,27 @@ PY
     # Issue 10: at B = 64, alpha 0.7 fixed k = 1 read 1.44x and the adaptive policy 1.30x at k = 2 (session 21):
     # the adaptive row, then fixed k = 1 and 2, each cell's chosen k and the cost keys of batch 64 with the first
     # samples (measured / raw) that priced them.
-    for run in adaptive:4 fixed:1 fixed:2; do
-      policy=${run%%:*} k=${run##*:}
-      log "B=64 alpha 0.7,0.9: $policy k=$k"
+    batch=${BATCH:-64}
+    for run in ${RUNS:-adaptive:4 fixed:1 fixed:2}; do
+      policy=${run%%:*} k=${run##*:} name="b${batch}_${run%%:*}_k${run##*:}"
+      log "B=$batch alpha 0.7,0.9: $policy k=$k"
       timeout 150 $B --model llama-3.1-8b --speculative-method synthetic --acceptance-rate 0.7,0.9 \
-        --num-speculative-tokens "$k" --batch-sizes 64 --max-tokens 64 --no-hf --speculation-policy "$policy" \
-        --paired-plain --pairs "${PAIRS:-3}" --output-json "$OUT/b64_${policy}_k$k.json" > "$OUT/b64_${policy}_k$k.log" 2>&1
-      python3 - "$OUT/b64_${policy}_k$k.json" <<'PY' | tee -a "$OUT/run.log"
+        --num-speculative-tokens "$k" --batch-sizes "$batch" --max-tokens 64 --no-hf --speculation-policy "$policy" \
+        --paired-plain --pairs "${PAIRS:-3}" --output-json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      python3 - "$OUT/$name.json" "$batch" <<'PY' | tee -a "$OUT/run.log"
 import json, sys
 d = json.load(open(sys.argv[1]))
+bucket = f"{int(sys.argv[2]).bit_length() - 1}x"  # batch buckets 1, 2, 4, ...: key = batch x width bucket
 for c in d["cells"]:
     if c["method"] == "plain":
         continue
     a = c.get("adaptive") or {}
     print(f"alpha {c.get('acceptance_rate')}: {c.get('measured_speedup')}x pairs {c.get('pair_measured_speedup')} "
-          f"step/plain {c.get('decode_step_vs_plain')} tau {c.get('tau')} queued {c.get('queued_steps_taken')}/"
-          f"{c.get('queued_steps_dropped')} chosen k {a.get('chosen_k')}")
+          f"step/plain {c.get('decode_step_vs_plain')} tau {c.get('tau')} acceptance {c.get('acceptance')} "
+          f"desyncs {c.get('desyncs')} queued {c.get('queued_steps_taken')}/{c.get('queued_steps_dropped')} "
+          f"chosen k {a.get('chosen_k')} prior {a.get('prior_means')}")
     for key, v in (a.get("cost_relative") or {}).items():
-        if key.startswith("6x"):  # batch bucket 64 (buckets 1, 2, 4, ..., 64): key = batch x width bucket
+        if key.startswith(bucket):
             print(f"  key {key}: relative {v[0]:.3f} from {v[1]} samples, first {v[2]}")
 PY
     done
