@@ -167,6 +167,29 @@ def test_estimator_converges_to_true_alpha() -> None:
     assert lone.mean(st) == pytest.approx(truth, abs=0.02)
 
 
+def test_a_waves_last_requests_do_not_become_the_running_prior() -> None:
+    """The running prior is the crowd's: 128 requests at alpha 0.9 for 20 steps, then the last two of
+    them alone for 23 steps, every draft rejected (a request whose drafts never match). At full weight
+    per observation their failures took position 0 to 0.77 here, and on the H200 (B = 128) to 0.67, where
+    the next wave of 128 then decoded plain; weighed by how much each request was observed itself, the
+    crowd's 0.9 holds, and each request's own estimate still falls to what it saw."""
+    est = AcceptanceEstimator(AcceptanceConfig(max_k=4))
+    wave = [est.new_request() for _ in range(128)]
+    drive(est, wave, (0.9,) * 4, 20, 4, random.Random(3))
+    assert est.prior("default").means[0] == pytest.approx(0.9, abs=0.02)
+    for step in range(23):
+        for st in wave[: 2 if step < 12 else 1]:
+            est.observe(st, 4, 0)
+        est.tick()
+    assert est.prior("default").means[0] > 0.82
+    assert est.mean(wave[0])[0] < 0.6  # its own failures still pull its own estimate down
+    # A new request's first observations weigh in full: probes still teach a prior they are all of.
+    fresh = AcceptanceEstimator(AcceptanceConfig(max_k=4))
+    for _ in range(4):
+        fresh.observe(fresh.new_request(), 1, 1)
+    assert sum(fresh.prior("default").successes) == pytest.approx(4.0)
+
+
 def test_refreshing_many_requests_at_once_reads_what_one_at_a_time_does() -> None:
     """The planner refreshes every decoding request's posterior in one numpy pass: same numbers as the
     per-request path, idle decay and stale flags included."""
@@ -865,7 +888,7 @@ def test_a_plan_of_no_requests_leaves_no_probe_granted() -> None:
 def _lone_request_spec_steps(alpha: float | tuple[float, ...], crowd_alpha: float | tuple[float, ...], seed: int,
                              steps: int = 200, forget: int = 0, depth_steps: tuple[float, ...] = ()) -> int:
     """Steps a lone request speculates, its drafts accepted at ``alpha`` (one value, or the conditional
-    acceptance per position), after a crowd at ``crowd_alpha`` taught the running prior (and ``forget``
+    acceptance per position), after a crowd of requests at ``crowd_alpha`` taught the running prior (and ``forget``
     plain steps passed). A speculative step costs 1.85-2.0 plain ones whatever its k (the shipped
     EAGLE head's learnt ratios on the H200 at batch 1: 1.73-1.85)."""
     cost = CostTable.from_samples({1: 1e-3, 256: 1.1e-3}, {1: 0.05e-3}, spec_overhead_s=0.7e-3)
@@ -880,9 +903,10 @@ def _lone_request_spec_steps(alpha: float | tuple[float, ...], crowd_alpha: floa
         est.observe(state, k, accepted)
         est.tick()
 
-    crowd = est.new_request()
-    for _ in range(60):
-        verify(crowd, 4, crowd_alpha)
+    for _ in range(10):  # 60 steps of a crowd: ten requests, six steps each
+        crowd = est.new_request()
+        for _ in range(6):
+            verify(crowd, 4, crowd_alpha)
     for _ in range(forget):
         est.tick()
     lone, spec = est.new_request(), 0
@@ -914,17 +938,18 @@ def test_a_small_batch_speculates_on_its_means_and_stops_where_they_misjudge_it(
 def test_measured_depth_steps_let_a_request_read_deep_drafts_as_likelier() -> None:
     # Conditional acceptance rising with depth, as the running prior saw it on the H200 (adaptive eagle,
     # T = 0, batch 1: 0.51, 0.64, 0.76, 0.84): k = 4 yields 2.3 tokens for 1.9 plain steps' time. Read
-    # flat from position 0, a fresh request prices it at 1.94 tokens and stays plain (9 % of the steps
-    # speculate, over 10 seeds); with the measured steps, 40 %. Not all: the crowd's 60 steps leave the
-    # running prior's position 0 anywhere in 0.4-0.6, and below ~0.47 even the true curve would not pay.
+    # flat from position 0, a fresh request prices it at 1.94 tokens and mostly stays plain (17 % of the
+    # steps speculate, over 10 seeds); with the measured steps, 50 %. Not all: the crowd's 60 steps leave
+    # the running prior's position 0 anywhere in 0.4-0.6, and below ~0.47 even the true curve would not pay.
     truth = (0.5, 0.63, 0.75, 0.83)
     steps = depth_steps_of([list(truth)])
 
     def share(alpha: float | tuple[float, ...], crowd: float | tuple[float, ...], depth: tuple[float, ...]) -> float:
         return sum(_lone_request_spec_steps(alpha, crowd, seed, depth_steps=depth) for seed in range(10)) / 2000
 
-    assert share(truth, truth, ()) <= 0.15
-    assert share(truth, truth, steps) >= 0.3
+    flat = share(truth, truth, ())
+    assert flat <= 0.25
+    assert share(truth, truth, steps) >= max(0.3, flat + 0.2)
     # Steps claimed where the drafts do not pay (alpha 0.4 at every depth: 1.66 tokens a step): the
     # request's own failures stop it, as before.
     assert share(0.4, 0.4, steps) <= 0.1
