@@ -846,6 +846,30 @@ def test_entering_speculation_must_pay_for_the_switch_before_the_batch_ends() ->
     assert max(plan(views(3), cost, 4, state=PlannerState(speculating=True))) > 0
 
 
+def test_deeper_drafts_where_steps_queue_ahead_must_pay_for_the_switch_before_the_batch_ends() -> None:
+    """Deepening drops the step queued ahead, a switch like entering: k = 1 -> 4 at alpha 0.9 (the H200's
+    B = 64 graphs: +28 % a step) deepens mid-batch but not 4 tokens from the end, where it cannot pay
+    back the ~2 steps a switch costs (at B = 256 on the H200, k = 1 -> 2 ten tokens from the end took a
+    29 ms and a 44 ms step and the cell read 0.98x plain). Going shallower drops nothing: it is not held."""
+    widths, ms = (1, 2, 3, 5), (5.64, 5.87, 6.89, 8.92)
+    samples = {(b, w): t * 1e-3 for b in (1, 16, 64) for w, t in zip(widths, ms, strict=True)}
+    cost = CostTable.from_samples({1: 5e-3, 64: 6e-3, 512: 0.02}, shape=ShapeTable.from_samples(samples, padded=True))
+    queued = PlannerConfig(depth_hysteresis=0.05)
+
+    def ks(left: int, alpha: float, depth: int) -> list[int]:
+        views = [RequestView(i, min(4, left - 1), [alpha - 0.02] * 4, mean_alphas=[alpha] * 4, remaining=left)
+                 for i in range(64)]
+        return plan(views, cost, 4, state=PlannerState(config=queued, speculating=True, depth=depth))
+
+    assert ks(60, 0.9, 1) == [4] * 64
+    assert ks(5, 0.9, 1) == [1] * 64
+    assert ks(5, 0.9, 4) == [4] * 64  # already deep: nothing to pay for
+    assert ks(60, 0.5, 4) == ks(5, 0.5, 4) == [1] * 64  # shallower, whatever is left
+    # Without steps queued ahead (no depth hysteresis) a new depth costs nothing more: it is taken.
+    views = [RequestView(i, 4, [0.88] * 4, mean_alphas=[0.9] * 4, remaining=5) for i in range(64)]
+    assert plan(views, cost, 4, state=PlannerState(speculating=True, depth=1)) == [4] * 64
+
+
 def test_probes_are_spaced_by_what_they_were_measured_to_cost() -> None:
     """A probe's steps take the shapes no steady step teaches the table, which prices such a shape at
     the global ratio alone: optimistic, so its real cost must come from its own steps. 32 requests whose

@@ -42,7 +42,8 @@ class Search:
         self.lagging = any(r.catchup_tokens for r in self.requests)
 
     def run(self, mean: Sequence[list[float]], safe: Sequence[list[float]], eligible: Sequence[int],
-            floor: float, keep_depth: int = 0, margin: float = 0.0, mean_floor: float = 0.0) -> Plan | None:
+            floor: float, keep_depth: int = 0, margin: float = 0.0, mean_floor: float = 0.0,
+            deepen_margin: float = 0.0) -> Plan | None:
         """Highest expected-rate plan whose pessimistic rate beats ``floor`` and whose expected rate
         reaches ``mean_floor``, if any.
 
@@ -54,6 +55,8 @@ class Search:
         ``keep_depth``: the depth limit of the last plan, kept unless another beats it by ``margin``:
         a step queued ahead (lookahead.py) has the last plan's shape, and a new depth drops it, a
         whole GPU step wasted (on the H200 at B = 64 the plan flipped between near-tied k = 1 and 2).
+        A deeper one must also beat it by ``deepen_margin`` (the planner's: what pays for the switch
+        before the batch ends).
         """
         ranked = sorted((-m, j, i) for i in eligible for j, m in enumerate(mean[i]))
         if not ranked:
@@ -78,7 +81,8 @@ class Search:
         if keep_depth not in levels:
             levels[keep_depth] = self._level([it for it in ranked if it[1] < keep_depth], safe, floor, mean_floor)[0]
         kept = levels[keep_depth]
-        return kept if kept is not None and kept.rate * (1.0 + margin) >= best.rate else best
+        need = max(margin, deepen_margin) if max(best.ks) > keep_depth else margin
+        return kept if kept is not None and kept.rate * (1.0 + need) >= best.rate else best
 
     def _level(self, items: list[tuple[float, int, int]], safe: Sequence[list[float]],
                floor: float, mean_floor: float) -> tuple[Plan | None, float]:

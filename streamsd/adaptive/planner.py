@@ -43,7 +43,10 @@ itself before the batch ends: an excursion costs about ``entry_steps`` plain ste
 own (the entering step proposes without verifying, and the steps around a switch wait for the
 host), so a gain g needs ``left · (1 − 1/g) ≥ entry_steps`` with ``left`` the median tokens the
 batch's requests may still emit (on the H200 at B = 256, alpha 0.9, a 14 % gain entered 14 tokens
-before its requests' end and lost 1-16 % of the pass).
+before its requests' end and lost 1-16 % of the pass).  Deeper drafts, where steps queue ahead, are
+such a switch too (the queued step is dropped, the step that deepens waits for the host): a new depth
+must pay for itself the same way (at B = 256, alpha 0.9, k = 1 went to 2 ten tokens before the end
+with a 29 ms step and a 44 ms one, and the cell read 0.98x).
 
 Probing.  A request flagged ``probe`` (long at k = 0) drafts ``probe_k`` for free when the step
 speculates anyway; in a plain step one probe step per ``probe_every`` steps is spent, only while
@@ -76,6 +79,7 @@ KV: a request verifying k_i drafts needs 1 + k_i slots: reserve ``kv_slots_neede
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -212,12 +216,14 @@ def plan(
     mean, safe = zip(*(_survivals(r, cap) for r, cap in zip(requests, caps, strict=True)), strict=True)
     everyone = range(b)
     fresh = [i for i in everyone if requests[i].catchup_tokens <= cfg.fresh_lag]
-    plans = [search.run(mean, safe, group, safe_floor, st.depth, cfg.depth_hysteresis, mean_floor)
+    left = sorted(r.remaining for r in requests)[b // 2]
+    # Deeper drafts drop the step queued ahead (where one is: depth_hysteresis), a switch like entering.
+    deepen = _payback_margin(left, cfg.entry_steps) if cfg.depth_hysteresis else 0.0
+    plans = [search.run(mean, safe, group, safe_floor, st.depth, cfg.depth_hysteresis, mean_floor, deepen)
              for group in ((everyone, fresh) if len(fresh) < b else (everyone,))]
     best = max((p for p in plans if p is not None), key=lambda p: p.rate, default=None)
     if best is not None and not st.speculating:
-        left = sorted(r.remaining for r in requests)[b // 2]
-        if left * (1.0 - plain_rate / best.rate) < cfg.entry_steps:
+        if best.rate / plain_rate - 1.0 < _payback_margin(left, cfg.entry_steps):
             best = None  # too close to the batch's end to pay for the switch
     speculate = best is not None
     st.switches += speculate != st.speculating
@@ -235,6 +241,12 @@ def plan(
         st.probed = [requests[i].request_id for i in due]
     _record(st, requests, ks, mean, cost, prefill_tokens)
     return ks
+
+
+def _payback_margin(left: int, switch_steps: float) -> float:
+    """The gain g − 1 over the current plan that a switch costing ``switch_steps`` steps needs to pay for
+    itself within the ``left`` tokens the batch's requests may still emit: left · (1 − 1/g) ≥ switch_steps."""
+    return switch_steps / (left - switch_steps) if left > switch_steps else math.inf
 
 
 def _probe_may_be_due(requests: Sequence[RequestView], caps: list[int], st: PlannerState, cold: bool) -> bool:
