@@ -25,7 +25,7 @@
 #   scripts/gpu_eagle.sh kernels carry .gguf2b .whl (after stash + stash2): kernels per step, plain vs eagle k = 4
 #   scripts/gpu_eagle.sh treetests carry .gguf1 (= stash, then the CUDA tests of draft trees and of EAGLE's chains;
 #                               TESTS_K: another pytest -k selection)
-#   scripts/gpu_eagle.sh trees  carry .gguf2b .whl (after stash + stash2): batch 1, 16 held-out x 256: plain, n-gram,
+#   scripts/gpu_eagle.sh trees  carry .gguf2b .whl (after stash + stash2; HEAD_DIR: another head): batch 1, 16 held-out x 256: plain, n-gram,
 #                               eagle k = 4 and the draft trees of TREES ('D,M,C,N;...'), T=0 and T=1 (PHASES=1:
 #                               host ms per phase; HF=1: HF transformers beside them)
 #   scripts/gpu_eagle.sh shapes carry .gguf2b .whl (after stash + stash2): each tree shape of SHAPES alone on the
@@ -33,6 +33,11 @@
 #                               CUDA_LAUNCH_BLOCKING=1, so a device-side assert names its kernel)
 #   scripts/gpu_eagle.sh bench  (optional, while still warm; carry .whl) `streamsd bench offline` with the
 #                               new head: plain vs eagle vs HF, then plain vs n-gram vs HF + prompt lookup
+#   scripts/gpu_eagle.sh biggen carry .gguf2b .whl (after stash + stash2): more answers than session 6's: the 4539
+#                               prompts of session 3, as many again written by the target, answered alternately at
+#                               T = 0 / 0.7 / 1 (5 min), saved with their streams to /tmp/big.pt; a token training run
+#   scripts/gpu_eagle.sh bigtrain (at once after biggen) norm_first trains ${MINUTES:-7.5} min on /tmp/big.pt, then the
+#                               held-out evaluation; the head into $OUT/head and /tmp/eagle_head (trees: HEAD_DIR=)
 # Writes logs and JSON under $OUT (./out here). Tables print last.
 set -uo pipefail
 MODE=${1:-train}
@@ -133,6 +138,35 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     grep "never trained on" "$OUT/train.log" | tee -a "$OUT/run.log"
     rm -rf $HEAD && cp -r "$OUT/head" $HEAD
     ;;
+  biggen)
+    join_gguf && sha256sum $GGUF | tee -a "$OUT/run.log"
+    timeout 90 python3 -c "from streamsd.model.loader import resolve_model; print(resolve_model('$GGUF', progress=False))" \
+      2>&1 | tail -1 | tee -a "$OUT/run.log"
+    python3 scripts/eagle_variants.py prompts docs/issue9-eagle/session3/retrain/head/training.json \
+      streamsd/assets/eagle/smollm2-135m-instruct/training.json /tmp/prompts.jsonl /tmp/heldout.jsonl | tee -a "$OUT/run.log"
+    rm -f /tmp/big.pt
+    log "biggen: 9000 prompts (4539 given, the rest self-written), T = 0 / 0.7 / 1, 5 min"
+    timeout 560 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out /tmp/variants/gen \
+      --device cuda --prompts /tmp/prompts.jsonl --eval-prompts-file /tmp/heldout.jsonl --num-prompts 9000 \
+      --temperatures 0,0.7,1 --max-new-tokens 512 --gen-batch 512 --gen-time-budget 5.0 --epochs 100 \
+      --time-budget 0.1 --batch-tokens 16384 --samples-cache /tmp/big.pt --no-eval --lr 2e-3 \
+      --norm-before-residual on > "$OUT/train_gen.log" 2>&1
+    echo "exit $?" | tee -a "$OUT/run.log"
+    grep -v "^\[" "$OUT/train_gen.log" | tail -4 | tee -a "$OUT/run.log"
+    grep "prompts written\|answer tokens\|saved to\|never trained on" "$OUT/train_gen.log" | tee -a "$OUT/run.log"
+    ls -l /tmp/big.pt | tee -a "$OUT/run.log"
+    ;;
+  bigtrain)
+    log "bigtrain: norm_first, ${MINUTES:-7.5} min on /tmp/big.pt"
+    timeout 585 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out "$OUT/head" \
+      --device cuda --prompts /tmp/prompts.jsonl --eval-prompts-file /tmp/heldout.jsonl --num-prompts 9000 \
+      --temperatures 0,0.7,1 --max-new-tokens 512 --gen-batch 512 --epochs 100 --time-budget ${MINUTES:-7.5} \
+      --batch-tokens 16384 --samples-cache /tmp/big.pt --lr 2e-3 --norm-before-residual on > "$OUT/train.log" 2>&1
+    echo "train-draft exit $?" | tee -a "$OUT/run.log"
+    grep -v "^\[" "$OUT/train.log" | tail -6 | tee -a "$OUT/run.log"
+    grep "never trained on" "$OUT/train.log" | tee -a "$OUT/run.log"
+    rm -rf $HEAD && cp -r "$OUT/head" $HEAD
+    ;;
   b1)
     # batch-1 tokens/s of plain / n-gram / eagle / HF with a head: carry .gguf2 (after `stash`) and the
     # head directory as .head (or HEAD_DIR=...); ~3 min.
@@ -208,7 +242,7 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     ;;
   trees)
     [ -f $GGUF ] || join_gguf
-    SHIPPED=streamsd/assets/eagle/smollm2-135m-instruct
+    SHIPPED=${HEAD_DIR:-streamsd/assets/eagle/smollm2-135m-instruct}
     log "batch 1, ${PROMPTS:-16} held-out x 256: plain, n-gram, eagle k=4, trees ${TREES:-6,6,6,31}"
     timeout ${LIMIT:-420} python3 scripts/bench_eagle.py --model $GGUF --head $SHIPPED --held-out $SHIPPED/training.json \
       --prompts ${PROMPTS:-16} --max-tokens 256 --device cuda $([ -n "${HF:-}" ] || echo --no-hf) --methods ${METHODS:-eagle,ngram} \
