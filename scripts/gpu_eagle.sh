@@ -59,6 +59,14 @@ join_gguf() {  # part1 (stash) + part2, carried whole or as 2a (stash2) + 2b
   else cat /tmp/part1 $([ -f /tmp/part2a ] && echo /tmp/part2a) .gguf2b/part > $GGUF; fi
 }
 
+model_and_prompts() {  # the joined, converted model; session 3's self-written prompts and the held-out ones as JSONL
+  join_gguf && sha256sum $GGUF | tee -a "$OUT/run.log"
+  timeout 90 python3 -c "from streamsd.model.loader import resolve_model; print(resolve_model('$GGUF', progress=False))" \
+    2>&1 | tail -1 | tee -a "$OUT/run.log"
+  python3 scripts/eagle_variants.py prompts docs/issue9-eagle/session3/retrain/head/training.json \
+    streamsd/assets/eagle/smollm2-135m-instruct/training.json /tmp/prompts.jsonl /tmp/heldout.jsonl | tee -a "$OUT/run.log"
+}
+
 case "$MODE" in
   stash)
     cp .gguf1/part1 /tmp/part1 && ls -l /tmp/part1 | tee -a "$OUT/run.log"
@@ -106,11 +114,7 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     grep "eagle_train\|^\[" "$OUT/train.log" | tail -14 | tee -a "$OUT/run.log"
     ;;
   ablate)
-    join_gguf && sha256sum $GGUF | tee -a "$OUT/run.log"
-    timeout 90 python3 -c "from streamsd.model.loader import resolve_model; print(resolve_model('$GGUF', progress=False))" \
-      2>&1 | tail -1 | tee -a "$OUT/run.log"
-    python3 scripts/eagle_variants.py prompts docs/issue9-eagle/session3/retrain/head/training.json \
-      streamsd/assets/eagle/smollm2-135m-instruct/training.json /tmp/prompts.jsonl /tmp/heldout.jsonl | tee -a "$OUT/run.log"
+    model_and_prompts
     rm -f /tmp/samples.pt
     for v in $(python3 scripts/eagle_variants.py names); do
       log "variant $v"
@@ -139,11 +143,7 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     rm -rf $HEAD && cp -r "$OUT/head" $HEAD
     ;;
   biggen)
-    join_gguf && sha256sum $GGUF | tee -a "$OUT/run.log"
-    timeout 90 python3 -c "from streamsd.model.loader import resolve_model; print(resolve_model('$GGUF', progress=False))" \
-      2>&1 | tail -1 | tee -a "$OUT/run.log"
-    python3 scripts/eagle_variants.py prompts docs/issue9-eagle/session3/retrain/head/training.json \
-      streamsd/assets/eagle/smollm2-135m-instruct/training.json /tmp/prompts.jsonl /tmp/heldout.jsonl | tee -a "$OUT/run.log"
+    model_and_prompts
     rm -f /tmp/big.pt
     log "biggen: 9000 prompts (4539 given, the rest self-written), T = 0 / 0.7 / 1, 5 min"
     timeout 560 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out /tmp/variants/gen \
