@@ -67,6 +67,11 @@ model_and_prompts() {  # the joined, converted model; session 3's self-written p
     streamsd/assets/eagle/smollm2-135m-instruct/training.json /tmp/prompts.jsonl /tmp/heldout.jsonl | tee -a "$OUT/run.log"
 }
 
+# biggen and bigtrain: the same answers (biggen writes /tmp/big.pt, bigtrain reads it) and the same recipe
+BIG="python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --device cuda --prompts /tmp/prompts.jsonl
+  --eval-prompts-file /tmp/heldout.jsonl --num-prompts 9000 --temperatures 0,0.7,1 --max-new-tokens 512 --gen-batch 512
+  --epochs 100 --batch-tokens 16384 --samples-cache /tmp/big.pt --lr 2e-3 --norm-before-residual on"
+
 case "$MODE" in
   stash)
     cp .gguf1/part1 /tmp/part1 && ls -l /tmp/part1 | tee -a "$OUT/run.log"
@@ -146,11 +151,8 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     model_and_prompts
     rm -f /tmp/big.pt
     log "biggen: 9000 prompts (4539 given, the rest self-written), T = 0 / 0.7 / 1, 5 min"
-    timeout 560 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out /tmp/variants/gen \
-      --device cuda --prompts /tmp/prompts.jsonl --eval-prompts-file /tmp/heldout.jsonl --num-prompts 9000 \
-      --temperatures 0,0.7,1 --max-new-tokens 512 --gen-batch 512 --gen-time-budget 5.0 --epochs 100 \
-      --time-budget 0.1 --batch-tokens 16384 --samples-cache /tmp/big.pt --no-eval --lr 2e-3 \
-      --norm-before-residual on > "$OUT/train_gen.log" 2>&1
+    timeout 560 $BIG --out /tmp/variants/gen --gen-time-budget 5.0 --time-budget 0.1 --no-eval \
+      > "$OUT/train_gen.log" 2>&1
     echo "exit $?" | tee -a "$OUT/run.log"
     grep -v "^\[" "$OUT/train_gen.log" | tail -4 | tee -a "$OUT/run.log"
     grep "prompts written\|answer tokens\|saved to\|never trained on" "$OUT/train_gen.log" | tee -a "$OUT/run.log"
@@ -158,10 +160,7 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     ;;
   bigtrain)
     log "bigtrain: norm_first, ${MINUTES:-7.5} min on /tmp/big.pt"
-    timeout 585 python3 -m streamsd.cli --log-level warning train-draft --model $GGUF --out "$OUT/head" \
-      --device cuda --prompts /tmp/prompts.jsonl --eval-prompts-file /tmp/heldout.jsonl --num-prompts 9000 \
-      --temperatures 0,0.7,1 --max-new-tokens 512 --gen-batch 512 --epochs 100 --time-budget ${MINUTES:-7.5} \
-      --batch-tokens 16384 --samples-cache /tmp/big.pt --lr 2e-3 --norm-before-residual on > "$OUT/train.log" 2>&1
+    timeout 585 $BIG --out "$OUT/head" --time-budget ${MINUTES:-7.5} > "$OUT/train.log" 2>&1
     echo "train-draft exit $?" | tee -a "$OUT/run.log"
     grep -v "^\[" "$OUT/train.log" | tail -6 | tee -a "$OUT/run.log"
     grep "never trained on" "$OUT/train.log" | tee -a "$OUT/run.log"
