@@ -28,15 +28,15 @@ import torch
 
 from streamsd.config import TreeShape
 from streamsd.model.graphs import pack_step, static_layout
-from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache, uniform_starts
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore, keep_streams
 from streamsd.request import Request
 from streamsd.sampling.greedy import row_argmax
 from streamsd.sampling.sampler import sample_keyed
 from streamsd.sampling.warp import WarpParams
-from streamsd.spec.eagle_tree import HeadLayer, Race, grow
-from streamsd.spec.tree import NONE, depths, positions_to_slots, walk, window_bits
+from streamsd.spec.eagle_tree import GrowConsts, HeadLayer, Race, grow
+from streamsd.spec.tree import NONE, catch_up, depths, positions_to_slots, walk, window_bits
 from streamsd.tree_verify import host_tree, move_kv
 
 GREEDY, SAMPLED = 0, 1
@@ -57,6 +57,10 @@ class _TreeGraph:
     warp_f: torch.Tensor  # [2, B] float32 temperatures | min-p
     result: torch.Tensor | None = None  # [B, D + 2 + 2N] emitted | accepted | next tokens | next parents
     tables: list[list[int]] | None = None  # what block_table holds (a request gains a block every 16 tokens)
+    # Constants a replay reads (made before the capture: made inside, each replay would remake them)
+    grow: GrowConsts | None = None
+    rows: torch.Tensor | None = None  # [B * W] int64 0, 1, ...: every window row's hidden stream is kept
+    catch_starts: torch.Tensor | None = None  # [B + 1] int32 the catch-up's query starts (D + 1 rows each)
 
 
 class TreeGraphs:
@@ -155,8 +159,7 @@ class TreeGraphs:
         n, dmax, bs = shape.nodes, shape.depth, self.cache.block_size
         ids, layout = static_layout(g.packed, g.block_table, b, w, self.scratch)
         layout = replace(layout, tree_bits=g.bits, tree_start=g.roots).for_host(bs)
-        t_all = b * w
-        rows = torch.arange(t_all, device=self.device)
+        rows, t_all = g.rows, b * w
         out = self.target(ids, layout, self.cache, rows, hidden_layers=self.store.layers, hidden_rows=rows)
         keep_streams(out.hidden, layout.slot_mapping, self.store)
         logits = out.logits  # [T, V]
@@ -169,24 +172,25 @@ class TreeGraphs:
             wp = WarpParams(temp, torch.zeros_like(ints[0]), torch.ones_like(temp), min_p, needs_sort=False)
             target = sample_keyed(logits, wp, ints).view(b, w)  # kernels/warp.py's race on CUDA
         tokens, parents = g.tree[:, :n], g.tree[:, n:]
-        if logits.is_cuda:  # one launch each, not dozens (kernels/tree.py)
+        if logits.is_cuda:  # one launch each, not dozens (kernels/tree.py, kernels/tree_step.py)
             from streamsd.kernels import tree as kernels
+            from streamsd.kernels.tree_step import catch_up as catch_up_layout
 
             emitted, accepted, path = kernels.walk(target, tokens, parents, dmax)
         else:
             emitted, accepted, path = walk(target, tokens, parents, dmax)
+            catch_up_layout = catch_up
         move_kv(self.cache, self.store, g.roots, path, g.block_table, bs)
         # The head catches up on the root and the accepted nodes (D + 1 slots from the root).
         c = dmax + 1
-        at = g.roots.unsqueeze(1) + torch.arange(c, device=self.device)  # [B, C]
-        slots = positions_to_slots(at, g.block_table, bs).view(-1)
-        catch = BatchLayout.uniform(c, at.view(-1), slots, g.block_table, g.roots + c).for_host(bs)
+        catch_ids, at, slots, ctx, pending = catch_up_layout(g.roots, accepted, emitted, g.block_table, bs)
+        catch = BatchLayout.uniform(c, at, slots, g.block_table, ctx, query_starts=g.catch_starts).for_host(bs)
         feats = self.head.features(self.store.gather(slots))  # [B * C, H]
-        h = self.head_layer(emitted.clamp(min=0).view(-1), feats, catch).view(b, c, -1)  # [B, C, H]
+        h = self.head_layer(catch_ids, feats, catch).view(b, c, -1)  # [B, C, H]
         h0 = h.gather(1, accepted.view(b, 1, 1).expand(b, 1, h.shape[-1])).squeeze(1)  # [B, H]
-        pending = g.roots + accepted + 1  # [B]
         race = None if g.mode == GREEDY else Race(g.draws[0], g.draws[1], g.warp_f[0])
-        next_tokens, next_parents = grow(self.head, self.head_layer, h0, pending, g.block_table, bs, shape, race)
+        next_tokens, next_parents = grow(self.head, self.head_layer, h0, pending, g.block_table, bs, shape, race,
+                                         g.grow)
         g.result = torch.cat([emitted, accepted.unsqueeze(1), next_tokens, next_parents], dim=1)
         # The next replay's inputs: its roots are the pending tokens, its windows the new trees.
         bonus = emitted.gather(1, accepted.unsqueeze(1))  # [B, 1]
@@ -215,6 +219,9 @@ class TreeGraphs:
             torch.full((bucket, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
             torch.zeros(2, bucket, dtype=torch.int64, device=dev), torch.ones(2, bucket, dtype=torch.float32, device=dev))
         g.warp_f[1] = 0.0
+        g.grow = GrowConsts.build(bucket, self.shape, dev)
+        g.rows = torch.arange(bucket * w, device=dev)
+        g.catch_starts = uniform_starts(bucket, self.shape.depth + 1, dev)
         self.graphs[(bucket, mode)] = g
         if g.graph is None:
             return g

@@ -571,7 +571,8 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
 def test_fast_eagle_head_matches_its_reference_layer(tiny_model_dir, kind, norm_first):
     """The EAGLE head's layer on the fused kernels (spec/eagle_fast.py) gives the autograd layer's
     output, head KV and draft logits, over a prompt chunk (the prefill kernel) and then a catch-up of
-    a verify's rows and a one-token chain step (the decode kernel), for both EAGLE-3 residuals and EAGLE-1."""
+    a verify's rows and a one-token chain step (the decode kernel), for both EAGLE-3 residuals and EAGLE-1;
+    the second step takes its hidden inputs by row index, as a tree level does."""
     from streamsd.model.kv_cache import PagedKVCache
     from streamsd.runtime import load_model
     from streamsd.spec.eagle_ckpt import new_head
@@ -602,7 +603,10 @@ def test_fast_eagle_head_matches_its_reference_layer(tiny_model_dir, kind, norm_
             for (s, c), (ids, streams) in zip(steps, inputs, strict=True):
                 layout = BatchLayout.build(s, c, tables, bs, DEV)
                 feats = head.features(streams)
-                if runner is not None:
+                if runner is not None and s[0]:  # a tree level's form: each token's input picked by row
+                    rows = torch.arange(feats.shape[0] - 1, -1, -1, device=DEV)
+                    out = runner.run_layer(ids, feats.flip(0), layout, kv, rows)
+                elif runner is not None:
                     out = runner.run_layer(ids, feats, layout, kv)
                 else:
                     def attend(q, k, v, layout=layout, kv=kv):
@@ -689,6 +693,12 @@ def test_topk_logprobs_equal_torchs_log_softmax_and_topk(vocab, k):
     v, i = topk_logprobs(logits, k)
     assert torch.equal(i, ref_i)
     assert torch.allclose(v, ref_v, atol=1e-5)
+    # bf16 logits (a head's lm_head output, not upcast first) give what their float32 values give
+    half = logits.to(torch.bfloat16)
+    ref_v = torch.log_softmax(half.float(), dim=-1).topk(k, dim=-1).values
+    v, i = topk_logprobs(half, k)
+    assert torch.allclose(v, ref_v, atol=1e-5)  # ties are many in bf16: the ids, by the logits they pick
+    assert torch.equal(half.float().gather(1, i), half.float().topk(k, dim=-1).values)
 
 
 def test_raced_topk_equals_the_torch_race_and_its_noise_is_the_targets():
@@ -778,6 +788,48 @@ def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
             st.positions_to_slots(pos.unsqueeze(0), big[row : row + 1], bs)[0].tolist()
         assert packed[3 * t + row] == pending[row] + n + 1
     assert torch.equal(bits.view(b, n + 1), st.window_bits(parents, d))
+
+
+def test_tree_step_kernels_equal_the_torch_oracles():
+    """kernels/tree_step.py against spec/tree.py: the catch-up's ids, positions, slots, context and
+    pending positions after a walk; and the selection of a grown tree's best nodes over 114 candidates
+    (two blocks of the kernel's ranking) with many tied scores, whose ties the stable sort breaks by index."""
+    from streamsd.kernels import tree_step as ks
+    from streamsd.spec import tree as st
+
+    g = torch.Generator().manual_seed(11)
+    bs, table = 4, torch.tensor([[3, 1, 4, 0, 9, 8], [2, 6, 5, 7, 10, 11]], dtype=torch.int32)
+    roots, accepted = torch.tensor([2, 13]), torch.tensor([3, 0])
+    emitted = torch.tensor([[5, 9, 4, 7, -1], [8, -1, -1, -1, -1]])
+    ref = st.catch_up(roots, accepted, emitted, table, bs)
+    out = ks.catch_up(roots.to(DEV), accepted.to(DEV), emitted.to(DEV), table.to(DEV), bs)
+    assert all(x.dtype == y.dtype and torch.equal(x.cpu(), y) for x, y in zip(out, ref, strict=True))
+    b, c, n = 3, 114, 24
+    parents = torch.full((b, c), st.ROOT)
+    scores = torch.zeros(b, c)
+    for row in range(b):
+        scores[row, :6] = -torch.rand(6, generator=g)
+        for i in range(6, c):
+            parents[row, i] = torch.randint(0, i, (1,), generator=g)
+            scores[row, i] = scores[row, parents[row, i]] - torch.rand(1, generator=g).item()
+    scores = (scores * 4).round() / 4  # ties everywhere, a child never above its parent
+    tokens = torch.randint(0, 1000, (b, c), generator=g)
+    want_tok, want_par, _ = st.select(scores, tokens, parents, n)
+    got_tok, got_par = ks.select(scores.to(DEV), tokens.to(DEV), parents.to(DEV), n)
+    assert torch.equal(got_tok.cpu(), want_tok) and torch.equal(got_par.cpu(), want_par)
+    # a real tree (every kept node's parent kept), deeper than one level, and ties among the kept
+    assert (want_par != st.NONE).all() and (want_par >= 0).any()
+    assert any(len(set(r.tolist())) < n for r in st.select(scores, tokens, parents, n)[2])
+    # NaN scores (a padding row reads streams never written): every node still written, parents in range
+    scores[1, ::3] = float("nan")
+    scores[2] = float("nan")
+    tokens[1] = torch.arange(c)  # distinct: n distinct tokens out = n nodes written
+    tokens[2] = torch.arange(c)
+    got_tok, got_par = (x.cpu() for x in ks.select(scores.to(DEV), tokens.to(DEV), parents.to(DEV), n))
+    assert torch.equal(got_tok[0], want_tok[0]) and torch.equal(got_par[0], want_par[0])
+    for row in (1, 2):
+        assert len(set(got_tok[row].tolist())) == n and ((got_tok[row] >= 0) & (got_tok[row] < c)).all()
+        assert ((got_par[row] >= st.NONE) & (got_par[row] < n)).all()
 
 
 def test_tree_growth_levels_equal_the_torch_oracle():

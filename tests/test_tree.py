@@ -155,10 +155,10 @@ def test_a_sampled_tree_ranks_each_level_by_the_race_at_its_position():
     vocab, hidden, shape = 40, 8, TreeShape(4, 2, 3, 21)  # every candidate kept
 
     class FlatHead:
-        def target_logits(self, out: torch.Tensor) -> torch.Tensor:
+        def target_logits(self, out: torch.Tensor, upcast: bool = True) -> torch.Tensor:
             return (-1e-6 * torch.arange(vocab, dtype=torch.float32)).expand(out.shape[0], vocab)
 
-    def layer(ids, feats, layout):
+    def layer(ids, feats, layout, rows):
         return torch.zeros(ids.shape[0], hidden)
 
     pending, seeds = torch.tensor([9, 30]), torch.tensor([5, 6])

@@ -104,9 +104,13 @@ class EagleProposer:
 
         return attend
 
-    def _run(self, ids: torch.Tensor, feats: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, feats: torch.Tensor, layout: BatchLayout,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The head layer over ids [T], token t's hidden input feats[rows[t]] (rows None: feats[t])."""
         if self.fast is not None:
-            return self.fast.run_layer(ids, feats, layout, self.cache.layer(0))  # [T, H]
+            return self.fast.run_layer(ids, feats, layout, self.cache.layer(0), rows)  # [T, H]
+        if rows is not None:
+            feats = feats.index_select(0, rows)  # [T, H]
         return self.head.run_layer(ids, feats, layout.positions, self._attend(layout))  # [T, H]
 
     @torch.inference_mode()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from streamsd.kernels.fused import add_rmsnorm, rope_and_cache, silu_mul
+from streamsd.kernels.head_input import head_input
 from streamsd.model.fast_forward import FusedLayer, concat_params
 from streamsd.model.kv_cache import BatchLayout
 from streamsd.model.llama import AttentionFn
@@ -29,17 +30,18 @@ class FastHead:
     attend: AttentionFn  # the target's paged attention (the Triton kernel)
 
     def run_layer(self, ids: torch.Tensor, feats: torch.Tensor, layout: BatchLayout,
-                  kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """ids [T], feats [T, H] -> the layer's pre-norm output [T, H]; K/V written at layout's slots."""
+                  kv: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [T], feats [R, H] (rows [T]: token t's is feats[rows[t]]; None: R = T) -> the layer's
+        pre-norm output [T, H]; K/V written at layout's slots."""
         head, f = self.head, self.fused
         lay, a, eps = head.layer, head.spec.args, head.spec.args.rms_norm_eps
-        emb = head.embed(ids).to(feats.dtype)  # [T, H]
-        if head.spec.kind == EAGLE3:
-            normed, _ = add_rmsnorm(feats, None, lay.hidden_norm.weight, eps)  # [T, H]
-            residual = normed if head.spec.norm_before_residual else feats
-            x = torch.cat([add_rmsnorm(emb, None, lay.input_layernorm.weight, eps)[0], normed], dim=-1)  # [T, 2H]
+        if head.spec.kind == EAGLE3:  # the gather, the embedding and both norms: one launch
+            x, residual = head_input(ids, head.embed_table(), feats, rows, lay.input_layernorm.weight,
+                                     lay.hidden_norm.weight, eps, head.spec.norm_before_residual)  # [T, 2H], [T, H]
         else:
-            x = head.fc(torch.cat([emb, feats], dim=-1))  # [T, H]
+            if rows is not None:
+                feats = feats.index_select(0, rows)  # [T, H]
+            x = head.fc(torch.cat([head.embed(ids).to(feats.dtype), feats], dim=-1))  # [T, H]
             residual = x
         t = x.shape[0]
         qkv = F.linear(x, f.qkv_weight, f.qkv_bias)  # [T, (H + 2 KVH) D]
@@ -47,7 +49,9 @@ class FastHead:
                            a.num_heads, a.num_kv_heads, a.head_dim)  # [T, H, D]
         attn = lay.self_attn.o_proj(self.attend(q, kv[0], kv[1], layout, a.head_dim**-0.5).reshape(t, -1))  # [T, H]
         x, h = add_rmsnorm(attn, residual, lay.post_attention_layernorm.weight, eps)  # [T, H] each
-        return h + lay.mlp.down_proj(silu_mul(F.linear(x, f.gate_up_weight)))
+        # The residual add in the GEMM's epilogue (one launch, not two). The head only drafts, so its
+        # one rounding instead of two moves no output of the target.
+        return torch.addmm(h, silu_mul(F.linear(x, f.gate_up_weight)), lay.mlp.down_proj.weight.t())  # [T, H]
 
     def normed(self, out: torch.Tensor) -> torch.Tensor:
         """The head's final RMSNorm of its output [N, H] (before its lm_head), one launch."""

@@ -30,7 +30,6 @@ to the pool's spare last row. Prefill chunks (more than `width` catch-up tokens)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,10 +42,9 @@ from streamsd.model.stream_store import StreamStore
 from streamsd.sampling.warp import WarpParams
 from streamsd.spec.drafting import draw_drafts
 from streamsd.spec.eagle_head import EagleHead
+from streamsd.spec.eagle_tree import HeadLayer  # the proposer's
 
 GREEDY, SAMPLED, SORTED = 0, 1, 2
-# (ids [T], feats [T, H], layout) -> the head layer's output [T, H], its K/V written (the proposer's)
-HeadLayer = Callable[[torch.Tensor, torch.Tensor, BatchLayout], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,8 +116,12 @@ class EagleHead(nn.Module):
         return hasattr(self, "lm_head") and self.spec.draft_vocab_size != self.spec.vocab_size
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.embed_table())
+
+    def embed_table(self) -> torch.Tensor:
+        """[V, H]: the head's own embedding, or the target's."""
         table = self.embed_tokens if hasattr(self, "embed_tokens") else self.shared.embed  # type: ignore[union-attr]
-        return table(ids)
+        return table.weight
 
     def features(self, streams: torch.Tensor) -> torch.Tensor:
         """The target's streams at `input_layers`, side by side [T, n * Ht] -> h [T, H]."""
@@ -150,11 +154,13 @@ class EagleHead(nn.Module):
         h = residual + att.o_proj(attend(q, k, v).reshape(t, -1))
         return h + lay.mlp(lay.post_attention_layernorm(h))
 
-    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Pre-norm output [N, H] -> logits [N, Vd] over the draft vocabulary (float32)."""
+    def draft_logits(self, out: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Pre-norm output [N, H] -> logits [N, Vd] over the draft vocabulary (float32; upcast False: the
+        lm_head's dtype, for a reader that converts as it loads)."""
         x = out if self.spec.kind == EAGLE1 else (self.fast_norm or self.norm)(out)
         head = self.lm_head if hasattr(self, "lm_head") else self.shared.lm_head  # type: ignore[union-attr]
-        return head(x.to(head.weight.dtype)).float()  # a float32 head in training may share a bf16 lm_head
+        logits = head(x.to(head.weight.dtype))  # a float32 head in training may share a bf16 lm_head
+        return logits.float() if upcast else logits
 
     def greedy_draft(self, out: torch.Tensor) -> torch.Tensor:
         """[N, H] -> the argmax target ids [N]: `target_logits(out).argmax(-1)` without the [N, V] scatter
@@ -162,9 +168,9 @@ class EagleHead(nn.Module):
         best = row_argmax(self.draft_logits(out)[:, : self.spec.vocab_size])  # [N]
         return best + self.d2t[best] if self.has_draft_vocab else best
 
-    def target_logits(self, out: torch.Tensor) -> torch.Tensor:
+    def target_logits(self, out: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """[N, H] -> [N, V] over the target vocabulary; ids outside the draft vocabulary are impossible."""
-        logits = self.draft_logits(out)  # [N, Vd]
+        logits = self.draft_logits(out, upcast)  # [N, Vd]
         if not self.has_draft_vocab:
             return logits[:, : self.spec.vocab_size]
         full = logits.new_full((logits.shape[0], self.spec.vocab_size), float("-inf"))  # [N, V]

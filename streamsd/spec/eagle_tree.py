@@ -37,8 +37,9 @@ from streamsd.sampling import rng
 from streamsd.spec.eagle_head import EagleHead
 from streamsd.spec.tree import ROOT, positions_to_slots, select
 
-# (ids [T], feats [T, H], layout) -> the head layer's output [T, H], its K/V written
-HeadLayer = Callable[[torch.Tensor, torch.Tensor, BatchLayout], torch.Tensor]
+# (ids [T], feats [R, H], layout, rows [T]: token t's hidden input is feats[rows[t]]) -> the head layer's
+# output [T, H], its K/V written
+HeadLayer = Callable[[torch.Tensor, torch.Tensor, BatchLayout, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -108,36 +109,57 @@ class Frontier:
         return fr
 
 
+@dataclass(slots=True)
+class GrowConsts:
+    """What every growth of B trees of one shape starts from. Made once, outside a CUDA graph: made
+    inside, each replay would rebuild it (a launch each)."""
+
+    root: Frontier
+    starts: torch.Tensor  # [B + 1] int32 every level's query starts
+    levels: torch.Tensor  # [D, 1] int64: 1 .. D
+
+    @staticmethod
+    def build(b: int, shape: TreeShape, device: torch.device) -> GrowConsts:
+        return GrowConsts(Frontier.root(b, device), uniform_starts(b, shape.frontier, device),
+                          torch.arange(1, shape.depth + 1, device=device).unsqueeze(1))
+
+
 def grow(head: EagleHead, layer: HeadLayer, h0: torch.Tensor, pending: torch.Tensor, block_table: torch.Tensor,
-         block_size: int, shape: TreeShape, race: Race | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         block_size: int, shape: TreeShape, race: Race | None = None,
+         consts: GrowConsts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A tree per request from h0 [B, H], the head's output at its last caught-up slot; pending [B]:
     each request's pending position P, block_table [B, W] its blocks (the window's slots must be in
     them); race: the requests' target races (None: all greedy). Returns (tokens, parents) [B, nodes],
     best first."""
     b = h0.shape[0]
     m, c = shape.frontier, shape.branch
-    if h0.is_cuda:  # one launch a level (kernels/tree_grow.py)
+    if h0.is_cuda:  # one launch a level (kernels/tree_grow.py), one for the selection (kernels/tree_step.py)
         from streamsd.kernels.tree_grow import expand_level as expand
+        from streamsd.kernels.tree_step import select as pick
     else:
         expand = expand_level
+
+        def pick(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+            return select(scores, tokens, parents, n)[:2]
+    consts = consts or GrowConsts.build(b, shape, h0.device)
     cands = Candidates.empty(b, c + (shape.depth - 1) * m * c, h0.device)
     # The position each level's children are decided at, P + depth: only a race reads it.
-    keys = None if race is None else pending + torch.arange(1, shape.depth + 1, device=h0.device).unsqueeze(1)  # [D, B]
+    keys = None if race is None else pending + consts.levels  # [D, B]
     s, t = _children(head, h0, c, race, keys, 0)  # [B, C] the root's children
-    base, src, offset = Frontier.root(b, h0.device), h0, 0
-    starts = uniform_starts(b, m, h0.device)  # [B + 1] every level's query starts
+    base, src, offset = consts.root, h0, 0
+    starts = consts.starts  # [B + 1]
     for level in range(1, shape.depth):
         fr = expand(s, t, base, offset, cands, m, level, pending, block_table, block_size)
         assert fr is not None
         offset += base.scores.shape[1] * c
         layout = BatchLayout.uniform(m, fr.positions, fr.slots, block_table, fr.context_lens, fr.bits.view(-1),
                                      pending, starts).for_host(block_size)
-        out = layer(fr.tokens.view(-1), src.index_select(0, fr.rows), layout)  # [B * M, H]
+        out = layer(fr.tokens.view(-1), src, layout, fr.rows)  # [B * M, H]
         s, t = _children(head, out, c, race, keys, level)  # [B * M, C]
         base, src = fr, out
     expand(s, t, base, offset, cands, 0, shape.depth, pending, block_table, block_size)  # the last level's
-    tokens, node_parents, _ = select(cands.scores, cands.tokens, cands.parents, shape.nodes)
-    return tokens, node_parents
+    return pick(cands.scores, cands.tokens, cands.parents, shape.nodes)
 
 
 def expand_level(s: torch.Tensor, t: torch.Tensor, base: Frontier, offset: int, cands: Candidates, m: int,
@@ -172,7 +194,8 @@ def _children(head: EagleHead, out: torch.Tensor, c: int, race: Race | None, key
     """The `c` best next tokens after the head's outputs out [B * R, H] at `level` and their
     log-probabilities [B * R, C] under what ranks them: the head's logits, raced at positions
     keys[level] [B] for sampled requests."""
-    logits = head.target_logits(out)  # [B * R, V]
+    # On CUDA the top-k kernel reads the lm_head's bf16 as float32 itself: no [B * R, V] copy to make it so.
+    logits = head.target_logits(out, upcast=not out.is_cuda)  # [B * R, V]
     at = None if keys is None else keys[level]  # [B]
     if logits.is_cuda:  # two launches, the race's noise inside, not a softmax and a radix top-k (kernels/topk.py)
         from streamsd.kernels.topk import topk_logprobs

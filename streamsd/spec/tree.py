@@ -108,6 +108,18 @@ def positions_to_slots(positions: torch.Tensor, block_table: torch.Tensor, block
     return block * block_size + positions % block_size
 
 
+def catch_up(roots: torch.Tensor, accepted: torch.Tensor, emitted: torch.Tensor, block_table: torch.Tensor,
+             block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the head's catch-up after a walk computes: roots [B], accepted [B], emitted [B, C] (-1 past
+    the accepted), block_table [B, W] -> its ids (padding as 0), positions and KV slots [B * C] (C slots
+    from the root), context lengths [B] int32, and each request's pending position [B]."""
+    c = emitted.shape[1]
+    at = roots.unsqueeze(1) + torch.arange(c, device=roots.device)  # [B, C]
+    slots = positions_to_slots(at, block_table, block_size)  # [B, C]
+    return (emitted.clamp(min=0).view(-1), at.view(-1), slots.view(-1), (roots + c).to(torch.int32),
+            roots + accepted + 1)
+
+
 def select(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The n likeliest candidates of a grown tree, as a tree.
