@@ -140,6 +140,7 @@ def paged_attention(
     splits: int | None = None,
     tree_bits: torch.Tensor | None = None,  # [T] int64 (kv_cache.BatchLayout.tree_bits)
     tree_start: torch.Tensor | None = None,  # [S] int64
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Attention of every sequence whose query length <= max_query (<= 16, or with draft trees <= 64);
     returns out [T, H, D]."""
@@ -158,6 +159,10 @@ def paged_attention(
             # A tree window's tile is up to 8x a decode token's: splitting a short context 16 ways left
             # most splits empty, and merging them cost more than the attention (the H200, batch 1).
             splits = min(splits, TREE_MAX_SPLITS)
+    if num_warps is None:
+        # A tree window's [128+, D] tile: 8 warps took 7.6 against 8.3 us a launch at a 256-token context,
+        # 11.9 against 13.4 at 768 (the H200, batch 1, 25 rows; scripts/attn_tree_probe.py).
+        num_warps = 8 if tree and block_m >= 128 else 4
     if splits > 1:
         part_acc = torch.empty(num_seqs * kv_heads * splits * block_m * dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs * kv_heads * splits * 2 * block_m, dtype=torch.float32, device=q.device)
@@ -170,7 +175,7 @@ def paged_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
         PAGE=page, TILE=TILE_TOKENS, SPLITS=splits, IEEE=q.dtype == torch.float32, TREE=tree, **meta,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=2,
     )
     if splits > 1:
         rows = min(block_m, MERGE_ROWS)

@@ -1,0 +1,63 @@
+"""How long the paged attention kernel takes at batch 1 on the default model's shape (9 query heads,
+3 KV heads, head_dim 64), decode (1 query row) against a draft tree's window (W rows), per split count
+and warp count: 30 launches (a forward's layers) captured in a CUDA graph, replayed, microseconds a
+launch. Usage: python3 scripts/attn_tree_probe.py [contexts, e.g. 256,512,1024]"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import torch
+
+from streamsd.kernels.paged_attention import paged_attention
+
+HEADS, KV_HEADS, DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
+
+
+def time_us(fn, reps: int = 50) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(LAYERS):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * LAYERS)
+
+
+def main() -> None:
+    contexts = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "256,512,1024").split(",")]
+    dev = torch.device("cuda")
+    blocks = 2048 // PAGE + 2
+    kc = torch.randn(blocks, PAGE, KV_HEADS, DIM, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(blocks, device=dev, dtype=torch.int64)[: blocks - 1].to(torch.int32).unsqueeze(0)
+    print("context  rows  splits  warps   us/launch")
+    for ctx in contexts:
+        for rows in (1, 25, 32):
+            q = torch.randn(rows, HEADS, DIM, device=dev, dtype=torch.bfloat16)
+            lens = torch.tensor([ctx], device=dev, dtype=torch.int32)
+            starts = torch.tensor([0, rows], device=dev, dtype=torch.int32)
+            tree = rows > 1
+            bits = torch.full((rows,), (1 << rows) - 1, device=dev, dtype=torch.int64) if tree else None
+            win = torch.tensor([ctx - rows], device=dev, dtype=torch.int64) if tree else None
+            for splits in (1, 2, 4, 8):
+                for warps in (4, 8):
+                    us = time_us(partial(paged_attention, q, kc, vc, table, lens, starts, DIM**-0.5, rows,
+                                         splits=splits, tree_bits=bits, tree_start=win, num_warps=warps))
+                    print(f"{ctx:7d} {rows:5d} {splits:7d} {warps:6d} {us:11.2f}")
+
+
+if __name__ == "__main__":
+    main()
