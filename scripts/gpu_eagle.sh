@@ -23,6 +23,8 @@
 #   scripts/gpu_eagle.sh heldout carry .gguf2b .whl (after stash + stash2): the 16 held-out x 256 of `figures` only
 #                               (METHODS=eagle,eagle-ad: those beside plain; PHASES=1: then host ms per phase)
 #   scripts/gpu_eagle.sh kernels carry .gguf2b .whl (after stash + stash2): kernels per step, plain vs eagle k = 4
+#   scripts/gpu_eagle.sh gaps   carry .gguf2b .whl (after stash + stash2): the GPU's idle time between kernels,
+#                               plain vs tree TREES (default 4,6,6,24): short gaps inside a replay, long ones between
 #   scripts/gpu_eagle.sh treetests carry .gguf1 (= stash, then the CUDA tests of draft trees and of EAGLE's chains;
 #                               TESTS_K: another pytest -k selection)
 #   scripts/gpu_eagle.sh trees  carry .gguf2b .whl (after stash + stash2; HEAD_DIR: another head): batch 1, 16 held-out x 256: plain, n-gram,
@@ -257,6 +259,14 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     timeout 240 python3 scripts/profile_eagle_kernels.py $GGUF streamsd/assets/eagle/smollm2-135m-instruct 96 \
       "${TREES:-}" > "$OUT/kernels.log" 2>&1
     echo "profile exit $?" | tee -a "$OUT/run.log"; grep "===" "$OUT/kernels.log" | tee -a "$OUT/run.log"
+    ;;
+  gaps)
+    # carry .gguf2b .whl (after stash + stash2): idle GPU time between kernels, plain vs a tree (scripts/profile_gaps.py)
+    [ -f $GGUF ] || join_gguf
+    log "gaps between kernels, plain vs tree ${TREES:-4,6,6,24}, batch 1"
+    timeout 150 python3 scripts/profile_gaps.py $GGUF streamsd/assets/eagle/smollm2-135m-instruct 96 "${TREES:-4,6,6,24}" \
+      > "$OUT/gaps.log" 2>&1
+    echo "gaps exit $?" | tee -a "$OUT/run.log"; grep -v "^\[" "$OUT/gaps.log" | tail -50 | tee -a "$OUT/run.log"
     ;;
   bench)
     B="python3 -m streamsd.cli --log-level warning bench offline --model $GGUF --batch-sizes 1,16 --max-tokens 128"
