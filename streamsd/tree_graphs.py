@@ -55,12 +55,12 @@ class _TreeGraph:
     block_table: torch.Tensor  # [B, max_blocks] int32
     draws: torch.Tensor  # [2, B] int64 greedy flags | seeds (field-major: each row is what a kernel reads)
     warp_f: torch.Tensor  # [2, B] float32 temperatures | min-p
+    # Constants a replay reads (made before the capture: made inside, each replay would remake them)
+    grow: GrowConsts
+    rows: torch.Tensor  # [B * W] int64 0, 1, ...: every window row's hidden stream is kept
+    catch_starts: torch.Tensor  # [B + 1] int32 the catch-up's query starts (D + 1 rows each)
     result: torch.Tensor | None = None  # [B, D + 2 + 2N] emitted | accepted | next tokens | next parents
     tables: list[list[int]] | None = None  # what block_table holds (a request gains a block every 16 tokens)
-    # Constants a replay reads (made before the capture: made inside, each replay would remake them)
-    grow: GrowConsts | None = None
-    rows: torch.Tensor | None = None  # [B * W] int64 0, 1, ...: every window row's hidden stream is kept
-    catch_starts: torch.Tensor | None = None  # [B + 1] int32 the catch-up's query starts (D + 1 rows each)
 
 
 class TreeGraphs:
@@ -217,11 +217,10 @@ class TreeGraphs:
             torch.cat([torch.zeros(bucket, n, dtype=torch.int64, device=dev),
                        torch.full((bucket, n), NONE, dtype=torch.int64, device=dev)], dim=1),
             torch.full((bucket, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
-            torch.zeros(2, bucket, dtype=torch.int64, device=dev), torch.ones(2, bucket, dtype=torch.float32, device=dev))
+            torch.zeros(2, bucket, dtype=torch.int64, device=dev), torch.ones(2, bucket, dtype=torch.float32, device=dev),
+            GrowConsts.build(bucket, self.shape, dev), torch.arange(bucket * w, device=dev),
+            uniform_starts(bucket, self.shape.depth + 1, dev))
         g.warp_f[1] = 0.0
-        g.grow = GrowConsts.build(bucket, self.shape, dev)
-        g.rows = torch.arange(bucket * w, device=dev)
-        g.catch_starts = uniform_starts(bucket, self.shape.depth + 1, dev)
         self.graphs[(bucket, mode)] = g
         if g.graph is None:
             return g

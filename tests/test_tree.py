@@ -158,7 +158,7 @@ def test_a_sampled_tree_ranks_each_level_by_the_race_at_its_position():
         def target_logits(self, out: torch.Tensor, upcast: bool = True) -> torch.Tensor:
             return (-1e-6 * torch.arange(vocab, dtype=torch.float32)).expand(out.shape[0], vocab)
 
-    def layer(ids, feats, layout, rows):
+    def layer(ids, feats, layout, rows=None):
         return torch.zeros(ids.shape[0], hidden)
 
     pending, seeds = torch.tensor([9, 30]), torch.tensor([5, 6])

@@ -15,6 +15,17 @@ import triton.language as tl
 
 
 @triton.jit
+def rmsnorm_row(h, w_ptr, cols, mask, n_cols, eps, DTYPE: tl.constexpr):
+    """One row h [BLOCK] (masked past n_cols) -> rmsnorm(h) * w in DTYPE, rounded as the eager RMSNorm:
+    to DTYPE before the weight, then after it."""
+    hf = h.to(tl.float32)
+    var = tl.sum(hf * hf, 0) / n_cols
+    y = (hf * tl.math.rsqrt(var + eps)).to(DTYPE)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -25,12 +36,8 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps
         h = (tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
              + h.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * n_cols + cols, h, mask=mask)
-    hf = h.to(tl.float32)
-    var = tl.sum(hf * hf, 0) / n_cols
-    y = (hf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)  # RMSNorm rounds before the weight
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row * n_cols + cols, rmsnorm_row(h, w_ptr, cols, mask, n_cols, eps, x_ptr.dtype.element_ty),
+             mask=mask)  # out is x's dtype (empty_like)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -3,8 +3,7 @@
 Each level of a draft tree fed the head layer `src.index_select(rows)` (its parents' outputs), then the
 layer gathered the tokens' embeddings, normalised both (two RMSNorms), and concatenated them: five
 launches of a few microseconds each, four levels a step. Here one program per row does all of it, with
-the arithmetic of `EagleHead.run_layer` (each RMSNorm rounds to the model dtype before its weight, as
-kernels/fused.py's does).
+the arithmetic of `EagleHead.run_layer` (kernels/fused.py's RMSNorm row).
 """
 
 from __future__ import annotations
@@ -13,14 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _rmsnorm_row(x, w_ptr, cols, mask, n_cols, eps, OUT_DTYPE: tl.constexpr):
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, 0) / n_cols
-    y = (xf * tl.math.rsqrt(var + eps)).to(OUT_DTYPE)  # RMSNorm rounds before the weight
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    return (w.to(tl.float32) * y.to(tl.float32)).to(OUT_DTYPE)
+from streamsd.kernels.fused import rmsnorm_row
 
 
 @triton.jit
@@ -37,8 +29,8 @@ def _head_input_kernel(ids_ptr, embed_ptr, s_embed, src_ptr, s_src, rows_ptr, w_
     dtype = x_ptr.dtype.element_ty
     emb = tl.load(embed_ptr + tok * s_embed + cols, mask=mask, other=0.0).to(dtype)
     h = tl.load(src_ptr + src_row * s_src + cols, mask=mask, other=0.0)
-    normed = _rmsnorm_row(h, w_hidden_ptr, cols, mask, n_cols, eps, dtype)
-    tl.store(x_ptr + t * 2 * n_cols + cols, _rmsnorm_row(emb, w_in_ptr, cols, mask, n_cols, eps, dtype), mask=mask)
+    normed = rmsnorm_row(h, w_hidden_ptr, cols, mask, n_cols, eps, dtype)
+    tl.store(x_ptr + t * 2 * n_cols + cols, rmsnorm_row(emb, w_in_ptr, cols, mask, n_cols, eps, dtype), mask=mask)
     tl.store(x_ptr + t * 2 * n_cols + n_cols + cols, normed, mask=mask)
     tl.store(res_ptr + t * n_cols + cols, normed if NORMED_RESIDUAL else h.to(dtype), mask=mask)
 

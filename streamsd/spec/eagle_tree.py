@@ -26,8 +26,8 @@ one Triton launch on CUDA (kernels/tree_grow.py) and these torch ops on the CPU,
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -37,9 +37,13 @@ from streamsd.sampling import rng
 from streamsd.spec.eagle_head import EagleHead
 from streamsd.spec.tree import ROOT, positions_to_slots, select
 
-# (ids [T], feats [R, H], layout, rows [T]: token t's hidden input is feats[rows[t]]) -> the head layer's
-# output [T, H], its K/V written
-HeadLayer = Callable[[torch.Tensor, torch.Tensor, BatchLayout, torch.Tensor], torch.Tensor]
+
+class HeadLayer(Protocol):
+    """The head layer over ids [T] (its K/V written at the layout's slots) -> its output [T, H]; token t's
+    hidden input is feats[rows[t]] (rows None: feats[t])."""
+
+    def __call__(self, ids: torch.Tensor, feats: torch.Tensor, layout: BatchLayout,
+                 rows: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
