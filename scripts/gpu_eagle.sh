@@ -25,6 +25,8 @@
 #   scripts/gpu_eagle.sh kernels carry .gguf2b .whl (after stash + stash2): kernels per step, plain vs eagle k = 4
 #   scripts/gpu_eagle.sh gaps   carry .gguf2b .whl (after stash + stash2): the GPU's idle time between kernels,
 #                               plain vs tree TREES (default 4,6,6,24): short gaps inside a replay, long ones between
+#   scripts/gpu_eagle.sh timeline carry .gguf2b .whl (after stash + stash2): per-step wall times of whole answers,
+#                               plain vs TREES (scripts/step_timeline.py): start, steady steps and end apart
 #   scripts/gpu_eagle.sh treetests carry .gguf1 (= stash, then the CUDA tests of draft trees and of EAGLE's chains;
 #                               TESTS_K: another pytest -k selection)
 #   scripts/gpu_eagle.sh trees  carry .gguf2b .whl (after stash + stash2; HEAD_DIR: another head): batch 1, 16 held-out x 256: plain, n-gram,
@@ -267,6 +269,16 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     timeout 150 python3 scripts/profile_gaps.py $GGUF streamsd/assets/eagle/smollm2-135m-instruct 96 "${TREES:-4,6,6,24}" \
       > "$OUT/gaps.log" 2>&1
     echo "gaps exit $?" | tee -a "$OUT/run.log"; grep -v "^\[" "$OUT/gaps.log" | tail -50 | tee -a "$OUT/run.log"
+    ;;
+  timeline)
+    # carry .gguf2b .whl (after stash + stash2): per-step wall times of whole answers, plain vs TREES
+    # (scripts/step_timeline.py): the start, the steady steps and the end of each answer apart
+    [ -f $GGUF ] || join_gguf
+    log "step timelines, plain vs tree ${TREES:-4,6,6,24}, ${PROMPTS:-4} held-out x 256, batch 1"
+    timeout ${LIMIT:-240} python3 scripts/step_timeline.py --model $GGUF --head streamsd/assets/eagle/smollm2-135m-instruct --trees "${TREES:-4,6,6,24}" \
+      --prompts ${PROMPTS:-4} --out "$OUT/timeline.json" > "$OUT/timeline.log" 2>&1
+    echo "timeline exit $?" | tee -a "$OUT/run.log"; grep -v "^\[\|shards\|converting" "$OUT/timeline.log" | tail -30 \
+      | tee -a "$OUT/run.log"
     ;;
   bench)
     B="python3 -m streamsd.cli --log-level warning bench offline --model $GGUF --batch-sizes 1,16 --max-tokens 128"
