@@ -125,7 +125,8 @@ class Worker:
         layers = tuple(getattr(self.proposer, "hidden_layers", ()))
         # A graph serves the step only if it captures exactly these streams (none, or the head's).
         fits = self.graphs is not None and self.graphs.hidden_layers == layers
-        key = self.graphs.key_for(counts, tables) if self.graphs is not None and fits and trees is None else None
+        key = self.graphs.key_for(counts, tables, len(rows)) if self.graphs is not None and fits and trees is None \
+            else None
         if self.graphs is not None and key is not None:
             if not layers:
                 return self.graphs.run(key, ids, starts, counts, tables, rows), None

@@ -408,6 +408,65 @@ def test_padded_graph_step_matches_eager_forward(tiny_model_dir):
     assert torch.allclose(cache.data[:, :, :scratch], written[:, :, :scratch], atol=1e-5)
 
 
+@pytest.mark.parametrize("start,count", [(0, 20), (20, 25), (0, 32)])  # a prompt, a chunk after a prefix, a full width
+def test_prompt_graph_matches_eager_prefill(tiny_model_dir, start, count):
+    """A lone prompt chunk padded into a prompt graph (bucket 1, width 32): its one logits row and
+    the K/V it writes equal the eager forward's; padding rows write only the scratch block. On CUDA
+    through a captured graph (its second replay too); on a CPU the same packed buffer and tiles run
+    through the interpreted kernels, without capture."""
+    from dataclasses import replace
+
+    from streamsd.kernels.prefill_attention import tokens_per_tile
+    from streamsd.model.graphs import GraphConfig, GraphRunner, pack_step, prompt_tiles, static_layout
+    from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.runtime import load_model
+
+    model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
+    model.attend = pa.cuda_attention
+    scratch, bs, table = 12, 16, [3, 0, 7, 5]
+    cache = PagedKVCache(model.args, scratch + 1, bs, torch.float32, DEV)
+    g = torch.Generator().manual_seed(2)
+    if start:  # the cached prefix the chunk attends to
+        prefix = torch.randint(3, model.args.vocab_size, (start,), generator=g).to(DEV)
+        model(prefix, BatchLayout.build([0], [start], [table], bs, DEV), cache, torch.arange(start, device=DEV))
+    ids = torch.randint(3, model.args.vocab_size, (count,), generator=g).tolist()
+    before = cache.data.clone()
+    ref = model(torch.tensor(ids, device=DEV), BatchLayout.build([start], [count], [table], bs, DEV), cache,
+                torch.tensor([count - 1], device=DEV)).logits  # [1, V]
+    written = cache.data.clone()
+    cache.data.copy_(before)
+    if CUDA:
+        runner = GraphRunner(model, cache, scratch, GraphConfig(max_blocks=8, query_widths=(1, 4),
+                                                                prompt_widths=(32, 64)), DEV)
+        key = runner.key_for([count], [table], 1)
+        assert key == (1, 32) and runner.key_for([count], [table]) is None  # opt-in: callers that say their rows
+        assert runner.key_for([count, 1], [table, [2]], 1) is None  # one sequence only
+        for _ in range(2):
+            cache.data.copy_(before)
+            out = runner.run(key, ids, [start], [count], [table], [count - 1]).clone()
+            assert _rel(out, ref) < 1e-4
+    else:
+        n_tiles = -(-32 // tokens_per_tile(model.args.num_heads, model.args.num_kv_heads))
+        host, live = pack_step(ids, [start], [count], [table], 1, 32, scratch, bs)
+        block_table = torch.full((1, 8), scratch, dtype=torch.int32)
+        block_table[:, : live.shape[1]] = torch.from_numpy(live)
+        ids_t, layout = static_layout(torch.from_numpy(host), block_table, 1, 32, scratch)
+        tiles = torch.from_numpy(prompt_tiles(start, count, 32, n_tiles)).to(torch.int32)
+        out = model(ids_t, replace(layout, prompt_tiles=tiles), cache, torch.tensor([count - 1])).logits
+        assert _rel(out, ref) < 1e-4
+    assert torch.allclose(cache.data[:, :, :scratch], written[:, :, :scratch], atol=1e-5)
+
+
+def test_prompt_tiles_cover_the_chunk_and_nothing_past_it():
+    from streamsd.model.graphs import prompt_tiles
+
+    tiles = prompt_tiles(40, 50, 64, 4).reshape(4, 4)  # 16 rows a tile
+    assert tiles[:, 1].tolist() == [0, 16, 32, 48] and tiles[:, 2].tolist() == [16, 16, 16, 2]
+    assert tiles[:, 3].tolist() == [40, 56, 72, 88]
+    empty = prompt_tiles(40, 10, 64, 4).reshape(4, 4)
+    assert empty[:, 2].tolist() == [10, 0, 0, 0] and empty[1:, 3].tolist() == [0, 0, 0]  # sees no keys
+
+
 # -- the whole engine on CUDA: graphs + kernels keep greedy speculation exact ----------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -198,6 +198,8 @@ def cuda_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     key = ("cuda_attention", q.shape[1], k_cache.shape[2])  # the tiles depend on the GQA group
     route = layout.derived.get(key)
     limit = TREE_MAX_QUERY if layout.has_trees else KERNEL_MAX_QUERY
+    if route is None and layout.prompt_tiles is not None:
+        route = layout.derived[key] = (0, layout.prompt_tiles)
     if route is None:
         short = [n for n in layout.query_lens if 0 < n <= limit]
         tiles = None

@@ -8,7 +8,13 @@ same graph); the tail of the T = bucket * Q token slots and the unused sequence 
 padding tokens write their K/V into a reserved scratch block no request owns, padding sequences
 have context 0 and attend to nothing. Every value that changes per step lives in static device
 buffers refreshed by two queued host-to-device copies, so a step never waits for the GPU.
-Prefill chunks and steps over the largest bucket run eagerly.
+A lone prompt chunk (one sequence: the first step of a request at batch 1, where time to first
+token is all there is) replays a prompt graph: bucket 1, padded to the smallest of
+`prompt_widths` that holds it. Its attention tiles (kernels/prefill_attention.py) and the one row
+whose logits it returns are static buffers the host rewrites too, so a prompt of any length and
+start runs the same graph. Eager, such a step launched ~10 kernels a layer from Python and took
+10-22 ms on the H200 for a 135M model (scripts/step_timeline.py); prompt chunks of steps with more
+sequences, and longer ones, still run eagerly.
 
 Graphs of one runner share a memory pool: they never run concurrently, and each graph's output
 (its logits) stays allocated because the runner holds it.
@@ -22,7 +28,7 @@ writes them into the engine's stream store at the tokens' KV slots (model/stream
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -36,6 +42,7 @@ from streamsd.sampling.greedy import greedy_verify
 log = logging.getLogger("streamsd")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROMPT_WIDTHS = (32, 64, 128, 256, 512)  # a lone prompt chunk pads to the next: at most 2x its rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +50,7 @@ class GraphConfig:
     max_blocks: int  # static width of the block table: ceil(max_model_len / block_size) + 1
     query_widths: tuple[int, ...] = (1,)  # Q values captured, e.g. (1, k + 1)
     buckets: tuple[int, ...] = BUCKETS
+    prompt_widths: tuple[int, ...] = ()  # a lone prompt chunk's graphs (bucket 1), each wider than any Q
 
 
 @dataclass(slots=True)
@@ -57,6 +65,8 @@ class _Graph:
     hidden: torch.Tensor | None = None  # [T, layers * hidden] the captured streams, when the runner has layers
     # The step's greedy verification, computed in the graph (sampling/greedy.py), when Q > 1:
     greedy: tuple[torch.Tensor, torch.Tensor] | None = None  # tokens [B, Q], accepted [B]
+    # A prompt graph's attention tiles [n_tiles * 4] int32 (then `rows` is [1]: its one logits row)
+    tiles: torch.Tensor | None = None
 
 
 class GraphRunner:
@@ -76,13 +86,19 @@ class GraphRunner:
         self.replays = 0
         self.last: _Graph | None = None  # the graph replayed last
 
-    def key_for(self, counts: list[int], tables: list[list[int]]) -> tuple[int, int] | None:
-        """(bucket, Q) of the graph that can run this step, or None to run it eagerly."""
-        if not counts or min(counts) < 1:
+    def key_for(self, counts: list[int], tables: list[list[int]], logits_rows: int | None = None
+                ) -> tuple[int, int] | None:
+        """(bucket, Q) of the graph that can run this step, or None to run it eagerly. A caller that
+        says how many logits rows it wants (`logits_rows`) may get a prompt graph: one sequence,
+        at most one row."""
+        if not counts or min(counts) < 1 or max(len(t) for t in tables) > self.cfg.max_blocks:
             return None
         width = next((q for q in sorted(self.cfg.query_widths) if q >= max(counts)), None)
         bucket = next((b for b in self.cfg.buckets if b >= len(counts)), None)
-        if width is None or bucket is None or max(len(t) for t in tables) > self.cfg.max_blocks:
+        if width is None and len(counts) == 1 and logits_rows is not None and logits_rows <= 1:
+            width = next((q for q in sorted(self.cfg.prompt_widths) if q >= counts[0]), None)
+            bucket = 1
+        if width is None or bucket is None:
             return None
         return bucket, width
 
@@ -90,7 +106,7 @@ class GraphRunner:
             tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None) -> torch.Tensor:
         """Logits [len(rows), V] of the rows asked for; a view valid until this graph replays again.
         `device_starts`: as in `run_hidden`."""
-        return self._rows(self._replay(key, ids, starts, counts, tables, device_starts), rows)
+        return self._rows(self._replay(key, ids, starts, counts, tables, device_starts, rows), rows)
 
     def run_hidden(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
                    tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None,
@@ -98,15 +114,20 @@ class GraphRunner:
         """(logits [len(rows), V], streams [sum(counts), layers * hidden] of every real token): views
         valid until this graph replays again. `device_starts`: the real starts (and ids), on the
         device (equal counts; `starts` then only has to hold the same blocks), see `restart`."""
-        g = self._replay(key, ids, starts, counts, tables, device_starts)
+        g = self._replay(key, ids, starts, counts, tables, device_starts, rows)
         assert g.hidden is not None, "this runner captures no hidden streams"
         return self._rows(g, rows), g.hidden[: sum(counts)]  # real tokens are packed from the front
 
     def _replay(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
-                tables: list[list[int]], device_starts: DeviceStarts | None = None) -> _Graph:
+                tables: list[list[int]], device_starts: DeviceStarts | None = None,
+                rows: list[int] | None = None) -> _Graph:
         g = self.graphs.get(key) or self._capture(*key)
         host, table = pack_step(ids if not isinstance(ids, torch.Tensor) else None, starts, counts, tables,
                                 g.bucket, g.width, self.scratch, self.cache.block_size)
+        if g.tiles is not None:  # a prompt graph: its one logits row and its tiles follow the packed values
+            assert rows is not None and len(rows) <= 1 and device_starts is None
+            tiles = prompt_tiles(starts[0], counts[0], g.width, g.tiles.numel() // 4)
+            host = np.concatenate([host, rows or [0], tiles])
         # Pageable non-blocking copies: staged by the driver at once, queued in stream order (see h2d).
         g.packed.copy_(torch.from_numpy(host), non_blocking=True)
         # Only the live columns: the kernel never reads past a sequence's context.
@@ -131,7 +152,7 @@ class GraphRunner:
         return g.greedy[0][:num_seqs], g.greedy[1][:num_seqs]
 
     def _rows(self, g: _Graph, rows: list[int]) -> torch.Tensor:
-        if rows == list(range(len(rows))):
+        if g.tiles is not None or rows == list(range(len(rows))):  # a prompt graph computed its row alone
             return g.logits[: len(rows)]
         return g.logits.index_select(0, h2d(rows, torch.int64, self.device))
 
@@ -142,33 +163,54 @@ class GraphRunner:
             for width in widths or self.cfg.query_widths:
                 if (bucket, width) not in self.graphs:
                     self._capture(bucket, width)
+        for width in () if widths else self.cfg.prompt_widths:
+            if (1, width) not in self.graphs:
+                self._capture(1, width)
 
     def _capture(self, bucket: int, width: int) -> _Graph:
         dev, t_all = self.device, bucket * width
         packed = torch.from_numpy(pack_step([], [], [], [], bucket, width, self.scratch,
                                             self.cache.block_size)[0]).to(dev)  # all padding: safe to run
         block_table = torch.full((bucket, self.cfg.max_blocks), self.scratch, dtype=torch.int32, device=dev)
+        prompt = width > max(self.cfg.query_widths)
+        tiles = None
+        if prompt:  # | the logits row | the tiles (int32 values, int64 here like the rest of the buffer)
+            from streamsd.kernels.prefill_attention import tokens_per_tile
+
+            n_tiles = -(-width // tokens_per_tile(self.model.args.num_heads, self.model.args.num_kv_heads))
+            packed = torch.cat([packed, torch.zeros(1 + 4 * n_tiles, dtype=torch.int64, device=dev)])
         ids, layout = static_layout(packed, block_table, bucket, width, self.scratch)
-        rows = torch.arange(t_all, device=dev)
+        rows = hidden_rows = torch.arange(t_all, device=dev)
+        if prompt:
+            n = 3 * t_all + 2 * bucket + 1
+            rows, tiles = packed[n : n + 1], torch.empty(4 * n_tiles, dtype=torch.int32, device=dev)
+            layout = replace(layout, prompt_tiles=tiles)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         layers = self.hidden_layers
         qs = layout.query_starts_t
+        verifies = width > 1 and self.verifies and not prompt
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+            if tiles is not None:
+                tiles.copy_(packed[-tiles.numel() :])  # inside the graph: the host writes them as int64
+            out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=hidden_rows)
+            # [T, layers * hidden] | None, into the store too (padding tokens: the scratch block's rows)
+            return out.logits, keep_streams(out.hidden, layout.slot_mapping, self.store)
+
         with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels, outside capture
-            out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
-            if width > 1 and self.verifies:
-                greedy_verify(out.logits, ids, qs, bucket, width)
+            logits, _ = forward()
+            if verifies:
+                greedy_verify(logits, ids, qs, bucket, width)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=rows)
-            logits = out.logits  # [T, V]
-            # [T, layers * hidden] | None, into the store too (padding tokens: the scratch block's rows)
-            hidden = keep_streams(out.hidden, layout.slot_mapping, self.store)
-            greedy = greedy_verify(logits, ids, qs, bucket, width) if width > 1 and self.verifies else None  # [B, Q], [B]
+            logits, hidden = forward()  # [T or 1, V], [T, layers * hidden] | None
+            greedy = greedy_verify(logits, ids, qs, bucket, width) if verifies else None  # [B, Q], [B]
         # Every tensor made outside the capture and read by the graph is kept here: once freed, the
         # caching allocator hands its memory to eager work and the next replay reads garbage.
-        g = _Graph(graph, bucket, width, packed, block_table, rows, logits, hidden, greedy)
+        g = _Graph(graph, bucket, width, packed, block_table, hidden_rows if prompt else rows, logits, hidden, greedy,
+                   tiles)
         self.graphs[(bucket, width)] = g
         return g
 
@@ -209,6 +251,16 @@ def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], table
     return host, table
 
 
+def prompt_tiles(start: int, count: int, width: int, n_tiles: int) -> np.ndarray:
+    """A prompt graph's tiles [n_tiles * 4] (kernels/prefill_attention.py's (sequence, first row,
+    tokens, first position)) for `count` tokens from position `start`, padded to `width` rows: the
+    tiles past the chunk hold no tokens and see no keys."""
+    per = -(-width // n_tiles)
+    off = np.arange(n_tiles, dtype=np.int64) * per
+    tokens = np.clip(count - off, 0, per)
+    return np.stack([np.zeros_like(off), off, tokens, np.where(tokens > 0, start + off, 0)], axis=1).reshape(-1)
+
+
 def static_layout(packed: torch.Tensor, block_table: torch.Tensor, bucket: int, width: int,
                   scratch: int) -> tuple[torch.Tensor, BatchLayout]:
     """Views of a packed buffer as (ids [T], BatchLayout). The host lists only steer the attention
@@ -218,7 +270,8 @@ def static_layout(packed: torch.Tensor, block_table: torch.Tensor, bucket: int, 
         positions=packed[t_all : 2 * t_all], slot_mapping=packed[2 * t_all : 3 * t_all],
         query_starts=[i * width for i in range(bucket)], query_lens=[width] * bucket,
         context_lens=[width] * bucket, block_tables=[[scratch]] * bucket, block_table=block_table,
-        context_lens_t=packed[3 * t_all : 3 * t_all + bucket], query_starts_t=packed[3 * t_all + bucket :],
+        context_lens_t=packed[3 * t_all : 3 * t_all + bucket],
+        query_starts_t=packed[3 * t_all + bucket : 3 * t_all + 2 * bucket + 1],
     )
     return packed[:t_all], layout
 
@@ -228,7 +281,7 @@ def forward_logits(model: Transformer, graphs: GraphRunner | None, cache: PagedK
                    rows: list[int], device: torch.device, store: StreamStore | None = None) -> torch.Tensor:
     """Logits [len(rows), V] of one forward, through a graph when one fits, else eagerly. `store`:
     the target's stream store (an EAGLE engine), written by this forward too (a graph's does it)."""
-    key = graphs.key_for(counts, tables) if graphs is not None else None
+    key = graphs.key_for(counts, tables, len(rows)) if graphs is not None else None
     if graphs is not None and key is not None:
         return graphs.run(key, ids, starts, counts, tables, rows)
     layout = BatchLayout.build(starts, counts, tables, cache.block_size, device)
@@ -299,12 +352,14 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
     bs = worker.cache.block_size
     # Narrow verify widths too: at large batch the planner drafts 1 or 2 tokens, and a step replays
     # the narrowest graph that holds its longest query, so without them k = 1 pays for k = K.
-    cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=(1,) if trees else tuple(sorted({
-        1, min(2, k + 1), min(3, k + 1), k + 1})))
+    widths = (1,) if trees else tuple(sorted({1, min(2, k + 1), min(3, k + 1), k + 1}))
+    cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=widths,
+                      prompt_widths=tuple(w for w in PROMPT_WIDTHS if max(widths) < w <= max_len))
     # An EAGLE head reads the target's streams at every verified token: its graphs return them too.
     worker.graphs = GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device,
                                 hidden_layers=tuple(getattr(proposer, "hidden_layers", ())), store=worker.store)
     if isinstance(draft, Transformer) and hasattr(proposer, "graphs"):
-        proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, cfg, worker.device, verifies=False)
+        proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, replace(cfg, prompt_widths=()),
+                                      worker.device, verifies=False)
     if hasattr(proposer, "enable_graphs") and not trees:  # an EAGLE head: catch-up and draft chain in one graph
         proposer.enable_graphs(scratch_block, cfg.max_blocks, width=k + 1)
