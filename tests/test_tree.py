@@ -386,6 +386,37 @@ def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, h
     _assert_free(llm)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_trees_grown_through_grow_graphs_equal_eager_ones(tiny_model_dir, head, temperature):
+    """The growths the proposer runs itself (a request's first tree, after its prompt) through a grow
+    graph's static buffers (spec/grow_graphs.py; captured on CUDA, run as is on a CPU): the same trees
+    as eager growth, so the same drafts accepted step by step, at batch 1 and 3 (a padded bucket)."""
+    from streamsd.spec.grow_graphs import GrowGraphs
+
+    cuda = torch.cuda.is_available()
+    engines = [LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10",
+                   device="cuda" if cuda else "cpu", dtype="float32", max_num_seqs=4, kv_cache_tokens=4096)
+               for _ in range(2)]
+    engines[0].core.rt.worker.proposer.grow_graphs = None  # eager growths
+    p = engines[1].core.rt.worker.proposer
+    if cuda:  # captured with the engine
+        assert p.grow_graphs is not None and p.grow_graphs.graphs
+        p.grow_graphs.graphs.clear()  # captured again on first use: the keys this test replays
+    else:
+        p.grow_graphs = GrowGraphs(p.head, p._run, p.tree, p.cache.block_size, 16, engines[1].core.rt
+                                   .scheduler_config.num_blocks, p.head.spec.args.hidden_size, torch.float32, p.device)
+    for batch in (PROMPTS[:1], PROMPTS[1:4]):
+        params = [SamplingParams(temperature=temperature, max_tokens=24, seed=s, ignore_eos=True) for s in range(3)]
+        a, b = (llm.generate(batch, params[: len(batch)]) for llm in engines)
+        assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
+        assert [(r.spec_stats.steps, r.spec_stats.accepted) for r in a] == \
+            [(r.spec_stats.steps, r.spec_stats.accepted) for r in b]
+    keys = set(p.grow_graphs.graphs)
+    assert p.grow_graphs.replays >= 2 and {(1, temperature > 0), (4, temperature > 0)} <= keys
+    assert all(sampled == (temperature > 0) for _, sampled in keys)
+    _assert_free(engines[1])
+
+
 def test_cli_generates_with_a_tree_and_refuses_a_bad_one(tiny_model_dir, head, reference, capsys):
     from streamsd.cli import main
 

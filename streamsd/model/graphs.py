@@ -361,5 +361,5 @@ def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool
     if isinstance(draft, Transformer) and hasattr(proposer, "graphs"):
         proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, replace(cfg, prompt_widths=()),
                                       worker.device, verifies=False)
-    if hasattr(proposer, "enable_graphs") and not trees:  # an EAGLE head: catch-up and draft chain in one graph
+    if hasattr(proposer, "enable_graphs"):  # an EAGLE head: catch-up and draft chain in one graph (trees: growths)
         proposer.enable_graphs(scratch_block, cfg.max_blocks, width=k + 1)

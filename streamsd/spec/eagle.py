@@ -35,6 +35,7 @@ from streamsd.spec.drafting import DraftPicker
 from streamsd.spec.eagle_graphs import GREEDY, SAMPLED, SORTED, DraftRow, EagleGraphs
 from streamsd.spec.eagle_head import EagleHead, HeadAttention
 from streamsd.spec.eagle_tree import Race, grow
+from streamsd.spec.grow_graphs import GrowGraphs
 
 if TYPE_CHECKING:
     from streamsd.spec.eagle_fast import FastHead
@@ -61,6 +62,7 @@ class EagleProposer:
         self.graphs: EagleGraphs | None = None
         self.fast: FastHead | None = None
         self.tree: TreeShape | None = None  # draft trees of this shape instead of chains (spec/eagle_tree.py)
+        self.grow_graphs: GrowGraphs | None = None  # a tree's growth as a graph replay (spec/grow_graphs.py)
 
     @property
     def _fits_kernels(self) -> bool:
@@ -76,9 +78,15 @@ class EagleProposer:
             self.fast = fast_head(self.head, self.target.attend)
 
     def enable_graphs(self, scratch_block: int, max_blocks: int, width: int) -> None:
-        """CUDA graphs for calls whose catch-ups fit `width` tokens (see spec/eagle_graphs.py)."""
-        if self._fits_kernels:
-            dtype = self.target.model.embed_tokens.weight.dtype
+        """CUDA graphs for calls whose catch-ups fit `width` tokens (see spec/eagle_graphs.py); with
+        trees, for their growths (spec/grow_graphs.py: a tree step's own graph grows the rest)."""
+        if not self._fits_kernels:
+            return
+        dtype = self.target.model.embed_tokens.weight.dtype
+        if self.tree is not None:
+            self.grow_graphs = GrowGraphs(self.head, self._run, self.tree, self.cache.block_size, max_blocks,
+                                          scratch_block, self.head.spec.args.hidden_size, dtype, self.device)
+        else:
             self.graphs = EagleGraphs(self.head, self._run, self.cache.block_size, scratch_block, max_blocks,
                                       width, dtype, self.device, self.q_pool)
 
@@ -87,6 +95,8 @@ class EagleProposer:
         adaptive policy changes k step by step, and a capture (tens of ms) should not land inside a step
         the policy times. (The ~200 ms stall of the first k = 2 steps on the H200 stayed with this, so it
         is something else: docs/issue9-eagle/session15.)"""
+        if self.grow_graphs is not None:
+            self.grow_graphs.capture_up_to(max_batch)
         if self.graphs is None:
             return
         for mode in (GREEDY, SAMPLED, SORTED) if self.graphs.q_pool is not None else (GREEDY,):
@@ -189,22 +199,27 @@ class EagleProposer:
 
     def _grow(self, items: list[ProposeItem], h0: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
         """h0 [Bd, H]: the head's output at each item's last caught-up slot -> each one's tree, best
-        first (tokens, parents), eagerly."""
+        first (tokens, parents): a graph replay where one fits, else eagerly."""
         assert self.tree is not None
         pending = [it.upto for it in items]
         tables = [it.request.blocks for it in items]
-        width = max(len(t) for t in tables)
-        table = h2d([t + [0] * (width - len(t)) for t in tables], torch.int32, self.device)  # [Bd, W] as graphs hold it
         reqs = [it.request for it in items]
-        race = None
-        if not all(r.params.greedy for r in reqs):
-            race = Race(h2d([int(r.params.greedy) for r in reqs], torch.int64, self.device),
-                        h2d([r.seed for r in reqs], torch.int64, self.device),
-                        h2d([r.params.temperature or 1.0 for r in reqs], torch.float32, self.device))
-        tokens, parents = grow(self.head, self._run, h0, h2d(pending, torch.int64, self.device), table,
-                               self.cache.block_size, self.tree, race)
-        host = torch.cat([tokens, parents], dim=1).tolist()
-        n = tokens.shape[1]
+        key = self.grow_graphs.key_for(reqs, tables) if self.grow_graphs is not None else None
+        if key is not None:
+            assert self.grow_graphs is not None
+            host = self.grow_graphs.run(key, h0, pending, tables, reqs).tolist()  # [Bd, 2N]
+        else:
+            width = max(len(t) for t in tables)
+            table = h2d([t + [0] * (width - len(t)) for t in tables], torch.int32, self.device)  # [Bd, W]
+            race = None
+            if not all(r.params.greedy for r in reqs):
+                race = Race(h2d([int(r.params.greedy) for r in reqs], torch.int64, self.device),
+                            h2d([r.seed for r in reqs], torch.int64, self.device),
+                            h2d([r.params.temperature or 1.0 for r in reqs], torch.float32, self.device))
+            tokens, parents = grow(self.head, self._run, h0, h2d(pending, torch.int64, self.device), table,
+                                   self.cache.block_size, self.tree, race)  # [Bd, N] each
+            host = torch.cat([tokens, parents], dim=1).tolist()
+        n = self.tree.nodes
         return [h[:n] for h in host], [h[n:] for h in host]
 
     def _catch_up_long(self, work: list[tuple[int, ProposeItem, int, int]], results: list[Proposal]
