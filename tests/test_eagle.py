@@ -791,6 +791,20 @@ def test_cuda_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads):
     assert runs[0] == runs[1]
 
 
+def test_drafts_are_counted_alike_pipelined_or_not(tiny_model_dir, heads):
+    """A pipelined EAGLE engine verifies whole chains up to max_tokens (drafts_past_max_tokens); one that
+    reads each step first cuts them. Drafts that could never be emitted, or only where the bonus token
+    would have been anyway, count for neither: the same drafted and accepted counts, request by request."""
+    runs = []
+    for pipeline in (False, True):
+        llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]), device="cpu",
+                  dtype="float32", kv_cache_tokens=8192, pipeline=pipeline)
+        assert llm.core.rt.scheduler_config.drafts_past_max_tokens == pipeline
+        res = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=n, seed=0, temperature=0.0) for n in (80, 37)])
+        runs.append([(r.outputs[0].token_ids, r.spec_stats.drafted, r.spec_stats.accepted) for r in res])
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_are_captured_before_the_first_request(tiny_model_dir, heads):
     """A fixed-k EAGLE engine (no start-up profile) has every graph it will replay captured and every

@@ -199,7 +199,7 @@ def test_near_max_tokens_a_request_keeps_the_chains_k_where_drafts_run_past_it(p
     """SchedulerConfig.drafts_past_max_tokens (set where chained steps queue ahead): a request with 2
     tokens left still verifies the 4 drafts it holds and proposes 4 more beside one far from its end,
     so the step stays one chain of k = 4 (Lookahead.chains) that the worker can queue behind. What it
-    accepts past max_tokens is cut, and only the drafts that could be emitted count as drafted.
+    accepts past max_tokens is cut, and only the drafts a plan without it would have verified count as drafted.
     Without it the request verifies 1 draft and proposes none."""
     from streamsd.config import SchedulerConfig
     from streamsd.lookahead import Lookahead
@@ -227,10 +227,11 @@ def test_near_max_tokens_a_request_keeps_the_chains_k_where_drafts_run_past_it(p
         assert got == [("near", 1, 0), ("far", 4, 4)] and not Lookahead.chains(plan.entries)
         return
     assert got == [("near", 4, 4), ("far", 4, 4)] and Lookahead.chains(plan.entries)
-    # All four drafts accepted and a bonus token: two are kept, two drafts counted, the request ends.
+    # All four drafts accepted and a bonus token: two are kept, the request ends. One draft counts, as
+    # without drafts past max_tokens (above): the second kept token takes the place of a bonus token.
     out = sched.update(plan, [EntryResult([7, 7, 7, 7, 9], 4, [8] * 4, 12) if e.request is near
                               else EntryResult([7, 2], 1, [8] * 4, 8) for e in plan.entries])
     assert near.output_ids[-2:] == [7, 7] and near.finish_reason is FinishReason.LENGTH
-    assert [(e.request.request_id, drafted) for e, _, _, drafted in out] == [("near", 2), ("far", 4)]
-    assert (near.stats.drafted, near.stats.accepted, near.stats.emitted) == (4 + 2, 2 + 2, 1 + 3 + 2)
+    assert [(e.request.request_id, drafted) for e, _, _, drafted in out] == [("near", 1), ("far", 4)]
+    assert (near.stats.drafted, near.stats.accepted, near.stats.emitted) == (4 + 1, 2 + 1, 1 + 3 + 2)
     assert near.blocks == []  # freed at its end, the KV past max_tokens with it
