@@ -388,9 +388,10 @@ def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, h
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_trees_grown_through_grow_graphs_equal_eager_ones(tiny_model_dir, head, temperature):
-    """The growths the proposer runs itself (a request's first tree, after its prompt) through a grow
-    graph's static buffers (spec/grow_graphs.py; captured on CUDA, run as is on a CPU): the same trees
-    as eager growth, so the same drafts accepted step by step, at batch 1 and 3 (a padded bucket)."""
+    """The growths the proposer runs itself (a request's first tree, after its prompt) through the grow
+    graphs' static buffers (spec/grow_graphs.py; captured on CUDA, run as is on a CPU): at batch 1 the
+    prompt's catch-up too. The same trees as eager catch-ups and growths, so the same drafts accepted
+    step by step, at batch 1 and 3 (a padded bucket)."""
     from streamsd.spec.grow_graphs import GrowGraphs
 
     cuda = torch.cuda.is_available()
@@ -404,7 +405,7 @@ def test_trees_grown_through_grow_graphs_equal_eager_ones(tiny_model_dir, head, 
         p.grow_graphs.graphs.clear()  # captured again on first use: the keys this test replays
     else:
         p.grow_graphs = GrowGraphs(p.head, p._run, p.tree, p.cache.block_size, 16, engines[1].core.rt
-                                   .scheduler_config.num_blocks, p.head.spec.args.hidden_size, torch.float32, p.device)
+                                   .scheduler_config.num_blocks, torch.float32, p.device, p.store, (32, 64))
     for batch in (PROMPTS[:1], PROMPTS[1:4]):
         params = [SamplingParams(temperature=temperature, max_tokens=24, seed=s, ignore_eos=True) for s in range(3)]
         a, b = (llm.generate(batch, params[: len(batch)]) for llm in engines)
@@ -412,8 +413,9 @@ def test_trees_grown_through_grow_graphs_equal_eager_ones(tiny_model_dir, head, 
         assert [(r.spec_stats.steps, r.spec_stats.accepted) for r in a] == \
             [(r.spec_stats.steps, r.spec_stats.accepted) for r in b]
     keys = set(p.grow_graphs.graphs)
-    assert p.grow_graphs.replays >= 2 and {(1, temperature > 0), (4, temperature > 0)} <= keys
-    assert all(sampled == (temperature > 0) for _, sampled in keys)
+    # batch 1: a catch-up (the prompt's, on a CPU every step's) and its growth in one replay; batch 3: growths
+    assert p.grow_graphs.replays >= 2 and {(1, temperature > 0, 32), (4, temperature > 0, 0)} <= keys
+    assert all(sampled == (temperature > 0) for _, sampled, _ in keys)
     _assert_free(engines[1])
 
 

@@ -84,8 +84,11 @@ class EagleProposer:
             return
         dtype = self.target.model.embed_tokens.weight.dtype
         if self.tree is not None:
-            self.grow_graphs = GrowGraphs(self.head, self._run, self.tree, self.cache.block_size, max_blocks,
-                                          scratch_block, self.head.spec.args.hidden_size, dtype, self.device)
+            from streamsd.model.graphs import PROMPT_WIDTHS
+
+            bs = self.cache.block_size
+            self.grow_graphs = GrowGraphs(self.head, self._run, self.tree, bs, max_blocks, scratch_block, dtype,
+                                          self.device, self.store, tuple(w for w in PROMPT_WIDTHS if w <= max_blocks * bs))
         else:
             self.graphs = EagleGraphs(self.head, self._run, self.cache.block_size, scratch_block, max_blocks,
                                       width, dtype, self.device, self.q_pool)
@@ -176,6 +179,13 @@ class EagleProposer:
             for w, (i, _, s, n) in enumerate(work):
                 results[i] = Proposal(drafts[w][: wants[w]], s + n)
             return results
+        if self.tree is not None and self.grow_graphs is not None and len(work) == 1 and wants[0]:
+            i, it, s, n = work[0]  # a request's first tree at batch 1: its catch-up and growth in one replay
+            key = self.grow_graphs.catch_up_key(it.request, n, tables[0])
+            if key is not None:
+                host = self.grow_graphs.run_catch_up(key, ids, s, n, tables[0], it.request).tolist()[0]  # [2N]
+                results[i] = Proposal(host[: it.k], it.upto, host[self.tree.nodes :][: it.k])
+                return results
         out = self._run_slots(ids, starts, counts, tables)  # [T, H]
         for i, _, s, n in work:
             results[i] = Proposal([], s + n)
