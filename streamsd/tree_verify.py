@@ -72,13 +72,18 @@ def verify_trees(v: Verifier, entries: list[Scheduled], logits: torch.Tensor, ca
     rows = logits[h2d(torch.from_numpy(index.ravel()), torch.int64, dev)].view(b, n + 1, -1)  # [B, N + 1, V]
     rows = v.suppress_early_stops(entries, rows, depth=depth)
     target = _target_tokens(v, reqs, rows, depth_t)  # [B, N + 1]
+    width = max_depth + 1
+    if n == 0:  # no trees (a request's prompt, plain rows): nothing to walk or move, the row's token is all
+        v.launched.set()
+        out = [[t] for t in target.view(-1).tolist()]
+        host = [[*o, *[-1] * max_depth, 0] for o in out]  # as the walk's read: emitted | accepted | no path
+        return Verified(out, [0] * b, _logprobs(reqs, rows, host, width, out))
     tok_t, par_t = (h2d(torch.from_numpy(x), torch.int64, dev) for x in (tokens, parents))
     emitted, accepted, path = walk(target, tok_t, par_t, max_depth)
     starts = h2d([e.start + e.num_tokens - 1 for e in entries], torch.int64, dev)  # [B] each root's position
     move_kv(cache, store, starts, path, _block_table(reqs, dev), cache.block_size)
     v.launched.set()
     host = torch.cat([emitted, accepted.unsqueeze(1), path], dim=1).tolist()  # the step's one host read
-    width = max_depth + 1
     acc = [h[width] for h in host]
     out = [h[: a + 1] for h, a in zip(host, acc, strict=True)]
     logprobs = _logprobs(reqs, rows, host, width, out)
