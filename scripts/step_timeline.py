@@ -73,6 +73,7 @@ class Stamps:
         self._saved: list[tuple[Any, str, Any]] = []
         self._kind: str = ""
         self._wait = 0.0
+        self._phases: dict[str, float] = {}  # host ms inside a step's timed phases (nested ones in their callers')
 
     def reset(self) -> None:
         self.steps = []
@@ -92,12 +93,13 @@ class Stamps:
 
         def execute(fn: Any) -> Any:
             def run(core: Any, plan: Any) -> Any:
-                self._kind, self._wait = "", 0.0
+                self._kind, self._wait, self._phases = "", 0.0, {}
                 t0 = time.perf_counter()
                 out = fn(core, plan)
                 if plan.entries:
                     self.steps.append({"t0": t0, "t1": time.perf_counter(), "kind": self._kind or "full",
-                                       "wait": self._wait, "tokens": sum(e.num_tokens for e in plan.entries)})
+                                       "wait": self._wait, "tokens": sum(e.num_tokens for e in plan.entries),
+                                       "phases": {k: round(v, 3) for k, v in self._phases.items()}})
                 return out
             return run
 
@@ -126,6 +128,26 @@ class Stamps:
                     self._wait += time.perf_counter() - t0
             return run
 
+        def phase(name: str) -> Any:
+            def around(fn: Any) -> Any:
+                def run(*args: Any, **kwargs: Any) -> Any:
+                    t0 = time.perf_counter()
+                    try:
+                        return fn(*args, **kwargs)
+                    finally:
+                        self._phases[name] = self._phases.get(name, 0.0) + 1e3 * (time.perf_counter() - t0)
+                return run
+            return around
+
+        from streamsd.spec.eagle import EagleProposer
+        from streamsd.verify import Verifier
+
+        wrap(Worker, "_forward", phase("forward"))
+        wrap(Verifier, "verify", phase("verify"))
+        wrap(tree_step, "verify_trees", phase("verify"))
+        wrap(EagleProposer, "propose", phase("propose"))
+        wrap(EagleProposer, "_run_slots", phase("catch_up"))
+        wrap(EagleProposer, "_grow", phase("grow"))
         wrap(EngineCore, "execute", execute)
         wrap(Lookahead, "take", take)
         wrap(Readback, "wait", wait)
@@ -160,6 +182,7 @@ def summarize(steps: list[dict[str, Any]], t0: float, t1: float) -> dict[str, An
             "steady_mean_ms": round(statistics.fmean(steady), 4) if steady else None,
             "steady_wait_mean_ms": round(statistics.fmean(waits), 4) if waits else None,
             "kinds": dict(Counter(s["kind"] for s in steps)), "first_kinds": [s["kind"] for s in steps[:3]],
+            "first_phases": [s["phases"] for s in steps[:2]],
             "last_kinds": [s["kind"] for s in steps[-3:]],
             "periods_ms": [round(x, 3) for x in periods]}
 
@@ -169,7 +192,7 @@ def line(r: dict[str, Any]) -> str:
             f"total {r['total_ms']:8.2f} ms | before {r['before_ms']:.2f} first {r['first_ms']} "
             f"steady {r['steady_n']} x {r['steady_mean_ms']} (median {r['steady_median_ms']}, "
             f"wait {r['steady_wait_mean_ms']}) last {r['last_ms']} after {r['after_ms']:.2f} | "
-            f"{r['first_kinds']} .. {r['last_kinds']} {r['kinds']}")
+            f"{r['first_kinds']} .. {r['last_kinds']} {r['kinds']} | first step ms {r['first_phases'][0]}")
 
 
 def table(runs: list[dict[str, Any]]) -> None:
