@@ -113,7 +113,7 @@ def _queue_chained(w: Worker, entries: list[Scheduled], tokens: torch.Tensor, ac
         nxt, logits, lambda t, a: chain(reqs, [e.start for e in nxt], [k + 1] * n, [k] * n, t, a, hidden,
                                         device_starts=starts),
         positions=positions, draft_ids=drafts[:, :k],
-        greedy=w._graph_verified(nxt, logits))
+        greedy=w._graph_verified(nxt, logits, queued=True))
     if launched.drafts is None:
         return []
     w.lookahead.queue_chained(nxt, k, launched.tokens, launched.accepted, launched.drafts.clone())

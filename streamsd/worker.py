@@ -80,11 +80,14 @@ class Worker:
                                         self._graph_verified(entries, logits))
         return self._propose(entries, verified)
 
-    def _graph_verified(self, entries: list[Scheduled], logits: torch.Tensor
+    def _graph_verified(self, entries: list[Scheduled], logits: torch.Tensor, queued: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The greedy verification the step's graph computed with these logits (sampling/greedy.py),
-        when the entries are exactly its sequences: each one pending token and its drafts, in order."""
-        if self.graphs is None or not all(e.verifies and e.num_tokens == 1 for e in entries):
+        when the entries are exactly its sequences: each one pending token and its drafts, in order.
+        `queued`: a step queued ahead (lookahead.py), whose entries verify by construction; their host
+        starts are lower bounds, so `verifies` cannot tell (it read False, and every queued greedy
+        verify ran the rejection sampler's argmax path besides the graph's own)."""
+        if self.graphs is None or not all((queued or e.verifies) and e.num_tokens == 1 for e in entries):
             return None
         return self.graphs.greedy_result(logits, len(entries))
 
