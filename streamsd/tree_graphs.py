@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from streamsd.config import TreeShape
-from streamsd.model.graphs import pack_step, static_layout
+from streamsd.model.graph_layout import pack_step, static_layout
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, uniform_starts
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore, keep_streams

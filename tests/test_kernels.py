@@ -370,7 +370,8 @@ def test_padded_graph_step_matches_eager_forward(tiny_model_dir):
     """A verify-shaped step packed for a (bucket 4, width 4) graph: real rows equal the eager
     forward's, padding writes only the scratch block. On CUDA through a captured graph; on a CPU
     the same packed buffers run through the interpreted kernel, without capture."""
-    from streamsd.model.graphs import GraphConfig, GraphRunner, pack_step, static_layout
+    from streamsd.model.graph_layout import pack_step, static_layout
+    from streamsd.model.graphs import GraphConfig, GraphRunner
     from streamsd.model.kv_cache import PagedKVCache
     from streamsd.runtime import load_model
 
@@ -416,8 +417,8 @@ def test_prompt_graph_matches_eager_prefill(tiny_model_dir, start, count):
     through the interpreted kernels, without capture."""
     from dataclasses import replace
 
-    from streamsd.kernels.prefill_attention import tokens_per_tile
-    from streamsd.model.graphs import GraphConfig, GraphRunner, pack_step, prompt_tiles, static_layout
+    from streamsd.model.graph_layout import pack_step, prompt_tile_count, prompt_tiles, static_layout
+    from streamsd.model.graphs import GraphConfig, GraphRunner
     from streamsd.model.kv_cache import PagedKVCache
     from streamsd.runtime import load_model
 
@@ -446,7 +447,7 @@ def test_prompt_graph_matches_eager_prefill(tiny_model_dir, start, count):
             out = runner.run(key, ids, [start], [count], [table], [count - 1]).clone()
             assert _rel(out, ref) < 1e-4
     else:
-        n_tiles = -(-32 // tokens_per_tile(model.args.num_heads, model.args.num_kv_heads))
+        n_tiles = prompt_tile_count(32, model.args.num_heads, model.args.num_kv_heads)
         host, live = pack_step(ids, [start], [count], [table], 1, 32, scratch, bs)
         block_table = torch.full((1, 8), scratch, dtype=torch.int32)
         block_table[:, : live.shape[1]] = torch.from_numpy(live)
@@ -458,7 +459,7 @@ def test_prompt_graph_matches_eager_prefill(tiny_model_dir, start, count):
 
 
 def test_prompt_tiles_cover_the_chunk_and_nothing_past_it():
-    from streamsd.model.graphs import prompt_tiles
+    from streamsd.model.graph_layout import prompt_tiles
 
     tiles = prompt_tiles(40, 50, 64, 4).reshape(4, 4)  # 16 rows a tile
     assert tiles[:, 1].tolist() == [0, 16, 32, 48] and tiles[:, 2].tolist() == [16, 16, 16, 2]

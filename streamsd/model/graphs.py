@@ -30,10 +30,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from streamsd.model.device_layout import DeviceStarts, restart
+from streamsd.model.graph_layout import pack_step, prompt_tile_count, static_layout, with_prompt_tail
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore, keep_streams
@@ -126,8 +126,7 @@ class GraphRunner:
                                 g.bucket, g.width, self.scratch, self.cache.block_size)
         if g.tiles is not None:  # a prompt graph: its one logits row and its tiles follow the packed values
             assert rows is not None and len(rows) <= 1 and device_starts is None
-            tiles = prompt_tiles(starts[0], counts[0], g.width, g.tiles.numel() // 4)
-            host = np.concatenate([host, rows or [0], tiles])
+            host = with_prompt_tail(host, starts[0], counts[0], g.width, g.tiles.numel() // 4, rows[0] if rows else 0)
         # Pageable non-blocking copies: staged by the driver at once, queued in stream order (see h2d).
         g.packed.copy_(torch.from_numpy(host), non_blocking=True)
         # Only the live columns: the kernel never reads past a sequence's context.
@@ -175,9 +174,7 @@ class GraphRunner:
         prompt = width > max(self.cfg.query_widths)
         tiles = None
         if prompt:  # | the logits row | the tiles (int32 values, int64 here like the rest of the buffer)
-            from streamsd.kernels.prefill_attention import tokens_per_tile
-
-            n_tiles = -(-width // tokens_per_tile(self.model.args.num_heads, self.model.args.num_kv_heads))
+            n_tiles = prompt_tile_count(width, self.model.args.num_heads, self.model.args.num_kv_heads)
             packed = torch.cat([packed, torch.zeros(1 + 4 * n_tiles, dtype=torch.int64, device=dev)])
         ids, layout = static_layout(packed, block_table, bucket, width, self.scratch)
         rows = hidden_rows = torch.arange(t_all, device=dev)
@@ -218,62 +215,6 @@ class GraphRunner:
 def buckets_up_to(buckets: tuple[int, ...], batch: int) -> list[int]:
     """The buckets a batch of at most `batch` requests can land in: those below it and the first >= it."""
     return [b for b in buckets if b < batch] + [b for b in buckets if b >= batch][:1]
-
-
-def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], tables: list[list[int]], bucket: int,
-              width: int, scratch: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Host values of one step for a (bucket, width) graph.
-
-    Returns packed [3T + 2B + 1] int64 (ids | positions | slots | context lens | query starts, with
-    T = bucket * width, B = bucket) and the live block table [S, max table length] int32.
-    """
-    t_all, n_seq = bucket * width, len(counts)
-    host = np.zeros(3 * t_all + 2 * bucket + 1, dtype=np.int64)
-    ids_h, pos_h, slot_h = host[:t_all], host[t_all : 2 * t_all], host[2 * t_all : 3 * t_all]
-    ctx_h, qs_h = host[3 * t_all : 3 * t_all + bucket], host[3 * t_all + bucket :]
-    table = np.zeros((n_seq, max((len(t) for t in tables), default=1)), dtype=np.int32)  # [S, w]
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = t
-    cnt = np.asarray(counts, dtype=np.int64)
-    n_tok = int(cnt.sum())
-    first = np.cumsum(cnt) - cnt  # [S] first flat token of each sequence
-    pos = np.repeat(np.asarray(starts, dtype=np.int64), cnt) + np.arange(n_tok) - np.repeat(first, cnt)
-    pos_h[:n_tok] = pos
-    if n_tok:
-        slot_h[:n_tok] = table[np.repeat(np.arange(n_seq), cnt), pos // block_size].astype(np.int64) * block_size \
-            + pos % block_size
-    slot_h[n_tok:] = scratch * block_size + np.arange(t_all - n_tok) % block_size
-    ctx_h[:n_seq] = np.asarray(starts, dtype=np.int64) + cnt
-    qs_h[:n_seq] = first
-    qs_h[n_seq:] = n_tok
-    if ids is not None:
-        ids_h[:n_tok] = ids
-    return host, table
-
-
-def prompt_tiles(start: int, count: int, width: int, n_tiles: int) -> np.ndarray:
-    """A prompt graph's tiles [n_tiles * 4] (kernels/prefill_attention.py's (sequence, first row,
-    tokens, first position)) for `count` tokens from position `start`, padded to `width` rows: the
-    tiles past the chunk hold no tokens and see no keys."""
-    per = -(-width // n_tiles)
-    off = np.arange(n_tiles, dtype=np.int64) * per
-    tokens = np.clip(count - off, 0, per)
-    return np.stack([np.zeros_like(off), off, tokens, np.where(tokens > 0, start + off, 0)], axis=1).reshape(-1)
-
-
-def static_layout(packed: torch.Tensor, block_table: torch.Tensor, bucket: int, width: int,
-                  scratch: int) -> tuple[torch.Tensor, BatchLayout]:
-    """Views of a packed buffer as (ids [T], BatchLayout). The host lists only steer the attention
-    dispatch (every sequence short: the kernel runs); the kernel reads the device tensors."""
-    t_all = bucket * width
-    layout = BatchLayout(
-        positions=packed[t_all : 2 * t_all], slot_mapping=packed[2 * t_all : 3 * t_all],
-        query_starts=[i * width for i in range(bucket)], query_lens=[width] * bucket,
-        context_lens=[width] * bucket, block_tables=[[scratch]] * bucket, block_table=block_table,
-        context_lens_t=packed[3 * t_all : 3 * t_all + bucket],
-        query_starts_t=packed[3 * t_all + bucket : 3 * t_all + 2 * bucket + 1],
-    )
-    return packed[:t_all], layout
 
 
 def forward_logits(model: Transformer, graphs: GraphRunner | None, cache: PagedKVCache,

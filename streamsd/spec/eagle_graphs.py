@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from streamsd.model.device_layout import DeviceStarts, restart
-from streamsd.model.graphs import BUCKETS, buckets_up_to, pack_step, static_layout
+from streamsd.model.graph_layout import pack_step, static_layout
+from streamsd.model.graphs import BUCKETS, buckets_up_to
 from streamsd.model.kv_cache import BatchLayout, h2d
 from streamsd.model.stream_store import StreamStore
 from streamsd.sampling.warp import WarpParams

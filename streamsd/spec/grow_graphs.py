@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from streamsd.config import TreeShape
-from streamsd.model.graphs import pack_step, prompt_tiles, static_layout
+from streamsd.model.graph_layout import pack_step, prompt_tile_count, static_layout, with_prompt_tail
 from streamsd.model.kv_cache import h2d
 from streamsd.model.stream_store import StreamStore
 from streamsd.request import Request
@@ -87,7 +87,7 @@ class GrowGraphs:
         g = self.graphs.get(key) or self._capture(*key)
         assert g.packed is not None and g.tiles is not None
         host, _ = pack_step(ids, [start], [count], [table], 1, key[2], self.scratch, self.block_size)
-        host = np.concatenate([host, [count - 1], prompt_tiles(start, count, key[2], g.tiles.numel() // 4)])
+        host = with_prompt_tail(host, start, count, key[2], g.tiles.numel() // 4, count - 1)
         g.packed.copy_(torch.from_numpy(host), non_blocking=True)
         return self._replay(g, key, [start + count], [table], [req])
 
@@ -144,10 +144,8 @@ class GrowGraphs:
                                torch.zeros(bucket, dtype=torch.int64, device=dev)]),
                   torch.zeros(bucket, dtype=torch.float32, device=dev), GrowConsts.build(bucket, self.shape, dev))
         if width:
-            from streamsd.kernels.prefill_attention import tokens_per_tile
-
             a = self.head.spec.args
-            n_tiles = -(-width // tokens_per_tile(a.num_heads, a.num_kv_heads))
+            n_tiles = prompt_tile_count(width, a.num_heads, a.num_kv_heads)
             empty = pack_step([], [], [], [], 1, width, self.scratch, self.block_size)[0]  # all padding
             g.packed = torch.from_numpy(np.concatenate([empty, np.zeros(1 + 4 * n_tiles, dtype=np.int64)])).to(dev)
             g.tiles = torch.zeros(4 * n_tiles, dtype=torch.int32, device=dev)

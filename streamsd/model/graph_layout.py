@@ -1,0 +1,81 @@
+"""Where a CUDA graph's step lives in its static buffers: the packed host values of a step
+(ids | positions | slots | context lengths | query starts), the layout a graph reads them through,
+and a prompt graph's tail (the row it returns, its attention tiles). Shared by the target's graphs
+(model/graphs.py), the tree graphs (tree_graphs.py) and the head's (spec/eagle_graphs.py,
+spec/grow_graphs.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from streamsd.model.kv_cache import BatchLayout
+
+
+def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], tables: list[list[int]], bucket: int,
+              width: int, scratch: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host values of one step for a (bucket, width) graph.
+
+    Returns packed [3T + 2B + 1] int64 (ids | positions | slots | context lens | query starts, with
+    T = bucket * width, B = bucket) and the live block table [S, max table length] int32.
+    """
+    t_all, n_seq = bucket * width, len(counts)
+    host = np.zeros(3 * t_all + 2 * bucket + 1, dtype=np.int64)
+    ids_h, pos_h, slot_h = host[:t_all], host[t_all : 2 * t_all], host[2 * t_all : 3 * t_all]
+    ctx_h, qs_h = host[3 * t_all : 3 * t_all + bucket], host[3 * t_all + bucket :]
+    table = np.zeros((n_seq, max((len(t) for t in tables), default=1)), dtype=np.int32)  # [S, w]
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+    cnt = np.asarray(counts, dtype=np.int64)
+    n_tok = int(cnt.sum())
+    first = np.cumsum(cnt) - cnt  # [S] first flat token of each sequence
+    pos = np.repeat(np.asarray(starts, dtype=np.int64), cnt) + np.arange(n_tok) - np.repeat(first, cnt)
+    pos_h[:n_tok] = pos
+    if n_tok:
+        slot_h[:n_tok] = table[np.repeat(np.arange(n_seq), cnt), pos // block_size].astype(np.int64) * block_size \
+            + pos % block_size
+    slot_h[n_tok:] = scratch * block_size + np.arange(t_all - n_tok) % block_size
+    ctx_h[:n_seq] = np.asarray(starts, dtype=np.int64) + cnt
+    qs_h[:n_seq] = first
+    qs_h[n_seq:] = n_tok
+    if ids is not None:
+        ids_h[:n_tok] = ids
+    return host, table
+
+
+def prompt_tile_count(width: int, heads: int, kv_heads: int) -> int:
+    """Tiles of a prompt graph `width` rows wide (kernels/prefill_attention.py's, for this GQA group)."""
+    from streamsd.kernels.prefill_attention import tokens_per_tile
+
+    return -(-width // tokens_per_tile(heads, kv_heads))
+
+
+def with_prompt_tail(host: np.ndarray, start: int, count: int, width: int, n_tiles: int, row: int) -> np.ndarray:
+    """A prompt graph's host values: pack_step's for its one chunk, then the row whose logits (or
+    output) it returns and the chunk's tiles."""
+    return np.concatenate([host, [row], prompt_tiles(start, count, width, n_tiles)])
+
+
+def prompt_tiles(start: int, count: int, width: int, n_tiles: int) -> np.ndarray:
+    """A prompt graph's tiles [n_tiles * 4] (kernels/prefill_attention.py's (sequence, first row,
+    tokens, first position)) for `count` tokens from position `start`, padded to `width` rows: the
+    tiles past the chunk hold no tokens and see no keys."""
+    per = -(-width // n_tiles)
+    off = np.arange(n_tiles, dtype=np.int64) * per
+    tokens = np.clip(count - off, 0, per)
+    return np.stack([np.zeros_like(off), off, tokens, np.where(tokens > 0, start + off, 0)], axis=1).reshape(-1)
+
+
+def static_layout(packed: torch.Tensor, block_table: torch.Tensor, bucket: int, width: int,
+                  scratch: int) -> tuple[torch.Tensor, BatchLayout]:
+    """Views of a packed buffer as (ids [T], BatchLayout). The host lists only steer the attention
+    dispatch (every sequence short: the kernel runs); the kernel reads the device tensors."""
+    t_all = bucket * width
+    layout = BatchLayout(
+        positions=packed[t_all : 2 * t_all], slot_mapping=packed[2 * t_all : 3 * t_all],
+        query_starts=[i * width for i in range(bucket)], query_lens=[width] * bucket,
+        context_lens=[width] * bucket, block_tables=[[scratch]] * bucket, block_table=block_table,
+        context_lens_t=packed[3 * t_all : 3 * t_all + bucket],
+        query_starts_t=packed[3 * t_all + bucket : 3 * t_all + 2 * bucket + 1],
+    )
+    return packed[:t_all], layout
