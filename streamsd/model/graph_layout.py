@@ -11,6 +11,8 @@ import torch
 
 from streamsd.model.kv_cache import BatchLayout
 
+PROMPT_WIDTHS = (32, 64, 128, 256, 512)  # a lone prompt chunk pads to the next: at most 2x its rows
+
 
 def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], tables: list[list[int]], bucket: int,
               width: int, scratch: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -33,7 +33,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from streamsd.model.device_layout import DeviceStarts, restart
-from streamsd.model.graph_layout import pack_step, prompt_tile_count, static_layout, with_prompt_tail
+from streamsd.model.graph_layout import (
+    PROMPT_WIDTHS,
+    pack_step,
+    prompt_tile_count,
+    static_layout,
+    with_prompt_tail,
+)
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore, keep_streams
@@ -42,7 +48,6 @@ from streamsd.sampling.greedy import greedy_verify
 log = logging.getLogger("streamsd")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PROMPT_WIDTHS = (32, 64, 128, 256, 512)  # a lone prompt chunk pads to the next: at most 2x its rows
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ import torch
 from streamsd.config import TreeShape
 from streamsd.lookahead import pair_slot
 from streamsd.model.attention import paged_attention_reference
+from streamsd.model.graph_layout import PROMPT_WIDTHS
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore
@@ -84,8 +85,6 @@ class EagleProposer:
             return
         dtype = self.target.model.embed_tokens.weight.dtype
         if self.tree is not None:
-            from streamsd.model.graphs import PROMPT_WIDTHS
-
             bs = self.cache.block_size
             self.grow_graphs = GrowGraphs(self.head, self._run, self.tree, bs, max_blocks, scratch_block, dtype,
                                           self.device, self.store, tuple(w for w in PROMPT_WIDTHS if w <= max_blocks * bs))
