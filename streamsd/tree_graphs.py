@@ -28,6 +28,7 @@ import torch
 
 from streamsd.config import TreeShape
 from streamsd.model.graph_layout import pack_step, static_layout
+from streamsd.model.graphs import buckets_up_to
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, uniform_starts
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore, keep_streams
@@ -148,7 +149,7 @@ class TreeGraphs:
         return g.result
 
     def capture_up_to(self, batch: int) -> None:
-        for bucket in [b for b in self.buckets if b < batch] + [b for b in self.buckets if b >= batch][:1]:
+        for bucket in buckets_up_to(self.buckets, batch):
             for mode in (GREEDY, SAMPLED):
                 if (bucket, mode) not in self.graphs:
                     self._capture(bucket, mode)

@@ -14,6 +14,11 @@ from streamsd.model.kv_cache import BatchLayout
 PROMPT_WIDTHS = (32, 64, 128, 256, 512)  # a lone prompt chunk pads to the next: at most 2x its rows
 
 
+def packed_size(bucket: int, width: int) -> int:
+    """Length of a (bucket, width) graph's packed values, 3T + 2B + 1; a prompt graph's tail starts there."""
+    return 3 * bucket * width + 2 * bucket + 1
+
+
 def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], tables: list[list[int]], bucket: int,
               width: int, scratch: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Host values of one step for a (bucket, width) graph.
@@ -22,7 +27,7 @@ def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], table
     T = bucket * width, B = bucket) and the live block table [S, max table length] int32.
     """
     t_all, n_seq = bucket * width, len(counts)
-    host = np.zeros(3 * t_all + 2 * bucket + 1, dtype=np.int64)
+    host = np.zeros(packed_size(bucket, width), dtype=np.int64)
     ids_h, pos_h, slot_h = host[:t_all], host[t_all : 2 * t_all], host[2 * t_all : 3 * t_all]
     ctx_h, qs_h = host[3 * t_all : 3 * t_all + bucket], host[3 * t_all + bucket :]
     table = np.zeros((n_seq, max((len(t) for t in tables), default=1)), dtype=np.int32)  # [S, w]
@@ -78,6 +83,6 @@ def static_layout(packed: torch.Tensor, block_table: torch.Tensor, bucket: int, 
         query_starts=[i * width for i in range(bucket)], query_lens=[width] * bucket,
         context_lens=[width] * bucket, block_tables=[[scratch]] * bucket, block_table=block_table,
         context_lens_t=packed[3 * t_all : 3 * t_all + bucket],
-        query_starts_t=packed[3 * t_all + bucket : 3 * t_all + 2 * bucket + 1],
+        query_starts_t=packed[3 * t_all + bucket : packed_size(bucket, width)],
     )
     return packed[:t_all], layout

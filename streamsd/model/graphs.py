@@ -36,6 +36,7 @@ from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.graph_layout import (
     PROMPT_WIDTHS,
     pack_step,
+    packed_size,
     prompt_tile_count,
     static_layout,
     with_prompt_tail,
@@ -184,7 +185,7 @@ class GraphRunner:
         ids, layout = static_layout(packed, block_table, bucket, width, self.scratch)
         rows = hidden_rows = torch.arange(t_all, device=dev)
         if prompt:
-            n = 3 * t_all + 2 * bucket + 1
+            n = packed_size(bucket, width)
             rows, tiles = packed[n : n + 1], torch.empty(4 * n_tiles, dtype=torch.int32, device=dev)
             layout = replace(layout, prompt_tiles=tiles)
         side = torch.cuda.Stream(dev)

@@ -21,7 +21,14 @@ import numpy as np
 import torch
 
 from streamsd.config import TreeShape
-from streamsd.model.graph_layout import pack_step, prompt_tile_count, static_layout, with_prompt_tail
+from streamsd.model.graph_layout import (
+    pack_step,
+    packed_size,
+    prompt_tile_count,
+    static_layout,
+    with_prompt_tail,
+)
+from streamsd.model.graphs import buckets_up_to
 from streamsd.model.kv_cache import h2d
 from streamsd.model.stream_store import StreamStore
 from streamsd.request import Request
@@ -112,8 +119,8 @@ class GrowGraphs:
         return g.out[:n]
 
     def capture_up_to(self, batch: int) -> None:
-        keys = [(b, s, 0) for b in [b for b in self.buckets if b < batch] + [b for b in self.buckets if b >= batch][:1]
-                for s in (False, True)] + [(1, s, w) for w in self.widths for s in (False, True)]
+        keys = [(b, s, 0) for b in buckets_up_to(self.buckets, batch) for s in (False, True)] \
+            + [(1, s, w) for w in self.widths for s in (False, True)]
         for key in keys:
             if key not in self.graphs:
                 self._capture(*key)
@@ -127,7 +134,8 @@ class GrowGraphs:
             ids, layout = static_layout(g.packed, g.table, 1, width, self.scratch)
             layout = replace(layout, prompt_tiles=g.tiles).for_host(self.block_size)  # a CPU's attention reads lists
             feats = self.head.features(self.store.gather(layout.slot_mapping))  # [W, H]
-            last = g.packed[3 * width + 3 : 3 * width + 4]  # [1] the row to grow from
+            tail = packed_size(1, width)
+            last = g.packed[tail : tail + 1]  # [1] the row to grow from
             h0 = self.layer(ids, feats, layout).index_select(0, last)  # [1, H]
         race = Race(g.draws[0], g.draws[1], g.temperature) if key[1] else None
         tokens, parents = grow(self.head, self.layer, h0, g.pending, g.table, self.block_size, self.shape, race,
