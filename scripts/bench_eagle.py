@@ -44,7 +44,8 @@ def main() -> None:
     p.add_argument("--adaptive", action="store_true",
                    help="also eagle under the adaptive policy (what `streamsd serve` runs by default)")
     p.add_argument("--trees", default=None,
-                   help="draft-tree shapes 'D,M,C,N' separated by ';', each one more engine (method tree-D,M,C,N)")
+                   help="draft-tree shapes 'D,M,C,N' separated by ';', each one more engine (method tree-D,M,C,N; "
+                        "'D,M,C,N/native': its drafts ranked over the head's lm_head as it is, not an int8 copy)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -62,7 +63,8 @@ def main() -> None:
                       num_speculative_tokens=a.k, device=a.device, max_num_seqs=4, kv_cache_tokens=8192,
                       pipeline=False if m == "plain-seq" else None,
                       speculation_policy="adaptive" if m.endswith("-ad") else "fixed",
-                      speculative_tree=m.removeprefix("tree-") if m.startswith("tree-") else None)
+                      speculative_tree=m.removeprefix("tree-").split("/")[0] if m.startswith("tree-") else None,
+                      int8_draft_head=not m.endswith("/native"))
                for m, s in methods.items()}
     worker = engines["plain"].core.rt.worker
     dev = worker.device

@@ -35,6 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
                    help="EAGLE only: draft a tree per step instead of a chain: depth D, the M likeliest nodes of "
                         "each level expanded into their C likeliest children, the N likeliest nodes verified "
                         "(e.g. 3,8,8,24); verified whole each step (the fixed policy)")
+    p.add_argument("--no-int8-draft-head", dest="int8_draft_head", action="store_false",
+                   help="CUDA draft trees: rank drafts over the head's lm_head as it is, not an int8 copy")
     p.add_argument("--draft-greedy-threshold", type=float, default=0.75,
                    help="requests below this temperature draft greedily (one-hot q); others sample drafts")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -71,7 +73,8 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     spec = SpecConfig(method=None if method == "none" else method,
                       num_tokens=tree.nodes if tree else a.num_speculative_tokens, draft_model=a.draft_model,
                       draft_greedy_threshold=a.draft_greedy_threshold,
-                      policy="fixed" if tree else a.speculation_policy, tree=tree)
+                      policy="fixed" if tree else a.speculation_policy, tree=tree,
+                      int8_draft_head=a.int8_draft_head)
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline))

@@ -58,6 +58,9 @@ class SpecConfig:
     # An EAGLE head drafts a tree of this shape per step instead of a chain (`num_tokens` is then its
     # node count: the drafts a step verifies).
     tree: TreeShape | None = None
+    # On CUDA a tree's drafts are ranked over an int8 copy of the head's lm_head (kernels/head_topk.py):
+    # half the bytes a level; the target still verifies, so the output is the same either way.
+    int8_draft_head: bool = True
 
     def __post_init__(self) -> None:
         if self.tree is not None and self.method != "eagle":

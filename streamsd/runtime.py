@@ -183,6 +183,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
                                  q_pool, store, depth_steps)
         proposer.tree = tree
+        proposer.int8_lm_head = cfg.spec.int8_draft_head
     elif cfg.spec.method == "ngram":
         proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)
     elif cfg.spec.method is not None:

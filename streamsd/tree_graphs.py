@@ -161,7 +161,10 @@ class TreeGraphs:
         ids, layout = static_layout(g.packed, g.block_table, b, w, self.scratch)
         layout = replace(layout, tree_bits=g.bits, tree_start=g.roots).for_host(bs)
         rows, t_all = g.rows, b * w
-        out = self.target(ids, layout, self.cache, rows, hidden_layers=self.store.layers, hidden_rows=rows)
+        # Every row's streams and logits, not gathered; bf16 logits on CUDA, which the argmax and the race
+        # read as float32 themselves (the same tokens).
+        out = self.target(ids, layout, self.cache, rows, hidden_layers=self.store.layers, hidden_rows=rows,
+                          every_row=True, float_logits=not ids.is_cuda)
         keep_streams(out.hidden, layout.slot_mapping, self.store)
         logits = out.logits  # [T, V]
         if g.mode == GREEDY:

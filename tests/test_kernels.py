@@ -784,6 +784,57 @@ def test_raced_topk_equals_the_torch_race_and_its_noise_is_the_targets():
     assert not torch.equal(i[:2], plain_i[:2]) and not torch.equal(i[4:6], plain_i[4:6])
 
 
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_int8_head_topk_equals_its_torch_oracle(draft_vocab):
+    """kernels/head_topk.py: the head's final norm, an int8 lm_head (the norm's weight folded in, a scale
+    per id) and the k best log-probabilities in one pass give what torch gives over the dequantized
+    rows: greedy rows and raced ones (the target's noise at each request's key, over target ids where
+    the head has a draft vocabulary), a vocabulary and a width that are no multiple of the blocks, a
+    padding row of NaN."""
+    from streamsd.kernels.head_topk import DraftLogits, head_topk
+    from streamsd.spec.eagle_tree import Race, race_logits
+
+    g = torch.Generator().manual_seed(5)
+    vocab, hidden, k, eps = 1000, 96, 4, 1e-5
+    d2t = None
+    ids = torch.arange(vocab)
+    if draft_vocab:  # 600 target ids, ascending: draft id d is target id d + d2t[d]
+        ids = torch.randperm(vocab, generator=g)[:600].sort().values
+        d2t = (ids - torch.arange(600)).to(DEV)
+    w = torch.randn(ids.numel(), hidden, generator=g) * 0.05
+    norm = 1 + 0.1 * torch.randn(hidden, generator=g)
+    lm_head = w.to(DEV)
+    head = DraftLogits.build(lm_head, norm.to(DEV), eps, d2t)
+    assert torch.equal(lm_head.cpu(), w)  # the target's own lm_head (float32 here) is left as it was
+    folded = head.dequantized().cpu()  # [V', H]
+    err = (folded - w * norm).abs()
+    assert (err <= head.scale.cpu().unsqueeze(1) / 2 + 1e-6).all() and err.max() > 0
+    out = torch.randn(8, hidden, generator=g).to(torch.bfloat16)
+    race = Race(torch.tensor([0, 1, 0, 0]), torch.tensor([7, 8, 2**40 + 9, 0]), torch.tensor([1.0, 0.0, 0.6, 0.0]))
+    keys = torch.tensor([31, 5, 1000, 3])
+
+    def oracle(r: Race | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = out.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        logits = torch.full((8, vocab), float("-inf")).index_copy_(1, ids, x @ folded.t())
+        if r is not None:
+            logits = race_logits(logits, r, keys)
+        return torch.log_softmax(logits, -1).topk(k, -1)
+
+    for r in (None, race):
+        on_dev = None if r is None else Race(r.greedy.to(DEV), r.seeds.to(DEV), r.temperature.to(DEV))
+        v, i = head_topk(out.to(DEV), head, k, on_dev, keys.to(DEV))
+        ref_v, ref_i = oracle(r)
+        assert torch.equal(i.cpu(), ref_i)
+        assert torch.allclose(v.cpu(), ref_v, atol=2e-2)
+    many = head_topk(out.repeat(5, 1).to(DEV), head, k)  # 40 rows: the tiling for more than one block of rows
+    assert torch.equal(many[1].cpu(), oracle(None)[1].repeat(5, 1))
+    if not CUDA:  # NumPy's argmax refuses an all-NaN row; a graph's padding rows meet NaN on CUDA only
+        return
+    garbage = torch.full((3, hidden), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert ((head_topk(garbage, head, k)[1].cpu().unsqueeze(-1) == ids).any(-1)).all()  # ids of the vocabulary
+
+
 def _cpu(race):
     from streamsd.spec.eagle_tree import Race
 

@@ -58,8 +58,10 @@ def enable_fast_forward(model: Transformer) -> None:
     fused = fuse_weights(model)
 
     def fast(input_ids: torch.Tensor, layout: BatchLayout, cache: PagedKVCache, logits_rows: torch.Tensor,
-             hidden_layers: tuple[int, ...] = (), hidden_rows: torch.Tensor | None = None) -> ForwardOutput:
-        return fast_forward(model, fused, input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows)
+             hidden_layers: tuple[int, ...] = (), hidden_rows: torch.Tensor | None = None,
+             every_row: bool = False, float_logits: bool = True) -> ForwardOutput:
+        return fast_forward(model, fused, input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows,
+                            every_row, float_logits)
 
     model.fast = fast
 
@@ -67,7 +69,11 @@ def enable_fast_forward(model: Transformer) -> None:
 @torch.inference_mode()
 def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.Tensor, layout: BatchLayout,
                  cache: PagedKVCache, logits_rows: torch.Tensor, hidden_layers: tuple[int, ...] = (),
-                 hidden_rows: torch.Tensor | None = None) -> ForwardOutput:
+                 hidden_rows: torch.Tensor | None = None, every_row: bool = False,
+                 float_logits: bool = True) -> ForwardOutput:
+    """every_row: logits and streams of all T rows in order, as they are (logits_rows and hidden_rows
+    unread), with no gather copying them; float_logits False: the lm_head's dtype (a reader that
+    upcasts as it loads draws the same tokens from them)."""
     a = model.args
     t = input_ids.shape[0]
     h = model.model.embed_tokens(input_ids)  # [T, hidden] the residual stream
@@ -77,7 +83,7 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
     x, _ = add_rmsnorm(h, None, layers[0].input_layernorm.weight, a.rms_norm_eps)  # [T, hidden]
     for i, (layer, f) in enumerate(zip(layers, fused, strict=True)):
         if i in hidden_layers:  # h is the input of layer i (add_rmsnorm never overwrites it)
-            captured.append(h.index_select(0, hidden_rows))
+            captured.append(h if every_row else h.index_select(0, hidden_rows))
         k_cache, v_cache = cache.layer(i)
         qkv = F.linear(x, f.qkv_weight, f.qkv_bias)  # [T, (H + 2 KVH) D]
         q = rope_and_cache(qkv, model.rope_cos, model.rope_sin, layout.positions, layout.slot_mapping,
@@ -91,6 +97,7 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
         else:
             h = h + mlp
     if a.num_layers in hidden_layers:  # the final pre-norm stream
-        captured.append(h.index_select(0, hidden_rows))
-    h = model.model.norm(h.index_select(0, logits_rows))  # [N, hidden]
-    return ForwardOutput(logits=model.lm_head(h).float(), hidden=captured or None)
+        captured.append(h if every_row else h.index_select(0, hidden_rows))
+    h = model.model.norm(h if every_row else h.index_select(0, logits_rows))  # [N, hidden]
+    logits = model.lm_head(h)  # [N, V]
+    return ForwardOutput(logits=logits.float() if float_logits else logits, hidden=captured or None)

@@ -130,9 +130,12 @@ class Transformer(nn.Module):
         logits_rows: torch.Tensor,  # [N] rows of T whose logits are wanted
         hidden_layers: tuple[int, ...] = (),
         hidden_rows: torch.Tensor | None = None,  # [M] rows whose streams are captured (default: logits_rows)
+        every_row: bool = False,  # the CUDA path: all rows in order, with no gathers (fast_forward.py)
+        float_logits: bool = True,  # the CUDA path: False keeps the lm_head's dtype
     ) -> ForwardOutput:
         if self.fast is not None:  # the CUDA path: fused weights and Triton kernels, streams included
-            return self.fast(input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows)
+            return self.fast(input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows, every_row,
+                             float_logits)
         cos = self.rope_cos.index_select(0, layout.positions)  # [T, D]
         sin = self.rope_sin.index_select(0, layout.positions)  # [T, D]
         h = self.model.embed_tokens(input_ids)  # [T, hidden]

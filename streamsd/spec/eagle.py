@@ -64,6 +64,7 @@ class EagleProposer:
         self.fast: FastHead | None = None
         self.tree: TreeShape | None = None  # draft trees of this shape instead of chains (spec/eagle_tree.py)
         self.grow_graphs: GrowGraphs | None = None  # a tree's growth as a graph replay (spec/grow_graphs.py)
+        self.int8_lm_head = True  # with the kernels, trees rank drafts over an int8 lm_head (kernels/head_topk.py)
 
     @property
     def _fits_kernels(self) -> bool:
@@ -76,7 +77,7 @@ class EagleProposer:
         if self._fits_kernels and self.head.fc.weight.dtype == self.target.model.embed_tokens.weight.dtype:
             from streamsd.spec.eagle_fast import fast_head  # Triton: imported only where it runs
 
-            self.fast = fast_head(self.head, self.target.attend)
+            self.fast = fast_head(self.head, self.target.attend, int8_logits=self.int8_lm_head and self.tree is not None)
 
     def enable_graphs(self, scratch_block: int, max_blocks: int, width: int) -> None:
         """CUDA graphs for calls whose catch-ups fit `width` tokens (see spec/eagle_graphs.py); with

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from streamsd.kernels.fused import add_rmsnorm, rope_and_cache, silu_mul
 from streamsd.kernels.head_input import head_input
+from streamsd.kernels.head_topk import DraftLogits
 from streamsd.model.fast_forward import FusedLayer, concat_params
 from streamsd.model.kv_cache import BatchLayout
 from streamsd.model.llama import AttentionFn
@@ -58,9 +59,10 @@ class FastHead:
         return add_rmsnorm(out, None, self.head.norm.weight, self.head.spec.args.rms_norm_eps)[0]
 
 
-def fast_head(head: EagleHead, attend: AttentionFn) -> FastHead:
+def fast_head(head: EagleHead, attend: AttentionFn, int8_logits: bool = False) -> FastHead:
     """Concatenates the head layer's q/k/v and gate/up weights (the parameters become views, as
-    fuse_weights does for the target) and routes the head's final norm through the fused kernel."""
+    fuse_weights does for the target) and routes the head's final norm through the fused kernel;
+    int8_logits: a tree's children come from its norm, an int8 lm_head and their top-k in one pass."""
     att, mlp = head.layer.self_attn, head.layer.mlp
     qkv_w = concat_params([att.q_proj, att.k_proj, att.v_proj], "weight")
     qkv_b = concat_params([att.q_proj, att.k_proj, att.v_proj], "bias")
@@ -69,4 +71,8 @@ def fast_head(head: EagleHead, attend: AttentionFn) -> FastHead:
     fast = FastHead(head, FusedLayer(qkv_w, qkv_b, gate_up), attend)
     if head.spec.kind == EAGLE3:
         head.fast_norm = fast.normed
+    if int8_logits:
+        lm = head.lm_head if hasattr(head, "lm_head") else head.shared.lm_head  # type: ignore[union-attr]
+        head.int8_logits = DraftLogits.build(lm.weight.detach(), head.norm.weight if head.spec.kind == EAGLE3 else None,
+                                             head.spec.args.rms_norm_eps, head.d2t if head.has_draft_vocab else None)
     return fast

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from torch import nn
 from streamsd.model.arch import ModelArgs, rope_tables
 from streamsd.model.llama import DecoderLayer, RMSNorm, Transformer, apply_rope
 from streamsd.sampling.greedy import row_argmax
+
+if TYPE_CHECKING:
+    from streamsd.kernels.head_topk import DraftLogits
 
 EAGLE3, EAGLE1 = "eagle3", "eagle1"
 # (q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
@@ -95,6 +98,8 @@ class EagleHead(nn.Module):
         self.shared: Shared | None = None
         # The final norm on the fused kernel (spec/eagle_fast.py sets it on CUDA); None: `norm`.
         self.fast_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # A tree's children through kernels/head_topk.py (spec/eagle_fast.py sets it on CUDA); None: draft_logits.
+        self.int8_logits: DraftLogits | None = None
         #: the streams the target returns (ascending, as its forward captures them)
         self.input_layers = tuple(sorted(set(spec.aux_layers)))
         self._order = [self.input_layers.index(i) for i in spec.aux_layers]

@@ -198,9 +198,13 @@ def _children(head: EagleHead, out: torch.Tensor, c: int, race: Race | None, key
     """The `c` best next tokens after the head's outputs out [B * R, H] at `level` and their
     log-probabilities [B * R, C] under what ranks them: the head's logits, raced at positions
     keys[level] [B] for sampled requests."""
+    at = None if keys is None else keys[level]  # [B]
+    if out.is_cuda and head.int8_logits is not None:  # the norm, the lm_head and the top-k: one pass, two launches
+        from streamsd.kernels.head_topk import head_topk
+
+        return head_topk(out, head.int8_logits, c, race, at)
     # On CUDA the top-k kernel reads the lm_head's bf16 as float32 itself: no [B * R, V] copy to make it so.
     logits = head.target_logits(out, upcast=not out.is_cuda)  # [B * R, V]
-    at = None if keys is None else keys[level]  # [B]
     if logits.is_cuda:  # two launches, the race's noise inside, not a softmax and a radix top-k (kernels/topk.py)
         from streamsd.kernels.topk import topk_logprobs
 

@@ -1,0 +1,205 @@
+"""A draft head's final norm, its lm_head and the k best of its log-probabilities in two launches over an
+int8 copy of the lm_head: kernels/topk.py with the GEMM and the norm inside its first launch.
+
+A tree level (spec/eagle_tree.py) ranks each expanded node's children by the head's log-probabilities.
+On SmolLM2-135M the lm_head is 49152 x 576: read in bf16 it cost 17 us a level on the H200, and a norm
+and a chunked top-k came on top, four levels a step. Here one program takes a block of rows and a block
+of vocabulary ids: it multiplies the rows by the int8 rows of its ids (the norm's weight folded in, a
+scale per id), scales each row by its 1 / rms, and keeps the block's max, its sum of exp(x - max) and
+its k best per row. A second launch merges the blocks into each row's k best log-probabilities. Half the
+bytes, no [R, V] logits.
+
+Each candidate is one int64: the value's bits, made to order as the value does, above the complement
+of its id. One max then finds the best value and, among equal ones, the lowest id, where kernels/topk.py
+needs a max, an argmax and a gather each time.
+
+The int8 rows only rank drafts: the target verifies whatever the tree holds, so the output stays exact;
+a head's acceptance moves by what int8 rounding moves its ranking (docs/issue9-eagle/session26).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from streamsd.kernels.rng import _mix, _row_key, _to_unit, _u32
+from streamsd.sampling import rng
+
+if TYPE_CHECKING:
+    from streamsd.spec.eagle_tree import Race
+
+# (ids a program, hidden columns a load, warps, loads in flight) for one block of rows and for more:
+# the fastest of scripts/head_topk_probe.py's on the H200 at SmolLM2-135M's 49152 x 576, 1, 6 and 24 rows
+# (docs/issue9-eagle/session26: 20.3 us for 1 or 6 rows, 29.4 us for 24, where bf16 took 27.7 and 33.4).
+TILES_ONE_BLOCK = (128, 64, 4, 2)
+TILES_MORE = (256, 32, 4, 2)
+PAD = 256  # the int8 rows come in whole blocks of any BLOCK_V up to this: their loads need no mask
+# Rows a program (tl.dot's least): more rows are more programs over the same weights, which L2 then holds,
+# and one variant for every batch, so an eager step never compiles one that graph captures did not.
+BLOCK_R = 16
+_GONE: tl.constexpr = tl.constexpr(-(2**63))  # below every packed candidate: one already taken, or none
+
+
+@dataclass(frozen=True, slots=True)
+class DraftLogits:
+    """What the fused launch reads of a head: its lm_head with the final norm's weight folded in, as int8
+    with a scale per id, and its draft ids' map."""
+
+    weight: torch.Tensor  # [Vp, H] int8: id v's row of lm_head * norm weight (Vp: V up to whole blocks)
+    scale: torch.Tensor  # [V] float32: row v is weight[v] * scale[v]
+    normed: bool  # the rows are RMS-normalised first (EAGLE-3; EAGLE-1's head output goes in as it is)
+    eps: float
+    d2t: torch.Tensor | None  # [V] int64: target id = draft id + d2t[draft id] (None: the same ids)
+
+    @staticmethod
+    def build(lm_head: torch.Tensor, norm: torch.Tensor | None, eps: float, d2t: torch.Tensor | None) -> DraftLogits:
+        """lm_head [V, H] over the draft ids, norm [H] the final RMSNorm's weight (None: no norm).
+        Symmetric per id: the largest magnitude of each id's row maps to 127."""
+        v, h = lm_head.shape
+        weight = torch.zeros(triton.cdiv(v, PAD) * PAD, h, dtype=torch.int8, device=lm_head.device)
+        scale = torch.empty(v, dtype=torch.float32, device=lm_head.device)
+        for start in range(0, v, 8192):  # a float32 copy of a slice at a time, not of the whole matrix
+            part = lm_head[start : start + 8192].float()  # (the lm_head itself where it is float32: never written)
+            if norm is not None:
+                part = part * norm.float()
+            s = part.abs().amax(1).clamp_min(1e-30) / 127  # [v']
+            weight[start : start + part.shape[0]] = torch.round(part / s.unsqueeze(1)).clamp_(-127, 127)
+            scale[start : start + part.shape[0]] = s
+        return DraftLogits(weight, scale, norm is not None, eps, d2t)
+
+    def dequantized(self) -> torch.Tensor:
+        """[V, H] float32: lm_head * norm weight as the kernel multiplies by it (its torch oracle)."""
+        v = self.scale.shape[0]
+        return self.weight[:v].float() * self.scale.unsqueeze(1)
+
+
+@triton.jit
+def _pack(x, tid):
+    """float32 values and their int64 ids -> int64 that order as (value, then the lower id)."""
+    bits = x.to(tl.int32, bitcast=True)
+    mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # a signed order that is the float order
+    return (mono.to(tl.int64) << 32) | (0xFFFFFFFF - tid)
+
+
+@triton.jit
+def _unpack(p):
+    """_pack's inverse: (float32 values, int64 ids)."""
+    mono = (p >> 32).to(tl.int32)
+    bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True), 0xFFFFFFFF - (p & 0xFFFFFFFF)
+
+
+# Rows, race operands and the vocabulary arrive at any alignment and count (see kernels/topk.py).
+@triton.jit(do_not_specialize=["rows", "stride", "vocab", "reps", "stream"],
+            do_not_specialize_on_alignment=["x_ptr", "greedy_ptr", "seed_ptr", "key_ptr", "temp_ptr"])
+def _head_topk_kernel(x_ptr, stride, rows, eps, w_ptr, scale_ptr, d2t_ptr, vocab, stats_ptr, cand_ptr,
+                      greedy_ptr, seed_ptr, key_ptr, temp_ptr, reps, stream,
+                      H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+                      BLOCK_H: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, D2T: tl.constexpr,
+                      RACE: tl.constexpr, EXACT: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    chunk = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    live = r < rows
+    v = chunk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BV] draft ids
+    inside = v < vocab
+    r64 = r.to(tl.int64)
+    acc = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):  # loads in flight ahead of the dots
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        x = tl.load(x_ptr + r64[:, None] * stride + h[None, :], mask=live[:, None] & hm[None, :], other=0.0)
+        x = x.to(tl.bfloat16)
+        w = tl.load(w_ptr + v.to(tl.int64)[:, None] * H + h[None, :], mask=hm[None, :], other=0)  # [BV, BH]
+        if NORM:  # the RMSNorm's sum of squares on the way: its 1 / rms scales whole rows, so it comes last
+            xf = x.to(tl.float32)
+            sq += tl.sum(xf * xf, 1)
+        if EXACT:  # Triton's interpreter (CPU tests): its bf16 dot is wrong, float32 "ieee" is exact
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)  # int8 is exact in bf16
+    x = acc * tl.load(scale_ptr + v, mask=inside, other=0.0)[None, :]
+    if NORM:
+        x = x / tl.sqrt(sq / H + eps)[:, None]
+    x = tl.where(inside[None, :], x, float("-inf"))  # [BR, BV]
+    vv = tl.minimum(v, vocab - 1).to(tl.int64)  # (a row of NaN, a graph padding row's garbage: ids stay inside)
+    ids = vv  # [BV] target ids
+    if D2T:
+        ids += tl.load(d2t_ptr + vv)
+    if RACE:  # kernels/topk.py's race, a row at a time there, the block's rows at once here
+        req = r64 // reps
+        temp = tl.load(temp_ptr + req, mask=live, other=0.0)
+        raced = (tl.load(greedy_ptr + req, mask=live, other=1) == 0) & (temp > 0)  # [BR]
+        key = _row_key(tl.load(seed_ptr + req, mask=live, other=0), tl.load(key_ptr + req, mask=live, other=0), stream)
+        gumbel = -tl.log(-tl.log(_to_unit(_mix(key[:, None] ^ _u32(ids * 0x61C88647)[None, :]))))  # [BR, BV]
+        x = tl.where(raced[:, None], x / tl.where(raced, temp, 1.0)[:, None] + gumbel, x)
+    packed = _pack(x, ids[None, :])  # [BR, BV]
+    part = r64 * chunks + chunk  # [BR]
+    for j in tl.static_range(K):
+        best = tl.max(packed, 1)  # [BR]
+        tl.store(cand_ptr + part * K + j, best, mask=live)
+        packed = tl.where(packed == best[:, None], _GONE, packed)
+        if j == 0:  # the block's max is its best value
+            top, _ = _unpack(best)
+            safe = tl.where(top > float("-inf"), top, 0.0)
+            tl.store(stats_ptr + part * 2, safe, mask=live)
+            tl.store(stats_ptr + part * 2 + 1, tl.sum(tl.exp(x - safe[:, None]), 1), mask=live)
+
+
+@triton.jit
+def _merge_kernel(stats_ptr, cand_ptr, out_v_ptr, out_i_ptr, chunks,
+                  K: tl.constexpr, CHUNKS: tl.constexpr, CANDS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    live = c < chunks
+    m = tl.load(stats_ptr + (row * chunks + c) * 2, mask=live, other=float("-inf"))
+    s = tl.load(stats_ptr + (row * chunks + c) * 2 + 1, mask=live, other=0.0)
+    top = tl.max(m, 0)
+    lse = top + tl.log(tl.sum(s * tl.exp(m - top), 0))
+    cand = tl.arange(0, CANDS)
+    p = tl.load(cand_ptr + row * chunks * K + cand, mask=cand < chunks * K, other=_GONE)
+    for j in tl.static_range(K):
+        best = tl.max(p, 0)
+        value, tid = _unpack(best)
+        tl.store(out_v_ptr + row * K + j, value - lse)
+        tl.store(out_i_ptr + row * K + j, tid)
+        p = tl.where(p == best, _GONE, p)
+
+
+def head_topk(out: torch.Tensor, head: DraftLogits, k: int, race: Race | None = None,
+              keys: torch.Tensor | None = None, tiles: tuple[int, int, int, int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's pre-norm outputs out [R, H] -> (log-probabilities [R, k] float32, target ids [R, k] int64),
+    best first: topk_logprobs(the head's logits) over the int8 lm_head. Race as there. tiles: (block_v,
+    block_h, warps, stages), for scripts/head_topk_probe.py to compare (None: by R, as measured)."""
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    r, hidden = out.shape
+    block_v, block_h, warps, stages = tiles or (TILES_ONE_BLOCK if r <= BLOCK_R else TILES_MORE)
+    vocab = head.scale.shape[0]
+    chunks = triton.cdiv(vocab, block_v)
+    assert PAD % block_v == 0
+    dev = out.device
+    stats = torch.empty(r * chunks * 2, dtype=torch.float32, device=dev)
+    cands = torch.empty(r * chunks * k, dtype=torch.int64, device=dev)
+    out_v = torch.empty(r, k, dtype=torch.float32, device=dev)
+    out_i = torch.empty(r, k, dtype=torch.int64, device=dev)
+    if not r:
+        return out_v, out_i
+    if race is None:
+        flags, args = False, (cands, cands, cands, stats, 1, 0)  # unread
+    else:
+        assert keys is not None
+        flags, args = True, (race.greedy, race.seeds, keys, race.temperature, r // race.seeds.shape[0], rng.TARGET)
+    d2t = head.d2t if head.d2t is not None else cands
+    _head_topk_kernel[(triton.cdiv(r, BLOCK_R), chunks)](
+        out, out.stride(0), r, head.eps, head.weight, head.scale, d2t, vocab, stats, cands, *args,
+        H=hidden, K=k, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=block_h, STAGES=stages, NORM=head.normed,
+        D2T=head.d2t is not None, RACE=flags, EXACT=not out.is_cuda, num_warps=warps)
+    _merge_kernel[(r,)](stats, cands, out_v, out_i, chunks, K=k, CHUNKS=triton.next_power_of_2(chunks),
+                        CANDS=triton.next_power_of_2(chunks * k), num_warps=4)
+    return out_v, out_i
