@@ -195,12 +195,13 @@ class TreeGraphs:
         race = None if g.mode == GREEDY else Race(g.draws[0], g.draws[1], g.warp_f[0])
         next_tokens, next_parents = grow(self.head, self.head_layer, h0, pending, g.block_table, bs, shape, race,
                                          g.grow)
-        g.result = torch.cat([emitted, accepted.unsqueeze(1), next_tokens, next_parents], dim=1)
-        # The next replay's inputs: its roots are the pending tokens, its windows the new trees.
-        bonus = emitted.gather(1, accepted.unsqueeze(1))  # [B, 1]
+        # The result, and the next replay's inputs: its roots are the pending tokens, its windows the new trees.
         if logits.is_cuda:
-            kernels.next_window(next_parents, next_tokens, bonus, pending, g.block_table, bs, g.packed, g.bits, dmax)
+            g.result = kernels.next_step(emitted, accepted, next_tokens, next_parents, pending, g.block_table, bs,
+                                         g.packed, g.bits, g.roots, g.tree, dmax)  # [B, D + 2 + 2N]
         else:
+            g.result = torch.cat([emitted, accepted.unsqueeze(1), next_tokens, next_parents], dim=1)
+            bonus = emitted.gather(1, accepted.unsqueeze(1))  # [B, 1]
             depth = torch.cat([torch.zeros_like(pending).unsqueeze(1), depths(next_parents, dmax)], dim=1)  # [B, W]
             window = pending.unsqueeze(1) + torch.arange(w, device=self.device)  # [B, W]
             g.packed[:t_all].copy_(torch.cat([bonus, next_tokens], dim=1).view(-1))
@@ -208,8 +209,8 @@ class TreeGraphs:
             g.packed[2 * t_all : 3 * t_all].copy_(positions_to_slots(window, g.block_table, bs).view(-1))
             g.packed[3 * t_all : 3 * t_all + b].copy_(pending + w)
             g.bits.copy_(window_bits(next_parents, dmax).view(-1))
-        g.roots.copy_(pending)
-        g.tree.copy_(torch.cat([next_tokens, next_parents], dim=1))
+            g.roots.copy_(pending)
+            g.tree.copy_(torch.cat([next_tokens, next_parents], dim=1))
 
     def _capture(self, bucket: int, mode: int) -> _TreeGraph:
         dev, w, n = self.device, self.width, self.shape.nodes

@@ -843,7 +843,7 @@ def _cpu(race):
 
 def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
     """kernels/tree.py against spec/tree.py: the walk, the accepted nodes' moves (all read before
-    any is written) and the next window's ids, positions, slots and masks."""
+    any is written) and the next step's ids, positions, slots and masks, roots, tree and result."""
     from streamsd.kernels import tree as kt
     from streamsd.spec import tree as st
     from streamsd.tree_verify import host_tree
@@ -879,12 +879,18 @@ def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
     moved = data.to(DEV)
     kt.move_path(moved, roots.to(DEV), path.to(DEV), table.to(DEV), bs)
     assert torch.equal(moved.cpu(), ref)
-    # the next window
-    first, pending = torch.tensor([7, 8, 9]), torch.tensor([3, 0, 6])
+    # the next step: its window, roots and tree, and this step's result
+    emitted = torch.tensor([[7, -1, -1, -1, -1], [4, 5, 8, -1, -1], [1, 2, 3, 4, 9]])
+    accepted, pending = torch.tensor([0, 2, 4]), torch.tensor([3, 0, 6])
+    first = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)  # the bonus tokens 7, 8, 9
     packed, bits = torch.zeros(3 * b * (n + 1) + 2 * b + 1, dtype=torch.int64).to(DEV), torch.zeros(b * (n + 1),
                                                                                                 dtype=torch.int64).to(DEV)
+    roots, tree = torch.zeros(b, dtype=torch.int64).to(DEV), torch.zeros(b, 2 * n, dtype=torch.int64).to(DEV)
     big = torch.tensor([list(range(12, 20)), list(range(20, 28)), list(range(28, 36))], dtype=torch.int32)
-    kt.next_window(parents.to(DEV), tokens.to(DEV), first.to(DEV), pending.to(DEV), big.to(DEV), bs, packed, bits, d)
+    result = kt.next_step(emitted.to(DEV), accepted.to(DEV), tokens.to(DEV), parents.to(DEV), pending.to(DEV),
+                          big.to(DEV), bs, packed, bits, roots, tree, d)
+    assert torch.equal(result.cpu(), torch.cat([emitted, accepted.unsqueeze(1), tokens, parents], dim=1))
+    assert torch.equal(roots.cpu(), pending) and torch.equal(tree.cpu(), torch.cat([tokens, parents], dim=1))
     t = b * (n + 1)
     packed, bits = packed.cpu(), bits.cpu()
     for row in range(b):

@@ -6,8 +6,9 @@ the next step's window were ~100 small torch kernels, a few microseconds each on
 - `move_path`: one program per (request, cache plane, chunk of a slot's elements) reads every
   accepted node's slot, then writes them to their positions (all read first: a move may read a slot
   another one writes);
-- `next_window`: one program per request lays out the next verify from the new tree: each row's
-  depth and mask (parents settle in D rounds through the output itself), ids, positions and slots.
+- `next_step`: one program per request lays out the next verify from the new tree: each row's
+  depth and mask (parents settle in D rounds through the output itself), ids, positions and slots,
+  its root and tree, and this step's result for the host (five torch launches more, folded in).
 """
 
 from __future__ import annotations
@@ -93,13 +94,25 @@ def move_path(data: torch.Tensor, roots: torch.Tensor, path: torch.Tensor, block
 
 
 @triton.jit(do_not_specialize=["s_bt", "t_all", "n"])
-def _next_window_kernel(parents_ptr, tokens_ptr, first_ptr, pending_ptr, bt_ptr, s_bt, packed_ptr, t_all,
-                        bits_ptr, depth_ptr, n, W: tl.constexpr, D: tl.constexpr, NP: tl.constexpr,
-                        PAGE: tl.constexpr):
+def _next_window_kernel(parents_ptr, tokens_ptr, emitted_ptr, accepted_ptr, pending_ptr, bt_ptr, s_bt, packed_ptr,
+                        t_all, bits_ptr, roots_ptr, tree_ptr, result_ptr, depth_ptr, n, W: tl.constexpr,
+                        D: tl.constexpr, NP: tl.constexpr, PAGE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, NP)
     live = idx < n
     par = tl.load(parents_ptr + b * n + idx, mask=live, other=-2)
+    tok = tl.load(tokens_ptr + b * n + idx, mask=live, other=0)
+    # This step's result row: emitted (D + 1) | accepted | the new tree's tokens | parents; the next
+    # step's tree the same tokens | parents.
+    taken = tl.load(accepted_ptr + b)
+    e = tl.arange(0, 2 * NP)
+    res = result_ptr + b * (D + 2 + 2 * n)
+    tl.store(res + e, tl.load(emitted_ptr + b * (D + 1) + e, mask=e <= D), mask=e <= D)
+    tl.store(res + D + 1, taken)
+    tl.store(res + D + 2 + idx, tok, mask=live)
+    tl.store(res + D + 2 + n + idx, par, mask=live)
+    tl.store(tree_ptr + b * 2 * n + idx, tok, mask=live)
+    tl.store(tree_ptr + b * 2 * n + n + idx, par, mask=live)
     up = tl.where(par >= 0, par, 0)
     own = tl.full([NP], 1, tl.int64) << (idx + 1).to(tl.int64)
     depth = tl.full([NP], 1, tl.int64)
@@ -115,12 +128,13 @@ def _next_window_kernel(parents_ptr, tokens_ptr, first_ptr, pending_ptr, bt_ptr,
         depth = tl.where(par >= 0, pd + 1, 1)
         bits = tl.where(par >= 0, own | pb, bits)
     pending = tl.load(pending_ptr + b)
+    tl.store(roots_ptr + b, pending)
     row0 = b * W
-    # the root row, then node i at row 1 + i
-    tl.store(packed_ptr + row0, tl.load(first_ptr + b))
+    # the root row (the bonus token: the one emitted last), then node i at row 1 + i
+    tl.store(packed_ptr + row0, tl.load(emitted_ptr + b * (D + 1) + taken))
     tl.store(packed_ptr + t_all + row0, pending)
     tl.store(bits_ptr + row0, 1)
-    tl.store(packed_ptr + row0 + 1 + idx, tl.load(tokens_ptr + b * n + idx, mask=live, other=0), mask=live)
+    tl.store(packed_ptr + row0 + 1 + idx, tok, mask=live)
     tl.store(packed_ptr + t_all + row0 + 1 + idx, pending + depth, mask=live)
     tl.store(bits_ptr + row0 + 1 + idx, bits, mask=live)
     w = tl.arange(0, 2 * NP)
@@ -130,16 +144,23 @@ def _next_window_kernel(parents_ptr, tokens_ptr, first_ptr, pending_ptr, bt_ptr,
     tl.store(packed_ptr + 3 * t_all + b, pending + W)  # the context length
 
 
-def next_window(parents: torch.Tensor, tokens: torch.Tensor, first: torch.Tensor, pending: torch.Tensor,
-                block_table: torch.Tensor, block_size: int, packed: torch.Tensor, bits: torch.Tensor,
-                max_depth: int) -> None:
-    """Writes the next verify's window into a tree graph's packed inputs (ids | positions | slots
-    for the B x W rows) and masks: row 0 the pending token `first` at `pending`, row 1 + i node i of
-    the new tree (tokens, parents [B, N]) at pending + its depth; slots pending + row."""
+def next_step(emitted: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+              pending: torch.Tensor, block_table: torch.Tensor, block_size: int, packed: torch.Tensor,
+              bits: torch.Tensor, roots: torch.Tensor, tree: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """After a tree step whose walk gave emitted [B, D + 1] and accepted [B], and whose growth gave the
+    new tree (tokens, parents [B, N]): writes the next verify into a tree graph's inputs and returns
+    this step's result [B, D + 2 + 2N] (emitted | accepted | tokens | parents).
+    - packed (ids | positions | slots for the B x W rows, then context lengths) and bits: row 0 the
+      bonus token (emitted[accepted]) at `pending`, row 1 + i node i at pending + its depth; slots
+      pending + row;
+    - roots [B] = pending; tree [B, 2N] = tokens | parents."""
     b, n = parents.shape
     w = n + 1
-    np_ = triton.next_power_of_2(n)
-    scratch = torch.empty(b * 2 * np_, dtype=torch.int64, device=parents.device)
-    _next_window_kernel[(b,)](parents.contiguous(), tokens.contiguous(), first.contiguous(), pending, block_table,
-                              block_table.stride(0), packed, b * w, bits, scratch, n,
-                              W=w, D=max_depth, NP=np_, PAGE=block_size, num_warps=1)
+    np_ = max(triton.next_power_of_2(n), triton.next_power_of_2(max_depth + 1))
+    dev = parents.device
+    scratch = torch.empty(b * 2 * np_, dtype=torch.int64, device=dev)
+    result = torch.empty(b, max_depth + 2 + 2 * n, dtype=torch.int64, device=dev)
+    _next_window_kernel[(b,)](parents.contiguous(), tokens.contiguous(), emitted.contiguous(), accepted, pending,
+                              block_table, block_table.stride(0), packed, b * w, bits, roots, tree, result, scratch,
+                              n, W=w, D=max_depth, NP=np_, PAGE=block_size, num_warps=1)
+    return result
