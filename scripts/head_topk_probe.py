@@ -1,7 +1,7 @@
 """A tree level's children on the H200: the head's norm, bf16 lm_head GEMM and chunked top-k (three
 launches, kernels/topk.py) against one pass over an int8 lm_head (kernels/head_topk.py) and its merge,
 at the default model's shapes (49152 x 576), for the rows a level has at batch 1 and 4. Each variant
-runs 20 times inside one CUDA graph, replayed 50 times: us a call. Also how often the two agree on
+runs 30 times inside one CUDA graph, replayed 50 times: us a call. Also how often the two agree on
 the best id, and the merge launch alone.
 
   python3 scripts/head_topk_probe.py [--out FILE]
@@ -18,33 +18,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import triton
+from attn_tree_probe import time_us  # scripts/: 30 calls in a CUDA graph, replayed
 
 from streamsd.kernels.fused import add_rmsnorm
 from streamsd.kernels.head_topk import DraftLogits, _merge_kernel, head_topk
 from streamsd.kernels.topk import topk_logprobs
-
-
-def timed(fn: Callable[[], object], reps: int = 20, replays: int = 50) -> float:
-    """us per fn() inside a CUDA graph of `reps` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / (reps * replays)
 
 
 def _native(out: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor, k: int
@@ -77,15 +55,15 @@ def main() -> None:
     for rows in (1, 6, 24):
         out = torch.randn(rows, hidden, generator=g, device=dev).to(torch.bfloat16)
         native = partial(_native, out, norm, eps, w, k)
-        row = {"rows": rows, "native_us": timed(native)}
+        row = {"rows": rows, "native_us": time_us(native)}
         for block_v in (128, 256):
-            row[f"merge alone v{block_v}"] = timed(_merge(rows, vocab // block_v, k, dev))
+            row[f"merge alone v{block_v}"] = time_us(_merge(rows, vocab // block_v, k, dev))
         best = native()[1][:, 0]
         for block_v in (128, 256):
             for warps, block_h, stages in itertools.product((4, 8), (32, 64), (1, 2, 3, 4)):
                 fused = partial(head_topk, out, int8, k, tiles=(block_v, block_h, warps, stages))
                 key = f"int8 v{block_v} w{warps} h{block_h} s{stages}"
-                row[key] = timed(fused)
+                row[key] = time_us(fused)
                 row[key + " top1"] = float((fused()[1][:, 0] == best).float().mean())
         results.append(row)
         print(f"rows {rows}: native {row['native_us']:.1f} us, merge alone v128 {row['merge alone v128']:.1f} us, "

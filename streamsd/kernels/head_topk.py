@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from streamsd.kernels.rng import _mix, _row_key, _to_unit, _u32
+from streamsd.kernels.topk import _log_normaliser
 from streamsd.sampling import rng
 
 if TYPE_CHECKING:
@@ -155,12 +156,7 @@ def _head_topk_kernel(x_ptr, stride, rows, eps, w_ptr, scale_ptr, d2t_ptr, vocab
 def _merge_kernel(stats_ptr, cand_ptr, out_v_ptr, out_i_ptr, chunks,
                   K: tl.constexpr, CHUNKS: tl.constexpr, CANDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, CHUNKS)
-    live = c < chunks
-    m = tl.load(stats_ptr + (row * chunks + c) * 2, mask=live, other=float("-inf"))
-    s = tl.load(stats_ptr + (row * chunks + c) * 2 + 1, mask=live, other=0.0)
-    top = tl.max(m, 0)
-    lse = top + tl.log(tl.sum(s * tl.exp(m - top), 0))
+    lse = _log_normaliser(stats_ptr, row, chunks, CHUNKS)
     cand = tl.arange(0, CANDS)
     p = tl.load(cand_ptr + row * chunks * K + cand, mask=cand < chunks * K, other=_GONE)
     for j in tl.static_range(K):

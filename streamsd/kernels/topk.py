@@ -64,15 +64,21 @@ def _chunk_topk_kernel(x_ptr, stride, vocab, stats_ptr, vals_ptr, ids_ptr, greed
 
 
 @triton.jit
-def _merge_topk_kernel(stats_ptr, vals_ptr, ids_ptr, out_v_ptr, out_i_ptr, chunks,
-                       K: tl.constexpr, CHUNKS: tl.constexpr, CANDS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _log_normaliser(stats_ptr, row, chunks, CHUNKS: tl.constexpr):
+    """A row's log of the sum of exp over the vocabulary, from its chunks' (max, sum of exp(x - max))."""
     c = tl.arange(0, CHUNKS)
     live = c < chunks
     m = tl.load(stats_ptr + (row * chunks + c) * 2, mask=live, other=float("-inf"))
     s = tl.load(stats_ptr + (row * chunks + c) * 2 + 1, mask=live, other=0.0)
     top = tl.max(m, 0)
-    lse = top + tl.log(tl.sum(s * tl.exp(m - top), 0))
+    return top + tl.log(tl.sum(s * tl.exp(m - top), 0))
+
+
+@triton.jit
+def _merge_topk_kernel(stats_ptr, vals_ptr, ids_ptr, out_v_ptr, out_i_ptr, chunks,
+                       K: tl.constexpr, CHUNKS: tl.constexpr, CANDS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lse = _log_normaliser(stats_ptr, row, chunks, CHUNKS)
     cand = tl.arange(0, CANDS)  # chunk-major: ids ascend with the position among equal values
     ok = cand < chunks * K
     v = tl.load(vals_ptr + row * chunks * K + cand, mask=ok, other=float("-inf"))
