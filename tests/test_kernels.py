@@ -786,9 +786,8 @@ def test_raced_topk_equals_the_torch_race_and_its_noise_is_the_targets():
 
 @pytest.mark.parametrize("draft_vocab", [False, True])
 def test_int8_head_topk_equals_its_torch_oracle(draft_vocab):
-    """kernels/head_topk.py: the head's final norm, an int8 lm_head (the norm's weight folded in, a scale
-    per id) and the k best log-probabilities in one pass give what torch gives over the dequantized
-    rows: greedy rows and raced ones (the target's noise at each request's key, over target ids where
+    """kernels/head_topk.py: the head's final norm, an int8 lm_head (a scale per id) and the k best
+    log-probabilities in one pass give what torch gives over the dequantized rows: greedy rows and raced ones (the target's noise at each request's key, over target ids where
     the head has a draft vocabulary), a vocabulary and a width that are no multiple of the blocks, a
     padding row of NaN."""
     from streamsd.kernels.head_topk import DraftLogits, head_topk
@@ -806,8 +805,8 @@ def test_int8_head_topk_equals_its_torch_oracle(draft_vocab):
     lm_head = w.to(DEV)
     head = DraftLogits.build(lm_head, norm.to(DEV), eps, d2t)
     assert torch.equal(lm_head.cpu(), w)  # the target's own lm_head (float32 here) is left as it was
-    folded = head.dequantized().cpu()  # [V', H]
-    err = (folded - w * norm).abs()
+    rows = head.dequantized().cpu()  # [V', H]
+    err = (rows - w).abs()
     assert (err <= head.scale.cpu().unsqueeze(1) / 2 + 1e-6).all() and err.max() > 0
     out = torch.randn(8, hidden, generator=g).to(torch.bfloat16)
     race = Race(torch.tensor([0, 1, 0, 0]), torch.tensor([7, 8, 2**40 + 9, 0]), torch.tensor([1.0, 0.0, 0.6, 0.0]))
@@ -815,8 +814,8 @@ def test_int8_head_topk_equals_its_torch_oracle(draft_vocab):
 
     def oracle(r: Race | None) -> tuple[torch.Tensor, torch.Tensor]:
         x = out.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        logits = torch.full((8, vocab), float("-inf")).index_copy_(1, ids, x @ folded.t())
+        normed = (x * norm).to(torch.bfloat16).float() * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        logits = torch.full((8, vocab), float("-inf")).index_copy_(1, ids, normed @ rows.t())
         if r is not None:
             logits = race_logits(logits, r, keys)
         return torch.log_softmax(logits, -1).topk(k, -1)

@@ -4,9 +4,9 @@ int8 copy of the lm_head: kernels/topk.py with the GEMM and the norm inside its 
 A tree level (spec/eagle_tree.py) ranks each expanded node's children by the head's log-probabilities.
 On SmolLM2-135M the lm_head is 49152 x 576: read in bf16 it cost 17 us a level on the H200, and a norm
 and a chunked top-k came on top, four levels a step. Here one program takes a block of rows and a block
-of vocabulary ids: it multiplies the rows by the int8 rows of its ids (the norm's weight folded in, a
-scale per id), scales each row by its 1 / rms, and keeps the block's max, its sum of exp(x - max) and
-its k best per row. A second launch merges the blocks into each row's k best log-probabilities. Half the
+of vocabulary ids: it multiplies the rows, times the norm's weight, by the int8 rows of its ids (a scale
+per id), scales each row by its 1 / rms, and keeps the block's max, its sum of exp(x - max) and its k
+best per row. A second launch merges the blocks into each row's k best log-probabilities. Half the
 bytes, no [R, V] logits.
 
 Each candidate is one int64: the value's bits, made to order as the value does, above the complement
@@ -47,12 +47,14 @@ _GONE: tl.constexpr = tl.constexpr(-(2**63))  # below every packed candidate: on
 
 @dataclass(frozen=True, slots=True)
 class DraftLogits:
-    """What the fused launch reads of a head: its lm_head with the final norm's weight folded in, as int8
-    with a scale per id, and its draft ids' map."""
+    """What the fused launch reads of a head: its lm_head as int8 with a scale per id, its final norm's
+    weight, and its draft ids' map."""
 
-    weight: torch.Tensor  # [Vp, H] int8: id v's row of lm_head * norm weight (Vp: V up to whole blocks)
+    weight: torch.Tensor  # [Vp, H] int8: id v's row of lm_head (Vp: V up to whole blocks)
     scale: torch.Tensor  # [V] float32: row v is weight[v] * scale[v]
-    normed: bool  # the rows are RMS-normalised first (EAGLE-3; EAGLE-1's head output goes in as it is)
+    # [H] the final RMSNorm's weight (EAGLE-3; None: EAGLE-1's head output goes in as it is). Not folded into
+    # the int8 rows: folded, the held-out tau at T = 0 fell by 1 % (docs/issue9-eagle/session26).
+    norm: torch.Tensor | None
     eps: float
     d2t: torch.Tensor | None  # [V] int64: target id = draft id + d2t[draft id] (None: the same ids)
 
@@ -65,15 +67,13 @@ class DraftLogits:
         scale = torch.empty(v, dtype=torch.float32, device=lm_head.device)
         for start in range(0, v, 8192):  # a float32 copy of a slice at a time, not of the whole matrix
             part = lm_head[start : start + 8192].float()  # (the lm_head itself where it is float32: never written)
-            if norm is not None:
-                part = part * norm.float()
             s = part.abs().amax(1).clamp_min(1e-30) / 127  # [v']
             weight[start : start + part.shape[0]] = torch.round(part / s.unsqueeze(1)).clamp_(-127, 127)
             scale[start : start + part.shape[0]] = s
-        return DraftLogits(weight, scale, norm is not None, eps, d2t)
+        return DraftLogits(weight, scale, norm, eps, d2t)
 
     def dequantized(self) -> torch.Tensor:
-        """[V, H] float32: lm_head * norm weight as the kernel multiplies by it (its torch oracle)."""
+        """[V, H] float32: the lm_head as the kernel multiplies by it (its torch oracle)."""
         v = self.scale.shape[0]
         return self.weight[:v].float() * self.scale.unsqueeze(1)
 
@@ -97,7 +97,7 @@ def _unpack(p):
 # Rows, race operands and the vocabulary arrive at any alignment and count (see kernels/topk.py).
 @triton.jit(do_not_specialize=["rows", "stride", "vocab", "reps", "stream"],
             do_not_specialize_on_alignment=["x_ptr", "greedy_ptr", "seed_ptr", "key_ptr", "temp_ptr"])
-def _head_topk_kernel(x_ptr, stride, rows, eps, w_ptr, scale_ptr, d2t_ptr, vocab, stats_ptr, cand_ptr,
+def _head_topk_kernel(x_ptr, stride, rows, norm_ptr, eps, w_ptr, scale_ptr, d2t_ptr, vocab, stats_ptr, cand_ptr,
                       greedy_ptr, seed_ptr, key_ptr, temp_ptr, reps, stream,
                       H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
                       BLOCK_H: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, D2T: tl.constexpr,
@@ -120,6 +120,7 @@ def _head_topk_kernel(x_ptr, stride, rows, eps, w_ptr, scale_ptr, d2t_ptr, vocab
         if NORM:  # the RMSNorm's sum of squares on the way: its 1 / rms scales whole rows, so it comes last
             xf = x.to(tl.float32)
             sq += tl.sum(xf * xf, 1)
+            x = (xf * tl.load(norm_ptr + h, mask=hm, other=0.0).to(tl.float32)[None, :]).to(tl.bfloat16)
         if EXACT:  # Triton's interpreter (CPU tests): its bf16 dot is wrong, float32 "ieee" is exact
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
@@ -193,8 +194,9 @@ def head_topk(out: torch.Tensor, head: DraftLogits, k: int, race: Race | None = 
         flags, args = True, (race.greedy, race.seeds, keys, race.temperature, r // race.seeds.shape[0], rng.TARGET)
     d2t = head.d2t if head.d2t is not None else cands
     _head_topk_kernel[(triton.cdiv(r, BLOCK_R), chunks)](
-        out, out.stride(0), r, head.eps, head.weight, head.scale, d2t, vocab, stats, cands, *args,
-        H=hidden, K=k, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=block_h, STAGES=stages, NORM=head.normed,
+        out, out.stride(0), r, head.norm if head.norm is not None else stats, head.eps, head.weight, head.scale, d2t,
+        vocab, stats, cands, *args, H=hidden, K=k, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=block_h, STAGES=stages,
+        NORM=head.norm is not None,
         D2T=head.d2t is not None, RACE=flags, EXACT=not out.is_cuda, num_warps=warps)
     _merge_kernel[(r,)](stats, cands, out_v, out_i, chunks, K=k, CHUNKS=triton.next_power_of_2(chunks),
                         CANDS=triton.next_power_of_2(chunks * k), num_warps=4)
