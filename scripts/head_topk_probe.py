@@ -21,7 +21,7 @@ import triton
 from attn_tree_probe import time_us  # scripts/: 30 calls in a CUDA graph, replayed
 
 from streamsd.kernels.fused import add_rmsnorm
-from streamsd.kernels.head_topk import DraftLogits, _merge_kernel, head_topk
+from streamsd.kernels.head_topk import DraftLogits, _merge_packed_kernel, head_topk
 from streamsd.kernels.topk import topk_logprobs
 
 
@@ -36,8 +36,9 @@ def _merge(rows: int, chunks: int, k: int, dev: torch.device) -> Callable[[], No
     out_v, out_i = torch.empty(rows, k, device=dev), torch.empty(rows, k, dtype=torch.int64, device=dev)
 
     def run() -> None:
-        _merge_kernel[(rows,)](stats, cands, out_v, out_i, chunks, K=k, CHUNKS=triton.next_power_of_2(chunks),
-                               CANDS=triton.next_power_of_2(chunks * k), num_warps=4)
+        _merge_packed_kernel[(rows,)](stats, cands, out_v, out_i, chunks, K=k,
+                                      CHUNKS=triton.next_power_of_2(chunks), CANDS=triton.next_power_of_2(chunks * k),
+                                      num_warps=4)
     return run
 
 

@@ -163,8 +163,8 @@ class TreeGraphs:
         rows, t_all = g.rows, b * w
         # Every row's streams and logits, not gathered; bf16 logits on CUDA, which the argmax and the race
         # read as float32 themselves (the same tokens).
-        out = self.target(ids, layout, self.cache, rows, hidden_layers=self.store.layers, hidden_rows=rows,
-                          every_row=True, float_logits=not ids.is_cuda)
+        out = self.target(ids, layout, self.cache, rows, hidden_layers=self.store.layers, every_row=True,
+                          float_logits=not ids.is_cuda)
         keep_streams(out.hidden, layout.slot_mapping, self.store)
         logits = out.logits  # [T, V]
         if g.mode == GREEDY:

@@ -154,7 +154,7 @@ def _head_topk_kernel(x_ptr, stride, rows, norm_ptr, eps, w_ptr, scale_ptr, d2t_
 
 
 @triton.jit
-def _merge_kernel(stats_ptr, cand_ptr, out_v_ptr, out_i_ptr, chunks,
+def _merge_packed_kernel(stats_ptr, cand_ptr, out_v_ptr, out_i_ptr, chunks,
                   K: tl.constexpr, CHUNKS: tl.constexpr, CANDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lse = _log_normaliser(stats_ptr, row, chunks, CHUNKS)
@@ -196,8 +196,7 @@ def head_topk(out: torch.Tensor, head: DraftLogits, k: int, race: Race | None = 
     _head_topk_kernel[(triton.cdiv(r, BLOCK_R), chunks)](
         out, out.stride(0), r, head.norm if head.norm is not None else stats, head.eps, head.weight, head.scale, d2t,
         vocab, stats, cands, *args, H=hidden, K=k, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=block_h, STAGES=stages,
-        NORM=head.norm is not None,
-        D2T=head.d2t is not None, RACE=flags, EXACT=not out.is_cuda, num_warps=warps)
-    _merge_kernel[(r,)](stats, cands, out_v, out_i, chunks, K=k, CHUNKS=triton.next_power_of_2(chunks),
-                        CANDS=triton.next_power_of_2(chunks * k), num_warps=4)
+        NORM=head.norm is not None, D2T=head.d2t is not None, RACE=flags, EXACT=not out.is_cuda, num_warps=warps)
+    _merge_packed_kernel[(r,)](stats, cands, out_v, out_i, chunks, K=k, CHUNKS=triton.next_power_of_2(chunks),
+                               CANDS=triton.next_power_of_2(chunks * k), num_warps=4)
     return out_v, out_i

@@ -94,9 +94,9 @@ def move_path(data: torch.Tensor, roots: torch.Tensor, path: torch.Tensor, block
 
 
 @triton.jit(do_not_specialize=["s_bt", "t_all", "n"])
-def _next_window_kernel(parents_ptr, tokens_ptr, emitted_ptr, accepted_ptr, pending_ptr, bt_ptr, s_bt, packed_ptr,
-                        t_all, bits_ptr, roots_ptr, tree_ptr, result_ptr, depth_ptr, n, W: tl.constexpr,
-                        D: tl.constexpr, NP: tl.constexpr, PAGE: tl.constexpr):
+def _next_step_kernel(parents_ptr, tokens_ptr, emitted_ptr, accepted_ptr, pending_ptr, bt_ptr, s_bt, packed_ptr,
+                      t_all, bits_ptr, roots_ptr, tree_ptr, result_ptr, depth_ptr, n, W: tl.constexpr,
+                      D: tl.constexpr, NP: tl.constexpr, PAGE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, NP)
     live = idx < n
@@ -160,7 +160,7 @@ def next_step(emitted: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tenso
     dev = parents.device
     scratch = torch.empty(b * 2 * np_, dtype=torch.int64, device=dev)
     result = torch.empty(b, max_depth + 2 + 2 * n, dtype=torch.int64, device=dev)
-    _next_window_kernel[(b,)](parents.contiguous(), tokens.contiguous(), emitted.contiguous(), accepted, pending,
-                              block_table, block_table.stride(0), packed, b * w, bits, roots, tree, result, scratch,
-                              n, W=w, D=max_depth, NP=np_, PAGE=block_size, num_warps=1)
+    _next_step_kernel[(b,)](parents.contiguous(), tokens.contiguous(), emitted.contiguous(), accepted, pending,
+                            block_table, block_table.stride(0), packed, b * w, bits, roots, tree, result, scratch,
+                            n, W=w, D=max_depth, NP=np_, PAGE=block_size, num_warps=1)
     return result

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from streamsd.kernels.head_topk import _head_topk_kernel
+from streamsd.kernels.head_topk import _head_topk_kernel, _merge_packed_kernel
 from streamsd.kernels.paged_attention import (
     KERNEL_MAX_QUERY,
     TREE_MAX_QUERY,
@@ -41,7 +41,7 @@ from streamsd.kernels.rejection import _rejection_kernel, rejection_sample_trito
 from streamsd.kernels.restart import _restart, restart_triton
 from streamsd.kernels.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
 from streamsd.kernels.topk import _chunk_topk_kernel, _merge_topk_kernel
-from streamsd.kernels.tree import _move_kernel, _next_window_kernel, _walk_kernel
+from streamsd.kernels.tree import _move_kernel, _next_step_kernel, _walk_kernel
 from streamsd.kernels.warp import _sample_kernel, _warp_kernel, sample_tokens, warp_probs
 from streamsd.kernels.warp_chunked import (
     _argmax_chunk_kernel,
@@ -68,8 +68,8 @@ def compiled_by_kernel() -> dict[str, int]:
     for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel,
                _exponentials_kernel, _uniforms_kernel, _restart, _warp_kernel, _sample_kernel,
                _chunk_stats_kernel, _chunk_kept_kernel, _warp_out_kernel, _merge_best_kernel, _argmax_chunk_kernel,
-               _walk_kernel, _move_kernel, _next_window_kernel, _chunk_topk_kernel, _merge_topk_kernel,
-               _head_topk_kernel):
+               _walk_kernel, _move_kernel, _next_step_kernel, _chunk_topk_kernel, _merge_topk_kernel,
+               _head_topk_kernel, _merge_packed_kernel):
         counts[fn.__name__] = sum(len(cache[0]) for cache in fn.device_caches.values())
     return counts
 
