@@ -21,7 +21,7 @@ import triton
 from attn_tree_probe import time_us  # scripts/: 30 calls in a CUDA graph, replayed
 
 from streamsd.kernels.fused import add_rmsnorm
-from streamsd.kernels.head_topk import DraftLogits, _merge_packed_kernel, head_topk
+from streamsd.kernels.head_topk import DraftLogits, _merge_blocks_kernel, head_topk
 from streamsd.kernels.topk import topk_logprobs
 
 
@@ -30,15 +30,16 @@ def _native(out: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor, 
     return topk_logprobs(F.linear(add_rmsnorm(out, None, norm, eps)[0], w), k)
 
 
-def _merge(rows: int, chunks: int, k: int, dev: torch.device) -> Callable[[], None]:
+def _merge(rows: int, chunks: int, block_v: int, k: int, dev: torch.device) -> Callable[[], None]:
     stats = torch.rand(rows * chunks * 2, device=dev)
-    cands = torch.randint(-(2**62), 2**62, (rows * chunks * k,), device=dev)
+    cands = torch.randint(-(2**62), 2**62, (rows * chunks,), device=dev)
+    logits = torch.randn(rows * chunks * block_v, device=dev)
     out_v, out_i = torch.empty(rows, k, device=dev), torch.empty(rows, k, dtype=torch.int64, device=dev)
 
     def run() -> None:
-        _merge_packed_kernel[(rows,)](stats, cands, out_v, out_i, chunks, K=k,
-                                      CHUNKS=triton.next_power_of_2(chunks), CANDS=triton.next_power_of_2(chunks * k),
-                                      num_warps=4)
+        _merge_blocks_kernel[(rows,)](stats, cands, logits, cands, out_v, out_i, chunks, chunks * block_v, K=k,
+                                      KP=triton.next_power_of_2(k), CHUNKS=triton.next_power_of_2(chunks),
+                                      BLOCK_V=block_v, D2T=False, num_warps=4)
     return run
 
 
@@ -58,7 +59,7 @@ def main() -> None:
         native = partial(_native, out, norm, eps, w, k)
         row = {"rows": rows, "native_us": time_us(native)}
         for block_v in (128, 256):
-            row[f"merge alone v{block_v}"] = time_us(_merge(rows, vocab // block_v, k, dev))
+            row[f"merge alone v{block_v}"] = time_us(_merge(rows, vocab // block_v, block_v, k, dev))
         best = native()[1][:, 0]
         for block_v in (128, 256):
             for warps, block_h, stages in itertools.product((4, 8), (32, 64), (1, 2, 3, 4)):

@@ -828,6 +828,12 @@ def test_int8_head_topk_equals_its_torch_oracle(draft_vocab):
         assert torch.allclose(v.cpu(), ref_v, atol=2e-2)
     many = head_topk(out.repeat(5, 1).to(DEV), head, k)  # 40 rows: the tiling for more than one block of rows
     assert torch.equal(many[1].cpu(), oracle(None)[1].repeat(5, 1))
+    # All k best of a row in one block of ids (the merge re-ranks the k blocks with the best bests)
+    w[3 : 3 + k] = out[0].float() * torch.linspace(1.0, 0.5, k).unsqueeze(1) / out[0].float().norm()
+    head = DraftLogits.build(w.to(DEV), norm.to(DEV), eps, d2t)
+    rows = head.dequantized().cpu()
+    v, i = head_topk(out.to(DEV), head, k)
+    assert torch.equal(i.cpu(), oracle(None)[1]) and set(i[0].tolist()) == set(ids[3 : 3 + k].tolist())
     if not CUDA:  # NumPy's argmax refuses an all-NaN row; a graph's padding rows meet NaN on CUDA only
         return
     garbage = torch.full((3, hidden), float("nan"), dtype=torch.bfloat16, device=DEV)

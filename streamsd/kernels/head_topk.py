@@ -5,13 +5,18 @@ A tree level (spec/eagle_tree.py) ranks each expanded node's children by the hea
 On SmolLM2-135M the lm_head is 49152 x 576: read in bf16 it cost 17 us a level on the H200, and a norm
 and a chunked top-k came on top, four levels a step. Here one program takes a block of rows and a block
 of vocabulary ids: it multiplies the rows, times the norm's weight, by the int8 rows of its ids (a scale
-per id), scales each row by its 1 / rms, and keeps the block's max, its sum of exp(x - max) and its k
-best per row. A second launch merges the blocks into each row's k best log-probabilities. Half the
-bytes, no [R, V] logits.
+per id), scales each row by its 1 / rms, and keeps per row the block's best, its sum of exp(x - best),
+and the block's values (float32, for the second launch). Half the bytes of the bf16 lm_head.
 
-Each candidate is one int64: the value's bits, made to order as the value does, above the complement
-of its id. One max then finds the best value and, among equal ones, the lowest id, where kernels/topk.py
-needs a max, an argmax and a gather each time.
+A value and its id are one int64: the value's bits, made to order as the value does, above the
+complement of the id. One max then finds the best value and, among equal ones, the lowest id, where
+kernels/topk.py needs a max, an argmax and a gather each time.
+
+The second launch, a program per row, finds the row's k best from the blocks' bests alone: a block
+holding one of the k best has a best at least that good, and only k blocks can, so the k blocks with the
+best bests hold all k. It ranks those k blocks' values again. Keeping only the bests in the first launch
+made it 3.3-3.8 us shorter a level on the H200 than keeping each block's k best (k rounds of a max over
+the block), at 1 and 6 rows (docs/issue9-eagle/session27).
 
 The int8 rows only rank drafts: the target verifies whatever the tree holds, so the output stays exact;
 a head's acceptance moves by what int8 rounding moves its ranking (docs/issue9-eagle/session26).
@@ -35,8 +40,8 @@ if TYPE_CHECKING:
 
 # (ids a program, hidden columns a load, warps, loads in flight) for one block of rows and for more:
 # the fastest of scripts/head_topk_probe.py's on the H200 at SmolLM2-135M's 49152 x 576, 1, 6 and 24 rows
-# (docs/issue9-eagle/session26: 20.3 us for 1 or 6 rows, 29.4 us for 24, where bf16 took 27.7 and 33.4).
-TILES_ONE_BLOCK = (128, 64, 4, 2)
+# (docs/issue9-eagle/session27: 18.2 us for 1 row, 18.6 for 6, 27.4 for 24, where bf16 took 27.7, 28.7, 33.4).
+TILES_ONE_BLOCK = (64, 64, 4, 2)
 TILES_MORE = (256, 32, 4, 2)
 PAD = 256  # the int8 rows come in whole blocks of any BLOCK_V up to this: their loads need no mask
 # Rows a program (tl.dot's least): more rows are more programs over the same weights, which L2 then holds,
@@ -98,8 +103,8 @@ def _unpack(p):
 @triton.jit(do_not_specialize=["rows", "stride", "vocab", "reps", "stream"],
             do_not_specialize_on_alignment=["x_ptr", "greedy_ptr", "seed_ptr", "key_ptr", "temp_ptr"])
 def _head_topk_kernel(x_ptr, stride, rows, norm_ptr, eps, w_ptr, scale_ptr, d2t_ptr, vocab, stats_ptr, cand_ptr,
-                      greedy_ptr, seed_ptr, key_ptr, temp_ptr, reps, stream,
-                      H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+                      logits_ptr, greedy_ptr, seed_ptr, key_ptr, temp_ptr, reps, stream,
+                      H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
                       BLOCK_H: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, D2T: tl.constexpr,
                       RACE: tl.constexpr, EXACT: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
@@ -140,32 +145,46 @@ def _head_topk_kernel(x_ptr, stride, rows, norm_ptr, eps, w_ptr, scale_ptr, d2t_
         key = _row_key(tl.load(seed_ptr + req, mask=live, other=0), tl.load(key_ptr + req, mask=live, other=0), stream)
         gumbel = -tl.log(-tl.log(_to_unit(_mix(key[:, None] ^ _u32(ids * 0x61C88647)[None, :]))))  # [BR, BV]
         x = tl.where(raced[:, None], x / tl.where(raced, temp, 1.0)[:, None] + gumbel, x)
-    packed = _pack(x, ids[None, :])  # [BR, BV]
+    best = tl.max(_pack(x, ids[None, :]), 1)  # [BR] the block's best: its value above its (lowest) id
     part = r64 * chunks + chunk  # [BR]
-    for j in tl.static_range(K):
-        best = tl.max(packed, 1)  # [BR]
-        tl.store(cand_ptr + part * K + j, best, mask=live)
-        packed = tl.where(packed == best[:, None], _GONE, packed)
-        if j == 0:  # the block's max is its best value
-            top, _ = _unpack(best)
-            safe = tl.where(top > float("-inf"), top, 0.0)
-            tl.store(stats_ptr + part * 2, safe, mask=live)
-            tl.store(stats_ptr + part * 2 + 1, tl.sum(tl.exp(x - safe[:, None]), 1), mask=live)
+    tl.store(cand_ptr + part, best, mask=live)
+    top, _ = _unpack(best)
+    safe = tl.where(top > float("-inf"), top, 0.0)
+    tl.store(stats_ptr + part * 2, safe, mask=live)
+    tl.store(stats_ptr + part * 2 + 1, tl.sum(tl.exp(x - safe[:, None]), 1), mask=live)
+    tl.store(logits_ptr + r64[:, None] * (chunks * BLOCK_V) + v[None, :], x, mask=live[:, None])
 
 
 @triton.jit
-def _merge_packed_kernel(stats_ptr, cand_ptr, out_v_ptr, out_i_ptr, chunks,
-                  K: tl.constexpr, CHUNKS: tl.constexpr, CANDS: tl.constexpr):
+def _merge_blocks_kernel(stats_ptr, cand_ptr, logits_ptr, d2t_ptr, out_v_ptr, out_i_ptr, chunks, vocab,
+                         K: tl.constexpr, KP: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
+                         D2T: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lse = _log_normaliser(stats_ptr, row, chunks, CHUNKS)
-    cand = tl.arange(0, CANDS)
-    p = tl.load(cand_ptr + row * chunks * K + cand, mask=cand < chunks * K, other=_GONE)
+    # A block that holds one of the row's k best holds a best of its own at least as good, and only k
+    # blocks' bests can be: so the k best blocks by their bests hold them all.
+    c = tl.arange(0, CHUNKS)
+    p = tl.load(cand_ptr + row * chunks + c, mask=c < chunks, other=_GONE)  # [CHUNKS]
+    slot = tl.arange(0, KP)
+    chosen = tl.full([KP], -1, tl.int32)  # [KP] the blocks, best first (-1: none)
     for j in tl.static_range(K):
         best = tl.max(p, 0)
+        at = tl.max(tl.where(p == best, c, -1), 0)
+        chosen = tl.where(slot == j, tl.where(best == _GONE, -1, at), chosen)
+        p = tl.where(p == best, _GONE, p)
+    v = chosen[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # [KP, BV] draft ids
+    ok = (chosen[:, None] >= 0) & (v < vocab)
+    x = tl.load(logits_ptr + row * chunks * BLOCK_V + v, mask=ok, other=float("-inf"))
+    ids = tl.minimum(tl.maximum(v, 0), vocab - 1).to(tl.int64)  # [KP, BV] target ids
+    if D2T:
+        ids += tl.load(d2t_ptr + ids)
+    q = tl.reshape(tl.where(ok, _pack(x, ids), _GONE), [KP * BLOCK_V])
+    for j in tl.static_range(K):
+        best = tl.max(q, 0)
         value, tid = _unpack(best)
         tl.store(out_v_ptr + row * K + j, value - lse)
         tl.store(out_i_ptr + row * K + j, tid)
-        p = tl.where(p == best, _GONE, p)
+        q = tl.where(q == best, _GONE, q)
 
 
 def head_topk(out: torch.Tensor, head: DraftLogits, k: int, race: Race | None = None,
@@ -182,7 +201,8 @@ def head_topk(out: torch.Tensor, head: DraftLogits, k: int, race: Race | None = 
     assert PAD % block_v == 0
     dev = out.device
     stats = torch.empty(r * chunks * 2, dtype=torch.float32, device=dev)
-    cands = torch.empty(r * chunks * k, dtype=torch.int64, device=dev)
+    cands = torch.empty(r * chunks, dtype=torch.int64, device=dev)
+    logits = torch.empty(r * chunks * block_v, dtype=torch.float32, device=dev)
     out_v = torch.empty(r, k, dtype=torch.float32, device=dev)
     out_i = torch.empty(r, k, dtype=torch.int64, device=dev)
     if not r:
@@ -195,8 +215,9 @@ def head_topk(out: torch.Tensor, head: DraftLogits, k: int, race: Race | None = 
     d2t = head.d2t if head.d2t is not None else cands
     _head_topk_kernel[(triton.cdiv(r, BLOCK_R), chunks)](
         out, out.stride(0), r, head.norm if head.norm is not None else stats, head.eps, head.weight, head.scale, d2t,
-        vocab, stats, cands, *args, H=hidden, K=k, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=block_h, STAGES=stages,
+        vocab, stats, cands, logits, *args, H=hidden, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=block_h, STAGES=stages,
         NORM=head.norm is not None, D2T=head.d2t is not None, RACE=flags, EXACT=not out.is_cuda, num_warps=warps)
-    _merge_packed_kernel[(r,)](stats, cands, out_v, out_i, chunks, K=k, CHUNKS=triton.next_power_of_2(chunks),
-                               CANDS=triton.next_power_of_2(chunks * k), num_warps=4)
+    _merge_blocks_kernel[(r,)](stats, cands, logits, d2t, out_v, out_i, chunks, vocab, K=k, KP=triton.next_power_of_2(k),
+                               CHUNKS=triton.next_power_of_2(chunks), BLOCK_V=block_v, D2T=head.d2t is not None,
+                               num_warps=4)
     return out_v, out_i

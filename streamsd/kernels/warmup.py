@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from streamsd.kernels.head_topk import _head_topk_kernel, _merge_packed_kernel
+from streamsd.kernels.head_topk import _head_topk_kernel, _merge_blocks_kernel
 from streamsd.kernels.paged_attention import (
     KERNEL_MAX_QUERY,
     TREE_MAX_QUERY,
@@ -69,7 +69,7 @@ def compiled_by_kernel() -> dict[str, int]:
                _exponentials_kernel, _uniforms_kernel, _restart, _warp_kernel, _sample_kernel,
                _chunk_stats_kernel, _chunk_kept_kernel, _warp_out_kernel, _merge_best_kernel, _argmax_chunk_kernel,
                _walk_kernel, _move_kernel, _next_step_kernel, _chunk_topk_kernel, _merge_topk_kernel,
-               _head_topk_kernel, _merge_packed_kernel):
+               _head_topk_kernel, _merge_blocks_kernel):
         counts[fn.__name__] = sum(len(cache[0]) for cache in fn.device_caches.values())
     return counts
 
