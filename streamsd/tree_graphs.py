@@ -56,10 +56,16 @@ class _TreeGraph:
     block_table: torch.Tensor  # [B, max_blocks] int32
     draws: torch.Tensor  # [2, B] int64 greedy flags | seeds (field-major: each row is what a kernel reads)
     warp_f: torch.Tensor  # [2, B] float32 temperatures | min-p
+    # The same per window row, for the target's race: written with the rest (not expanded inside the
+    # replay, where the repeats, the stack and the fills were ~10 launches of a sampled step)
+    row_ints: torch.Tensor  # [3, T] int64 greedy flags | seeds | the position each row's token decides
+    row_warp: torch.Tensor  # [2, T] float32 temperatures | min-p
     # Constants a replay reads (made before the capture: made inside, each replay would remake them)
     grow: GrowConsts
     rows: torch.Tensor  # [B * W] int64 0, 1, ...: every window row's hidden stream is kept
     catch_starts: torch.Tensor  # [B + 1] int32 the catch-up's query starts (D + 1 rows each)
+    no_top_k: torch.Tensor  # [T] int64 zeros
+    no_top_p: torch.Tensor  # [T] float32 ones
     result: torch.Tensor | None = None  # [B, D + 2 + 2N] emitted | accepted | next tokens | next parents
     tables: list[list[int]] | None = None  # what block_table holds (a request gains a block every 16 tokens)
 
@@ -126,6 +132,9 @@ class TreeGraphs:
             wf = np.zeros((2, g.bucket), dtype=np.float32)
             wf[:, :n] = [[r.params.temperature for r in reqs], [r.params.min_p for r in reqs]]
             g.warp_f.copy_(torch.from_numpy(wf), non_blocking=True)
+            g.row_warp.copy_(torch.from_numpy(np.repeat(wf, w, axis=1)), non_blocking=True)
+            rows = np.ascontiguousarray(np.repeat(side[:, 1:3], w, axis=0).T)  # [2, T] greedy | seed
+            g.row_ints[:2].copy_(torch.from_numpy(rows), non_blocking=True)
         return self.replay(key, tables)
 
     def replay(self, key: tuple[int, int], tables: list[list[int]]) -> torch.Tensor:
@@ -170,11 +179,9 @@ class TreeGraphs:
         if g.mode == GREEDY:
             target = row_argmax(logits.view(b, w, -1))  # [B, W]
         else:
-            ints = torch.stack([g.draws[0].repeat_interleave(w), g.draws[1].repeat_interleave(w),
-                                layout.positions + 1])  # the token each row decides sits one past it
-            temp, min_p = (g.warp_f[i].repeat_interleave(w) for i in (0, 1))
-            wp = WarpParams(temp, torch.zeros_like(ints[0]), torch.ones_like(temp), min_p, needs_sort=False)
-            target = sample_keyed(logits, wp, ints).view(b, w)  # kernels/warp.py's race on CUDA
+            torch.add(layout.positions, 1, out=g.row_ints[2])  # the token each row decides sits one past it
+            wp = WarpParams(g.row_warp[0], g.no_top_k, g.no_top_p, g.row_warp[1], needs_sort=False)
+            target = sample_keyed(logits, wp, g.row_ints).view(b, w)  # kernels/warp.py's race on CUDA
         tokens, parents = g.tree[:, :n], g.tree[:, n:]
         if logits.is_cuda:  # one launch each, not dozens (kernels/tree.py, kernels/tree_step.py)
             from streamsd.kernels import tree as kernels
@@ -223,9 +230,12 @@ class TreeGraphs:
                        torch.full((bucket, n), NONE, dtype=torch.int64, device=dev)], dim=1),
             torch.full((bucket, self.max_blocks), self.scratch, dtype=torch.int32, device=dev),
             torch.zeros(2, bucket, dtype=torch.int64, device=dev), torch.ones(2, bucket, dtype=torch.float32, device=dev),
+            torch.zeros(3, bucket * w, dtype=torch.int64, device=dev), torch.zeros(2, bucket * w, device=dev),
             GrowConsts.build(bucket, self.shape, dev), torch.arange(bucket * w, device=dev),
-            uniform_starts(bucket, self.shape.depth + 1, dev))
+            uniform_starts(bucket, self.shape.depth + 1, dev), torch.zeros(bucket * w, dtype=torch.int64, device=dev),
+            torch.ones(bucket * w, device=dev))
         g.warp_f[1] = 0.0
+        g.row_warp[0] = 1.0
         self.graphs[(bucket, mode)] = g
         if g.graph is None:
             return g
