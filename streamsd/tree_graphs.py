@@ -183,18 +183,18 @@ class TreeGraphs:
             wp = WarpParams(g.row_warp[0], g.no_top_k, g.no_top_p, g.row_warp[1], needs_sort=False)
             target = sample_keyed(logits, wp, g.row_ints).view(b, w)  # kernels/warp.py's race on CUDA
         tokens, parents = g.tree[:, :n], g.tree[:, n:]
-        if logits.is_cuda:  # one launch each, not dozens (kernels/tree.py, kernels/tree_step.py)
+        # The walk, then the head's catch-up on the root and the accepted nodes (D + 1 slots from the root)
+        if logits.is_cuda:  # one launch for both, not dozens (kernels/tree.py)
             from streamsd.kernels import tree as kernels
-            from streamsd.kernels.tree_step import catch_up as catch_up_layout
 
-            emitted, accepted, path = kernels.walk(target, tokens, parents, dmax)
+            emitted, accepted, path, laid = kernels.walk(target, tokens, parents, dmax, g.roots, g.block_table, bs)
+            assert laid is not None
         else:
             emitted, accepted, path = walk(target, tokens, parents, dmax)
-            catch_up_layout = catch_up
+            laid = catch_up(g.roots, accepted, emitted, g.block_table, bs)
         move_kv(self.cache, self.store, g.roots, path, g.block_table, bs)
-        # The head catches up on the root and the accepted nodes (D + 1 slots from the root).
         c = dmax + 1
-        catch_ids, at, slots, ctx, pending = catch_up_layout(g.roots, accepted, emitted, g.block_table, bs)
+        catch_ids, at, slots, ctx, pending = laid
         catch = BatchLayout.uniform(c, at, slots, g.block_table, ctx, query_starts=g.catch_starts).for_host(bs)
         feats = self.head.features(self.store.gather(slots))  # [B * C, H]
         h = self.head_layer(catch_ids, feats, catch).view(b, c, -1)  # [B, C, H]

@@ -93,13 +93,12 @@ def verify_trees(v: Verifier, entries: list[Scheduled], logits: torch.Tensor, ca
 def move_kv(cache: PagedKVCache, store: StreamStore | None, starts: torch.Tensor, path: torch.Tensor,
             block_table: torch.Tensor, block_size: int) -> None:
     """The accepted nodes' K/V (and streams) moved from their window rows to their positions."""
-    if path.is_cuda:  # one launch per store (kernels/tree.py)
+    if path.is_cuda:  # one launch for both stores (kernels/tree.py)
         from streamsd.kernels.tree import move_path
 
         d = cache.data
-        move_path(d.view(d.shape[0] * 2, -1, d.shape[-2] * d.shape[-1]), starts, path, block_table, block_size)
-        if store is not None:
-            move_path(store.data.unsqueeze(0), starts, path, block_table, block_size)
+        move_path(d.view(d.shape[0] * 2, -1, d.shape[-2] * d.shape[-1]), starts, path, block_table, block_size,
+                  store.data.unsqueeze(0) if store is not None else None)
         return
     src, dst = path_moves(starts, path)  # [B, D] positions
     src_slots = positions_to_slots(src, block_table, block_size).view(-1)

@@ -847,8 +847,8 @@ def _cpu(race):
 
 
 def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
-    """kernels/tree.py against spec/tree.py: the walk, the accepted nodes' moves (all read before
-    any is written) and the next step's ids, positions, slots and masks, roots, tree and result."""
+    """kernels/tree.py against spec/tree.py: the walk (and the head's catch-up laid out after it), the
+    accepted nodes' moves (all read before any is written) and the next step's ids, positions, slots and masks, roots, tree and result."""
     from streamsd.kernels import tree as kt
     from streamsd.spec import tree as st
     from streamsd.tree_verify import host_tree
@@ -870,8 +870,15 @@ def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
             target[:, 0] = tokens[:, 0]
             target[:, 1] = torch.where(parents[:, 3] == 0, tokens[:, 3], target[:, 1])
         ref = st.walk(target, tokens, parents, d)
-        out = kt.walk(target.to(DEV), tokens.to(DEV), parents.to(DEV), d)
+        *out, none = kt.walk(target.to(DEV), tokens.to(DEV), parents.to(DEV), d)
+        assert none is None and all(torch.equal(x.cpu(), y) for x, y in zip(out, ref, strict=True)), trial
+        # with the windows' roots and blocks, the head's catch-up after the walk in the same launch
+        roots, table = torch.tensor([2, 13, 0]), torch.tensor([[3, 1, 4, 0, 9], [2, 6, 5, 7, 10], [8, 11, 12, 14, 15]],
+                                                                dtype=torch.int32)
+        *out, laid = kt.walk(target.to(DEV), tokens.to(DEV), parents.to(DEV), d, roots.to(DEV), table.to(DEV), bs)
         assert all(torch.equal(x.cpu(), y) for x, y in zip(out, ref, strict=True)), trial
+        want = st.catch_up(roots, ref[1], ref[0], table, bs)
+        assert all(x.dtype == y.dtype and torch.equal(x.cpu(), y) for x, y in zip(laid, want, strict=True)), trial
     # moves: one cache plane of 8 slots a block, path nodes anywhere in the window
     table = torch.tensor([[3, 1, 4, 0], [2, 6, 5, 7], [8, 9, 10, 11]], dtype=torch.int32)
     roots = torch.tensor([2, 5, 1])
@@ -884,6 +891,13 @@ def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
     moved = data.to(DEV)
     kt.move_path(moved, roots.to(DEV), path.to(DEV), table.to(DEV), bs)
     assert torch.equal(moved.cpu(), ref)
+    # with a second store of other widths (the streams beside the KV cache) in the same launch
+    streams = torch.randn(1, 12 * bs, 11, generator=g)
+    ref_streams = streams.clone()
+    ref_streams[:, d_slot] = ref_streams[:, s_slot]
+    moved, moved_streams = data.to(DEV), streams.to(DEV)
+    kt.move_path(moved, roots.to(DEV), path.to(DEV), table.to(DEV), bs, moved_streams)
+    assert torch.equal(moved.cpu(), ref) and torch.equal(moved_streams.cpu(), ref_streams)
     # the next step: its window, roots and tree, and this step's result
     emitted = torch.tensor([[7, -1, -1, -1, -1], [4, 5, 8, -1, -1], [1, 2, 3, 4, 9]])
     accepted, pending = torch.tensor([0, 2, 4]), torch.tensor([3, 0, 6])
@@ -913,19 +927,13 @@ def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
 
 
 def test_tree_step_kernels_equal_the_torch_oracles():
-    """kernels/tree_step.py against spec/tree.py: the catch-up's ids, positions, slots, context and
-    pending positions after a walk; and the selection of a grown tree's best nodes over 114 candidates
-    (two blocks of the kernel's ranking) with many tied scores, whose ties the stable sort breaks by index."""
+    """kernels/tree_step.py against spec/tree.py: the selection of a grown tree's best nodes over 114
+    candidates (two blocks of the kernel's ranking) with many tied scores, whose ties the stable sort
+    breaks by index."""
     from streamsd.kernels import tree_step as ks
     from streamsd.spec import tree as st
 
     g = torch.Generator().manual_seed(11)
-    bs, table = 4, torch.tensor([[3, 1, 4, 0, 9, 8], [2, 6, 5, 7, 10, 11]], dtype=torch.int32)
-    roots, accepted = torch.tensor([2, 13]), torch.tensor([3, 0])
-    emitted = torch.tensor([[5, 9, 4, 7, -1], [8, -1, -1, -1, -1]])
-    ref = st.catch_up(roots, accepted, emitted, table, bs)
-    out = ks.catch_up(roots.to(DEV), accepted.to(DEV), emitted.to(DEV), table.to(DEV), bs)
-    assert all(x.dtype == y.dtype and torch.equal(x.cpu(), y) for x, y in zip(out, ref, strict=True))
     b, c, n = 3, 114, 24
     parents = torch.full((b, c), st.ROOT)
     scores = torch.zeros(b, c)

@@ -1,9 +1,7 @@
-"""The rest of a tree step's bookkeeping in one launch each (tree_graphs.py; spec/tree.py's torch
-functions are the oracles, and the CPU path).
+"""The selection of a grown tree's nodes in one launch (tree_graphs.py; spec/tree.py's torch function
+is the oracle, and the CPU path). (The head's catch-up layout after a walk, a dozen small torch kernels
+once, is written by kernels/tree.py's walk.)
 
-- `catch_up`: after the walk, the head's catch-up over each request's root and D accepted slots: its
-  ids (the emitted tokens, padding as 0), positions, KV slots and context, and the pending position:
-  a dozen small torch kernels before (aranges, a division and a gather for the slots, casts).
 - `select`: the n likeliest candidates of a grown tree as a tree (spec/tree.select: a stable sort, a
   scatter and four gathers). One program per request ranks every candidate against every other (a
   stable descending sort is the count of the better ones, ties broken by index), and ranks each one's
@@ -17,34 +15,6 @@ import triton
 import triton.language as tl
 
 from streamsd.spec.tree import NONE, ROOT
-
-
-@triton.jit
-def _catch_up_kernel(roots_ptr, accepted_ptr, emitted_ptr, bt_ptr, s_bt, ids_ptr, pos_ptr, slot_ptr, ctx_ptr,
-                     pending_ptr, C: tl.constexpr, CP: tl.constexpr, PAGE: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, CP)
-    live = j < C
-    root = tl.load(roots_ptr + b)
-    pos = root + j
-    block = tl.load(bt_ptr + b * s_bt + pos // PAGE, mask=live, other=0).to(tl.int64)
-    tl.store(ids_ptr + b * C + j, tl.maximum(tl.load(emitted_ptr + b * C + j, mask=live, other=0), 0), mask=live)
-    tl.store(pos_ptr + b * C + j, pos, mask=live)
-    tl.store(slot_ptr + b * C + j, block * PAGE + pos % PAGE, mask=live)
-    tl.store(ctx_ptr + b, (root + C).to(tl.int32))
-    tl.store(pending_ptr + b, root + tl.load(accepted_ptr + b) + 1)
-
-
-def catch_up(roots: torch.Tensor, accepted: torch.Tensor, emitted: torch.Tensor, block_table: torch.Tensor,
-             block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """spec/tree.catch_up in one launch."""
-    b, c = emitted.shape
-    longs = [torch.empty(b * c, dtype=torch.int64, device=roots.device) for _ in range(3)]
-    ctx = torch.empty(b, dtype=torch.int32, device=roots.device)
-    pending = torch.empty_like(roots)
-    _catch_up_kernel[(b,)](roots, accepted, emitted.contiguous(), block_table, block_table.stride(0), *longs, ctx,
-                           pending, C=c, CP=triton.next_power_of_2(c), PAGE=block_size, num_warps=1)
-    return longs[0], longs[1], longs[2], ctx, pending
 
 
 @triton.jit
