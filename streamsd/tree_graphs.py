@@ -31,7 +31,7 @@ from streamsd.model.graph_layout import pack_step, static_layout
 from streamsd.model.graphs import buckets_up_to
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, uniform_starts
 from streamsd.model.llama import Transformer
-from streamsd.model.stream_store import StreamStore, keep_streams
+from streamsd.model.stream_store import StreamStore
 from streamsd.request import Request
 from streamsd.sampling.greedy import row_argmax
 from streamsd.sampling.sampler import sample_keyed
@@ -172,9 +172,9 @@ class TreeGraphs:
         rows, t_all = g.rows, b * w
         # Every row's streams and logits, not gathered; bf16 logits on CUDA, which the argmax and the race
         # read as float32 themselves (the same tokens).
+        # (the streams straight into the store, at the rows' slots)
         out = self.target(ids, layout, self.cache, rows, hidden_layers=self.store.layers, every_row=True,
-                          float_logits=not ids.is_cuda)
-        keep_streams(out.hidden, layout.slot_mapping, self.store)
+                          float_logits=not ids.is_cuda, streams_into=self.store.data)
         logits = out.logits  # [T, V]
         if g.mode == GREEDY:
             target = row_argmax(logits.view(b, w, -1))  # [B, W]

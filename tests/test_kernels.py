@@ -494,7 +494,7 @@ def test_fast_forward_matches_reference_forward(tiny_model_dir):
     """Fused weights + Triton add-RMSNorm, RoPE/KV write and SiLU*mul give the eager forward's
     logits, captured residual streams (what an EAGLE head reads: the embedding, a middle layer's
     input, the final pre-norm stream) and cache contents, over a prefill (SDPA) and a
-    verify-shaped step (the kernel)."""
+    verify-shaped step (the kernel); and streams written straight into a stream store."""
     from streamsd.model.fast_forward import enable_fast_forward
     from streamsd.model.kv_cache import PagedKVCache
     from streamsd.runtime import load_model
@@ -519,6 +519,20 @@ def test_fast_forward_matches_reference_forward(tiny_model_dir):
                       hidden_rows=rows.flip(0))  # streams at every row (reversed), logits at two
             assert o.hidden is not None and len(o.hidden) == 3
             outs.extend([o.logits, *o.hidden])
+        # The verify step again, its streams of two inner layers straight into a stream store (the
+        # fast path writes them from its add+RMSNorm): the store's rows at the step's slots are the
+        # streams the step returns otherwise. (The step rewrites the same K/V.)
+        layout = BatchLayout.build(*steps[1], tables, bs, DEV)
+        rows = torch.arange(sum(steps[1][1]), device=DEV)
+        assert model.args.num_layers == 2  # (1,): an inner layer's; (1, 2): the final stream's too, after the loop
+        for layers in ((1,), (1, 2)):
+            store = torch.zeros(5 * bs, len(layers) * model.args.hidden_size, dtype=dtype, device=DEV)
+            direct = model(ids[1], layout, cache, rows, hidden_layers=layers, streams_into=store)
+            returned = model(ids[1], layout, cache, rows, hidden_layers=layers, hidden_rows=rows)
+            assert direct.hidden is None and returned.hidden is not None
+            assert torch.equal(store[layout.slot_mapping], torch.cat(returned.hidden, dim=-1))
+            assert store.count_nonzero() == store[layout.slot_mapping].count_nonzero() > 0
+            outs.append(store)
         results.append((outs, cache.data.clone()))
     _assert_fast_matches_reference(results)
 

@@ -25,9 +25,9 @@ def rmsnorm_row(h, w_ptr, cols, mask, n_cols, eps, DTYPE: tl.constexpr):
     return (w.to(tl.float32) * y.to(tl.float32)).to(DTYPE)
 
 
-@triton.jit
-def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["keep_stride", "keep_col"])
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, keep_ptr, slot_ptr, keep_stride,
+                        keep_col, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, KEEP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -36,20 +36,26 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps
         h = (tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
              + h.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * n_cols + cols, h, mask=mask)
+    if KEEP:  # the stream also into its columns of a stream store's row, the token's KV slot
+        slot = tl.load(slot_ptr + row)
+        tl.store(keep_ptr + slot * keep_stride + keep_col + cols, h.to(keep_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + row * n_cols + cols, rmsnorm_row(h, w_ptr, cols, mask, n_cols, eps, x_ptr.dtype.element_ty),
              mask=mask)  # out is x's dtype (empty_like)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [T, H] -> (rmsnorm(residual + x) * weight, residual + x); residual None: no add."""
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                keep: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, H] -> (rmsnorm(residual + x) * weight, residual + x); residual None: no add.
+    keep (store [S, C], slots [T], column): residual + x also into store[slots[t], column : column + H]."""
     x = x.contiguous()
     out = torch.empty_like(x)  # [T, H]
     res_out = torch.empty_like(x) if residual is not None else x  # [T, H]
+    store, slots, col = keep if keep is not None else (x, x, 0)
     if x.shape[0]:
         _add_rmsnorm_kernel[(x.shape[0],)](
-            x, residual if residual is not None else x, weight, out, res_out, x.shape[1], eps,
-            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=4,
+            x, residual if residual is not None else x, weight, out, res_out, x.shape[1], eps, store, slots,
+            store.stride(0), col, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
+            KEEP=keep is not None, num_warps=4,
         )
     return out, res_out
 

@@ -59,9 +59,10 @@ def enable_fast_forward(model: Transformer) -> None:
 
     def fast(input_ids: torch.Tensor, layout: BatchLayout, cache: PagedKVCache, logits_rows: torch.Tensor,
              hidden_layers: tuple[int, ...] = (), hidden_rows: torch.Tensor | None = None,
-             every_row: bool = False, float_logits: bool = True) -> ForwardOutput:
+             every_row: bool = False, float_logits: bool = True,
+             streams_into: torch.Tensor | None = None) -> ForwardOutput:
         return fast_forward(model, fused, input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows,
-                            every_row, float_logits)
+                            every_row, float_logits, streams_into)
 
     model.fast = fast
 
@@ -70,20 +71,30 @@ def enable_fast_forward(model: Transformer) -> None:
 def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.Tensor, layout: BatchLayout,
                  cache: PagedKVCache, logits_rows: torch.Tensor, hidden_layers: tuple[int, ...] = (),
                  hidden_rows: torch.Tensor | None = None, every_row: bool = False,
-                 float_logits: bool = True) -> ForwardOutput:
+                 float_logits: bool = True, streams_into: torch.Tensor | None = None) -> ForwardOutput:
     """every_row: logits and streams of all T rows in order, as they are (logits_rows and hidden_rows
     unread), with no gather copying them; float_logits False: the lm_head's dtype (a reader that
-    upcasts as it loads draws the same tokens from them)."""
+    upcasts as it loads draws the same tokens from them); streams_into: a stream store's rows
+    [slots, len(hidden_layers) * hidden], where every row's streams go at its KV slot (hidden_layers
+    ascending; none returned). Streams of inner layers go there from the add+RMSNorm that makes them,
+    with no copy or cat after."""
     a = model.args
     t = input_ids.shape[0]
     h = model.model.embed_tokens(input_ids)  # [T, hidden] the residual stream
     layers = model.model.layers
     captured: list[torch.Tensor] = []  # [M, hidden] per requested layer, ascending like the reference
     hidden_rows = logits_rows if hidden_rows is None else hidden_rows
+    direct = streams_into is not None and all(0 < j < len(layers) for j in hidden_layers)
+
+    def keep(j: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:  # where the stream entering layer j goes
+        if streams_into is None or not direct or j not in hidden_layers:
+            return None
+        return streams_into, layout.slot_mapping, hidden_layers.index(j) * a.hidden_size
+
     x, _ = add_rmsnorm(h, None, layers[0].input_layernorm.weight, a.rms_norm_eps)  # [T, hidden]
     for i, (layer, f) in enumerate(zip(layers, fused, strict=True)):
-        if i in hidden_layers:  # h is the input of layer i (add_rmsnorm never overwrites it)
-            captured.append(h if every_row else h.index_select(0, hidden_rows))
+        if i in hidden_layers and not direct:  # h is the input of layer i (add_rmsnorm never overwrites it)
+            captured.append(h if every_row or streams_into is not None else h.index_select(0, hidden_rows))
         k_cache, v_cache = cache.layer(i)
         qkv = F.linear(x, f.qkv_weight, f.qkv_bias)  # [T, (H + 2 KVH) D]
         q = rope_and_cache(qkv, model.rope_cos, model.rope_sin, layout.positions, layout.slot_mapping,
@@ -93,11 +104,14 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
         x, h = add_rmsnorm(attn, h, layer.post_attention_layernorm.weight, a.rms_norm_eps)
         mlp = layer.mlp.down_proj(silu_mul(F.linear(x, f.gate_up_weight)))  # [T, hidden]
         if i + 1 < len(layers):
-            x, h = add_rmsnorm(mlp, h, layers[i + 1].input_layernorm.weight, a.rms_norm_eps)
+            x, h = add_rmsnorm(mlp, h, layers[i + 1].input_layernorm.weight, a.rms_norm_eps, keep(i + 1))
         else:
             h = h + mlp
     if a.num_layers in hidden_layers:  # the final pre-norm stream
-        captured.append(h if every_row else h.index_select(0, hidden_rows))
+        captured.append(h if every_row or streams_into is not None else h.index_select(0, hidden_rows))
+    if streams_into is not None and captured:
+        streams_into.index_copy_(0, layout.slot_mapping, torch.cat(captured, dim=-1).to(streams_into.dtype))
+        captured = []
     h = model.model.norm(h if every_row else h.index_select(0, logits_rows))  # [N, hidden]
     logits = model.lm_head(h)  # [N, V]
     return ForwardOutput(logits=logits.float() if float_logits else logits, hidden=captured or None)

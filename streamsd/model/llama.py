@@ -132,10 +132,12 @@ class Transformer(nn.Module):
         hidden_rows: torch.Tensor | None = None,  # [M] rows whose streams are captured (default: logits_rows)
         every_row: bool = False,  # the CUDA path: all rows in order, with no gathers (fast_forward.py)
         float_logits: bool = True,  # the CUDA path: False keeps the lm_head's dtype
+        # a stream store's rows: every row's streams there at its KV slot (hidden_rows: all rows), none returned
+        streams_into: torch.Tensor | None = None,
     ) -> ForwardOutput:
         if self.fast is not None:  # the CUDA path: fused weights and Triton kernels, streams included
             return self.fast(input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows, every_row,
-                             float_logits)
+                             float_logits, streams_into)
         cos = self.rope_cos.index_select(0, layout.positions)  # [T, D]
         sin = self.rope_sin.index_select(0, layout.positions)  # [T, D]
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
@@ -149,6 +151,9 @@ class Transformer(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if self.args.num_layers in hidden_layers:
             captured.append(h.index_select(0, hidden_rows))
+        if streams_into is not None and captured:
+            streams_into.index_copy_(0, layout.slot_mapping, torch.cat(captured, dim=-1).to(streams_into.dtype))
+            captured = []
         h = self.model.norm(h.index_select(0, logits_rows))  # [N, hidden]
         logits = self.lm_head(h).float()  # [N, V]
         return ForwardOutput(logits=logits, hidden=captured or None)
