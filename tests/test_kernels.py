@@ -826,7 +826,7 @@ def test_int8_head_topk_equals_its_torch_oracle(draft_vocab):
     race = Race(torch.tensor([0, 1, 0, 0]), torch.tensor([7, 8, 2**40 + 9, 0]), torch.tensor([1.0, 0.0, 0.6, 0.0]))
     keys = torch.tensor([31, 5, 1000, 3])
 
-    def oracle(r: Race | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def oracle(r: Race | None, keys: torch.Tensor = keys) -> tuple[torch.Tensor, torch.Tensor]:
         x = out.float()
         normed = (x * norm).to(torch.bfloat16).float() * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         logits = torch.full((8, vocab), float("-inf")).index_copy_(1, ids, normed @ rows.t())
@@ -834,11 +834,13 @@ def test_int8_head_topk_equals_its_torch_oracle(draft_vocab):
             logits = race_logits(logits, r, keys)
         return torch.log_softmax(logits, -1).topk(k, -1)
 
-    for r in (None, race):
+    # 4 requests of 2 rows, then 1 of 8 (a block of rows of one request: one row of noise serves them all)
+    one, one_key = Race(torch.tensor([0]), torch.tensor([2**33 + 5]), torch.tensor([0.8])), torch.tensor([78])
+    for r, at in ((None, keys), (race, keys), (one, one_key)):
         on_dev = None if r is None else Race(r.greedy.to(DEV), r.seeds.to(DEV), r.temperature.to(DEV))
-        v, i = head_topk(out.to(DEV), head, k, on_dev, keys.to(DEV))
-        ref_v, ref_i = oracle(r)
-        assert torch.equal(i.cpu(), ref_i)
+        v, i = head_topk(out.to(DEV), head, k, on_dev, at.to(DEV))
+        ref_v, ref_i = oracle(r, at)
+        assert torch.equal(i.cpu(), ref_i), (v[0], ref_v[0])
         assert torch.allclose(v.cpu(), ref_v, atol=2e-2)
     many = head_topk(out.repeat(5, 1).to(DEV), head, k)  # 40 rows: the tiling for more than one block of rows
     assert torch.equal(many[1].cpu(), oracle(None)[1].repeat(5, 1))
@@ -942,7 +944,7 @@ def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
 
 def test_tree_step_kernels_equal_the_torch_oracles():
     """kernels/tree_step.py against spec/tree.py: the selection of a grown tree's best nodes over 114
-    candidates (two blocks of the kernel's ranking) with many tied scores, whose ties the stable sort
+    candidates (four blocks of the kernel's ranking) with many tied scores, whose ties the stable sort
     breaks by index."""
     from streamsd.kernels import tree_step as ks
     from streamsd.spec import tree as st

@@ -142,8 +142,16 @@ def _head_topk_kernel(x_ptr, stride, rows, norm_ptr, eps, w_ptr, scale_ptr, d2t_
         req = r64 // reps
         temp = tl.load(temp_ptr + req, mask=live, other=0.0)
         raced = (tl.load(greedy_ptr + req, mask=live, other=1) == 0) & (temp > 0)  # [BR]
-        key = _row_key(tl.load(seed_ptr + req, mask=live, other=0), tl.load(key_ptr + req, mask=live, other=0), stream)
-        gumbel = -tl.log(-tl.log(_to_unit(_mix(key[:, None] ^ _u32(ids * 0x61C88647)[None, :]))))  # [BR, BV]
+        first = (tl.program_id(0) * BLOCK_R).to(tl.int64) // reps
+        last = (tl.minimum(tl.program_id(0) * BLOCK_R + BLOCK_R, rows) - 1).to(tl.int64) // reps
+        if first == last:  # the block's rows all one request's (batch 1): one row of noise serves them all
+            key1 = _row_key(tl.load(seed_ptr + first), tl.load(key_ptr + first), stream)
+            noise = -tl.log(-tl.log(_to_unit(_mix(key1 ^ _u32(ids * 0x61C88647)))))  # [BV]
+            gumbel = tl.broadcast_to(noise[None, :], [BLOCK_R, BLOCK_V])
+        else:
+            key = _row_key(tl.load(seed_ptr + req, mask=live, other=0), tl.load(key_ptr + req, mask=live, other=0),
+                           stream)
+            gumbel = -tl.log(-tl.log(_to_unit(_mix(key[:, None] ^ _u32(ids * 0x61C88647)[None, :]))))  # [BR, BV]
         x = tl.where(raced[:, None], x / tl.where(raced, temp, 1.0)[:, None] + gumbel, x)
     best = tl.max(_pack(x, ids[None, :]), 1)  # [BR] the block's best: its value above its (lowest) id
     part = r64 * chunks + chunk  # [BR]
