@@ -106,7 +106,7 @@ def _head_topk_kernel(x_ptr, stride, rows, norm_ptr, eps, w_ptr, scale_ptr, d2t_
                       logits_ptr, greedy_ptr, seed_ptr, key_ptr, temp_ptr, reps, stream,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
                       BLOCK_H: tl.constexpr, STAGES: tl.constexpr, NORM: tl.constexpr, D2T: tl.constexpr,
-                      RACE: tl.constexpr, EXACT: tl.constexpr):
+                      RACE: tl.constexpr, ONE_REQUEST: tl.constexpr, EXACT: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -142,10 +142,8 @@ def _head_topk_kernel(x_ptr, stride, rows, norm_ptr, eps, w_ptr, scale_ptr, d2t_
         req = r64 // reps
         temp = tl.load(temp_ptr + req, mask=live, other=0.0)
         raced = (tl.load(greedy_ptr + req, mask=live, other=1) == 0) & (temp > 0)  # [BR]
-        first = (tl.program_id(0) * BLOCK_R).to(tl.int64) // reps
-        last = (tl.minimum(tl.program_id(0) * BLOCK_R + BLOCK_R, rows) - 1).to(tl.int64) // reps
-        if first == last:  # the block's rows all one request's (batch 1): one row of noise serves them all
-            key1 = _row_key(tl.load(seed_ptr + first), tl.load(key_ptr + first), stream)
+        if ONE_REQUEST:  # every row one request's (batch 1): one row of noise serves them all
+            key1 = _row_key(tl.load(seed_ptr), tl.load(key_ptr), stream)
             noise = -tl.log(-tl.log(_to_unit(_mix(key1 ^ _u32(ids * 0x61C88647)))))  # [BV]
             gumbel = tl.broadcast_to(noise[None, :], [BLOCK_R, BLOCK_V])
         else:
@@ -176,10 +174,9 @@ def _merge_blocks_kernel(stats_ptr, cand_ptr, logits_ptr, d2t_ptr, out_v_ptr, ou
     slot = tl.arange(0, KP)
     chosen = tl.full([KP], -1, tl.int32)  # [KP] the blocks, best first (-1: none)
     for j in tl.static_range(K):
-        best = tl.max(p, 0)
-        at = tl.max(tl.where(p == best, c, -1), 0)
+        best, at = tl.max(p, 0, return_indices=True)  # one reduction for both (the values are distinct)
         chosen = tl.where(slot == j, tl.where(best == _GONE, -1, at), chosen)
-        p = tl.where(p == best, _GONE, p)
+        p = tl.where(c == at, _GONE, p)
     v = chosen[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # [KP, BV] draft ids
     ok = (chosen[:, None] >= 0) & (v < vocab)
     x = tl.load(logits_ptr + row * chunks * BLOCK_V + v, mask=ok, other=float("-inf"))
@@ -224,7 +221,8 @@ def head_topk(out: torch.Tensor, head: DraftLogits, k: int, race: Race | None = 
     _head_topk_kernel[(triton.cdiv(r, BLOCK_R), chunks)](
         out, out.stride(0), r, head.norm if head.norm is not None else stats, head.eps, head.weight, head.scale, d2t,
         vocab, stats, cands, logits, *args, H=hidden, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=block_h, STAGES=stages,
-        NORM=head.norm is not None, D2T=head.d2t is not None, RACE=flags, EXACT=not out.is_cuda, num_warps=warps)
+        NORM=head.norm is not None, D2T=head.d2t is not None, RACE=flags,
+        ONE_REQUEST=race is not None and race.seeds.shape[0] == 1, EXACT=not out.is_cuda, num_warps=warps)
     _merge_blocks_kernel[(r,)](stats, cands, logits, d2t, out_v, out_i, chunks, vocab, K=k, KP=triton.next_power_of_2(k),
                                CHUNKS=triton.next_power_of_2(chunks), BLOCK_V=block_v, D2T=head.d2t is not None,
                                num_warps=4)
