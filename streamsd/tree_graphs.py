@@ -170,9 +170,8 @@ class TreeGraphs:
         ids, layout = static_layout(g.packed, g.block_table, b, w, self.scratch)
         layout = replace(layout, tree_bits=g.bits, tree_start=g.roots).for_host(bs)
         rows, t_all = g.rows, b * w
-        # Every row's streams and logits, not gathered; bf16 logits on CUDA, which the argmax and the race
-        # read as float32 themselves (the same tokens).
-        # (the streams straight into the store, at the rows' slots)
+        # Every row's logits, not gathered (bf16 on CUDA: the argmax and the race read them as float32
+        # themselves, the same tokens), and every row's streams straight into the store at its slot.
         out = self.target(ids, layout, self.cache, rows, hidden_layers=self.store.layers, every_row=True,
                           float_logits=not ids.is_cuda, streams_into=self.store.data)
         logits = out.logits  # [T, V]

@@ -87,7 +87,7 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
     direct = streams_into is not None and all(0 < j < len(layers) for j in hidden_layers)
 
     def keep(j: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:  # where the stream entering layer j goes
-        if streams_into is None or not direct or j not in hidden_layers:
+        if not direct or streams_into is None or j not in hidden_layers:  # (direct implies a store)
             return None
         return streams_into, layout.slot_mapping, hidden_layers.index(j) * a.hidden_size
 
