@@ -154,10 +154,11 @@ TREE_CASES = [  # per sequence: (tokens before the window, cached before them, t
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(TREE_CASES)))
-@pytest.mark.parametrize("splits", [1, 4])
-def test_tree_windows_match_reference(dtype, case, splits):
+@pytest.mark.parametrize(("splits", "per"), [(1, None), (4, None), (1, 16), (4, 16)])
+def test_tree_windows_match_reference(dtype, case, splits, per):
     """Draft-tree windows (spec/tree.py) beside causal queries in one step, through cuda_attention: each
-    window row sees the context and its own path, rows before a window attend causally."""
+    window row sees the context and its own path, rows before a window attend causally. per: rows of the
+    query tile a program takes (None: all), so a window's rows are split among programs."""
     from streamsd.tree_verify import host_tree
 
     seqs, kvh, heads, dim = TREE_CASES[case]
@@ -168,7 +169,8 @@ def test_tree_windows_match_reference(dtype, case, splits):
     ref = paged_attention_reference(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
     out = torch.full_like(q, float("nan"))
     pa.paged_attention(q, kc, vc, layout.block_table, layout.context_lens_t, layout.query_starts_t, dim**-0.5,
-                       max(counts), out=out, splits=splits, tree_bits=layout.tree_bits, tree_start=layout.tree_start)
+                       max(counts), out=out, splits=splits, tree_bits=layout.tree_bits, tree_start=layout.tree_start,
+                       rows_per_program=per)
     assert _rel(out, ref) < TOL[dtype]
     assert _rel(pa.cuda_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
 

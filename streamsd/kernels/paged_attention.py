@@ -7,7 +7,9 @@ live blocks (context_lens), TILE tokens at a time through the block table, with 
 Query i of a sequence sits at position ctx - qlen + i and sees keys up to there (causal inside
 the verify window). With SPLITS > 1 each sequence's tiles are shared among SPLITS programs
 (flash-decoding) and a second kernel merges their partial softmaxes: at batch 1 the grid would
-otherwise hold only num_kv_heads programs for a chip of 132 multiprocessors.
+otherwise hold only num_kv_heads programs for a chip of 132 multiprocessors. A draft tree's window
+(up to 64 tokens x GROUP rows) is further split by rows: each program takes 16 rows of the tile and
+walks its keys alone, a shorter chain a tile than the whole tile's, and the K/V reads repeat from L2.
 
 Everything the kernel reads is a device tensor of the BatchLayout, so it can be captured in a
 CUDA graph; the only static bound is the block table's width. Sequences whose query is longer than
@@ -28,6 +30,7 @@ from streamsd.model.kv_cache import BatchLayout
 KERNEL_MAX_QUERY = 16  # longest query (1 + k) the kernel takes; longer ones are prefill_attention's
 TREE_MAX_QUERY = 64  # ... in a step that verifies draft trees (a root and up to 62 nodes per window)
 TREE_MAX_SPLITS = 4
+ROWS_PER_TREE_PROGRAM = 16  # tl.dot's least
 MERGE_ROWS = 32  # rows of a tile each merging program takes: a tree window's tile is split among several
 TILE_TOKENS = 64  # keys per inner iteration (4 pages of 16)
 LOG2E = 1.4426950408889634
@@ -41,23 +44,26 @@ def _paged_attn_kernel(
     sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, s_bt,
     GROUP: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, TREE: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    split = tl.program_id(2) // (BLOCK_M // ROWS)
+    first = tl.program_id(2) % (BLOCK_M // ROWS) * ROWS  # the program's rows of the [BLOCK_M, D] tile
     q0 = tl.load(qs_ptr + seq)
     qlen = tl.load(qs_ptr + seq + 1) - q0
     ctx = tl.load(ctx_ptr + seq)
-    ctx = tl.where(qlen <= QMAX, ctx, 0)  # prompt chunks are the prefill kernel's
-    rows = tl.arange(0, BLOCK_M)
+    # Prompt chunks are the prefill kernel's; rows past the query walk no keys.
+    ctx = tl.where((qlen <= QMAX) & (first // GROUP < qlen), ctx, 0)
+    rows = first + tl.arange(0, ROWS)
     tok = rows // GROUP
     head = kvh * GROUP + rows % GROUP
     row_ok = (tok < qlen) & (tok < QMAX)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (q0 + tok)[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
-                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
-    qpos = ctx - qlen + tok  # [BLOCK_M]
-    bits = tl.zeros([BLOCK_M], tl.int64)
+                mask=row_ok[:, None], other=0.0)  # [ROWS, D]
+    qpos = ctx - qlen + tok  # [ROWS]
+    bits = tl.zeros([ROWS], tl.int64)
     win = -1
     if TREE:  # draft-tree windows: each row's visible window keys (spec/tree.py)
         bits = tl.load(tb_ptr + q0 + tok, mask=row_ok, other=0)
@@ -67,9 +73,9 @@ def _paged_attn_kernel(
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, n_tiles)
     # A finite floor instead of -inf keeps fully masked rows (possible inside one split) NaN-free.
-    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m = tl.full([ROWS], -1.0e30, tl.float32)
+    l_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     offs = tl.arange(0, TILE)
     for t in range(t_lo, t_hi):
         m, l_sum, acc = attend_tile(q, qpos, m, l_sum, acc, t * TILE + offs, ctx, bt_ptr + seq * s_bt, k_ptr, v_ptr,
@@ -77,7 +83,7 @@ def _paged_attn_kernel(
     if SPLITS == 1:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + (q0 + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         part = (seq * tl.num_programs(1) + kvh) * SPLITS + split
         tl.store(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * HEAD_DIM + d[None, :], acc)
@@ -141,6 +147,7 @@ def paged_attention(
     tree_bits: torch.Tensor | None = None,  # [T] int64 (kv_cache.BatchLayout.tree_bits)
     tree_start: torch.Tensor | None = None,  # [S] int64
     num_warps: int | None = None,
+    rows_per_program: int | None = None,
 ) -> torch.Tensor:
     """Attention of every sequence whose query length <= max_query (<= 16, or with draft trees <= 64);
     returns out [T, H, D]."""
@@ -159,29 +166,34 @@ def paged_attention(
             # A tree window's tile is up to 8x a decode token's: splitting a short context 16 ways left
             # most splits empty, and merging them cost more than the attention (the H200, batch 1).
             splits = min(splits, TREE_MAX_SPLITS)
+    if rows_per_program is None:
+        # A tree window's rows in programs of 16, each its own chain of tiles: at batch 1 on the H200, a
+        # 25-row window at 4 splits took 5.9 against 7.6 us a launch (all 128 rows a program, 8 warps) at a
+        # 256-token context, 7.0 against 9.8 at 512 (scripts/attn_tree_probe.py, docs/issue9-eagle/session28).
+        rows_per_program = ROWS_PER_TREE_PROGRAM if tree else block_m
+    rows = min(rows_per_program, block_m)
     if num_warps is None:
-        # A tree window's [128+, D] tile: 8 warps took 7.6 against 8.3 us a launch at a 256-token context,
-        # 11.9 against 13.4 at 768 (the H200, batch 1, 25 rows; scripts/attn_tree_probe.py).
-        num_warps = 8 if tree and block_m >= 128 else 4
+        num_warps = 8 if rows >= 128 else 4  # a [128, D] tile: 7.6 against 8.2 us with 4 warps (same probe)
+    assert rows >= 16 and block_m % rows == 0, "tl.dot takes 16 rows or more"
     if splits > 1:
         part_acc = torch.empty(num_seqs * kv_heads * splits * block_m * dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs * kv_heads * splits * 2 * block_m, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
     meta = dict(GROUP=group, QMAX=qmax, BLOCK_M=block_m, HEAD_DIM=dim)
-    _paged_attn_kernel[(num_seqs, kv_heads, splits)](
+    _paged_attn_kernel[(num_seqs, kv_heads, splits * (block_m // rows))](
         q, k_cache, v_cache, out, part_acc, part_ml, block_table, context_lens, query_starts,
         tree_bits if tree else context_lens, tree_start if tree else context_lens, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
-        PAGE=page, TILE=TILE_TOKENS, SPLITS=splits, IEEE=q.dtype == torch.float32, TREE=tree, **meta,
+        PAGE=page, TILE=TILE_TOKENS, SPLITS=splits, IEEE=q.dtype == torch.float32, TREE=tree, ROWS=rows, **meta,
         num_warps=num_warps, num_stages=2,
     )
     if splits > 1:
-        rows = min(block_m, MERGE_ROWS)
-        _merge_splits_kernel[(num_seqs, kv_heads, block_m // rows)](
+        merged = min(block_m, MERGE_ROWS)
+        _merge_splits_kernel[(num_seqs, kv_heads, block_m // merged)](
             part_acc, part_ml, out, context_lens, query_starts, out.stride(0), out.stride(1), SPLITS=splits,
-            ROWS=rows, **meta, num_warps=4,
+            ROWS=merged, **meta, num_warps=4,
         )
     return out
 
