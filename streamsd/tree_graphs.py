@@ -117,6 +117,7 @@ class TreeGraphs:
         g.packed.copy_(torch.from_numpy(host), non_blocking=True)
         side = np.zeros((g.bucket, 3 + 2 * nodes), dtype=np.int64)  # bits go separately (up to 2**62)
         side[:, 3:] = np.tile(np.r_[np.zeros(nodes, dtype=np.int64), np.full(nodes, NONE)], (g.bucket, 1))
+        side[:, 1] = 1  # padding rows greedy: their garbage logits are never raced
         side[:n, 0] = roots
         side[:n, 1] = [r.params.greedy for r in reqs]
         side[:n, 2] = [r.seed for r in reqs]
@@ -130,6 +131,7 @@ class TreeGraphs:
         g.bits.copy_(torch.from_numpy(all_bits), non_blocking=True)
         if g.mode == SAMPLED:
             wf = np.zeros((2, g.bucket), dtype=np.float32)
+            wf[0] = 1.0
             wf[:, :n] = [[r.params.temperature for r in reqs], [r.params.min_p for r in reqs]]
             g.warp_f.copy_(torch.from_numpy(wf), non_blocking=True)
             g.row_warp.copy_(torch.from_numpy(np.repeat(wf, w, axis=1)), non_blocking=True)

@@ -220,6 +220,25 @@ def test_warp_kernel_matches_the_torch_warp(vocab, chunked):
     assert _rel(reps, pairs) < 1e-5
 
 
+def test_sample_kernel_keeps_a_row_of_nan_inside_the_vocabulary():
+    """A graph's padding row holds garbage logits, NaN included. Raced, greedy or at temperature 0, its
+    token must still be an id of the vocabulary: the next step embeds it (a NaN row's race once named
+    the id one past the vocabulary, and the embedding's gather faulted on the H200)."""
+    from streamsd.kernels.warp import sample_tokens
+
+    vocab = 384  # less than the kernel's block: the block's tail lies past the vocabulary
+    logits = torch.randn(4, vocab)
+    logits[:3] = float("nan")
+    logits[3, 7] = float("nan")  # one NaN among real logits: it never wins
+    greedy = torch.tensor([0, 1, 0, 0])
+    temperature = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    ints = torch.cat([greedy, torch.tensor([3, 4, 5, 6]), torch.tensor([10, 11, 12, 13])]).to(DEV)
+    for dtype in DTYPES:
+        got = sample_tokens(logits.to(DEV, dtype), ints, temperature.to(DEV), torch.zeros(4, device=DEV),
+                            rng.TARGET).cpu()
+        assert ((got >= 0) & (got < vocab)).all() and got[3] != 7, got
+
+
 def test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path():
     """A plain sampled step's one launch (kernels/warp.sample_tokens) picks the token the rejection
     kernel emits for a row with no drafts, given the kernels' own probabilities and noise (so a seeded

@@ -98,7 +98,11 @@ def _sample_kernel(x_ptr, stride, ints_ptr, n, temp_ptr, min_p_ptr, out_ptr, voc
             score = x
         else:
             noise = -tl.log(_to_unit(_mix(key ^ _u32(idx.to(tl.int64) * 0x61C88647))))
-            score = tl.where(m, tl.math.div_rn(_prob(x, temp, top, total, floor, kept), noise), -1.0)
+            score = tl.where(m, tl.math.div_rn(_prob(x, temp, top, total, floor, kept), noise), float("-inf"))
+        # NaN (a graph padding row's garbage) equals nothing and lost to the ids past the vocabulary, whose
+        # argmax then named one (the next step's embedding read out of bounds): it ranks as -inf, and a
+        # row of nothing else gives id 0
+        score = tl.where(score == score, score, float("-inf"))
         c = tl.max(score, 0)
         i = tl.argmax(score, 0) + v0
         best_i = tl.where(c > best, i, best_i)
