@@ -239,6 +239,23 @@ def test_sample_kernel_keeps_a_row_of_nan_inside_the_vocabulary():
         assert ((got >= 0) & (got < vocab)).all() and got[3] != 7, got
 
 
+def test_rejection_kernel_keeps_a_row_of_nan_inside_the_vocabulary():
+    """The rejection kernel's bonus race over a row of NaN probabilities (garbage, or an overflowed
+    model) still names an id of the vocabulary, with and without a rejected draft."""
+    vocab, n = 384, 2
+    probs = torch.softmax(torch.randn(n, 2, vocab, generator=torch.Generator().manual_seed(3)), -1).to(DEV)
+    probs[0] = float("nan")  # [B, K + 1, V]: a row of NaN, and one NaN among real probabilities
+    probs[1, :, 5] = float("nan")
+    tokens, accepted = rj.rejection_sample_triton(VerifyInput(
+        target_probs=probs, target_argmax=torch.zeros(n, 2, dtype=torch.int64, device=DEV),
+        draft_ids=torch.tensor([[9], [9]], device=DEV), draft_probs=None,
+        dense_q=torch.zeros(n, dtype=torch.bool, device=DEV), num_drafts=torch.tensor([0, 1], device=DEV),
+        greedy=torch.zeros(n, dtype=torch.bool, device=DEV), uniforms=torch.ones(n, 1, device=DEV),
+        noise=torch.ones(n, 2, vocab, device=DEV)))
+    picked = tokens.cpu().gather(1, accepted.cpu().unsqueeze(1))
+    assert ((picked >= 0) & (picked < vocab)).all() and picked[1, 0] != 5, (tokens, accepted)
+
+
 def test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path():
     """A plain sampled step's one launch (kernels/warp.sample_tokens) picks the token the rejection
     kernel emits for a row with no drafts, given the kernels' own probabilities and noise (so a seeded

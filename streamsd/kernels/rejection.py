@@ -94,8 +94,12 @@ def _rejection_kernel(
                     q = tl.where(dense, qd, q)
                 r = tl.maximum(p - q, 0.0)
                 any_r = any_r | (tl.max(r, 0) > 0)
-                rr = tl.math.div_rn(r, e)
-                pp = tl.math.div_rn(p, e)
+                # NaN (a row of garbage, an overflowed model) ranks last: it loses every comparison, so an argmax
+                # over it may land past the vocabulary, which the next step would embed
+                rr = tl.where(m, tl.math.div_rn(r, e), -1.0)
+                rr = tl.where(rr == rr, rr, -1.0)
+                pp = tl.where(m, tl.math.div_rn(p, e), -1.0)
+                pp = tl.where(pp == pp, pp, -1.0)
                 c_r = tl.max(rr, 0)
                 c_p = tl.max(pp, 0)
                 i_r = tl.argmax(rr, 0) + v0
