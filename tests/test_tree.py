@@ -351,6 +351,12 @@ def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temp
     a, b = plain.generate(PROMPTS[:4], params), llm.generate(PROMPTS[:4], params)
     assert len(a[1].outputs[0].token_ids) <= 13
     assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
+    if temperature > 0:  # the last steps ran 3 requests in bucket 4: the padding row is greedy, never raced
+        from streamsd.tree_graphs import SAMPLED
+
+        g, width = w.tree_graphs.graphs[(4, SAMPLED)], w.tree_graphs.width
+        assert g.draws[0, 3].item() == 1 and bool((g.row_ints[0, 3 * width :] == 1).all())
+        assert g.warp_f[0, 3].item() == 1.0
     assert w.tree_graphs.replays > 0 and w.lookahead.taken > 0
     assert sum(r.spec_stats.accepted for r in b) > 0
     _assert_free(llm)
