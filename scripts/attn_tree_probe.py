@@ -1,7 +1,7 @@
 """How long the paged attention kernel takes at batch 1 on the default model's shape (9 query heads,
-3 KV heads, head_dim 64), decode (1 query row) against a draft tree's window (W rows), per split count
-warp count and rows a program takes of the [BLOCK_M, D] tile (all: "-"): 30 launches (a forward's layers) captured in a CUDA graph, replayed, microseconds a
-launch. Usage: python3 scripts/attn_tree_probe.py [contexts, e.g. 256,512,1024] [rows, e.g. 1,5,6t,25t]
+3 KV heads, head_dim 64), decode (1 query row) against a draft tree's window (W rows), per split count,
+warp count and rows a program takes of the [BLOCK_M, D] tile ("-": all): 30 launches (a forward's
+layers) captured in a CUDA graph, replayed, microseconds a launch. Usage: python3 scripts/attn_tree_probe.py [contexts, e.g. 256,512,1024] [rows, e.g. 1,5,6t,25t]
 (a row count ending in t is a tree window: its rows masked by tree bits; default 1,25t,32t)"""
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def _paged_attn_kernel(
     if SPLITS == 1:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + (q0 + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :],
-                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         part = (seq * tl.num_programs(1) + kvh) * SPLITS + split
         tl.store(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * HEAD_DIM + d[None, :], acc)
