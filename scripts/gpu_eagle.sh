@@ -216,7 +216,7 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     cp .gguf1/part1 /tmp/part1 && ls -l /tmp/part1 | tee -a "$OUT/run.log"
     log "CUDA tests: draft trees, the Triton tree windows, EAGLE's chains and graphs"
     timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_tree.py tests/test_kernels.py ${EAGLE_TESTS:+tests/test_eagle.py} \
-      -k "${TESTS_K:-cuda or tree or topk or bookkeeping or paged_attention or graph or warm}" > "$OUT/cuda_tests.log" 2>&1
+      -k "${TESTS_K:-cuda or tree or topk or bookkeeping or paged_attention or graph or warm or nan_inside}" > "$OUT/cuda_tests.log" 2>&1
     tail -15 "$OUT/cuda_tests.log" | tee -a "$OUT/run.log"
     ;;
   shapes)
