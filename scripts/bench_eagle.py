@@ -37,6 +37,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="auto", help="the engines' dtype: float32 shows that greedy answers match "
+                   "plain decoding's once bf16 rounding between 1-row and tree-sized passes is out of the way")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--phases", action="store_true", help="then time each phase of a step (ms per step)")
@@ -60,7 +62,7 @@ def main() -> None:
         methods = {m: s for m, s in methods.items() if m in a.methods.split(",") or m == "plain"
                    or m.startswith("tree-")}
     engines = {m: LLM(a.model, speculative_method=s, draft_model=a.head if s == "eagle" else None,
-                      num_speculative_tokens=a.k, device=a.device, max_num_seqs=4, kv_cache_tokens=8192,
+                      num_speculative_tokens=a.k, device=a.device, dtype=a.dtype, max_num_seqs=4, kv_cache_tokens=8192,
                       pipeline=False if m == "plain-seq" else None,
                       speculation_policy="adaptive" if m.endswith("-ad") else "fixed",
                       speculative_tree=m.removeprefix("tree-").split("/")[0] if m.startswith("tree-") else None,

@@ -31,7 +31,11 @@
 #                               TESTS_K: another pytest -k selection)
 #   scripts/gpu_eagle.sh trees  carry .gguf2b .whl (after stash + stash2; HEAD_DIR: another head): batch 1, 16 held-out x 256: plain, n-gram,
 #                               eagle k = 4 and the draft trees of TREES ('D,M,C,N;...'), T=0 and T=1 (PHASES=1:
-#                               host ms per phase; HF=1: HF transformers beside them)
+#                               host ms per phase; HF=1: HF transformers beside them;
+#                               DTYPE=float32: the engines in float32; TEMPS: e.g. 0)
+#   scripts/gpu_eagle.sh batches carry .gguf2b .whl (after stash + stash2): plain vs eagle adaptive vs TREE (default
+#                               4,6,6,24; GATE=N: and the tree while at most N decode) at BATCHES (default
+#                               1,4,16,64), T=0 and T=1 (scripts/tree_batch.py)
 #   scripts/gpu_eagle.sh shapes carry .gguf2b .whl (after stash + stash2): each tree shape of SHAPES alone on the
 #                               default model, graphs captured up to batch 16, answers beside plain's (BLOCKING=1:
 #                               CUDA_LAUNCH_BLOCKING=1, so a device-side assert names its kernel)
@@ -249,8 +253,18 @@ print(len(held), 'held-out prompts')" | tee -a "$OUT/run.log"
     log "batch 1, ${PROMPTS:-16} held-out x 256: plain, n-gram, eagle k=4, trees ${TREES:-6,6,6,31}"
     timeout ${LIMIT:-420} python3 scripts/bench_eagle.py --model $GGUF --head $SHIPPED --held-out $SHIPPED/training.json \
       --prompts ${PROMPTS:-16} --max-tokens 256 --device cuda $([ -n "${HF:-}" ] || echo --no-hf) --methods ${METHODS:-eagle,ngram} \
-      --trees "${TREES:-6,6,6,31}" ${PHASES:+--phases} --out "$OUT/trees.json" > "$OUT/trees.log" 2>&1
+      --trees "${TREES:-6,6,6,31}" ${PHASES:+--phases} ${DTYPE:+--dtype $DTYPE} ${TEMPS:+--temperatures $TEMPS} --out "$OUT/trees.json" > "$OUT/trees.log" 2>&1
     echo "bench exit $?" | tee -a "$OUT/run.log"; grep -v "^\[\|shards\|converting" "$OUT/trees.log" | tail -70 \
+      | tee -a "$OUT/run.log"
+    ;;
+  batches)
+    # carry .gguf2b .whl (after stash + stash2): plain vs the adaptive chain vs a tree as the batch grows
+    [ -f $GGUF ] || join_gguf
+    SHIPPED=streamsd/assets/eagle/smollm2-135m-instruct
+    log "batches ${BATCHES:-1,4,16,64}: plain, eagle adaptive, tree ${TREE:-4,6,6,24}"
+    timeout ${LIMIT:-500} python3 scripts/tree_batch.py --model $GGUF --head $SHIPPED --held-out $SHIPPED/training.json \
+      --tree ${TREE:-4,6,6,24} --gate ${GATE:-0} --batches ${BATCHES:-1,4,16,64} --out "$OUT/batches.json" > "$OUT/batches.log" 2>&1
+    echo "batches exit $?" | tee -a "$OUT/run.log"; grep -v "^\[\|shards\|onverting" "$OUT/batches.log" | tail -40 \
       | tee -a "$OUT/run.log"
     ;;
   kernels)
