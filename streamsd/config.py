@@ -61,8 +61,17 @@ class SpecConfig:
     # On CUDA a tree's drafts are ranked over an int8 copy of the head's lm_head (kernels/head_topk.py):
     # half the bytes a level; the target still verifies, so the output is the same either way.
     int8_draft_head: bool = True
+    # Speculate only while at most this many requests decode; larger batches take plain steps (0: always
+    # speculate). A tree verifies N + 1 tokens a request: on the H200 a 4,6,6,24 tree read 2.2-2.6x plain
+    # at batch 1 and 0.7x at 16, where the target's forward is no longer nearly free (tree_batch.py).
+    max_batch: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_batch < 0:
+            raise ValueError("speculative_max_batch must be >= 0 (0: no limit)")
+        if self.max_batch and self.policy != "fixed":
+            raise ValueError("the adaptive policy chooses plain steps itself: speculative_max_batch is for the "
+                             "fixed policy")
         if self.tree is not None and self.method != "eagle":
             raise ValueError("draft trees are grown by an EAGLE head: use speculative_method='eagle'")
         if self.tree is not None and self.policy != "fixed":

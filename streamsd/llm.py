@@ -53,6 +53,7 @@ class LLM:
         pipeline: bool | None = None,
         speculative_tree: str | TreeShape | None = None,
         int8_draft_head: bool = True,
+        speculative_max_batch: int = 0,
     ):
         if speculative_method is None and draft_model is not None:
             speculative_method = "draft"
@@ -61,7 +62,8 @@ class LLM:
             num_speculative_tokens = tree.nodes  # a tree verifies all its nodes
         spec = SpecConfig(method=speculative_method, num_tokens=num_speculative_tokens,  # type: ignore[arg-type]
                           draft_model=draft_model, draft_greedy_threshold=draft_greedy_threshold,
-                          policy=speculation_policy, tree=tree, int8_draft_head=int8_draft_head)  # type: ignore[arg-type]
+                          policy=speculation_policy, tree=tree, int8_draft_head=int8_draft_head,  # type: ignore[arg-type]
+                          max_batch=speculative_max_batch)
         cfg = EngineConfig(model=model, spec=spec, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_queue=1 << 40, pipeline=pipeline)  # offline: every prompt waits its turn

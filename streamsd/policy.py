@@ -113,13 +113,21 @@ def idle_replan_every(plan_s: float, step_s: float, budget: float) -> int:
 
 
 class FixedPolicy:
+    """k = K for every request, while at most `max_batch` requests decode (0: any number); plain steps
+    above it. The gate is set per step by `choose`, so requests joining the step follow it too."""
+
     plans_ahead = False  # its choice is a lookup: nothing to hide
 
+    def __init__(self, max_batch: int = 0):
+        self.max_batch = max_batch
+        self.speculating = True
+
     def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision:
+        self.speculating = not self.max_batch or len(decoding) <= self.max_batch
         return Decision({})  # every request takes default_k
 
     def default_k(self, r: Request) -> int:
-        return cap_k(r)
+        return cap_k(r) if self.speculating else 0
 
     def commit(self, decision: Decision, plan: StepPlan) -> None:
         pass

@@ -206,7 +206,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
 
         setup_cuda(worker, scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs)
         if tree is not None and cfg.cuda_graphs and isinstance(proposer, EagleProposer):
-            worker.tree_graphs = tree_graphs_for(worker, proposer, num_blocks, max_len)
+            worker.tree_graphs = tree_graphs_for(worker, proposer, num_blocks, max_len, cfg.spec.max_batch)
         if cfg.cuda_graphs:
             from streamsd.model.graphs import capture_all
 
@@ -220,7 +220,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
              "speculation: %s", path, device, dtype, seconds, num_blocks, max_len, q_slots, cfg.spec.num_tokens,
              args.vocab_size, q_bytes / 2**20,
              f"{cfg.spec.method}, k <= {cfg.spec.num_tokens}, {cfg.spec.policy}"
-             + (f", trees {cfg.spec.tree}" if cfg.spec.tree else "") if cfg.spec.enabled else "none")
+             + (f", trees {cfg.spec.tree}" if cfg.spec.tree else "")
+             + (f", while at most {cfg.spec.max_batch} requests decode" if cfg.spec.max_batch else "")
+             if cfg.spec.enabled else "none")
     # Everything loaded so far (modules, the tokenizer's vocabulary, graphs) lives as long as the
     # process: frozen, a full collection no longer walks it, which made it a step-sized pause.
     gc.collect()
@@ -246,7 +248,7 @@ def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerCon
 def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> SpeculationPolicy:
     """Fixed k, or the adaptive planner over a cost table profiled now, before any request."""
     if cfg.spec.policy != "adaptive" or not cfg.spec.enabled or worker.proposer is None:
-        return FixedPolicy()
+        return FixedPolicy(cfg.spec.max_batch)
     from streamsd.profiling import profile_worker
 
     t0 = time.perf_counter()

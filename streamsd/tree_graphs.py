@@ -257,10 +257,12 @@ class TreeGraphs:
         return g
 
 
-def tree_graphs_for(worker, proposer, scratch: int, max_len: int) -> TreeGraphs:
-    """The tree graphs of an EAGLE engine with trees (`worker.tree`), over its caches and its head."""
+def tree_graphs_for(worker, proposer, scratch: int, max_len: int, max_batch: int = 0) -> TreeGraphs:
+    """The tree graphs of an EAGLE engine with trees (`worker.tree`), over its caches and its head;
+    `max_batch`: the most requests a tree step holds (SpecConfig.max_batch; 0: no limit)."""
     shape = worker.tree
     bs = worker.cache.block_size
     max_blocks = -(-(max_len + 2 * shape.nodes + 2 * shape.depth + 2) // bs) + 1
+    buckets = tuple(buckets_up_to(TREE_BUCKETS, max_batch)) if max_batch else TREE_BUCKETS
     return TreeGraphs(worker.target, worker.cache, proposer.store, proposer._run, proposer.head, shape, scratch,
-                      max_blocks, worker.device)
+                      max_blocks, worker.device, buckets)

@@ -193,15 +193,14 @@ class _Alternating(FixedPolicy):
     """`plain` steps at k = 0 for every request, then `spec` steps at the request's k, and again."""
 
     def __init__(self, plain: int, spec: int):
-        self.plain, self.spec, self.steps, self.speculating = plain, spec, 0, False
+        super().__init__()
+        self.plain, self.spec, self.steps = plain, spec, 0
 
     def choose(self, decoding, prefill_tokens, backlog):
+        decision = super().choose(decoding, prefill_tokens, backlog)
         self.steps += 1
-        self.speculating = (self.steps - 1) % (self.plain + self.spec) >= self.plain
-        return super().choose(decoding, prefill_tokens, backlog)
-
-    def default_k(self, r):
-        return super().default_k(r) if self.speculating else 0
+        self.speculating = (self.steps - 1) % (self.plain + self.spec) >= self.plain  # FixedPolicy.default_k reads it
+        return decision
 
 
 @pytest.mark.parametrize("engine", [

@@ -316,6 +316,50 @@ def test_trees_under_preemption_stops_and_logprobs(tiny_model_dir, head, referen
     _assert_free(llm)
 
 
+CUDA_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize(("device", "pipeline"), [("cpu", False), ("cpu", True),
+                                                  pytest.param("cuda", None, marks=CUDA_ONLY)])
+def test_trees_gated_by_the_batch_switch_with_plain_steps_exactly(tiny_model_dir, head, device, pipeline):
+    """speculative_max_batch=2: six requests decode plain steps (their first trees are dropped), then the
+    last two catch their heads up from the stream store and draft trees. Greedy and seeded answers equal
+    plain decoding's; with steps queued ahead (pipeline; on CUDA with tree graphs) the switches take the
+    held step; nothing leaks."""
+    kw = dict(device=device, pipeline=pipeline, dtype="float32", kv_cache_tokens=8192)
+    plain = LLM(str(tiny_model_dir), **kw)
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10",
+              speculative_max_batch=2, **kw)
+    if device == "cuda":  # graphs for the buckets a tree step can fill, no more
+        assert sorted({b for b, _ in llm.core.rt.worker.tree_graphs.graphs}) == [1, 2]
+    policy = llm.core.scheduler.policy
+    gates: list[bool] = []
+    choose = policy.choose
+
+    def record(*args):
+        decision = choose(*args)
+        gates.append(policy.speculating)
+        return decision
+
+    policy.choose = record  # type: ignore[method-assign]
+    sampled = [SamplingParams(temperature=0.9, max_tokens=n, seed=7 + n, ignore_eos=True) for n in MAX_TOKENS]
+    for params in (greedy_params(), sampled):
+        gates.clear()
+        a, b = plain.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+        assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
+        plain_then_tree = [i for i in range(1, len(gates)) if gates[i] and not gates[i - 1]]
+        assert False in gates and plain_then_tree, gates
+        longest = [r for r, n in zip(b, MAX_TOKENS, strict=True) if n >= 24]
+        assert all(r.spec_stats.drafted > 0 for r in longest) and sum(r.spec_stats.accepted for r in longest) > 0
+        # answers that end while three or more decode verify no drafts: their trees were dropped
+        assert all(r.spec_stats.drafted == 0 for r, n in zip(b, MAX_TOKENS, strict=True) if n <= 17)
+    if device == "cuda":
+        assert llm.core.rt.worker.tree_graphs.replays > 0
+    _assert_free(llm)
+    with pytest.raises(ValueError, match="adaptive"):
+        SpecConfig(method="eagle", max_batch=2, policy="adaptive")
+
+
 def test_tree_shapes_and_settings_are_checked():
     assert TreeShape.parse("6,6,6,31") == TreeShape(6, 6, 6, 31)
     for bad in ("6,6,6", "6,7,6,31", "6,6,6,70", "2,2,2,9", "6,8,8,20", "x"):
