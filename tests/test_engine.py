@@ -67,6 +67,24 @@ def test_greedy_plain_and_ngram_and_random_draft_are_token_identical(tiny_model_
         _assert_free(llm)
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_chains_gated_by_the_batch_stay_exact(tiny_model_dir, close_draft_dir, reference, method):
+    """speculative_max_batch=2 with a chain proposer: plain steps while three or more decode (a draft
+    model falls behind and catches up once the batch is down to two), the same text as plain decoding."""
+    draft = str(close_draft_dir) if method == "draft" else None
+    llm = LLM(str(tiny_model_dir), speculative_method=method, draft_model=draft, speculative_max_batch=2)
+    res = llm.generate(PROMPTS, greedy_params())
+    assert [r.outputs[0].token_ids for r in res] == reference
+    drafted = [r.spec_stats.drafted for r in res]
+    # the longest answer (30 tokens, counting) drafts once the batch is down to two; those ending while
+    # three or more decode verify no drafts
+    assert drafted[2] > 0
+    if method == "draft":  # a close draft model, caught up, is accepted (n-gram guesses on this text fail)
+        assert res[2].spec_stats.accepted > 0
+    assert all(d == 0 for d, n in zip(drafted, MAX_TOKENS, strict=True) if n <= 17), drafted
+    _assert_free(llm)
+
+
 def test_qwen2_target_with_llama_draft(qwen_target_dir, tiny_draft_dir):
     ref = hf_greedy(qwen_target_dir, PROMPTS, MAX_TOKENS)
     llm = LLM(str(qwen_target_dir), draft_model=str(tiny_draft_dir), num_speculative_tokens=3)
