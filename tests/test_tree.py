@@ -360,6 +360,37 @@ def test_trees_gated_by_the_batch_switch_with_plain_steps_exactly(tiny_model_dir
         SpecConfig(method="eagle", max_batch=2, policy="adaptive")
 
 
+def test_gated_trees_under_aborts_free_everything(tiny_model_dir, head):
+    """Aborts in both regimes of a gated tree engine with steps queued ahead: among eight decoding plain
+    steps, then down to two drafting trees, then one of those two mid-tree. The survivor's seeded answer
+    is plain decoding's; every block, q slot and tracker is freed."""
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10",
+              speculative_max_batch=2, pipeline=True, kv_cache_tokens=2048)
+    core, ids = llm.core, [f"r{i}" for i in range(12)]
+    params = [SamplingParams(temperature=1.0, max_tokens=40, seed=i, ignore_eos=True) for i in range(12)]
+    for rid, prompt, sp in zip(ids, PROMPTS * 2, params, strict=True):
+        core.add_request(rid, core.encode_prompt(prompt), sp)
+    aborts = {3: ids[:4], 10: ids[4:10], 16: ids[10:11]}
+    finished: dict[str, str] = {}
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    steps, gates = 0, []
+    while core.has_work:
+        steps += 1
+        for rid in aborts.get(steps, []):
+            core.abort(rid)
+        for out in core.step():
+            tokens[out.request_id].extend(out.token_ids)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason or ""
+        gates.append(core.scheduler.policy.speculating)
+    assert sorted(finished) == sorted(ids)
+    assert {finished[r] for r in ids[:11]} == {"cancelled"} and finished["r11"] == "length"
+    assert False in gates[:10] and all(gates[12:16]), gates
+    plain = LLM(str(tiny_model_dir)).generate([PROMPTS[5]], [params[11]])[0]
+    assert tokens["r11"] == plain.outputs[0].token_ids
+    _assert_free(llm)
+
+
 def test_tree_shapes_and_settings_are_checked():
     assert TreeShape.parse("6,6,6,31") == TreeShape(6, 6, 6, 31)
     for bad in ("6,6,6", "6,7,6,31", "6,6,6,70", "2,2,2,9", "6,8,8,20", "x"):
