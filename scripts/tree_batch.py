@@ -55,7 +55,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 secs = time.perf_counter() - t0
                 tokens = sum(len(r.outputs[0].token_ids) for r in outs)
-                steps = sum(r.spec_stats.steps for r in outs)  # speculative steps; emitted: their tokens
+                steps = sum(r.spec_stats.steps for r in outs)  # every step that emitted, plain ones too
                 emitted = sum(r.spec_stats.emitted for r in outs)
                 rate = tokens / secs
                 base = base or rate
@@ -67,8 +67,8 @@ def main() -> None:
     print("build seconds (graphs included):", built)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"model": a.model, "tree": a.tree, "gate": a.gate, "max_tokens": a.max_tokens, "built_s": built, "rows": rows},
-                      f, indent=1)
+            json.dump({"model": a.model, "tree": a.tree, "gate": a.gate, "max_tokens": a.max_tokens,
+                       "built_s": built, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
