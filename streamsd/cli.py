@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_K = 4  # --num-speculative-tokens
 DEFAULT_TREE = "4,6,6,24"  # the default model's shipped head on CUDA (default_tree)
 TREE_MAX_BATCH = 4  # draft trees while at most this many requests decode (SpecConfig.max_batch)
 
@@ -30,7 +31,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--speculative-method", choices=["draft", "ngram", "eagle", "none"], default=None,
                    help="default: draft with --draft-model; for the embedded default model its shipped EAGLE "
                         "head on CUDA, ngram on a CPU; else none")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="K, the most drafts verified per step")
+    p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_K, help="K, the most drafts verified per step")
     p.add_argument("--speculation-policy", choices=["adaptive", "fixed"], default=None,
                    help="adaptive (the default for chains): k per request and step from measured costs and "
                         "acceptance; fixed: always K")
@@ -41,7 +42,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
                         "for the embedded default model's shipped head on CUDA; 'none': chains")
     p.add_argument("--speculative-max-batch", type=int, default=None, metavar="N",
                    help="speculate only while at most N requests decode, plain steps above (0: always); default: "
-                        f"{TREE_MAX_BATCH} with draft trees, 0 otherwise (the adaptive policy decides by itself)")
+                        f"{TREE_MAX_BATCH} with draft trees, 0 otherwise; given for a chain, the policy is fixed (the "
+                        "adaptive policy decides by itself)")
     p.add_argument("--no-int8-draft-head", dest="int8_draft_head", action="store_false",
                    help="CUDA draft trees: rank drafts over the head's lm_head as it is, not an int8 copy")
     p.add_argument("--draft-greedy-threshold", type=float, default=0.75,
@@ -81,7 +83,7 @@ def default_tree(a: argparse.Namespace, method: str) -> str | None:
 
     if a.speculative_tree is not None:
         return None if a.speculative_tree == "none" else a.speculative_tree
-    chain_asked = a.speculation_policy is not None or a.num_speculative_tokens != 4
+    chain_asked = a.speculation_policy is not None or a.num_speculative_tokens != DEFAULT_K
     if method != "eagle" or a.model != DEFAULT_MODEL or a.draft_model or chain_asked:
         return None
     return DEFAULT_TREE if pick_device(a.device).type == "cuda" else None
@@ -94,10 +96,12 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     shape = default_tree(a, method)
     tree = TreeShape.parse(shape) if shape else None
     max_batch = a.speculative_max_batch if a.speculative_max_batch is not None else TREE_MAX_BATCH if tree else 0
+    # A gate asked for with a chain and no policy means the fixed one (the adaptive policy gates itself).
+    gated_chain = bool(a.speculative_max_batch) and a.speculation_policy is None
+    policy = "fixed" if tree or gated_chain else a.speculation_policy or "adaptive"
     spec = SpecConfig(method=None if method == "none" else method,
                       num_tokens=tree.nodes if tree else a.num_speculative_tokens, draft_model=a.draft_model,
-                      draft_greedy_threshold=a.draft_greedy_threshold,
-                      policy="fixed" if tree else a.speculation_policy or "adaptive", tree=tree,
+                      draft_greedy_threshold=a.draft_greedy_threshold, policy=policy, tree=tree,
                       int8_draft_head=a.int8_draft_head, max_batch=max_batch)
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,

@@ -50,6 +50,9 @@ def test_default_model_on_cuda_drafts_trees_while_the_batch_is_small():
                   spec("--device", "cuda", "--num-speculative-tokens", "3")):
         assert chain.method == "eagle" and chain.tree is None and chain.max_batch == 0
     assert spec("--device", "cuda", "--speculative-tree", "none").policy == "adaptive"
+    gated_chain = spec("--device", "cuda", "--speculative-tree", "none", "--speculative-max-batch", "8")
+    assert (gated_chain.tree, gated_chain.policy, gated_chain.max_batch) == (None, "fixed", 8)
+    assert spec("--device", "cuda", "--speculative-tree", "none", "--speculative-max-batch", "0").policy == "adaptive"
     given = spec("--device", "cuda", "--speculative-tree", "3,8,8,24")
     assert (str(given.tree), given.policy, given.max_batch) == ("3,8,8,24", "fixed", TREE_MAX_BATCH)
     cpu = spec("--device", "cpu")
