@@ -11,7 +11,7 @@ from functools import partial
 
 import torch
 
-from streamsd.kernels.paged_attention import paged_attention
+from streamsd.kernels.attention.paged import paged_attention
 
 HEADS, KV_HEADS, DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
 

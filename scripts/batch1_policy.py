@@ -15,9 +15,9 @@ import argparse
 import json
 import random
 
-from streamsd.adaptive import CostTable
-from streamsd.adaptive.cost import StepTable
-from streamsd.policy import AdaptivePolicy, StepShape
+from streamsd.policy.adaptive import CostTable
+from streamsd.policy.adaptive.cost import StepTable
+from streamsd.policy.policy import AdaptivePolicy, StepShape
 from streamsd.request import Request, SamplingParams
 
 DEPTH_STEPS = (1.050, 1.115, 1.028)  # the shipped head's eval_report.json (spec/eagle_ckpt.measured_depth_steps)

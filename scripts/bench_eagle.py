@@ -54,7 +54,7 @@ def main() -> None:
     from streamsd import LLM, SamplingParams
 
     prompts = json.load(open(a.held_out))["held_out"][: a.prompts]
-    # plain-seq: plain decoding with each step read before the next is queued (no lookahead.py)
+    # plain-seq: plain decoding with each step read before the next is queued (no worker/lookahead.py)
     trees = [t for t in (a.trees or "").split(";") if t]
     methods = {"plain": None, "plain-seq": None, "ngram": "ngram", "eagle": "eagle",
                **({"eagle-ad": "eagle"} if a.adaptive else {}), **{f"tree-{t}": "eagle" for t in trees}}
@@ -135,7 +135,7 @@ def main() -> None:
                          "tau": round(emitted / steps, 3) if steps else None,
                          **({"same_as_plain": f"{same[m]}/{len(prompts)}"}
                             if m.startswith(("eagle", "tree")) and temp == 0 else {}),
-                         # Steps queued ahead and taken / dropped (lookahead.py): a drop wastes a step.
+                         # Steps queued ahead and taken / dropped (worker/lookahead.py): a drop wastes a step.
                          **({"queued_taken_dropped": [a - b for a, b in zip(_queued(engines[m]), queued[m], strict=True)]}
                             if m in engines else {}),
                          **({"kernel_compiles": compiles[m]} if m in engines else {}),
@@ -179,21 +179,21 @@ def _phases(engines: dict[str, Any], prompt: str, max_tokens: int, temperature: 
     """Host seconds per phase of a step, per engine: the methods below are wrapped with a timer for
     one answer at `temperature`. Nested phases are included in their callers' (`Verifier.verify` holds the
     read of its tokens); `Tensor.tolist` is where the host waits for the GPU."""
-    import streamsd.pipelined as pipelined
-    import streamsd.tree_step as tree_step
-    import streamsd.verify as verify_module
+    import streamsd.sample.verify as verify_module
+    import streamsd.worker.pipelined as pipelined
+    import streamsd.worker.tree_runner as tree_step
     from streamsd import SamplingParams
-    from streamsd.core import EngineCore
-    from streamsd.lookahead import Readback
-    from streamsd.model.graphs import GraphRunner
-    from streamsd.policy import AdaptivePolicy
-    from streamsd.sampling import rng
-    from streamsd.scheduler import Scheduler
-    from streamsd.spec.eagle import EagleProposer
-    from streamsd.spec.eagle_graphs import EagleGraphs
-    from streamsd.tree_graphs import TreeGraphs
-    from streamsd.verify import Verifier
-    from streamsd.worker import Worker
+    from streamsd.engine.core import EngineCore
+    from streamsd.policy.policy import AdaptivePolicy
+    from streamsd.sample import rng
+    from streamsd.sample.verify import Verifier
+    from streamsd.sched.scheduler import Scheduler
+    from streamsd.spec_decode.eagle.graphs import EagleGraphs
+    from streamsd.spec_decode.eagle.proposer import EagleProposer
+    from streamsd.worker.graphs import GraphRunner
+    from streamsd.worker.lookahead import Readback
+    from streamsd.worker.tree_graphs import TreeGraphs
+    from streamsd.worker.worker import Worker
 
     wrapped = {Worker: ["step", "_forward", "_propose"], Verifier: ["verify", "_sample_plain", "launch"],
                pipelined: ["plain_step", "chained_step", "_queue_plain", "_queue_chained"],

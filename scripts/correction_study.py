@@ -1,4 +1,4 @@
-"""How well a cost-table key's online correction prices step times with a tail (adaptive/cost.py).
+"""How well a cost-table key's online correction prices step times with a tail (policy/adaptive/cost.py).
 
 Feeds one speculative key of a graph table sequences of measured step times and prints, per kind of
 sequence, the mean over 200 seeds of Σ predicted / Σ measured over steps 10-40 (1.00: the key is
@@ -12,8 +12,8 @@ import random
 import statistics
 from collections.abc import Callable
 
-from streamsd.adaptive import CostTable
-from streamsd.adaptive.shape import ShapeTable
+from streamsd.policy.adaptive import CostTable
+from streamsd.policy.adaptive.shape import ShapeTable
 
 B, TOKENS, K = 16, 80, 4
 

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from streamsd.adaptive import expected_tokens
+from streamsd.policy.adaptive import expected_tokens
 
 VARIANTS = {
     "base": ["--lr", "2e-3", "--norm-before-residual", "off"],  # the session 3 head's settings

@@ -1,5 +1,5 @@
 """A tree level's children on the H200: the head's norm, bf16 lm_head GEMM and chunked top-k (three
-launches, kernels/topk.py) against one pass over an int8 lm_head (kernels/head_topk.py) and its merge,
+launches, kernels/sample/topk.py) against one pass over an int8 lm_head (kernels/tree/head_topk.py) and its merge,
 at the default model's shapes (49152 x 576), for the rows a level has at batch 1 and 4. Each variant
 runs 30 times inside one CUDA graph, replayed 50 times: us a call. Also how often the two agree on
 the best id, and the merge launch alone.
@@ -21,8 +21,8 @@ import triton
 from attn_tree_probe import time_us  # scripts/: 30 calls in a CUDA graph, replayed
 
 from streamsd.kernels.fused import add_rmsnorm
-from streamsd.kernels.head_topk import DraftLogits, _merge_blocks_kernel, head_topk
-from streamsd.kernels.topk import topk_logprobs
+from streamsd.kernels.sample.topk import topk_logprobs
+from streamsd.kernels.tree.head_topk import DraftLogits, _merge_blocks_kernel, head_topk
 
 
 def _native(out: torch.Tensor, norm: torch.Tensor, eps: float, w: torch.Tensor, k: int

@@ -18,17 +18,17 @@ import torch
 
 
 def targets() -> list[tuple[Any, str]]:
-    import streamsd.model.graphs as graphs
-    import streamsd.pipelined as pipelined
-    import streamsd.spec.eagle_graphs as eagle_graphs
-    import streamsd.verify as verify
-    from streamsd.core import EngineCore
-    from streamsd.lookahead import Lookahead, Readback
-    from streamsd.sampling import rng
-    from streamsd.sampling.warp import WarpParams
-    from streamsd.scheduler import Scheduler
-    from streamsd.spec.eagle import EagleProposer
-    from streamsd.worker import Worker
+    import streamsd.sample.verify as verify
+    import streamsd.spec_decode.eagle.graphs as eagle_graphs
+    import streamsd.worker.graphs as graphs
+    import streamsd.worker.pipelined as pipelined
+    from streamsd.engine.core import EngineCore
+    from streamsd.sample import rng
+    from streamsd.sample.warp import WarpParams
+    from streamsd.sched.scheduler import Scheduler
+    from streamsd.spec_decode.eagle.proposer import EagleProposer
+    from streamsd.worker.lookahead import Lookahead, Readback
+    from streamsd.worker.worker import Worker
 
     return [(EngineCore, "step"), (EngineCore, "emit"), (EngineCore, "finish_step"), (Scheduler, "schedule"),
             (Scheduler, "update"), (Worker, "step"), (Worker, "_forward"), (Worker, "_propose"),

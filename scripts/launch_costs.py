@@ -13,7 +13,7 @@ import torch
 from tiny_eagle import build_tiny_eagle
 
 from streamsd import LLM, SamplingParams
-from streamsd.kernels.rng import _uniforms_kernel
+from streamsd.kernels.sample.rng import _uniforms_kernel
 
 
 def host_us(fn: Callable[[], object], busy: bool = False, n: int = 25) -> float:

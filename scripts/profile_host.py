@@ -20,17 +20,16 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny import build_model, build_tokenizer  # noqa: E402
-
 from streamsd.bench import offline_run as R  # noqa: E402
 from streamsd.config import EngineConfig, SpecConfig  # noqa: E402
-from streamsd.core import EngineCore  # noqa: E402
-from streamsd.policy import AdaptivePolicy  # noqa: E402
-from streamsd.runtime import build_runtime  # noqa: E402
-from streamsd.scheduler import Scheduler  # noqa: E402
-from streamsd.spec.synthetic import SyntheticProposer  # noqa: E402
-from streamsd.verify import Verifier  # noqa: E402
-from streamsd.worker import Worker  # noqa: E402
+from streamsd.engine.builder import build_runtime  # noqa: E402
+from streamsd.engine.core import EngineCore  # noqa: E402
+from streamsd.policy.policy import AdaptivePolicy  # noqa: E402
+from streamsd.sample.verify import Verifier  # noqa: E402
+from streamsd.sched.scheduler import Scheduler  # noqa: E402
+from streamsd.spec_decode.synthetic import SyntheticProposer  # noqa: E402
+from streamsd.worker.worker import Worker  # noqa: E402
+from tests.tiny import build_model, build_tokenizer  # noqa: E402
 
 PHASES = {Worker: ["_forward", "_propose"], Verifier: ["verify", "_sample_plain"], Scheduler: ["schedule", "update"],
           EngineCore: ["emit", "finish_step"], AdaptivePolicy: ["choose", "observe"],

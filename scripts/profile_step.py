@@ -9,9 +9,9 @@ import time
 import torch
 
 from streamsd.bench.offline_run import floor_step_ms
-from streamsd.model.graphs import GraphConfig, GraphRunner, forward_logits
 from streamsd.model.kv_cache import PagedKVCache
 from streamsd.model.presets import build_preset
+from streamsd.worker.graphs import GraphConfig, GraphRunner, forward_logits
 
 
 def main() -> None:
@@ -20,7 +20,7 @@ def main() -> None:
     ctx = 128
     dev, dtype = torch.device("cuda"), torch.bfloat16
     model, _ = build_preset(name, dev, dtype)
-    from streamsd.kernels.paged_attention import cuda_attention
+    from streamsd.kernels.attention.paged import cuda_attention
     from streamsd.model.fast_forward import enable_fast_forward
 
     model.attend = cuda_attention

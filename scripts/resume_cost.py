@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from scripted_policy import ScriptedPolicy  # noqa: E402
 from tiny_eagle import build_tiny_eagle  # noqa: E402
 
 from streamsd import LLM, SamplingParams  # noqa: E402
+from tests.scripted_policy import ScriptedPolicy  # noqa: E402
 
 
 def _counters(worker) -> dict[str, int]:

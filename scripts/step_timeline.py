@@ -79,12 +79,12 @@ class Stamps:
         self.steps = []
 
     def __enter__(self) -> Stamps:
-        import streamsd.pipelined as pipelined
-        import streamsd.tree_step as tree_step
-        from streamsd.core import EngineCore
-        from streamsd.lookahead import Lookahead, Readback
-        from streamsd.tree_graphs import TreeGraphs
-        from streamsd.worker import Worker
+        import streamsd.worker.pipelined as pipelined
+        import streamsd.worker.tree_runner as tree_step
+        from streamsd.engine.core import EngineCore
+        from streamsd.worker.lookahead import Lookahead, Readback
+        from streamsd.worker.tree_graphs import TreeGraphs
+        from streamsd.worker.worker import Worker
 
         def wrap(owner: Any, name: str, around: Any) -> None:
             fn = getattr(owner, name)
@@ -139,8 +139,8 @@ class Stamps:
                 return run
             return around
 
-        from streamsd.spec.eagle import EagleProposer
-        from streamsd.verify import Verifier
+        from streamsd.sample.verify import Verifier
+        from streamsd.spec_decode.eagle.proposer import EagleProposer
 
         wrap(Worker, "_forward", phase("forward"))
         wrap(Verifier, "verify", phase("verify"))

@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny import build_model  # noqa: E402
-
-from streamsd.runtime import load_model  # noqa: E402
-from streamsd.spec.eagle_ckpt import new_head, save_head  # noqa: E402
+from streamsd.engine.builder import load_model  # noqa: E402
+from streamsd.spec_decode.eagle.checkpoint import new_head, save_head  # noqa: E402
+from tests.tiny import build_model  # noqa: E402
 
 
 def build_tiny_eagle() -> tuple[Path, Path]:

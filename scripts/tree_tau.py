@@ -3,9 +3,9 @@
 For each held-out prompt the target answers (greedy, or sampled at --temperature with a seed); one
 causal pass gives the target's streams at every position and one head pass its context K/V. Then,
 step by step from the end of the prompt, each shape's tree is grown from the head's state at the
-pending token (spec/eagle_tree.py's algorithm, with dense masks), and the step accepts the longest
+pending token (spec_decode/eagle/tree.py's algorithm, with dense masks), and the step accepts the longest
 tree path matching the answer. That is the walk's outcome exactly: the walk samples the target at
-each row, and following its own answer is one such sample (tree_verify.py). τ = tokens per step.
+each row, and following its own answer is one such sample (sample/tree_verify.py). τ = tokens per step.
 
 At T > 0 the answer is plain decoding's seeded one, and `--rank` says how children are ranked:
 `q` by the head's probabilities, `race` by the target's race at their position
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from streamsd import LLM, SamplingParams
 from streamsd.config import TreeShape
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
-from streamsd.spec.eagle_tree import Race, race_logits
+from streamsd.spec_decode.eagle.tree import Race, race_logits
 
 HELD_OUT = "streamsd/assets/eagle/smollm2-135m-instruct/training.json"
 

@@ -69,7 +69,7 @@ def default_speculation(model: str, draft_model: str | None, device: str | None)
         return "draft"
     if model != DEFAULT_MODEL:
         return "none"
-    from streamsd.runtime import pick_device
+    from streamsd.engine.builder import pick_device
 
     return "eagle" if pick_device(device).type == "cuda" else "ngram"
 
@@ -79,7 +79,7 @@ def default_tree(a: argparse.Namespace, method: str) -> str | None:
     on CUDA, unless a chain setting was asked for (a policy, K, another head). On the H200 at batch 1
     (16 held-out prompts x 256 tokens) it reads 2.6x plain at T=0 and 2.1x at T=1, the adaptive chain
     ~1x (docs/issue9-eagle/session29/)."""
-    from streamsd.runtime import pick_device
+    from streamsd.engine.builder import pick_device
 
     if a.speculative_tree is not None:
         return None if a.speculative_tree == "none" else a.speculative_tree
@@ -109,8 +109,8 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from streamsd.core import EngineCore
-    from streamsd.runtime import build_runtime
+    from streamsd.engine.builder import build_runtime
+    from streamsd.engine.core import EngineCore
     from streamsd.server.serve import serve
     from streamsd.server.state import ServerState
 
@@ -122,9 +122,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from streamsd.core import EngineCore
+    from streamsd.engine.builder import build_runtime
+    from streamsd.engine.core import EngineCore
     from streamsd.request import SamplingParams
-    from streamsd.runtime import build_runtime
 
     cfg = _engine_config(a)
     core = EngineCore(build_runtime(cfg), cfg.spec)
@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.set_defaults(func=cmd_pull)
 
-    from streamsd.spec import train_eagle
+    from streamsd.train import cli as train_eagle
 
     t = sub.add_parser("train-draft", help="train an EAGLE draft head for a model by self-distillation")
     train_eagle.add_arguments(t)

@@ -12,7 +12,7 @@ MAX_TREE_NODES = 62  # a tree's window (its root and nodes) fits one int64 bitma
 
 @dataclass(frozen=True, slots=True)
 class TreeShape:
-    """How an EAGLE head grows a draft tree each step (spec/eagle_tree.py): the `branch` likeliest
+    """How an EAGLE head grows a draft tree each step (spec_decode/eagle/tree.py): the `branch` likeliest
     children of the root, then for each further level the `frontier` likeliest nodes of the last one
     each get their `branch` likeliest children, `depth` levels in all; the `nodes` likeliest of them
     (by path probability) are verified. A chain of k is TreeShape(k, 1, 1, k)."""
@@ -58,7 +58,7 @@ class SpecConfig:
     # An EAGLE head drafts a tree of this shape per step instead of a chain (`num_tokens` is then its
     # node count: the drafts a step verifies).
     tree: TreeShape | None = None
-    # On CUDA a tree's drafts are ranked over an int8 copy of the head's lm_head (kernels/head_topk.py):
+    # On CUDA a tree's drafts are ranked over an int8 copy of the head's lm_head (kernels/tree/head_topk.py):
     # half the bytes a level; the target still verifies, so the output is the same either way.
     int8_draft_head: bool = True
     # Speculate only while at most this many requests decode; larger batches take plain steps (0: always
@@ -100,15 +100,15 @@ class SchedulerConfig:
     block_size: int = BLOCK_SIZE
     max_queue: int = 1024
     # Tokens of KV held past a speculative step's own reservation, for the step the worker queues
-    # behind it before reading it (lookahead.py: an EAGLE head's verify and chain); 0 when it does not.
+    # behind it before reading it (worker/lookahead.py: an EAGLE head's verify and chain); 0 when it does not.
     lookahead: int = 0
     # Positions past the pending token that drafting writes whatever k is (an EAGLE head's draft-tree
-    # window, spec/eagle_tree.py); 0 when drafting writes only the k drafts' own.
+    # window, spec_decode/eagle/tree.py); 0 when drafting writes only the k drafts' own.
     draft_window: int = 0
     # Drafts form trees, verified whole up to a request's last tokens (what they accept past
     # max_tokens is cut when appended): a step near the end stays the same step as every other.
     whole_drafts: bool = False
-    # Chained steps queued ahead (lookahead.py) verify one k for the whole batch: a request that only
+    # Chained steps queued ahead (worker/lookahead.py) verify one k for the whole batch: a request that only
     # max_tokens would cut below it keeps that k, verifying and proposing past its end (free in a graph
     # padded to the widest request; what it accepts past max_tokens is cut when appended). Otherwise
     # from the first request within 2(k + 1) tokens of its end no step is queued until it leaves: on
@@ -133,5 +133,5 @@ class EngineConfig:
     max_model_len: int | None = None
     max_queue: int = 1024
     cuda_graphs: bool = True
-    pipeline: bool | None = None  # plain decode steps queued one ahead (lookahead.py); None: on CUDA
+    pipeline: bool | None = None  # plain decode steps queued one ahead (worker/lookahead.py); None: on CUDA
     cpu_threads: int | None = None  # CPU only; default: all cores but one, left for the event loop

@@ -157,7 +157,7 @@ class Request:
     draft_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)
-    # A draft tree's shape (spec/tree.py): each draft's parent index, ROOT (-1) under the pending
+    # A draft tree's shape (spec_decode/tree.py): each draft's parent index, ROOT (-1) under the pending
     # token; empty for a chain.
     draft_parents: list[int] = field(default_factory=list)
     q_slot: int | None = None

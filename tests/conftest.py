@@ -1,13 +1,10 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 if not torch.cuda.is_available():
     # The Triton kernels are tested under the interpreter on CPUs. triton reads this when it
@@ -15,7 +12,7 @@ if not torch.cuda.is_available():
     # (imported by tiny.py) already triggers: so set it before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tiny import build_model, build_perturbed, build_tokenizer  # noqa: E402
+from tests.tiny import build_model, build_perturbed, build_tokenizer  # noqa: E402
 
 # The engine tests compare against HF transformers on the CPU in float32, token for token: on a GPU
 # machine an engine left to choose would run CUDA in bf16 and differ by numerics, not by a bug. The

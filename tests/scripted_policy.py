@@ -4,7 +4,7 @@ tests and the profilers (scripts/resume_cost.py)."""
 
 from __future__ import annotations
 
-from streamsd.policy import Decision, cap_k
+from streamsd.policy.policy import Decision, cap_k
 
 
 class ScriptedPolicy:

@@ -41,7 +41,7 @@ from streamsd.bench import offline_run as R
 from streamsd.bench.offline_cells import Policies, forced_plain_cell, hf_cells, make_cell, spec_cell
 from streamsd.bench.offline_report import plot, print_table
 from streamsd.config import EngineConfig, SpecConfig
-from streamsd.runtime import Runtime, build_runtime
+from streamsd.engine.builder import Runtime, build_runtime
 
 TEXT_PROMPTS = (
     "Here is a Python function:\n\ndef moving_average(values, window):\n    result = []\n    for i in "

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from streamsd.adaptive import CostTable
 from streamsd.bench import offline_run as R
 from streamsd.bench.compare import spread_of, verdict
 from streamsd.config import SpecConfig
-from streamsd.policy import AdaptivePolicy
-from streamsd.profiling import profile_worker
-from streamsd.runtime import Runtime, adaptive_policy, queue_chains
+from streamsd.engine.builder import Runtime, adaptive_policy, queue_chains
+from streamsd.policy.adaptive import CostTable
+from streamsd.policy.policy import AdaptivePolicy
+from streamsd.worker.profile import profile_worker
 
 PlainRerun = Callable[[], R.PassResult]
 WARM_PASSES = 3  # at most: synthetic warm-up passes that record oracle branches
@@ -80,7 +80,7 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
     """One speculative cell; ``policies``: adaptive k (None: fixed); ``alpha``: the synthetic
     proposer's acceptance (synthetic only); ``rerun_plain``: compare against a plain pass run just
     before the measured one (see `_against_plain`)."""
-    from streamsd.spec.synthetic import SyntheticProposer
+    from streamsd.spec_decode.synthetic import SyntheticProposer
 
     k, method = spec.num_tokens, args.speculative_method
     desyncs = plain_vs_spec = None
@@ -97,7 +97,7 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
             # head's, with the KV margin a queued verify writes into.
             rt = dataclasses.replace(rt, scheduler_config=queue_chains(rt.worker, rt.scheduler_config, k))
         # Warm-up passes also record the spec-shaped continuations as branches of the oracle (see
-        # spec/synthetic.py); a second one only when the first left the oracle somewhere.
+        # spec_decode/synthetic.py); a second one only when the first left the oracle somewhere.
         rt_w: Runtime | None = None
         for _ in range(WARM_PASSES):
             rt_w = _with_policy(rt, policies, mean_ctx, rt_w)

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from streamsd.config import SpecConfig
-from streamsd.core import EngineCore
+from streamsd.engine.builder import Runtime
+from streamsd.engine.core import EngineCore
 from streamsd.model.arch import ModelArgs
-from streamsd.model.graphs import capture_all
 from streamsd.model.llama import Transformer
-from streamsd.profiling import sync, time_step
 from streamsd.request import SamplingParams
-from streamsd.runtime import Runtime
+from streamsd.worker.graphs import capture_all
+from streamsd.worker.profile import sync, time_step
 
 HBM_BYTES_PER_S = 4.25e12  # measured device-to-device copy bandwidth of the lent H200 (GPU.md)
 
@@ -58,7 +58,7 @@ class PassResult:
     device_allocs: int | None = None
     alloc_retries: int | None = None
     decode_step_max_ms: float | None = None
-    # Steps served by one queued ahead on the device (lookahead.py), and queued steps thrown away.
+    # Steps served by one queued ahead on the device (worker/lookahead.py), and queued steps thrown away.
     queued_taken: int = 0
     queued_dropped: int = 0
 

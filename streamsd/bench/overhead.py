@@ -33,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _offline_core(args: argparse.Namespace):
     from streamsd.config import EngineConfig, SpecConfig
-    from streamsd.core import EngineCore
-    from streamsd.runtime import build_runtime
+    from streamsd.engine.builder import build_runtime
+    from streamsd.engine.core import EngineCore
 
     spec = SpecConfig(method=None if args.speculative_method == "none" else args.speculative_method)
     return EngineCore(build_runtime(EngineConfig(model=args.model, spec=spec, device=args.device)), spec)

@@ -1,5 +1,5 @@
 """A queued verify's layout in one launch: ids, positions, KV slots and context lengths from the
-previous verify's results, on the device (lookahead.py, model/graphs.restart).
+previous verify's results, on the device (worker/lookahead.py, model/graphs.restart).
 
 In torch this is ~25 small ops (gather the bonus token, concatenate the drafts, add the accepted
 count, positions, the block-table lookup, four slice copies), ~0.5 ms of host time a step: more than

@@ -23,27 +23,25 @@ from typing import Any
 
 import torch
 
-from streamsd.kernels.head_topk import _head_topk_kernel, _merge_blocks_kernel
-from streamsd.kernels.paged_attention import (
+from streamsd.kernels.attention.paged import (
     KERNEL_MAX_QUERY,
     TREE_MAX_QUERY,
     _merge_splits_kernel,
     _paged_attn_kernel,
     paged_attention,
 )
-from streamsd.kernels.prefill_attention import (
+from streamsd.kernels.attention.prefill import (
     _prefill_attn_kernel,
     prefill_attention,
     prefill_tiles,
     tokens_per_tile,
 )
-from streamsd.kernels.rejection import _rejection_kernel, rejection_sample_triton
 from streamsd.kernels.restart import _restart, restart_triton
-from streamsd.kernels.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
-from streamsd.kernels.topk import _chunk_topk_kernel, _merge_topk_kernel
-from streamsd.kernels.tree import _move_kernel, _next_step_kernel, _walk_kernel
-from streamsd.kernels.warp import _sample_kernel, _warp_kernel, sample_tokens, warp_probs
-from streamsd.kernels.warp_chunked import (
+from streamsd.kernels.sample.rejection import _rejection_kernel, rejection_sample_triton
+from streamsd.kernels.sample.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
+from streamsd.kernels.sample.topk import _chunk_topk_kernel, _merge_topk_kernel
+from streamsd.kernels.sample.warp import _sample_kernel, _warp_kernel, sample_tokens, warp_probs
+from streamsd.kernels.sample.warp_chunked import (
     _argmax_chunk_kernel,
     _chunk_kept_kernel,
     _chunk_stats_kernel,
@@ -52,7 +50,9 @@ from streamsd.kernels.warp_chunked import (
     argmax_rows,
     warp_probs_chunked,
 )
-from streamsd.sampling.rejection import VerifyInput
+from streamsd.kernels.tree.bookkeeping import _move_kernel, _next_step_kernel, _walk_kernel
+from streamsd.kernels.tree.head_topk import _head_topk_kernel, _merge_blocks_kernel
+from streamsd.sample.rejection import VerifyInput
 
 _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
 

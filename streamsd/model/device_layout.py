@@ -1,5 +1,5 @@
 """A step's layout written on the device: for a step queued before the host knows where its
-sequences start (streamsd/lookahead.py), positions, KV slots, context lengths and ids come from the
+sequences start (streamsd/worker/lookahead.py), positions, KV slots, context lengths and ids come from the
 step before's results, still on the device. One Triton launch on CUDA (kernels/restart.py), torch
 ops elsewhere.
 """
@@ -13,7 +13,7 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class DeviceStarts:
-    """Where the sequences of a step queued ahead start, on the device (lookahead.py): either given
+    """Where the sequences of a step queued ahead start, on the device (worker/lookahead.py): either given
     (`starts` [S]) or computed from the verify before (start + 1 + accepted, into `starts`), with
     then also the ids: each sequence's bonus token and its drafts."""
 

@@ -1,8 +1,8 @@
 """Where a CUDA graph's step lives in its static buffers: the packed host values of a step
 (ids | positions | slots | context lengths | query starts), the layout a graph reads them through,
 and a prompt graph's tail (the row it returns, its attention tiles). Shared by the target's graphs
-(model/graphs.py), the tree graphs (tree_graphs.py) and the head's (spec/eagle_graphs.py,
-spec/grow_graphs.py)."""
+(worker/graphs.py), the tree graphs (worker/tree_graphs.py) and the head's (spec_decode/eagle/graphs.py,
+spec_decode/eagle/grow_graphs.py)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], table
 
 
 def prompt_tile_count(width: int, heads: int, kv_heads: int) -> int:
-    """Tiles of a prompt graph `width` rows wide (kernels/prefill_attention.py's, for this GQA group)."""
-    from streamsd.kernels.prefill_attention import tokens_per_tile
+    """Tiles of a prompt graph `width` rows wide (kernels/attention/prefill.py's, for this GQA group)."""
+    from streamsd.kernels.attention.prefill import tokens_per_tile
 
     return -(-width // tokens_per_tile(heads, kv_heads))
 
@@ -64,7 +64,7 @@ def with_prompt_tail(host: np.ndarray, start: int, count: int, width: int, n_til
 
 
 def prompt_tiles(start: int, count: int, width: int, n_tiles: int) -> np.ndarray:
-    """A prompt graph's tiles [n_tiles * 4] (kernels/prefill_attention.py's (sequence, first row,
+    """A prompt graph's tiles [n_tiles * 4] (kernels/attention/prefill.py's (sequence, first row,
     tokens, first position)) for `count` tokens from position `start`, padded to `width` rows: the
     tiles past the chunk hold no tokens and see no keys."""
     per = -(-width // n_tiles)

@@ -46,13 +46,13 @@ class BatchLayout:
     block_table: torch.Tensor  # [S, max_blocks] int32, padded with 0
     context_lens_t: torch.Tensor  # [S] int32
     query_starts_t: torch.Tensor  # [S + 1] int32, prefix sums of query_lens
-    # Draft trees (spec/tree.py): token t in the window of a sequence whose window starts at position
+    # Draft trees (spec_decode/tree.py): token t in the window of a sequence whose window starts at position
     # tree_start[s] >= 0 sees the keys before the window and the window keys whose bits tree_bits[t]
     # sets (bit c: position tree_start + c); other tokens and sequences (tree_start -1) attend causally.
     tree_bits: torch.Tensor | None = None  # [T] int64
     tree_start: torch.Tensor | None = None  # [S] int64
-    # A prompt graph's tiles (model/graphs.py): every query is one prompt chunk, cut into these tiles
-    # of kernels/prefill_attention.py, [n_tiles * 4] int32 on the device, rewritten before each replay.
+    # A prompt graph's tiles (worker/graphs.py): every query is one prompt chunk, cut into these tiles
+    # of kernels/attention/prefill.py, [n_tiles * 4] int32 on the device, rewritten before each replay.
     prompt_tiles: torch.Tensor | None = None
     # What an attention backend derives from the step once and every layer reuses (e.g. the CUDA
     # backend's routing and prompt tiles), keyed by the backend.
@@ -153,7 +153,7 @@ class PagedKVCache:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K and V at flat slots src [M] copied to dst [M] (all read before any is
-        written): a verified tree's accepted nodes to their positions (spec/tree.py)."""
+        written): a verified tree's accepted nodes to their positions (spec_decode/tree.py)."""
         flat = self.data.view(*self.data.shape[:2], -1, *self.data.shape[-2:])  # [L, 2, slots, KVH, D]
         flat[:, :, dst] = flat[:, :, src]
 

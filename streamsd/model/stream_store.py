@@ -1,9 +1,9 @@
 """The target's residual streams kept per KV slot, for an EAGLE head that catches up later.
 
-An EAGLE head reads the target's streams at the layers it fuses (spec/eagle.py). A step's streams
+An EAGLE head reads the target's streams at the layers it fuses (spec_decode/eagle/proposer.py). A step's streams
 exist only while that step runs, so without a place to keep them the head had to follow every step,
 plain ones included: an EAGLE engine could not take the genuine plain step (the target alone,
-queued ahead, lookahead.py) when the adaptive policy chose k = 0 for the whole batch. Every target
+queued ahead, worker/lookahead.py) when the adaptive policy chose k = 0 for the whole batch. Every target
 forward of such an engine therefore also writes each token's streams here, at the same flat slot as
 its K/V (in a CUDA graph, inside the graph). The head catches up from here when a request speculates
 again, the way a draft model replays its missed KV as a prefill chunk, and the planner prices that

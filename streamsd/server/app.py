@@ -18,8 +18,8 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from streamsd.core import EngineCore
-from streamsd.engine import AsyncEngine
+from streamsd.engine.async_engine import AsyncEngine
+from streamsd.engine.core import EngineCore
 from streamsd.server.metrics import Metrics
 from streamsd.server.openai_routes import chat_completions, completions, models
 from streamsd.server.state import ApiError, ServerState

@@ -11,8 +11,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamsd.core import RequestOutput
-from streamsd.policy import AdaptivePolicy
+from streamsd.engine.core import RequestOutput
+from streamsd.policy.policy import AdaptivePolicy
 from streamsd.server.state import ServerState
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -29,7 +29,7 @@ class Metrics:
             lambda: len(state.engine.core.scheduler.waiting) if state.engine else 0)
         Gauge("streamsd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)", registry=r).set_function(
             lambda: state.engine.core.scheduler.kv_usage if state.engine else 0.0)
-        # Steps queued one ahead (lookahead.py): served as queued, or dropped because the plan changed.
+        # Steps queued one ahead (worker/lookahead.py): served as queued, or dropped because the plan changed.
         Gauge("streamsd:pipelined_steps_taken", "Steps served by the step queued ahead of them",
               registry=r).set_function(lambda: state.engine.core.rt.worker.lookahead.taken if state.engine else 0)
         Gauge("streamsd:pipelined_steps_dropped", "Steps queued ahead and dropped (the plan changed)",

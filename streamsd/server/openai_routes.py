@@ -11,8 +11,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from streamsd.core import RequestOutput
-from streamsd.engine import AsyncEngine
+from streamsd.engine.async_engine import AsyncEngine
+from streamsd.engine.core import RequestOutput
 from streamsd.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamsd.core import RequestOutput
-from streamsd.engine import AsyncEngine
+from streamsd.engine.async_engine import AsyncEngine
+from streamsd.engine.core import RequestOutput
 from streamsd.request import SamplingParams, SpecStats
 from streamsd.server.protocol import ChatMessage, SamplingFields
 
@@ -97,7 +97,7 @@ def chat_prompt(engine: AsyncEngine, messages: list[ChatMessage]) -> list[int]:
 
 
 def admit(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
-    from streamsd.scheduler import QueueFullError
+    from streamsd.sched.scheduler import QueueFullError
 
     try:
         return engine.submit(prompt_ids, params, request_id)

@@ -1,0 +1,117 @@
+"""The asyncio engine: continuous batching on the event loop, model work on one worker thread.
+
+Each step: schedule on the loop, one hop to the worker thread for `execute`; while it runs, the
+loop detokenises the previous step and hands every request its delta. One hop per step each way,
+never one per token, and the text work hides behind the GPU's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from streamsd.engine.core import Emission, EngineCore, RequestOutput
+from streamsd.request import SamplingParams
+
+OutputObserver = Callable[[RequestOutput], None]
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamsd-worker")
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self.observers: list[OutputObserver] = []
+        self.steps = 0
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="streamsd-engine")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._executor.shutdown(wait=True)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> tuple[str, asyncio.Queue[RequestOutput]]:
+        """Admit a request (raises ValueError-family errors on bad input); returns its output queue."""
+        rid = request_id or f"req-{next(self._ids)}"
+        self.core.add_request(rid, prompt_ids, params)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[rid] = queue
+        self._wake.set()
+        return rid, queue
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas until the request finishes; leaving the loop early aborts the request."""
+        rid, queue = self.submit(prompt_ids, params, request_id)
+        async for out in self.stream(rid, queue):
+            yield out
+
+    async def stream(self, rid: str, queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        for rid in list(self._streams):
+            self.abort(rid)
+
+    async def _run(self) -> None:
+        """One step per turn: the worker thread runs step N+1 while this loop detokenises and
+        streams step N (the same pipeline as EngineCore.run)."""
+        loop = asyncio.get_running_loop()
+        core = self.core
+        em: Emission | None = None
+        while True:
+            if em is None and not core.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan, aborted = core.begin()
+            running = loop.run_in_executor(self._executor, core.execute, plan) if plan.entries else None
+            if running is not None:
+                core.wait_launched()
+            for out in core.emit(em, defer_stops=running is not None):
+                self._dispatch(out)
+            if running is not None:
+                core.scheduler.plan_ahead(plan)
+            results = await running if running is not None else []
+            for out in core.settle():
+                self._dispatch(out)
+            em = core.finish_step(plan, results, aborted)
+            self.steps += 1
+            if running is None and em is None:
+                await asyncio.sleep(0.001)  # only aborts were processed; let the loop breathe
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        for observe in self.observers:
+            observe(out)
+        queue = self._streams.get(out.request_id)
+        if queue is not None:
+            queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]

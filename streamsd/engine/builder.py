@@ -1,0 +1,284 @@
+"""From an EngineConfig to a ready worker: resolve and load the models, size the caches."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig
+from streamsd.model.arch import ModelArgs
+from streamsd.model.kv_cache import PagedKVCache
+from streamsd.model.llama import Transformer
+from streamsd.model.loader import (
+    ModelLoadError,
+    check_architecture,
+    load_hf_config,
+    load_state_dict,
+    resolve_model,
+)
+from streamsd.model.stream_store import StreamStore
+from streamsd.policy.adaptive import CostTable
+from streamsd.policy.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
+from streamsd.spec_decode.draft_model import DraftModelProposer
+from streamsd.spec_decode.eagle.checkpoint import head_dir, load_head, measured_depth_steps
+from streamsd.spec_decode.eagle.proposer import EagleProposer
+from streamsd.spec_decode.ngram import NgramProposer
+from streamsd.spec_decode.proposer import Proposer
+from streamsd.worker.tree_graphs import tree_graphs_for
+from streamsd.worker.worker import Worker
+
+GC_YOUNG_THRESHOLD = 10_000  # see build_runtime
+log = logging.getLogger("streamsd")
+CPU_DEFAULT_KV_TOKENS = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    worker: Worker
+    tokenizer: Any
+    args: ModelArgs
+    scheduler_config: SchedulerConfig
+    model_dir: Path
+    eos_ids: frozenset[int]
+    q_slots: int
+    load_seconds: float
+    policy: SpeculationPolicy
+
+
+def pick_device(name: str | None) -> torch.device:
+    """The device asked for; else $STREAMSD_DEVICE; else CUDA when there is one."""
+    name = name or os.environ.get("STREAMSD_DEVICE")
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: $STREAMSD_DTYPE if set, else bfloat16 on CUDA and on CPUs that multiply bf16 natively
+    (AVX512-BF16 or AMX: there a verify of 1 + k tokens costs little more than one, and a step less
+    than in float32), else float32."""
+    if name == "auto":
+        name = os.environ.get("STREAMSD_DTYPE") or "auto"
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or native_cpu_bf16() else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {name!r}")
+    return table[name]
+
+
+def native_cpu_bf16() -> bool:
+    """The CPU has bf16 matrix instructions (torch's own probe; False where torch has none)."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if probe is not None)
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, Path]:
+    from streamsd.model.presets import build_preset, is_preset
+
+    if is_preset(spec):  # random weights of a real shape, made on the device (benchmarks)
+        return build_preset(spec, device, dtype)
+    path = resolve_model(spec)
+    hf_config = load_hf_config(path)
+    check_architecture(hf_config)
+    args = ModelArgs.from_hf(hf_config)
+    weights = load_state_dict(path, dtype=dtype, device=device)
+    try:
+        return Transformer.build(args, weights, device, dtype), path
+    except (RuntimeError, KeyError) as exc:
+        raise ModelLoadError(f"the weights in {path} do not fit its config.json: {exc}") from exc
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many kinds here
+        raise ModelLoadError(f"could not load the tokenizer from {path}: {exc}") from exc
+
+
+def eos_ids_of(path: Path, tokenizer: Any, args: ModelArgs) -> frozenset[int]:
+    ids = set(args.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        import json
+
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+def kv_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device) -> int:
+    if cfg.kv_cache_tokens:
+        tokens = cfg.kv_cache_tokens
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        tokens = int(free * cfg.kv_cache_memory_fraction) // bytes_per_token
+    else:
+        tokens = CPU_DEFAULT_KV_TOKENS
+    return max(tokens // BLOCK_SIZE, 1)
+
+
+def build_runtime(cfg: EngineConfig) -> Runtime:
+    t0 = time.perf_counter()
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    if device.type == "cpu":
+        # OpenMP threads spin while they wait: on a busy machine (the event loop, HTTP clients, a
+        # load generator on the same box) one spinning thread too many makes every matmul crawl.
+        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+    target, path = load_model(cfg.model, device, dtype)
+    tokenizer = load_tokenizer(path)
+    args = target.args
+    draft: Transformer | None = None
+    if cfg.spec.method == "draft":
+        assert cfg.spec.draft_model
+        draft, draft_path = load_model(cfg.spec.draft_model, device, dtype)
+        check_vocab(tokenizer, load_tokenizer(draft_path), args, draft.args)
+    head, depth_steps = None, ()
+    if cfg.spec.method == "eagle":
+        hdir = head_dir(cfg.spec.draft_model, cfg.model)
+        head, depth_steps = load_head(hdir, target, device, dtype), measured_depth_steps(hdir)
+    extra = draft.args if draft else head.spec.args if head else None
+    per_token = args.kv_bytes_per_token(dtype) + (extra.kv_bytes_per_token(dtype) if extra else 0)
+    if head is not None:  # the head's streams per KV slot (model/stream_store.py)
+        per_token += StreamStore.bytes_per_token(head.input_layers, args.hidden_size, dtype)
+    num_blocks = kv_blocks(cfg, per_token, device)
+    # One block more than the scheduler counts: the scratch block CUDA-graph padding writes to.
+    cache = PagedKVCache(args, num_blocks + 1, BLOCK_SIZE, dtype, device)
+    max_len = min(cfg.max_model_len or args.max_position, args.max_position, num_blocks * BLOCK_SIZE)
+    if draft is not None:
+        max_len = min(max_len, draft.args.max_position)
+    tree = cfg.spec.tree
+    # A tree's drafts are one-hot whatever the temperature (sample/tree_verify.py): no dense q to keep.
+    q_slots = cfg.max_num_seqs if (draft is not None or head is not None) and tree is None else 0
+    # One row more than the scheduler hands out: graph-captured drafting writes the q of its greedy and
+    # padding rows there (spec_decode/eagle/graphs.py).
+    # A verify queued ahead (worker/lookahead.py) drafts into each request's second half of the pool, so that
+    # dropping it leaves the q the next verify reads intact: two rows a slot then.
+    # Speculative steps queue ahead (worker/lookahead.py): an EAGLE head's chains or trees.
+    ahead = head is not None and (device.type == "cuda" if cfg.pipeline is None else cfg.pipeline)
+    queues_ahead = ahead and tree is None  # chains draft into each request's second q row meanwhile
+    halves = 2 if queues_ahead else 1
+    q_pool = torch.zeros(halves * q_slots + 1, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
+    if tree is not None:
+        q_pool = torch.zeros(1, 1, args.vocab_size, device=device)  # the proposer's q rows nobody reads
+    proposer: Proposer | None = None
+    if draft is not None and q_pool is not None:
+        proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
+                                      q_pool, args.vocab_size)
+    elif head is not None and q_pool is not None:
+        store = StreamStore(head.input_layers, args.hidden_size, (num_blocks + 1) * BLOCK_SIZE, dtype, device)
+        proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
+                                 q_pool, store, depth_steps)
+        proposer.tree = tree
+        proposer.int8_lm_head = cfg.spec.int8_draft_head
+    elif cfg.spec.method == "ngram":
+        proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)
+    elif cfg.spec.method is not None:
+        raise ValueError(f"speculative method {cfg.spec.method!r} is not available here")
+    sched = SchedulerConfig(
+        num_blocks=num_blocks,
+        max_model_len=max_len,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=max(cfg.max_num_batched_tokens, 2 * (cfg.spec.num_tokens + 1)),
+        max_queue=cfg.max_queue,
+        lookahead=cfg.spec.num_tokens + 1 if ahead else 0,
+        draft_window=tree.frontier * (tree.depth - 1) if tree is not None else 0,
+        whole_drafts=tree is not None,
+    )
+    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree)
+    if queues_ahead:
+        sched = queue_chains(worker, sched, cfg.spec.num_tokens)
+    if device.type == "cuda":
+        from streamsd.worker.graphs import setup_cuda
+
+        setup_cuda(worker, scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs)
+        if tree is not None and cfg.cuda_graphs and isinstance(proposer, EagleProposer):
+            worker.tree_graphs = tree_graphs_for(worker, proposer, num_blocks, max_len, cfg.spec.max_batch)
+        if cfg.cuda_graphs:
+            from streamsd.worker.graphs import capture_all
+
+            t1 = time.perf_counter()
+            log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
+                     time.perf_counter() - t1)
+    policy = build_policy(cfg, worker, sched)
+    seconds = time.perf_counter() - t0
+    q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0
+    log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB; "
+             "speculation: %s", path, device, dtype, seconds, num_blocks, max_len, q_slots, cfg.spec.num_tokens,
+             args.vocab_size, q_bytes / 2**20,
+             f"{cfg.spec.method}, k <= {cfg.spec.num_tokens}, {cfg.spec.policy}"
+             + (f", trees {cfg.spec.tree}" if cfg.spec.tree else "")
+             + (f", while at most {cfg.spec.max_batch} requests decode" if cfg.spec.max_batch else "")
+             if cfg.spec.enabled else "none")
+    # Everything loaded so far (modules, the tokenizer's vocabulary, graphs) lives as long as the
+    # process: frozen, a full collection no longer walks it, which made it a step-sized pause.
+    gc.collect()
+    gc.freeze()
+    # A step allocates thousands of short-lived containers (per-request lists, outputs, token infos)
+    # that are freed by reference counting; at the default 700 net allocations the young generation
+    # was collected ~130 times per 64-token pass at B = 256, 20-37 ms per pass on the H200's host
+    # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy)
+
+
+def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerConfig:
+    """Speculative steps queued ahead (worker/lookahead.py) for a proposer that drafts on the device (an EAGLE
+    head's chains, synthetic drafts): the KV a queued verify writes past its step's, and one k for the
+    whole chain up to max_tokens (SchedulerConfig.drafts_past_max_tokens). Returns the scheduler's
+    config for it."""
+    worker.lookahead.chained = True
+    worker.lookahead.past_max_tokens_within = sched.max_model_len
+    return dataclasses.replace(sched, lookahead=k + 1, drafts_past_max_tokens=True)
+
+
+def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> SpeculationPolicy:
+    """Fixed k, or the adaptive planner over a cost table profiled now, before any request."""
+    if cfg.spec.policy != "adaptive" or not cfg.spec.enabled or worker.proposer is None:
+        return FixedPolicy(cfg.spec.max_batch)
+    from streamsd.worker.profile import profile_worker
+
+    t0 = time.perf_counter()
+    # Timed in the engine's own step shapes (B requests x 1 + k tokens, its CUDA graphs on a GPU).
+    cost = profile_worker(worker, sched.max_num_seqs, sched.max_num_batched_tokens, cfg.spec.num_tokens)
+    shape = cost.shape
+    log.info("adaptive speculation, profiled in %.1fs, ms per step (batch: per width %s): %s",
+             time.perf_counter() - t0, shape.widths if shape else (),
+             {b: [round(t * 1e3, 2) for t in row] for b, row in zip(shape.batches, shape.values, strict=True)}
+             if shape else {})
+    return adaptive_policy(cfg.spec.num_tokens, cost, worker)
+
+
+def adaptive_policy(max_k: int, cost: CostTable, worker: Worker) -> AdaptivePolicy:
+    """The adaptive policy over `cost` for this worker's proposer and pipelining."""
+    proposer = worker.proposer
+    return AdaptivePolicy(max_k, cost, draft_has_cache=getattr(proposer, "keeps_cache", False),
+                          settled_lag=1 if getattr(proposer, "hidden_layers", ()) else 0,
+                          queues_ahead=worker.lookahead.queues_speculative,
+                          depth_steps=getattr(proposer, "depth_steps", ()))
+
+
+def check_vocab(target_tok: Any, draft_tok: Any, target: ModelArgs, draft: ModelArgs) -> None:
+    """Drafts are token ids: they mean the same only if both tokenizers map text to ids alike."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    mismatched = [t for t, i in tv.items() if dv.get(t) != i]
+    if mismatched:
+        raise ModelLoadError(
+            f"the draft model's vocabulary does not match the target's ({len(mismatched)} of {len(tv)} tokens "
+            f"differ, e.g. {mismatched[:3]}); use a draft from the same model family"
+        )
+    if draft.vocab_size < len(tv):
+        raise ModelLoadError("the draft model's embedding is smaller than the target's vocabulary")

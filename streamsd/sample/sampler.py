@@ -1,0 +1,45 @@
+"""Sampling one token per row from warped probabilities without a host synchronisation."""
+
+from __future__ import annotations
+
+import torch
+
+from streamsd.sample import rng
+from streamsd.sample.greedy import row_argmax
+from streamsd.sample.warp import WarpParams, warp
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(p / E), E ~ Exp(1), draws from p. [N, V], [N, V] -> [N]."""
+    return row_argmax(probs / noise)
+
+
+def sample_rows(probs: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Greedy rows take the raw argmax, others race. probs/logits/noise [N, V], greedy [N] -> [N]."""
+    return torch.where(greedy, row_argmax(logits), race(probs, noise))
+
+
+def sample_keyed(logits: torch.Tensor, wp: WarpParams, ints: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits [N, V] with early stops suppressed: the raw argmax for greedy rows,
+    else the race of the warped probabilities against the noise keyed (seed, position, TARGET), which
+    is what the rejection sampler races for a bonus token there. ints [3, N]: greedy | seed | position.
+    On CUDA without top-k/top-p, one launch (kernels/sample/warp.py) -> [N]."""
+    if logits.is_cuda and not wp.needs_sort:
+        from streamsd.kernels.sample.warp import sample_tokens
+
+        return sample_tokens(logits, ints.reshape(-1), wp.temperature, wp.min_p, rng.TARGET)
+    noise = rng.exponentials(ints[1], ints[2].unsqueeze(-1), rng.TARGET, logits.shape[-1])[:, 0]  # [N, V]
+    return sample_rows(warp(logits, wp), logits, ints[0].bool(), noise)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities under the raw model distribution, as OpenAI reports them.
+
+    logits [N, V], tokens [N] -> chosen [N], top values [N, top_n], top ids [N, top_n].
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    chosen = logp.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [N]
+    top_vals, top_ids = logp.topk(max(top_n, 1), dim=-1)  # [N, top_n]
+    return chosen, top_vals[:, :top_n], top_ids[:, :top_n]

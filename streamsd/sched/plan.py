@@ -1,0 +1,78 @@
+"""What one engine step is: the scheduler's plan (an entry per request) and the worker's results.
+
+Torch-free; shared by the scheduler, which builds plans, the worker, which executes them, and the
+engine core, which applies the results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from streamsd.policy.policy import Decision, StepShape
+from streamsd.request import Request
+
+
+@dataclass(slots=True)
+class Scheduled:
+    request: Request
+    start: int  # first position the target computes
+    num_tokens: int  # real tokens computed (a chunk, or all pending)
+    num_drafts: int  # cached drafts verified after them (0 when this is a mid-prompt chunk)
+    k_next: int  # drafts to propose after this step
+
+    @property
+    def verifies(self) -> bool:
+        """Reaches the end of the known tokens, so this step samples new ones."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    entries: list[Scheduled] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    decision: Decision | None = None  # the policy's, committed to the step as built
+    # The worker may queue the next step behind this one (worker/lookahead.py). Off for a step that takes
+    # the plain step queued ahead only to let speculation start right after it.
+    queue_next: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens + e.num_drafts for e in self.entries)
+
+    def shape(self) -> tuple[StepShape, list[int]]:
+        """The step as the cost table prices it, and the k each decoding request (one pending token;
+        prompt chunks are the rest) got. One pass: it runs between two steps."""
+        ks: list[int] = []
+        widest = decode_tokens = verify = 0
+        for e in self.entries:
+            verify += e.num_tokens + e.num_drafts
+            if e.num_tokens == 1 and e.verifies:
+                ks.append(e.k_next)
+                widest = max(widest, e.num_drafts)
+                decode_tokens += 1 + e.num_drafts
+        shape = StepShape(len(ks), verify, max(ks, default=0), len(ks) - ks.count(0), verify - decode_tokens,
+                          1 + widest)
+        return shape, ks
+
+
+@dataclass(frozen=True, slots=True)
+class HeldStep:
+    """The step the worker has queued ahead (worker/lookahead.py), as the scheduler sees it: the requests it
+    computes, in order, and the drafts each verifies (0: a plain step)."""
+
+    k: int
+    requests: list[Request]
+
+
+@dataclass(slots=True)
+class EntryResult:
+    """What the worker reports for one scheduled entry."""
+
+    new_tokens: list[int]  # emitted this step (accepted drafts then one target token); [] for chunks
+    num_accepted: int
+    draft_ids: list[int]  # proposed for the next step
+    draft_computed: int
+    draft_flags: list[bool] = field(default_factory=list)  # per new token: was it an accepted draft
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    draft_parents: list[int] = field(default_factory=list)  # the proposed drafts' tree (empty: a chain)
+

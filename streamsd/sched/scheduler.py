@@ -1,0 +1,336 @@
+"""Continuous batching over a paged KV pool. Knows nothing of torch.
+
+Each step the scheduler plans, per request, which of its tokens the target computes: a prefill
+chunk, or everything still pending plus the drafts cached in the request (verification). The
+target and the draft model share one block table per request: both caches are pools of the same
+block ids, so one accounting covers both (the draft cache never runs ahead of target + k).
+
+Blocks are reserved before a step for the most it can write (pending + drafts + the next
+drafts) and trimmed after it to the tokens actually kept (the pending one included: every running
+request computes it next, and a plain step queued ahead already writes it; with `lookahead`, what
+a speculative step queued ahead writes), so the cache holds accepted tokens only.
+When blocks run out, the newest running request is preempted by recompute; its drafts stay.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from streamsd.config import SchedulerConfig
+from streamsd.policy.policy import Decision, FixedPolicy, SpeculationPolicy, cap_k
+from streamsd.request import FinishReason, Request, Status
+from streamsd.sched.plan import EntryResult, HeldStep, Scheduled, StepPlan
+
+
+class AdmissionError(ValueError):
+    """The request can never run here (too long for the context window)."""
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.total = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        taken = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        return taken
+
+    def give(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, *, dense_q_slots: int = 0, policy: SpeculationPolicy | None = None):
+        self.cfg = cfg
+        self.policy: SpeculationPolicy = policy or FixedPolicy()
+        self.blocks = BlockPool(cfg.num_blocks)
+        self.q_slots_free = list(range(dense_q_slots - 1, -1, -1))
+        self.q_slots_total = dense_q_slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._aborts: set[str] = set()
+        self._ahead: Decision | None = None  # the next step's k, chosen while this one runs
+        # The step the worker queued ahead, set by the engine before each `schedule` (worker/lookahead.py).
+        self.held: HeldStep | None = None
+
+    # -- admission ---------------------------------------------------------------------------
+    def add(self, r: Request) -> None:
+        need = len(r.prompt_ids) + r.params.max_tokens
+        if len(r.prompt_ids) == 0:
+            raise AdmissionError("the prompt is empty")
+        if need > self.cfg.max_model_len:
+            raise AdmissionError(
+                f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) = {need} exceeds "
+                f"the context window of {self.cfg.max_model_len} tokens"
+            )
+        past_end = r.spec_k if self.cfg.drafts_past_max_tokens else 0  # drafts verified past max_tokens
+        if self._blocks_for(need + max(r.spec_k, self.cfg.draft_window) + 1 + self.cfg.lookahead + past_end) \
+                > self.blocks.total:
+            raise AdmissionError(f"the request needs {need} tokens of KV cache, more than the pool holds")
+        if len(self.waiting) >= self.cfg.max_queue:
+            raise QueueFullError("the waiting queue is full; retry later")
+        self.waiting.append(r)
+
+    def abort(self, request_id: str) -> None:
+        """Takes effect at the next step boundary, never under a running step."""
+        self._aborts.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborts)
+
+    # -- planning ----------------------------------------------------------------------------
+    def schedule(self) -> tuple[StepPlan, list[Request]]:
+        """Returns the plan and the requests aborted since the last step (now finished)."""
+        aborted = self._apply_aborts()
+        plan = StepPlan()
+        budget = self.cfg.max_num_batched_tokens
+        decision, self._ahead = self._ahead or self._choose_k(), None  # planned ahead, or now
+        depth = self._depth(decision)
+        follow, plan.queue_next = self._follow_held(decision, depth)
+        for r in list(self.running):
+            if r.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            entry = self._plan_one(r, budget, self._k_for(r, decision, depth), follow.get(id(r)),
+                                   decision.verify.get(r.request_id, 0))
+            if entry is None:
+                continue
+            while not self._reserve(r, entry):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is r:
+                    break
+            if r.status is Status.RUNNING:
+                plan.entries.append(entry)
+                budget -= entry.num_tokens + entry.num_drafts
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            r = self.waiting[0]
+            if self._wants_q_slot(r) and r.q_slot is None and not self.q_slots_free:
+                break
+            entry = self._plan_one(r, budget, None)
+            if entry is None or not self._reserve(r, entry):
+                break
+            self.waiting.popleft()
+            if self._wants_q_slot(r) and r.q_slot is None:
+                r.q_slot = self.q_slots_free.pop()
+            r.status = Status.RUNNING
+            self.running.append(r)
+            plan.entries.append(entry)
+            budget -= entry.num_tokens + entry.num_drafts
+        self.policy.commit(decision, plan)
+        plan.decision = decision
+        return plan, aborted
+
+    def plan_ahead(self, running: StepPlan) -> None:
+        """Chooses the next step's k now, while `running` executes: the planner's host time then
+        hides behind the GPU's instead of adding to every step. The plan sees acceptance up to the
+        previous step, and the batch as it will be once `running` is through (prompts it completes
+        decode next); `schedule` re-applies each request's caps (drafts cached, tokens left), gives
+        requests that join decoding `default_k`, and commits the step as built. Exactness does not
+        depend on k, only speed does."""
+        if self.running and self.policy.plans_ahead:
+            self._ahead = self._choose_k(running)
+
+    def _choose_k(self, running: StepPlan | None = None) -> Decision:
+        """The policy's k for every decoding request (one token pending, drafts maybe cached), as of
+        the end of `running` when given."""
+        through = {id(e.request): e for e in running.entries} if running is not None else {}
+        decoding, prefill = [], 0
+        for r in self.running:
+            e = through.get(id(r))
+            pending = 1 if e is not None and e.verifies else r.num_tokens - (
+                e.start + e.num_tokens if e is not None else r.computed)
+            if pending == 1:
+                decoding.append(r)
+            else:
+                prefill += pending
+        prefill += sum(len(r.prompt_ids) for r in list(self.waiting)[:4])
+        return self.policy.choose(decoding, min(prefill, self.cfg.max_num_batched_tokens), bool(self.waiting))
+
+    def _follow_held(self, decision: Decision, depth: int | None = None) -> tuple[dict[int, tuple[int, int]], bool]:
+        """Where the decision changes what the step queued ahead computes, the step is taken anyway:
+        its GPU time is spent (dropping it cost a whole step per switch on the H200). Leaving
+        speculation or drafting shallower, its requests verify the drafts it verifies and propose
+        what the decision says; entering speculation, they take the plain step and propose nothing,
+        and nothing is queued behind it, so that the next step can start drafting. Deeper drafts than
+        it verifies cannot follow it: it is dropped. Returns (drafts to verify, to propose) by
+        id(request) where they differ from the decision, and whether the worker may queue ahead."""
+        held, self.held = self.held, None
+        if held is None:
+            return {}, True
+        wants = [(r, self._k_for(r, decision, depth)) for r in held.requests if r.status is Status.RUNNING]
+        if held.k == 0:
+            entering = {id(r): (0, 0) for r, k in wants if k > 0}
+            return entering, not entering
+        return {id(r): (held.k, k) for r, k in wants if k < held.k}, True
+
+    def _k_for(self, r: Request, decision: Decision, depth: int | None = None) -> int:
+        """The request's k this step. Where drafts run past max_tokens (SchedulerConfig.drafts_past_max_tokens)
+        a k that max_tokens cut is raised to the step's `depth` (`_depth`), or where the policy gave
+        no per-request k, to the drafts it proposed last step: the k of the chain it is in."""
+        k = decision.ks.get(r.request_id)
+        k = self.policy.default_k(r) if k is None else k
+        if self.cfg.drafts_past_max_tokens and r.remaining_tokens <= r.spec_k and k == cap_k(r):
+            return max(k, min(r.spec_k, len(r.draft_ids) if depth is None else depth))
+        return k
+
+    def _depth(self, decision: Decision) -> int | None:
+        """The step's largest planned k, if the policy planned one per request (None: it did not). A
+        max over the dict's values: the scheduler's per-step Python stays O(1) per request."""
+        if not self.cfg.drafts_past_max_tokens or not decision.ks:
+            return None
+        return max(decision.ks.values())
+
+    def _plan_one(self, r: Request, budget: int, k: int | None,
+                  follow: tuple[int, int] | None = None, verify_at_least: int = 0) -> Scheduled | None:
+        """k: drafts to verify now and to propose next (None: the policy's default for this request);
+        follow: (to verify, to propose) instead, to take the step queued ahead (`_follow_held`);
+        verify_at_least: drafts to verify where k says fewer (a probe's, proposed in the step before)."""
+        k = self.policy.default_k(r) if k is None else k
+        verify_k, k = (max(k, verify_at_least), k) if follow is None else follow
+        pending = r.num_tokens - r.computed
+        # What max_tokens leaves, unless drafts run past it (their tokens are cut when appended).
+        left = self.cfg.max_model_len - r.num_tokens + 1 if self.cfg.drafts_past_max_tokens else r.remaining_tokens
+        drafts = min(len(r.draft_ids), verify_k, max(left - 1, 0))
+        k_next = max(min(k, left - 2, self.cfg.max_model_len - r.num_tokens - drafts - 1), 0)
+        if self.cfg.whole_drafts and k > 0:  # a tree: whole, or not at all
+            fits = self.cfg.max_model_len - r.num_tokens
+            drafts = len(r.draft_ids) if verify_k > 0 and len(r.draft_ids) < fits else 0
+            k_next = r.spec_k if r.remaining_tokens >= 3 and r.spec_k < fits - drafts else 0
+        if k_next and r.num_tokens + drafts + self.cfg.draft_window > self.cfg.max_model_len:
+            k_next = 0  # the drafter's window would pass the end of the context
+        if pending + drafts <= budget:
+            return Scheduled(r, r.computed, pending, drafts, k_next)
+        chunk = min(pending - 1, budget)  # leave the last token so its drafts are verified with it
+        return Scheduled(r, r.computed, chunk, 0, 0) if chunk > 0 else None
+
+    def _wants_q_slot(self, r: Request) -> bool:
+        return self.q_slots_total > 0 and r.spec_k > 0 and not r.greedy_draft
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.cfg.block_size)
+
+    def _reserve(self, r: Request, e: Scheduled) -> bool:
+        end = e.start + e.num_tokens + e.num_drafts
+        if e.verifies:
+            # the next drafts are written by the draft model in this step (or a head's tree window)
+            grows = e.k_next or (self.cfg.whole_drafts and e.num_drafts)  # a tree step always grows the next
+            end += 1 + (max(e.k_next, self.cfg.draft_window) if grows else 0)
+            if e.k_next:
+                end += self.cfg.lookahead  # and the step queued behind this one writes further
+        need = self._blocks_for(min(end, self.cfg.max_model_len + 1)) - len(r.blocks)
+        if need <= 0:
+            return True
+        if need > self.blocks.num_free:
+            return False
+        r.blocks.extend(self.blocks.take(need))
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self.blocks.give(r.blocks)
+        r.blocks = []
+        r.computed = r.draft_computed = 0
+        r.status = Status.WAITING
+        r.num_preemptions += 1
+        self.waiting.appendleft(r)  # drafts and q slot stay with the request
+
+    # -- after the step ----------------------------------------------------------------------
+    def update(self, plan: StepPlan, results: list[EntryResult]
+               ) -> list[tuple[Scheduled, EntryResult, list[int], int]]:
+        """Apply a step's results; returns (entry, result, tokens appended, drafts that could be emitted)
+        for verifying entries."""
+        emitted = []
+        for e, res in zip(plan.entries, results, strict=True):
+            r = e.request
+            if r.finished:
+                continue
+            if not e.verifies:
+                r.computed = e.start + e.num_tokens
+                r.draft_computed = max(r.draft_computed, res.draft_computed)
+                continue
+            r.computed = e.start + e.num_tokens + res.num_accepted
+            r.draft_computed = res.draft_computed
+            r.draft_ids = list(res.draft_ids)
+            r.draft_parents = list(res.draft_parents)
+            # A chain's drafts verified past max_tokens (SchedulerConfig.drafts_past_max_tokens) could never
+            # be emitted: not counted as drafted (a tree's nodes are not positions: all count). Nor is the
+            # one at the last position max_tokens leaves: the bonus token fills it anyway, so a plan that
+            # reads each step first never drafts it (`_plan_one`), and pipelined or not, the counts agree.
+            # Drafts accepted past a stop are not emitted either: count only what the client receives.
+            usable = e.num_drafts if self.cfg.whole_drafts else min(e.num_drafts, max(r.remaining_tokens - 1, 0))
+            kept = self._append(r, res.new_tokens)
+            r.stats.record(usable, min(res.num_accepted, len(kept), usable), len(kept))
+            if r.finished:
+                self.finish(r, r.finish_reason or FinishReason.STOP)
+            else:
+                self._trim(r)
+            emitted.append((e, res, kept, usable))
+        return emitted
+
+    def _append(self, r: Request, tokens: list[int]) -> list[int]:
+        p = r.params
+        kept = []
+        for t in tokens:
+            r.output_ids.append(t)
+            kept.append(t)
+            n = len(r.output_ids)
+            if n >= p.min_tokens and r.stops_on(t):
+                r.finish_reason = FinishReason.STOP
+            elif n >= p.max_tokens:
+                r.finish_reason = FinishReason.LENGTH
+            if r.finish_reason is not None:
+                r.status = Status.FINISHED
+                break
+        return kept
+
+    def _trim(self, r: Request) -> None:
+        # What a step queued ahead may write, as the worker recorded it: 3 (k + 1) past the last step's
+        # start (lookahead.chained_reach), num_tokens being 2 past it or more. A step whose blocks
+        # changed is dropped; with 2 (k + 1) the trim freed the last of them when nothing was accepted
+        # at k >= 2 (on the H200 at B = 64, k = 2 dropped 10 of 21 queued steps, k = 1 none).
+        ahead = 3 * self.cfg.lookahead if r.draft_ids else 0
+        keep = self._blocks_for(max(r.num_tokens + ahead, r.draft_computed))
+        if len(r.blocks) > keep:
+            self.blocks.give(r.blocks[keep:])
+            del r.blocks[keep:]
+
+    def finish(self, r: Request, reason: FinishReason) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        self.blocks.give(r.blocks)
+        r.blocks = []
+        if r.q_slot is not None:
+            self.q_slots_free.append(r.q_slot % self.q_slots_total)  # the worker may have moved it to its pair
+            r.q_slot = None
+        r.draft_ids = []
+        r.draft_parents = []
+        r.status = Status.FINISHED
+        r.finish_reason = r.finish_reason or reason
+
+    def _apply_aborts(self) -> list[Request]:
+        done = []
+        for r in [*self.running, *self.waiting]:
+            if r.request_id in self._aborts:
+                r.finish_reason = FinishReason.ABORT
+                self.finish(r, FinishReason.ABORT)
+                done.append(r)
+        self._aborts.clear()
+        return done
+
+    # -- accounting --------------------------------------------------------------------------
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.blocks.num_free / self.blocks.total

@@ -1,0 +1,312 @@
+"""CUDA graphs for decode / verify forwards, one per (batch-size bucket, query width).
+
+A step where every sequence brings at most Q query tokens (Q = 1 for plain decode and draft
+steps, Q = 1 + k for verification and the draft's catch-up) replays a graph captured for the
+smallest bucket >= its batch size. Its tokens are packed flat from the front (query_starts gives
+each sequence's real length, so shorter queries such as n-gram steps with fewer drafts fit the
+same graph); the tail of the T = bucket * Q token slots and the unused sequence rows are padding:
+padding tokens write their K/V into a reserved scratch block no request owns, padding sequences
+have context 0 and attend to nothing. Every value that changes per step lives in static device
+buffers refreshed by two queued host-to-device copies, so a step never waits for the GPU.
+A lone prompt chunk (one sequence: the first step of a request at batch 1, where time to first
+token is all there is) replays a prompt graph: bucket 1, padded to the smallest of
+`prompt_widths` that holds it. Its attention tiles (kernels/attention/prefill.py) and the one row
+whose logits it returns are static buffers the host rewrites too, so a prompt of any length and
+start runs the same graph. Eager, such a step launched ~10 kernels a layer from Python and took
+10-22 ms on the H200 for a 135M model (scripts/step_timeline.py); prompt chunks of steps with more
+sequences, and longer ones, still run eagerly.
+
+Graphs of one runner share a memory pool: they never run concurrently, and each graph's output
+(its logits) stays allocated because the runner holds it.
+
+A runner made with `hidden_layers` (the streams an EAGLE head reads) captures them too: each
+graph's static output then also holds the residual streams entering those layers at every token
+slot, [T, layers * hidden], concatenated inside the graph exactly as the eager worker does, and
+writes them into the engine's stream store at the tokens' KV slots (model/stream_store.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from streamsd.model.device_layout import DeviceStarts, restart
+from streamsd.model.graph_layout import (
+    PROMPT_WIDTHS,
+    pack_step,
+    packed_size,
+    prompt_tile_count,
+    static_layout,
+    with_prompt_tail,
+)
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
+from streamsd.model.llama import Transformer
+from streamsd.model.stream_store import StreamStore, keep_streams
+from streamsd.sample.greedy import greedy_verify
+
+log = logging.getLogger("streamsd")
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphConfig:
+    max_blocks: int  # static width of the block table: ceil(max_model_len / block_size) + 1
+    query_widths: tuple[int, ...] = (1,)  # Q values captured, e.g. (1, k + 1)
+    buckets: tuple[int, ...] = BUCKETS
+    prompt_widths: tuple[int, ...] = ()  # a lone prompt chunk's graphs (bucket 1), each wider than any Q
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    bucket: int
+    width: int
+    packed: torch.Tensor  # [3T + 2B + 1] int64: ids | positions | slots | context lens | query starts
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    rows: torch.Tensor  # [T] the logits rows, arange; the graph reads it, so it must outlive the capture
+    logits: torch.Tensor  # [T, V] float32, written by each replay
+    hidden: torch.Tensor | None = None  # [T, layers * hidden] the captured streams, when the runner has layers
+    # The step's greedy verification, computed in the graph (sample/greedy.py), when Q > 1:
+    greedy: tuple[torch.Tensor, torch.Tensor] | None = None  # tokens [B, Q], accepted [B]
+    # A prompt graph's attention tiles [n_tiles * 4] int32 (then `rows` is [1]: its one logits row)
+    tiles: torch.Tensor | None = None
+
+
+class GraphRunner:
+    def __init__(self, model: Transformer, cache: PagedKVCache, scratch_block: int, cfg: GraphConfig,
+                 device: torch.device, hidden_layers: tuple[int, ...] = (), verifies: bool = True,
+                 store: StreamStore | None = None):
+        self.model = model
+        self.store = store  # where each replay also writes the streams it captured
+        self.verifies = verifies  # its Q > 1 graphs verify greedily too (a draft model's catch-ups do not)
+        self.hidden_layers = hidden_layers  # streams every graph of this runner captures (ascending)
+        self.cache = cache
+        self.scratch = scratch_block
+        self.cfg = cfg
+        self.device = device
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.replays = 0
+        self.last: _Graph | None = None  # the graph replayed last
+
+    def key_for(self, counts: list[int], tables: list[list[int]], logits_rows: int | None = None
+                ) -> tuple[int, int] | None:
+        """(bucket, Q) of the graph that can run this step, or None to run it eagerly. A caller that
+        says how many logits rows it wants (`logits_rows`) may get a prompt graph: one sequence,
+        at most one row."""
+        if not counts or min(counts) < 1 or max(len(t) for t in tables) > self.cfg.max_blocks:
+            return None
+        width = next((q for q in sorted(self.cfg.query_widths) if q >= max(counts)), None)
+        bucket = next((b for b in self.cfg.buckets if b >= len(counts)), None)
+        if width is None and len(counts) == 1 and logits_rows is not None and logits_rows <= 1:
+            width = next((q for q in sorted(self.cfg.prompt_widths) if q >= counts[0]), None)
+            bucket = 1
+        if width is None or bucket is None:
+            return None
+        return bucket, width
+
+    def run(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
+            tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None) -> torch.Tensor:
+        """Logits [len(rows), V] of the rows asked for; a view valid until this graph replays again.
+        `device_starts`: as in `run_hidden`."""
+        return self._rows(self._replay(key, ids, starts, counts, tables, device_starts, rows), rows)
+
+    def run_hidden(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
+                   tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [len(rows), V], streams [sum(counts), layers * hidden] of every real token): views
+        valid until this graph replays again. `device_starts`: the real starts (and ids), on the
+        device (equal counts; `starts` then only has to hold the same blocks), see `restart`."""
+        g = self._replay(key, ids, starts, counts, tables, device_starts, rows)
+        assert g.hidden is not None, "this runner captures no hidden streams"
+        return self._rows(g, rows), g.hidden[: sum(counts)]  # real tokens are packed from the front
+
+    def _replay(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
+                tables: list[list[int]], device_starts: DeviceStarts | None = None,
+                rows: list[int] | None = None) -> _Graph:
+        g = self.graphs.get(key) or self._capture(*key)
+        host, table = pack_step(ids if not isinstance(ids, torch.Tensor) else None, starts, counts, tables,
+                                g.bucket, g.width, self.scratch, self.cache.block_size)
+        if g.tiles is not None:  # a prompt graph: its one logits row and its tiles follow the packed values
+            assert rows is not None and len(rows) <= 1 and device_starts is None
+            host = with_prompt_tail(host, starts[0], counts[0], g.width, g.tiles.numel() // 4, rows[0] if rows else 0)
+        # Pageable non-blocking copies: staged by the driver at once, queued in stream order (see h2d).
+        g.packed.copy_(torch.from_numpy(host), non_blocking=True)
+        # Only the live columns: the kernel never reads past a sequence's context.
+        g.block_table[: table.shape[0], : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
+        if isinstance(ids, torch.Tensor):
+            g.packed[: ids.shape[0]].copy_(ids)  # device ids (draft steps): queued after the host copy
+        if device_starts is not None:
+            restart(g.packed, g.bucket * g.width, device_starts, counts[0], g.block_table, self.cache.block_size)
+        g.graph.replay()
+        self.replays += 1
+        self.last = g
+        return g
+
+    def greedy_result(self, logits: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tokens [S, Q], accepted [S]) of the greedy verification of the step whose `logits` the last
+        replay returned (a view of its output), for its first S sequences, when it was a verify graph
+        (Q > 1); else None (an eager step's logits are not a graph's). Views valid until that graph
+        replays again."""
+        g = self.last
+        if g is None or g.greedy is None or logits.data_ptr() != g.logits.data_ptr():
+            return None
+        return g.greedy[0][:num_seqs], g.greedy[1][:num_seqs]
+
+    def _rows(self, g: _Graph, rows: list[int]) -> torch.Tensor:
+        if g.tiles is not None or rows == list(range(len(rows))):  # a prompt graph computed its row alone
+            return g.logits[: len(rows)]
+        return g.logits.index_select(0, h2d(rows, torch.int64, self.device))
+
+    def capture_up_to(self, batch: int, widths: tuple[int, ...] | None = None) -> None:
+        """Every (bucket, width) graph a step over at most `batch` requests replays (of `widths` only,
+        when given)."""
+        for bucket in buckets_up_to(self.cfg.buckets, batch):
+            for width in widths or self.cfg.query_widths:
+                if (bucket, width) not in self.graphs:
+                    self._capture(bucket, width)
+        for width in () if widths else self.cfg.prompt_widths:
+            if (1, width) not in self.graphs:
+                self._capture(1, width)
+
+    def _capture(self, bucket: int, width: int) -> _Graph:
+        dev, t_all = self.device, bucket * width
+        packed = torch.from_numpy(pack_step([], [], [], [], bucket, width, self.scratch,
+                                            self.cache.block_size)[0]).to(dev)  # all padding: safe to run
+        block_table = torch.full((bucket, self.cfg.max_blocks), self.scratch, dtype=torch.int32, device=dev)
+        prompt = width > max(self.cfg.query_widths)
+        tiles = None
+        if prompt:  # | the logits row | the tiles (int32 values, int64 here like the rest of the buffer)
+            n_tiles = prompt_tile_count(width, self.model.args.num_heads, self.model.args.num_kv_heads)
+            packed = torch.cat([packed, torch.zeros(1 + 4 * n_tiles, dtype=torch.int64, device=dev)])
+        ids, layout = static_layout(packed, block_table, bucket, width, self.scratch)
+        rows = hidden_rows = torch.arange(t_all, device=dev)
+        if prompt:
+            n = packed_size(bucket, width)
+            rows, tiles = packed[n : n + 1], torch.empty(4 * n_tiles, dtype=torch.int32, device=dev)
+            layout = replace(layout, prompt_tiles=tiles)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        layers = self.hidden_layers
+        qs = layout.query_starts_t
+        verifies = width > 1 and self.verifies and not prompt
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+            if tiles is not None:
+                tiles.copy_(packed[-tiles.numel() :])  # inside the graph: the host writes them as int64
+            out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=hidden_rows)
+            # [T, layers * hidden] | None, into the store too (padding tokens: the scratch block's rows)
+            return out.logits, keep_streams(out.hidden, layout.slot_mapping, self.store)
+
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels, outside capture
+            logits, _ = forward()
+            if verifies:
+                greedy_verify(logits, ids, qs, bucket, width)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits, hidden = forward()  # [T or 1, V], [T, layers * hidden] | None
+            greedy = greedy_verify(logits, ids, qs, bucket, width) if verifies else None  # [B, Q], [B]
+        # Every tensor made outside the capture and read by the graph is kept here: once freed, the
+        # caching allocator hands its memory to eager work and the next replay reads garbage.
+        g = _Graph(graph, bucket, width, packed, block_table, hidden_rows if prompt else rows, logits, hidden, greedy,
+                   tiles)
+        self.graphs[(bucket, width)] = g
+        return g
+
+
+def buckets_up_to(buckets: tuple[int, ...], batch: int) -> list[int]:
+    """The buckets a batch of at most `batch` requests can land in: those below it and the first >= it."""
+    return [b for b in buckets if b < batch] + [b for b in buckets if b >= batch][:1]
+
+
+def forward_logits(model: Transformer, graphs: GraphRunner | None, cache: PagedKVCache,
+                   ids: list[int] | torch.Tensor, starts: list[int], counts: list[int], tables: list[list[int]],
+                   rows: list[int], device: torch.device, store: StreamStore | None = None) -> torch.Tensor:
+    """Logits [len(rows), V] of one forward, through a graph when one fits, else eagerly. `store`:
+    the target's stream store (an EAGLE engine), written by this forward too (a graph's does it)."""
+    key = graphs.key_for(counts, tables, len(rows)) if graphs is not None else None
+    if graphs is not None and key is not None:
+        return graphs.run(key, ids, starts, counts, tables, rows)
+    layout = BatchLayout.build(starts, counts, tables, cache.block_size, device)
+    ids_t = ids if isinstance(ids, torch.Tensor) else h2d(ids, torch.int64, device)
+    if store is None:
+        return model(ids_t, layout, cache, h2d(rows, torch.int64, device)).logits
+    out = model(ids_t, layout, cache, h2d(rows, torch.int64, device), hidden_layers=store.layers,
+                hidden_rows=torch.arange(ids_t.shape[0], device=device))
+    keep_streams(out.hidden, layout.slot_mapping, store)
+    return out.logits
+
+
+def capture_all(worker, max_batch: int) -> int:
+    """Every graph a step over at most `max_batch` requests can replay, captured now: the target's
+    (bucket, width) cells, a draft model's one-token steps, an EAGLE head's chains at every depth and
+    draw. Captured on first use instead, each cost a step 5-110 ms, and 1.3-1.5 s where the capture
+    compiled attention variants for its width (the H200, a fixed-k EAGLE engine's first request that
+    ran into its max_tokens; docs/issue9-eagle/session16). Returns the graphs captured."""
+    proposer = getattr(worker.proposer, "inner", None) or worker.proposer  # the synthetic proposer wraps a draft
+    draft = getattr(proposer, "graphs", None)
+    runners = [r for r in (worker.graphs, draft) if r is not None]  # an EAGLE head's graphs are EagleGraphs
+
+    def count() -> int:
+        return sum(len(r.graphs) for r in runners)
+
+    trees = getattr(worker, "tree_graphs", None)  # a tree engine's whole steps (worker/tree_graphs.py)
+    if trees is not None:
+        runners.append(trees)
+    before = count()
+    if trees is not None:
+        trees.capture_up_to(max_batch)
+    if worker.graphs is not None:
+        worker.graphs.capture_up_to(max_batch)
+    if isinstance(draft, GraphRunner):
+        draft.capture_up_to(max_batch, (1,))  # a draft model steps one token at a time
+    if hasattr(proposer, "capture_graphs"):
+        proposer.capture_graphs(max_batch)
+    return count() - before
+
+
+def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool) -> None:
+    """On CUDA: the Triton attention for target and draft model, and CUDA graphs for their steps.
+
+    `scratch_block` is a cache block the scheduler never hands out (both caches have one more
+    block than the scheduler counts): padding tokens of a graph write there.
+    """
+    from streamsd.kernels.attention.paged import cuda_attention
+    from streamsd.kernels.warmup import warm_up
+    from streamsd.model.fast_forward import enable_fast_forward
+
+    proposer = worker.proposer
+    draft = getattr(proposer, "model", None)
+    kernel_models = []
+    for model in (worker.target, draft):
+        d = model.args.head_dim if isinstance(model, Transformer) else 0
+        if d and d & (d - 1) == 0:  # the kernels tile the head dimension by powers of two
+            model.attend = cuda_attention
+            enable_fast_forward(model)
+            kernel_models.append(model)
+    trees = getattr(worker, "tree", None) is not None  # drafts are trees: worker/tree_graphs.py verifies them
+    n, seconds = warm_up(kernel_models, worker.cache.data.dtype, worker.cache.block_size, worker.vocab,
+                         1 if trees else k, worker.device, trees=trees)
+    log.info("compiled %d Triton kernel variants in %.1fs", n, seconds)
+    if hasattr(proposer, "enable_kernels"):  # an EAGLE head's layer on the target's fused kernels
+        proposer.enable_kernels()
+    if not graphs:
+        return
+    bs = worker.cache.block_size
+    # Narrow verify widths too: at large batch the planner drafts 1 or 2 tokens, and a step replays
+    # the narrowest graph that holds its longest query, so without them k = 1 pays for k = K.
+    widths = (1,) if trees else tuple(sorted({1, min(2, k + 1), min(3, k + 1), k + 1}))
+    cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=widths,
+                      prompt_widths=tuple(w for w in PROMPT_WIDTHS if max(widths) < w <= max_len))
+    # An EAGLE head reads the target's streams at every verified token: its graphs return them too.
+    worker.graphs = GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device,
+                                hidden_layers=tuple(getattr(proposer, "hidden_layers", ())), store=worker.store)
+    if isinstance(draft, Transformer) and hasattr(proposer, "graphs"):
+        proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, replace(cfg, prompt_widths=()),
+                                      worker.device, verifies=False)
+    if hasattr(proposer, "enable_graphs"):  # an EAGLE head: catch-up and draft chain in one graph (trees: growths)
+        proposer.enable_graphs(scratch_block, cfg.max_blocks, width=k + 1)
