@@ -19,7 +19,7 @@ from streamsd.engine.core import EngineCore
 from streamsd.model.arch import ModelArgs
 from streamsd.model.llama import Transformer
 from streamsd.request import SamplingParams
-from streamsd.worker.graphs import capture_all
+from streamsd.worker.cuda import capture_all
 from streamsd.worker.profile import sync, time_step
 
 HBM_BYTES_PER_S = 4.25e12  # measured device-to-device copy bandwidth of the lent H200 (GPU.md)

@@ -32,7 +32,6 @@ from streamsd.spec_decode.eagle.checkpoint import head_dir, load_head, measured_
 from streamsd.spec_decode.eagle.proposer import EagleProposer
 from streamsd.spec_decode.ngram import NgramProposer
 from streamsd.spec_decode.proposer import Proposer
-from streamsd.worker.tree_graphs import tree_graphs_for
 from streamsd.worker.worker import Worker
 
 GC_YOUNG_THRESHOLD = 10_000  # see build_runtime
@@ -181,9 +180,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     elif head is not None and q_pool is not None:
         store = StreamStore(head.input_layers, args.hidden_size, (num_blocks + 1) * BLOCK_SIZE, dtype, device)
         proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
-                                 q_pool, store, depth_steps)
-        proposer.tree = tree
-        proposer.int8_lm_head = cfg.spec.int8_draft_head
+                                 q_pool, store, depth_steps, tree=tree, int8_lm_head=cfg.spec.int8_draft_head)
     elif cfg.spec.method == "ngram":
         proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)
     elif cfg.spec.method is not None:
@@ -202,13 +199,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     if queues_ahead:
         sched = queue_chains(worker, sched, cfg.spec.num_tokens)
     if device.type == "cuda":
-        from streamsd.worker.graphs import setup_cuda
-
-        setup_cuda(worker, scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs)
-        if tree is not None and cfg.cuda_graphs and isinstance(proposer, EagleProposer):
-            worker.tree_graphs = tree_graphs_for(worker, proposer, num_blocks, max_len, cfg.spec.max_batch)
+        worker.enable_cuda(scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs,
+                           tree_max_batch=cfg.spec.max_batch)
         if cfg.cuda_graphs:
-            from streamsd.worker.graphs import capture_all
+            from streamsd.worker.cuda import capture_all
 
             t1 = time.perf_counter()
             log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
@@ -265,10 +259,10 @@ def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> S
 def adaptive_policy(max_k: int, cost: CostTable, worker: Worker) -> AdaptivePolicy:
     """The adaptive policy over `cost` for this worker's proposer and pipelining."""
     proposer = worker.proposer
-    return AdaptivePolicy(max_k, cost, draft_has_cache=getattr(proposer, "keeps_cache", False),
-                          settled_lag=1 if getattr(proposer, "hidden_layers", ()) else 0,
+    return AdaptivePolicy(max_k, cost, draft_has_cache=proposer is not None and proposer.keeps_cache,
+                          settled_lag=1 if worker.hidden_layers else 0,
                           queues_ahead=worker.lookahead.queues_speculative,
-                          depth_steps=getattr(proposer, "depth_steps", ()))
+                          depth_steps=proposer.depth_steps if proposer is not None else ())
 
 
 def check_vocab(target_tok: Any, draft_tok: Any, target: ModelArgs, draft: ModelArgs) -> None:

@@ -16,12 +16,13 @@ import torch
 
 from streamsd.model.kv_cache import PagedKVCache, h2d
 from streamsd.model.stream_store import StreamStore
+from streamsd.model.tree_layout import NONE, ROOT
 from streamsd.request import Request
 from streamsd.sample.greedy import row_argmax
 from streamsd.sample.sampler import sample_keyed, token_logprobs
 from streamsd.sample.verify import Verified, Verifier
 from streamsd.sched.plan import Scheduled
-from streamsd.spec_decode.tree import NONE, ROOT, path_moves, positions_to_slots, walk
+from streamsd.spec_decode.tree import path_moves, positions_to_slots, walk
 
 
 def host_tree(parents: list[int]) -> tuple[list[int], list[int]]:

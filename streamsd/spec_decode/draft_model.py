@@ -8,17 +8,18 @@ steps, each draft chosen by the draft policy (spec_decode/drafting.py).
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 
+from streamsd.model.graphs import GraphConfig, GraphRunner, forward_logits
 from streamsd.model.kv_cache import PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.spec_decode.drafting import DraftPicker
-from streamsd.spec_decode.proposer import Proposal, ProposeItem
-from streamsd.worker.graphs import GraphRunner, forward_logits
+from streamsd.spec_decode.proposer import DraftModel, Proposal, ProposeItem, Proposer
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     dense = True
     keeps_cache = True
 
@@ -29,6 +30,18 @@ class DraftModelProposer:
         self.vocab = target_vocab
         self.device = q_pool.device
         self.graphs: GraphRunner | None = None  # CUDA graphs for catch-up and single-token steps
+
+    def draft_model(self) -> DraftModel:
+        return DraftModel(self.model, self.cache, self.graphs)
+
+    def enable_cuda(self, graphs: GraphConfig | None, scratch_block: int) -> None:
+        if graphs is not None:  # catch-ups and single-token steps, no prompt graphs
+            self.graphs = GraphRunner(self.model, self.cache, scratch_block, replace(graphs, prompt_widths=()),
+                                      self.device, verifies=False)
+
+    def capture_graphs(self, max_batch: int) -> None:
+        if self.graphs is not None:
+            self.graphs.capture_up_to(max_batch, (1,))  # a draft model steps one token at a time
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         results = [Proposal([], it.draft_computed) for it in items]

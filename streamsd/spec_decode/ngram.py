@@ -3,7 +3,7 @@ prompt + output and propose the tokens that followed it. q is one-hot; costs no 
 
 from __future__ import annotations
 
-from streamsd.spec_decode.proposer import Proposal, ProposeItem
+from streamsd.spec_decode.proposer import Proposal, ProposeItem, Proposer
 
 
 def ngram_lookup(tokens: list[int], k: int, n_max: int, n_min: int, window: int = 4096) -> list[int]:
@@ -23,9 +23,7 @@ def ngram_lookup(tokens: list[int], k: int, n_max: int, n_min: int, window: int 
     return []
 
 
-class NgramProposer:
-    dense = False
-    keeps_cache = False
+class NgramProposer(Proposer):
 
     def __init__(self, n_max: int = 4, n_min: int = 1):
         self.n_max, self.n_min = n_max, n_min

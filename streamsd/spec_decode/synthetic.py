@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from streamsd.model.graphs import GraphConfig
 from streamsd.request import Request
-from streamsd.spec_decode.proposer import Proposal, ProposeItem, Proposer
+from streamsd.spec_decode.proposer import DraftModel, Proposal, ProposeItem, Proposer
 
 _M64 = (1 << 64) - 1
 _SPARE = 64  # table columns past max_tokens: drafts past a request's end are asked for, never used
@@ -90,7 +91,7 @@ class SyntheticCounters:
 
 
 @dataclass
-class SyntheticProposer:
+class SyntheticProposer(Proposer):
     oracle: dict[tuple[int, ...], list[int]]  # prompt ids -> the target's greedy continuation
     alpha: float
     vocab: int
@@ -102,8 +103,7 @@ class SyntheticProposer:
     _width: int = 0  # columns of every track's table
     _table: torch.Tensor | None = None  # [rows, width] on the device: the tracks' drafts (chain)
     _rows: int = 0  # rows of it handed to tracks
-    dense = False  # drafts are one-hot
-    hidden_layers: tuple[int, ...] = ()  # `chain` needs no streams of the target
+    chains_on_device = True  # its `chain` gathers drafts from a device table; it needs no streams
 
     def __post_init__(self) -> None:
         self._branches = {p: [list(c)] for p, c in self.oracle.items()}
@@ -111,6 +111,17 @@ class SyntheticProposer:
     @property
     def keeps_cache(self) -> bool:  # type: ignore[override]
         return bool(self.inner is not None and self.inner.keeps_cache)
+
+    def draft_model(self) -> DraftModel | None:
+        return self.inner.draft_model() if self.inner is not None else None
+
+    def enable_cuda(self, graphs: GraphConfig | None, scratch_block: int) -> None:
+        if self.inner is not None:
+            self.inner.enable_cuda(graphs, scratch_block)
+
+    def capture_graphs(self, max_batch: int) -> None:
+        if self.inner is not None:
+            self.inner.capture_graphs(max_batch)
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         # Runs serially with the GPU at every speculative step of a benchmark, for every request: the

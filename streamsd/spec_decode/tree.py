@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-ROOT = -1  # parent of a node that hangs off the pending token
-NONE = -2  # padding: a node that is no part of the tree (never accepted, sees only itself)
+from streamsd.model.tree_layout import NONE, ROOT
+
 MAX_NODES = 62  # the root and its nodes share one int64 bitmask per row (bit 63 stays clear)
 
 

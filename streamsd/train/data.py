@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
+from streamsd.model.graphs import GraphRunner
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 from streamsd.model.llama import Transformer
 from streamsd.request import SamplingParams
+from streamsd.spec_decode.proposer import Proposer
 from streamsd.train.waves import in_waves
-from streamsd.worker.graphs import GraphRunner
 
 
 @dataclass(slots=True)
@@ -85,13 +86,10 @@ class Collected:
                          raw["write_s"], raw["generate_s"], tuple(raw["temperatures"]), raw["max_new_tokens"])
 
 
-class _Recorder:
+class _Recorder(Proposer):
     """Stands in for a proposer so the worker returns the streams of every computed token; drafts nothing.
     Its `hidden_layers` (and no `chain`) keep every step on the worker's full path, through the recorded
     `_forward`: steps queued ahead (worker/pipelined.py) run their forward elsewhere."""
-
-    dense = False
-    keeps_cache = False
 
     def __init__(self, layers: tuple[int, ...]):
         self.hidden_layers = layers

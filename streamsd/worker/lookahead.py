@@ -201,14 +201,6 @@ def chained_reach(k: int) -> int:
     return 3 * k + 3
 
 
-def pair_slot(slot: int, pool_rows: int) -> int:
-    """A request's other q-pool row: a verify queued ahead drafts there, and the request moves over
-    when it is taken (a dropped one leaves the row the next verify reads untouched). The pool has two
-    rows a slot and a spare: [0, n) | [n, 2n) | 2n."""
-    half = (pool_rows - 1) // 2
-    return slot + half if slot < half else slot - half
-
-
 class Readback:
     """The step's one host read, started before the next step is queued and waited for after, so
     that it waits for this step's work only (a plain `.tolist()` would wait for the queued one too)."""

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamsd.model.device_layout import DeviceStarts
+from streamsd.model.graphs import forward_logits
 from streamsd.model.kv_cache import BatchLayout, h2d
 from streamsd.model.stream_store import keep_streams
 from streamsd.sample.verify import Verified, unpack
 from streamsd.sched.plan import EntryResult, Scheduled
-from streamsd.worker.graphs import forward_logits
-from streamsd.worker.lookahead import Lookahead, pair_slot
+from streamsd.spec_decode.proposer import pair_slot
+from streamsd.worker.lookahead import Lookahead
 
 if TYPE_CHECKING:
     from streamsd.worker.worker import Worker
@@ -107,7 +108,8 @@ def _queue_chained(w: Worker, entries: list[Scheduled], tokens: torch.Tensor, ac
     positions = None  # the noise positions [n, k+1], after the pending one: only sampled rows draw
     if not all(e.request.params.greedy for e in nxt):
         positions = (starts + 1).unsqueeze(1) + torch.arange(k + 1, device=dev)
-    chain = getattr(w.proposer, "chain")  # noqa: B009
+    assert w.proposer is not None and w.chains_on_device
+    chain = w.proposer.chain
     reqs = [e.request for e in nxt]
     launched = w.verifier.launch(
         nxt, logits, lambda t, a: chain(reqs, [e.start for e in nxt], [k + 1] * n, [k] * n, t, a, hidden,
@@ -127,7 +129,7 @@ def _forward_at(w: Worker, entries: list[Scheduled], src: DeviceStarts
     where it cannot be queued (CUDA without a graph for it)."""
     counts = [1 + e.num_drafts for e in entries]
     tables = [e.request.blocks for e in entries]
-    layers = tuple(getattr(w.proposer, "hidden_layers", ()))
+    layers = w.hidden_layers
     rows = list(range(sum(counts)))
     starts = [e.start for e in entries]
     if w.graphs is not None and w.graphs.hidden_layers == layers:

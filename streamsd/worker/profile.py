@@ -20,17 +20,22 @@ territory never attracts speculation).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from streamsd.model.graphs import GraphRunner, buckets_up_to, forward_logits
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore
 from streamsd.policy.adaptive import CostTable
 from streamsd.policy.adaptive.cost import StepTable
 from streamsd.policy.adaptive.shape import ShapeTable
-from streamsd.worker.graphs import GraphRunner, buckets_up_to, capture_all, forward_logits
+from streamsd.spec_decode.proposer import Proposer
+from streamsd.worker.cuda import capture_all
+
+if TYPE_CHECKING:
+    from streamsd.worker.worker import Worker
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SLOW_PASS_S = 0.05  # a pass this slow is timed once: its noise is small next to it, the budget is not
@@ -136,25 +141,21 @@ def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer |
         steps, padded=graphs is not None, batches=batches, widths=widths))
 
 
-def profile_worker(worker: Any, max_batch: int, max_tokens: int, max_k: int, context: int = 256) -> CostTable:
+def profile_worker(worker: Worker, max_batch: int, max_tokens: int, max_k: int, context: int = 256) -> CostTable:
     """The cost table of a built worker: its target, its graphs, and its draft model if it has one
     (an EAGLE head: its catch-up pass, by positions)."""
     proposer = worker.proposer
-    proposer = getattr(proposer, "inner", None) or proposer  # the synthetic proposer wraps a draft model
-    draft = getattr(proposer, "model", None)
-    has_draft = isinstance(draft, Transformer)
+    draft = proposer.draft_model() if proposer is not None else None
     capture_all(worker, max_batch)  # a start-up cost of the graphs, not the profile's (and done at build)
-    table = profile_costs(worker.target, worker.cache, draft if has_draft else None,
-                          getattr(proposer, "cache", None) if has_draft else None, max_tokens, context,
-                          max_batch=max_batch, max_k=max_k, graphs=worker.graphs,
-                          draft_graphs=getattr(proposer, "graphs", None) if has_draft else None,
-                          store=worker.store)
-    if hasattr(proposer, "catch_up_pass"):
+    table = profile_costs(worker.target, worker.cache, draft.model if draft else None, draft.cache if draft else None,
+                          max_tokens, context, max_batch=max_batch, max_k=max_k, graphs=worker.graphs,
+                          draft_graphs=draft.graphs if draft else None, store=worker.store)
+    if proposer is not None and proposer.store is not None:  # a head that catches up from the store
         table.catchup = StepTable.from_samples(time_catch_up(proposer, worker.cache, max_tokens, repeats=3))
     return table
 
 
-def time_catch_up(proposer: Any, cache: PagedKVCache, max_tokens: int, repeats: int) -> dict[int, float]:
+def time_catch_up(proposer: Proposer, cache: PagedKVCache, max_tokens: int, repeats: int) -> dict[int, float]:
     """Seconds of an EAGLE head's eager catch-up over n positions of one sequence, n at the bucket edges."""
     dev = cache.data.device
     bs = cache.block_size

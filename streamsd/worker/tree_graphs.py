@@ -12,7 +12,7 @@ queued right behind the last (worker/lookahead.py) is one more replay with no ho
 only work per step is starting the read of `result` and waiting for it.
 
 Inputs the host writes (a step not queued behind the last): the packed layout (ids | positions |
-slots | context lengths | query starts, as worker/graphs.py packs them), the window masks and roots,
+slots | context lengths | query starts, as model/graphs.py packs them), the window masks and roots,
 the trees, the block table, and per request its greedy flag, seed, temperature and min-p (SAMPLED
 mode: the Triton race of kernels/sample/warp.py, bit for bit what an eager step draws). Requests with
 top-k/top-p, log-probabilities or min_tokens, and batches above the largest bucket, take the eager
@@ -28,17 +28,18 @@ import torch
 
 from streamsd.config import TreeShape
 from streamsd.model.graph_layout import pack_step, static_layout
+from streamsd.model.graphs import buckets_up_to
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, uniform_starts
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore
+from streamsd.model.tree_layout import NONE, Race
 from streamsd.request import Request
 from streamsd.sample.greedy import row_argmax
 from streamsd.sample.sampler import sample_keyed
 from streamsd.sample.tree_verify import host_tree, move_kv
 from streamsd.sample.warp import WarpParams
-from streamsd.spec_decode.eagle.tree import GrowConsts, HeadLayer, Race, grow
-from streamsd.spec_decode.tree import NONE, catch_up, depths, positions_to_slots, walk, window_bits
-from streamsd.worker.graphs import buckets_up_to
+from streamsd.spec_decode.eagle.tree import GrowConsts, HeadLayer, grow
+from streamsd.spec_decode.tree import catch_up, depths, positions_to_slots, walk, window_bits
 
 GREEDY, SAMPLED = 0, 1
 TREE_BUCKETS = (1, 2, 4, 8, 16)  # trees pay at small batches; a graph's logits are B x (N + 1) x V floats
@@ -49,7 +50,7 @@ class _TreeGraph:
     graph: torch.cuda.CUDAGraph | None
     bucket: int
     mode: int
-    packed: torch.Tensor  # [3T + 2B + 1] int64 (worker/graphs.py's layout), T = B * W
+    packed: torch.Tensor  # [3T + 2B + 1] int64 (model/graphs.py's layout), T = B * W
     bits: torch.Tensor  # [T] int64 each window row's mask
     roots: torch.Tensor  # [B] int64 each window's first position (its root's)
     tree: torch.Tensor  # [B, 2N] int64 the trees verified: tokens | parents

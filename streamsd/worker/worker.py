@@ -17,18 +17,19 @@ import threading
 import torch
 
 from streamsd.config import TreeShape
+from streamsd.model.graphs import GraphRunner
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore, keep_streams
 from streamsd.request import Request
 from streamsd.sample.verify import Chain, Verified, Verifier
 from streamsd.sched.plan import EntryResult, Scheduled, StepPlan
+from streamsd.spec_decode.eagle.proposer import EagleProposer
 from streamsd.spec_decode.proposer import ProposeItem, Proposer
 from streamsd.worker import pipelined
 from streamsd.worker import tree_runner as tree_step
-from streamsd.worker.graphs import GraphRunner
 from streamsd.worker.lookahead import Lookahead, Readback
-from streamsd.worker.tree_graphs import TreeGraphs
+from streamsd.worker.tree_graphs import TreeGraphs, tree_graphs_for
 
 
 class Worker:
@@ -37,12 +38,12 @@ class Worker:
                  tree: TreeShape | None = None):
         self.target = target
         self.tree = tree  # drafts are trees of this shape (an EAGLE head's): worker/tree_runner.py
-        self.tree_graphs: TreeGraphs | None = None  # their steps as CUDA graphs (build_runtime sets them)
+        self.tree_graphs: TreeGraphs | None = None  # their steps as CUDA graphs (enable_cuda)
         self.cache = cache
         self.proposer = proposer
         self.device = device
         self.vocab = target.args.vocab_size
-        # CUDA graphs for decode/verify steps; build_runtime sets them on CUDA.
+        # CUDA graphs for decode/verify steps (enable_cuda).
         self.graphs: GraphRunner | None = None
         # Set once a step's GPU work is queued, just before its host read: the engine then does the
         # previous step's text work while the GPU runs (see EngineCore.run).
@@ -52,22 +53,39 @@ class Worker:
         self.lookahead = Lookahead(cache.block_size, device.type == "cuda" if pipeline is None else pipeline)
         self.readback = Readback(device)
 
+    def enable_cuda(self, *, scratch_block: int, max_len: int, k: int, graphs: bool, tree_max_batch: int) -> None:
+        """Move onto the CUDA kernels and, with `graphs`, CUDA graphs (worker/cuda.py), before any step."""
+        from streamsd.worker.cuda import set_up
+
+        self.graphs = set_up(self, scratch_block=scratch_block, max_len=max_len, k=k, graphs=graphs)
+        if self.tree is not None and graphs and isinstance(self.proposer, EagleProposer):
+            self.tree_graphs = tree_graphs_for(self, self.proposer, scratch_block, max_len, tree_max_batch)
+
     @property
     def store(self) -> StreamStore | None:
         """The target's streams per KV slot, kept for an EAGLE head (None for other proposers)."""
-        return getattr(self.proposer, "store", None)
+        return self.proposer.store if self.proposer is not None else None
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose streams the proposer drafts from: every forward returns them."""
+        return self.proposer.hidden_layers if self.proposer is not None else ()
+
+    @property
+    def chains_on_device(self) -> bool:
+        return self.proposer is not None and self.proposer.chains_on_device
 
     def step(self, plan: StepPlan) -> list[EntryResult]:
         try:
             # A proposer that reads every step's streams with no store to keep them (the training
             # data recorder, train/data.py) sees them only on the full path.
-            streams_kept = self.store is not None or not getattr(self.proposer, "hidden_layers", ())
+            streams_kept = self.store is not None or not self.hidden_layers
             if Lookahead.serves(plan.entries) and streams_kept:
                 return pipelined.plain_step(self, plan.entries, plan.queue_next)
             if self.tree is not None:
                 return tree_step.tree_step(self, plan.entries, plan.queue_next)
             if ((Lookahead.chains(plan.entries) or self.lookahead.follows(plan.entries))
-                    and hasattr(self.proposer, "chain")):
+                    and self.chains_on_device):
                 return pipelined.chained_step(self, plan.entries, plan.queue_next)
             self.lookahead.drop()
             return self._step(plan.entries)
@@ -97,8 +115,8 @@ class Worker:
         synthetic one) queued straight behind the verify (no host read in between, one read for
         both): when every entry verifies its last token and its drafts, so the head catches up on all
         of each one's rows (spec_decode/eagle/graphs.py says why that is safe)."""
-        chain = getattr(self.proposer, "chain", None)
-        if chain is None or self.tree is not None or not entries or (hidden is None and getattr(self.proposer, "hidden_layers", ())):
+        if self.proposer is None or not self.chains_on_device or self.tree is not None or not entries \
+                or (hidden is None and self.hidden_layers):
             return None
         if not any(e.num_drafts for e in entries) or any(not e.verifies or e.num_tokens != 1 for e in entries):
             return None  # a plain step (the verifier samples, no rejection) or prompt chunks: propose after
@@ -106,6 +124,7 @@ class Worker:
             return None  # a head behind (it skipped plain steps) catches up from the store, after the read
         reqs, starts, ks = [e.request for e in entries], [e.start for e in entries], [e.k_next for e in entries]
         counts = [1 + e.num_drafts for e in entries]
+        chain = self.proposer.chain
         return lambda tokens, accepted: chain(reqs, starts, counts, ks, tokens, accepted, hidden)
 
     # -- target forward -------------------------------------------------------------------------
@@ -126,7 +145,7 @@ class Worker:
             counts.append(len(toks))
             tables.append(r.blocks)
         # An EAGLE head reads the target's residual streams at every token this step computes.
-        layers = tuple(getattr(self.proposer, "hidden_layers", ()))
+        layers = self.hidden_layers
         # A graph serves the step only if it captures exactly these streams (none, or the head's).
         fits = self.graphs is not None and self.graphs.hidden_layers == layers
         key = self.graphs.key_for(counts, tables, len(rows)) if self.graphs is not None and fits and trees is None \

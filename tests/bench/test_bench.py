@@ -24,7 +24,7 @@ from streamsd.bench.soak_tally import Tally
 from streamsd.bench.stats import percentile, spec_totals, summarize, tpot
 from tests.server_util import start_server
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
+MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench_questions.jsonl"
 
 
 # ---------------------------------------------------------------- datasets

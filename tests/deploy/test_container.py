@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE_IMAGE = os.environ.get("STREAMSD_CI_BASE_IMAGE", "localhost/debian:bookworm-min")
 IMAGE = os.environ.get("STREAMSD_CI_IMAGE", "localhost/streamsd:ci")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"

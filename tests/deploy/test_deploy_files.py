@@ -24,7 +24,7 @@ try:
 except ImportError:  # reported by the schema test itself, so the other checks still run
     kubernetes_validate = None
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"

@@ -410,8 +410,8 @@ def test_padded_graph_step_matches_eager_forward(tiny_model_dir):
     the same packed buffers run through the interpreted kernel, without capture."""
     from streamsd.engine.builder import load_model
     from streamsd.model.graph_layout import pack_step, static_layout
+    from streamsd.model.graphs import GraphConfig, GraphRunner
     from streamsd.model.kv_cache import PagedKVCache
-    from streamsd.worker.graphs import GraphConfig, GraphRunner
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
     scratch, bs = 12, 16
@@ -457,8 +457,8 @@ def test_prompt_graph_matches_eager_prefill(tiny_model_dir, start, count):
 
     from streamsd.engine.builder import load_model
     from streamsd.model.graph_layout import pack_step, prompt_tile_count, prompt_tiles, static_layout
+    from streamsd.model.graphs import GraphConfig, GraphRunner
     from streamsd.model.kv_cache import PagedKVCache
-    from streamsd.worker.graphs import GraphConfig, GraphRunner
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
     model.attend = pa.cuda_attention
@@ -582,8 +582,8 @@ def test_graph_replay_returns_the_eager_hidden_streams(tiny_model_dir):
     eager (fast) forward's, for a verify-shaped step padded into a (bucket 4, width 4) graph."""
     from streamsd.engine.builder import load_model
     from streamsd.model.fast_forward import enable_fast_forward
+    from streamsd.model.graphs import GraphConfig, GraphRunner
     from streamsd.model.kv_cache import PagedKVCache
-    from streamsd.worker.graphs import GraphConfig, GraphRunner
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
     model.attend = pa.cuda_attention
@@ -819,7 +819,8 @@ def test_raced_topk_equals_the_torch_race_and_its_noise_is_the_targets():
     a greedy request's rows stay as they are, and so do a graph's padding rows (temperature 0). Two rows
     a request, four requests."""
     from streamsd.kernels.sample.topk import topk_logprobs
-    from streamsd.spec_decode.eagle.tree import Race, race_logits
+    from streamsd.model.tree_layout import Race
+    from streamsd.spec_decode.eagle.tree import race_logits
 
     g = torch.Generator().manual_seed(3)
     vocab, k, reps = 5000, 4, 2
@@ -843,7 +844,8 @@ def test_int8_head_topk_equals_its_torch_oracle(draft_vocab):
     the head has a draft vocabulary), a vocabulary and a width that are no multiple of the blocks, a
     padding row of NaN."""
     from streamsd.kernels.tree.head_topk import DraftLogits, head_topk
-    from streamsd.spec_decode.eagle.tree import Race, race_logits
+    from streamsd.model.tree_layout import Race
+    from streamsd.spec_decode.eagle.tree import race_logits
 
     g = torch.Generator().manual_seed(5)
     vocab, hidden, k, eps = 1000, 96, 4, 1e-5
@@ -895,7 +897,7 @@ def test_int8_head_topk_equals_its_torch_oracle(draft_vocab):
 
 
 def _cpu(race):
-    from streamsd.spec_decode.eagle.tree import Race
+    from streamsd.model.tree_layout import Race
 
     return Race(race.greedy.cpu(), race.seeds.cpu(), race.temperature.cpu())
 

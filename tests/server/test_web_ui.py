@@ -38,7 +38,7 @@ pytestmark = pytest.mark.browser
 sync_api = pytest.importorskip("playwright.sync_api")
 expect = sync_api.expect
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WEB = ROOT / "web"
 SCREENSHOT = ROOT / "docs" / "screenshot.png"
 CHROMIUM = "/usr/bin/chromium"

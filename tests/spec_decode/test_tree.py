@@ -13,12 +13,13 @@ from streamsd.config import SpecConfig, TreeShape
 from streamsd.engine.builder import load_model
 from streamsd.model.attention import paged_attention_reference
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.tree_layout import NONE, ROOT, Race
 from streamsd.sample import rng
 from streamsd.sample.sampler import sample_keyed
 from streamsd.sample.tree_verify import host_tree
 from streamsd.sample.warp import WarpParams
-from streamsd.spec_decode.eagle.tree import Race, grow, race_logits
-from streamsd.spec_decode.tree import NONE, ROOT, ancestor_bits, depths, path_moves, select, walk, window_bits
+from streamsd.spec_decode.eagle.tree import grow, race_logits
+from streamsd.spec_decode.tree import ancestor_bits, depths, path_moves, select, walk, window_bits
 from tests.engine.test_engine import (
     MAX_TOKENS,
     PROMPTS,

@@ -25,7 +25,7 @@ from streamsd.kernels.sample.rng import _mix, _row_key, _to_unit, _u32
 from streamsd.sample import rng
 
 if TYPE_CHECKING:
-    from streamsd.spec_decode.eagle.tree import Race
+    from streamsd.model.tree_layout import Race
 
 CHUNK = 2048
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from streamsd.spec_decode.eagle.tree import Candidates, Frontier
+    from streamsd.model.tree_layout import Candidates, Frontier
 
 
 @triton.jit(do_not_specialize=["offset", "total", "level", "table_stride"])

@@ -36,7 +36,7 @@ from streamsd.kernels.sample.topk import _log_normaliser
 from streamsd.sample import rng
 
 if TYPE_CHECKING:
-    from streamsd.spec_decode.eagle.tree import Race
+    from streamsd.model.tree_layout import Race
 
 # (ids a program, hidden columns a load, warps, loads in flight) for one block of rows and for more:
 # the fastest of scripts/head_topk_probe.py's on the H200 at SmolLM2-135M's 49152 x 576, 1, 6 and 24 rows

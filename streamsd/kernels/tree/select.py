@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamsd.spec_decode.tree import NONE, ROOT
+from streamsd.model.tree_layout import NONE, ROOT
 
 
 @triton.jit

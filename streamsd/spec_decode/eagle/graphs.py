@@ -3,7 +3,7 @@
 Eagerly, a propose call of a one-layer head is dozens of kernel launches per head forward, one
 forward per draft, plus a host-built layout per draft: on a small target that costs several times
 the verify itself. Here a call is one replay. Its inputs live in static buffers refreshed by queued
-host-to-device copies, as the target's graphs do (worker/graphs.py); every int64 input shares one
+host-to-device copies, as the target's graphs do (model/graphs.py); every int64 input shares one
 buffer, so a call costs one copy of them (plus the block table and, when sampling, the warp floats):
 
 - the catch-up tokens of every request packed from the front (graphs.pack_step, at most `width` =
@@ -37,13 +37,13 @@ import torch
 
 from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.graph_layout import pack_step, static_layout
+from streamsd.model.graphs import BUCKETS, buckets_up_to
 from streamsd.model.kv_cache import BatchLayout, h2d
 from streamsd.model.stream_store import StreamStore
 from streamsd.sample.warp import WarpParams
 from streamsd.spec_decode.drafting import draw_drafts
 from streamsd.spec_decode.eagle.head import EagleHead
 from streamsd.spec_decode.eagle.tree import HeadLayer  # the proposer's
-from streamsd.worker.graphs import BUCKETS, buckets_up_to
 
 GREEDY, SAMPLED, SORTED = 0, 1, 2
 

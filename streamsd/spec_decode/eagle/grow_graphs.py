@@ -8,7 +8,7 @@ that cuBLAS and Triton first meet at each new prompt length: 4-12 ms of a reques
 the H200 (scripts/step_timeline.py). Here it is one replay. A growth graph takes the head's output
 at each request's last caught-up slot, its pending position, its blocks and its draw in static
 buffers; a catch-up graph (bucket 1) takes the catch-up's slots packed as a prompt graph packs a
-prompt chunk (worker/graphs.py: padded to its width, its attention tiles and the row to grow from
+prompt chunk (model/graphs.py: padded to its width, its attention tiles and the row to grow from
 rewritten per replay) and grows from that row. Padding rows grow a tree at position 0 through a
 table of the scratch block, and pad a catch-up into that block: they write only there.
 """
@@ -28,12 +28,13 @@ from streamsd.model.graph_layout import (
     static_layout,
     with_prompt_tail,
 )
+from streamsd.model.graphs import buckets_up_to
 from streamsd.model.kv_cache import h2d
 from streamsd.model.stream_store import StreamStore
+from streamsd.model.tree_layout import Race
 from streamsd.request import Request
 from streamsd.spec_decode.eagle.head import EagleHead
-from streamsd.spec_decode.eagle.tree import GrowConsts, HeadLayer, Race, grow
-from streamsd.worker.graphs import buckets_up_to
+from streamsd.spec_decode.eagle.tree import GrowConsts, HeadLayer, grow
 
 BUCKETS = (1, 2, 4, 8, 16)
 
@@ -48,7 +49,7 @@ class _Grow:
     temperature: torch.Tensor  # [B] float32
     consts: GrowConsts
     # A catch-up graph's W slots: ids | positions | slots | context | query starts | the row to grow
-    # from | its tiles (worker/graphs.py's prompt graph layout)
+    # from | its tiles (model/graphs.py's prompt graph layout)
     packed: torch.Tensor | None = None
     tiles: torch.Tensor | None = None  # [n_tiles * 4] int32, copied from `packed` inside the graph
     out: torch.Tensor | None = None  # [B, 2N] tokens | parents, written by each replay

@@ -29,25 +29,28 @@ from streamsd.model.graph_layout import PROMPT_WIDTHS
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore
+from streamsd.model.tree_layout import Race
 from streamsd.request import Request
 from streamsd.spec_decode.drafting import DraftPicker
 from streamsd.spec_decode.eagle.graphs import GREEDY, SAMPLED, SORTED, DraftRow, EagleGraphs
 from streamsd.spec_decode.eagle.grow_graphs import GrowGraphs
 from streamsd.spec_decode.eagle.head import EagleHead, HeadAttention
-from streamsd.spec_decode.eagle.tree import Race, grow
-from streamsd.spec_decode.proposer import Proposal, ProposeItem
-from streamsd.worker.lookahead import pair_slot
+from streamsd.spec_decode.eagle.tree import grow
+from streamsd.spec_decode.proposer import Proposal, ProposeItem, Proposer, pair_slot
 
 if TYPE_CHECKING:
+    from streamsd.model.graphs import GraphConfig
     from streamsd.spec_decode.eagle.fast import FastHead
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     dense = True
     keeps_cache = True
+    chains_on_device = True
 
     def __init__(self, head: EagleHead, target: Transformer, cache: PagedKVCache, q_pool: torch.Tensor,
-                 store: StreamStore, depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = ()):
+                 store: StreamStore, depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = (),
+                 tree: TreeShape | None = None, int8_lm_head: bool = True):
         self.head = head
         #: how conditional acceptance rises with depth, as the head's evaluation measured it, greedy and sampled
         self.depth_steps = depth_steps
@@ -62,24 +65,29 @@ class EagleProposer:
         self.hidden_layers: tuple[int, ...] = head.input_layers
         self.graphs: EagleGraphs | None = None
         self.fast: FastHead | None = None
-        self.tree: TreeShape | None = None  # draft trees of this shape instead of chains (spec_decode/eagle/tree.py)
+        self.tree = tree  # draft trees of this shape instead of chains (spec_decode/eagle/tree.py)
         self.grow_graphs: GrowGraphs | None = None  # a tree's growth as a graph replay (spec_decode/eagle/grow_graphs.py)
-        self.int8_lm_head = True  # with the kernels, trees rank drafts over an int8 lm_head (kernels/tree/head_topk.py)
+        self.int8_lm_head = int8_lm_head  # with the kernels, trees rank drafts over an int8 lm_head (kernels/tree/head_topk.py)
 
     @property
     def _fits_kernels(self) -> bool:
-        """The head can use the target's attention kernel (set up by setup_cuda before this is asked)."""
+        """The head can use the target's attention kernel (the target is set up before its proposer)."""
         a = self.head.spec.args
         return self.device.type == "cuda" and a.head_dim == self.target.args.head_dim and self.target.fast is not None
 
-    def enable_kernels(self) -> None:
+    def enable_cuda(self, graphs: GraphConfig | None, scratch_block: int) -> None:
+        self._enable_kernels()
+        if graphs is not None:
+            self._enable_graphs(scratch_block, graphs.max_blocks, width=max(graphs.query_widths))
+
+    def _enable_kernels(self) -> None:
         """The head's layer on the fused kernels, when it fits them and has the target's dtype."""
         if self._fits_kernels and self.head.fc.weight.dtype == self.target.model.embed_tokens.weight.dtype:
             from streamsd.spec_decode.eagle.fast import fast_head  # Triton: imported only where it runs
 
             self.fast = fast_head(self.head, self.target.attend, int8_logits=self.int8_lm_head and self.tree is not None)
 
-    def enable_graphs(self, scratch_block: int, max_blocks: int, width: int) -> None:
+    def _enable_graphs(self, scratch_block: int, max_blocks: int, width: int) -> None:
         """CUDA graphs for calls whose catch-ups fit `width` tokens (see spec_decode/eagle/graphs.py); with
         trees, for their growths (spec_decode/eagle/grow_graphs.py: a tree step's own graph grows the rest)."""
         if not self._fits_kernels:
@@ -269,7 +277,7 @@ class EagleProposer:
         return self._run_slots([0] * n, [0], [n], [table])
 
     def _draw(self, r: Request, k: int, paired: bool = False) -> DraftRow:
-        """`paired`: q into the request's other pool row (a verify queued ahead: lookahead.pair_slot)."""
+        """`paired`: q into the request's other pool row (a verify queued ahead: spec_decode/proposer.pair_slot)."""
         greedy = r.greedy_draft or r.q_slot is None or k == 0  # greedy rows write no q of their own
         p = r.params
         slot = r.q_slot or 0

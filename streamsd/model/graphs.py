@@ -34,7 +34,6 @@ import torch
 
 from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.graph_layout import (
-    PROMPT_WIDTHS,
     pack_step,
     packed_size,
     prompt_tile_count,
@@ -239,74 +238,3 @@ def forward_logits(model: Transformer, graphs: GraphRunner | None, cache: PagedK
                 hidden_rows=torch.arange(ids_t.shape[0], device=device))
     keep_streams(out.hidden, layout.slot_mapping, store)
     return out.logits
-
-
-def capture_all(worker, max_batch: int) -> int:
-    """Every graph a step over at most `max_batch` requests can replay, captured now: the target's
-    (bucket, width) cells, a draft model's one-token steps, an EAGLE head's chains at every depth and
-    draw. Captured on first use instead, each cost a step 5-110 ms, and 1.3-1.5 s where the capture
-    compiled attention variants for its width (the H200, a fixed-k EAGLE engine's first request that
-    ran into its max_tokens; docs/issue9-eagle/session16). Returns the graphs captured."""
-    proposer = getattr(worker.proposer, "inner", None) or worker.proposer  # the synthetic proposer wraps a draft
-    draft = getattr(proposer, "graphs", None)
-    runners = [r for r in (worker.graphs, draft) if r is not None]  # an EAGLE head's graphs are EagleGraphs
-
-    def count() -> int:
-        return sum(len(r.graphs) for r in runners)
-
-    trees = getattr(worker, "tree_graphs", None)  # a tree engine's whole steps (worker/tree_graphs.py)
-    if trees is not None:
-        runners.append(trees)
-    before = count()
-    if trees is not None:
-        trees.capture_up_to(max_batch)
-    if worker.graphs is not None:
-        worker.graphs.capture_up_to(max_batch)
-    if isinstance(draft, GraphRunner):
-        draft.capture_up_to(max_batch, (1,))  # a draft model steps one token at a time
-    if hasattr(proposer, "capture_graphs"):
-        proposer.capture_graphs(max_batch)
-    return count() - before
-
-
-def setup_cuda(worker, *, scratch_block: int, max_len: int, k: int, graphs: bool) -> None:
-    """On CUDA: the Triton attention for target and draft model, and CUDA graphs for their steps.
-
-    `scratch_block` is a cache block the scheduler never hands out (both caches have one more
-    block than the scheduler counts): padding tokens of a graph write there.
-    """
-    from streamsd.kernels.attention.paged import cuda_attention
-    from streamsd.kernels.warmup import warm_up
-    from streamsd.model.fast_forward import enable_fast_forward
-
-    proposer = worker.proposer
-    draft = getattr(proposer, "model", None)
-    kernel_models = []
-    for model in (worker.target, draft):
-        d = model.args.head_dim if isinstance(model, Transformer) else 0
-        if d and d & (d - 1) == 0:  # the kernels tile the head dimension by powers of two
-            model.attend = cuda_attention
-            enable_fast_forward(model)
-            kernel_models.append(model)
-    trees = getattr(worker, "tree", None) is not None  # drafts are trees: worker/tree_graphs.py verifies them
-    n, seconds = warm_up(kernel_models, worker.cache.data.dtype, worker.cache.block_size, worker.vocab,
-                         1 if trees else k, worker.device, trees=trees)
-    log.info("compiled %d Triton kernel variants in %.1fs", n, seconds)
-    if hasattr(proposer, "enable_kernels"):  # an EAGLE head's layer on the target's fused kernels
-        proposer.enable_kernels()
-    if not graphs:
-        return
-    bs = worker.cache.block_size
-    # Narrow verify widths too: at large batch the planner drafts 1 or 2 tokens, and a step replays
-    # the narrowest graph that holds its longest query, so without them k = 1 pays for k = K.
-    widths = (1,) if trees else tuple(sorted({1, min(2, k + 1), min(3, k + 1), k + 1}))
-    cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=widths,
-                      prompt_widths=tuple(w for w in PROMPT_WIDTHS if max(widths) < w <= max_len))
-    # An EAGLE head reads the target's streams at every verified token: its graphs return them too.
-    worker.graphs = GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device,
-                                hidden_layers=tuple(getattr(proposer, "hidden_layers", ())), store=worker.store)
-    if isinstance(draft, Transformer) and hasattr(proposer, "graphs"):
-        proposer.graphs = GraphRunner(draft, proposer.cache, scratch_block, replace(cfg, prompt_widths=()),
-                                      worker.device, verifies=False)
-    if hasattr(proposer, "enable_graphs"):  # an EAGLE head: catch-up and draft chain in one graph (trees: growths)
-        proposer.enable_graphs(scratch_block, cfg.max_blocks, width=k + 1)
