@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Container stage: build the image from the Dockerfile with podman, run the server in it with a
-# tiny model, check /health, an SSE stream and the non-root user (tests/test_container.py).
+# tiny model, check /health, an SSE stream and the non-root user (tests/deploy/test_container.py).
 # Separate from the fast tests: a cold build takes minutes (torch), a cached one well under one.
 # How podman/buildah work on these machines: shared/CONTAINERS.md.
 set -euo pipefail
@@ -39,7 +39,7 @@ fi
 
 # -s: the test prints build time, image size and what the server answered.
 rc=0
-python -m pytest -m container -p no:cacheprovider -s -v tests/test_container.py || rc=$?
+python -m pytest -m container -p no:cacheprovider -s -v tests/deploy/test_container.py || rc=$?
 
 # Each rebuild leaves the previous image untagged; drop those (the tagged image's layers stay
 # as the cache for the next run) so that the disk does not fill up over many runs.
