@@ -157,8 +157,13 @@ def cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
-BENCH = {"offline": "streamsd.bench.offline", "serve": "streamsd.bench.serve", "soak": "streamsd.bench.soak",
-         "overhead": "streamsd.bench.overhead"}
+BENCH = {  # name: (module, one-line description)
+    "offline": ("streamsd.bench.offline", "the engine's speed against the physical floor and HF transformers"),
+    "chat": ("streamsd.bench.chat", "batch-1 speed on real chat answers: plain vs n-gram vs EAGLE vs HF, per temperature"),
+    "serve": ("streamsd.bench.serve", "an OpenAI-compatible server's latency and throughput under streamed load"),
+    "soak": ("streamsd.bench.soak", "a server's reliability: many streams, cut connections, malformed requests, exact answers"),
+    "overhead": ("streamsd.bench.overhead", "what the HTTP/SSE layer costs over the engine"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,11 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     train_eagle.add_arguments(t)
     t.set_defaults(func=train_eagle.run)
 
-    b = sub.add_parser("bench", help="benchmarks: offline (engine), serve (a server), soak (reliability), "
-                                     "overhead (HTTP layer)")
+    b = sub.add_parser("bench", help="benchmarks: offline (engine), chat (batch-1 answers), serve (a server), "
+                                     "soak (reliability), overhead (HTTP layer)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for name, module in BENCH.items():
-        bp = bsub.add_parser(name)
+    for name, (module, description) in BENCH.items():
+        bp = bsub.add_parser(name, help=description, description=description)
         try:
             mod = importlib.import_module(module)
         except ImportError as exc:

@@ -156,6 +156,20 @@ def print_pairs(title: str, rows: Sequence[tuple[str, str]], ok: bool, console: 
     console.print(table)
 
 
+def print_grid(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], caption: str | None = None,
+               console: Console | None = None) -> None:
+    """A table of figures, one row per cell: the first column left-aligned, the figures right."""
+    console = console or _console()
+    # As wide as the title, up to the terminal: a narrow table would wrap it over several lines.
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left",
+                  min_width=min(len(title), console.width))
+    for i, name in enumerate(headers):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
 def write_json(path: str | Path, document: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
