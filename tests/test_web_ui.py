@@ -359,6 +359,63 @@ def test_provenance_tints_visible_text_and_words_read_continuous(new_page, live_
     assert _alnum(reply.locator(".md").inner_text()) == _alnum("".join(tokens))
 
 
+@pytest.fixture(scope="module")
+def tiny_head_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """An untrained EAGLE head for the tiny target: enough for a server to run it."""
+    import torch
+
+    from streamsd.runtime import load_model
+    from streamsd.spec.eagle_ckpt import new_head, save_head
+
+    target = load_model(str(tiny_model_dir), torch.device("cpu"), torch.float32)[0]
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    return save_head(new_head(target), tmp_path_factory.mktemp("head"), config, torch.float32)
+
+
+PROPOSERS = {
+    "ngram": (["--speculative-method", "ngram"], "proposed by n-gram lookup"),
+    "eagle-chain": (["--speculative-method", "eagle", "--draft-model", "{head}"], "proposed by EAGLE head (chain)"),
+    "eagle-tree": (["--speculative-method", "eagle", "--draft-model", "{head}", "--speculative-tree", "3,2,2,5"],
+                   "proposed by EAGLE head (tree)"),
+    "none": (["--speculative-method", "none"], "Speculation is off"),
+}
+
+
+def _models(base: str) -> dict:
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
+        return json.load(r)["data"][0]
+
+
+def test_legend_names_the_draft_model_the_server_runs(new_page, live_server, close_draft_dir):
+    assert _models(live_server)["speculation"] == {
+        "method": "draft", "num_tokens": 4, "draft_model": close_draft_dir.name, "tree": None,
+    }
+    page = new_page()
+    page.goto(live_server)
+    legend = page.get_by_test_id("legend")
+    expect(legend).to_contain_text(f"proposed by draft model {close_draft_dir.name}, accepted by the target")
+
+
+@pytest.mark.parametrize("kind", PROPOSERS)
+def test_legend_names_the_proposer_the_server_runs(new_page, tiny_model_dir, tiny_head_dir, tmp_path, kind):
+    args, wanted = PROPOSERS[kind]
+    args = [a.format(head=tiny_head_dir) for a in args]
+    with _serve(["--model", str(tiny_model_dir), "--device", "cpu", *args], tmp_path / "serve.log") as base:
+        spec = _models(base)["speculation"]
+        method = kind.split("-")[0]
+        assert spec["method"] == method and spec["draft_model"] is None
+        assert spec["tree"] == ("3,2,2,5" if kind == "eagle-tree" else None)
+        page = new_page()
+        page.goto(base)
+        legend = page.get_by_test_id("legend")
+        expect(legend).to_contain_text(wanted)
+        expect(legend).not_to_contain_text("draft model")
+        if kind == "none":
+            assert spec["num_tokens"] == 0
+            expect(legend.locator(".tok.draft")).to_have_count(0)
+        page.close()  # before the server stops, or its reconnect attempts log errors
+
+
 SCREENSHOT_TURNS = [
     "Add type hints to `def area(width, height): return width * height`",
     "Now write it out again with a docstring.",
