@@ -7,6 +7,7 @@
 
 import { render } from "./markdown.js";
 import { Connection, socketUrl } from "./socket.js";
+import { renderLegend } from "./speculation.js";
 import { format, ReplyStats, SessionStats } from "./stats.js";
 
 const $ = (id) => document.getElementById(id);
@@ -28,6 +29,7 @@ const ui = {
   bannerAction: $("banner-action"),
   settings: $("settings-form"),
   modelName: $("model-name"),
+  legend: $("legend"),
   announce: $("announce"),
   statsNote: $("stats-note"),
 };
@@ -430,6 +432,7 @@ function onStatus({ state: s, retryIn, everOpened }) {
   if (s === "open") {
     ui.connText.textContent = "Connected";
     hideBanner();
+    loadServerInfo();
   } else if (s === "connecting") {
     ui.connText.textContent = "Connecting…";
   } else {
@@ -484,7 +487,13 @@ function setProvenance(on) {
   }
 }
 
-async function loadModelName() {
+const LOADING_RETRY_MS = 2000;
+let serverInfoRetry = null;
+
+/** What the server serves: the model's name, its context length, how it speculates. Asked on
+ *  every (re)connect, since a restarted server may serve something else. */
+async function loadServerInfo() {
+  clearTimeout(serverInfoRetry);
   const headers = {};
   const key = new URLSearchParams(location.search).get("api_key");
   if (key) headers.Authorization = `Bearer ${key}`;
@@ -496,6 +505,9 @@ async function loadModelName() {
     ui.modelName.textContent = model.id;
     document.title = `${model.id} · streamsd`;
     if (Number.isInteger(model.max_model_len)) ui.settings.elements.max_tokens.max = String(model.max_model_len);
+    if (model.speculation) renderLegend(ui.legend, model.speculation);
+    // null while the model loads: ask again until it is known.
+    else if (model.speculation === null && conn.isOpen) serverInfoRetry = setTimeout(loadServerInfo, LOADING_RETRY_MS);
   } catch {
     // The name is decoration; the socket status already tells whether the server is there.
   }
@@ -548,7 +560,6 @@ function init() {
   conn.addEventListener("lost", onLost);
   conn.addEventListener("bad", () => showBanner("The server sent a frame that is not JSON; it was ignored.", null));
   conn.start();
-  loadModelName();
   renderStats();
   updateControls();
   ui.prompt.focus();

@@ -11,9 +11,10 @@
 //
 // Provenance: every character the renderer emits remembers its offset in the source. When
 // the caller passes `segments` (the reply's tokens as [start, end) character ranges), text
-// is split along token boundaries and each token becomes <span class="tok">, plus `draft`
-// when the draft model proposed it. So a finished, formatted reply still shows, token by
-// token, where speculation paid.
+// is split along token boundaries and each token's visible characters become
+// <span class="tok">, plus `draft` when speculation proposed it (whitespace at a token's
+// edges stays outside its span). So a finished, formatted reply still shows, token by token,
+// where speculation paid.
 
 /** A run of source text: `s` is the text, `p[i]` the source offset of `s[i]`. */
 function run(s, p) {
@@ -329,6 +330,9 @@ function processEmphasis(items) {
 // ---------------------------------------------------------------------------------------
 // DOM building.
 
+/** Leading whitespace, the visible rest, trailing whitespace; no match when all is whitespace. */
+const VISIBLE = /^(\s*)(\S(?:[^]*\S)?)(\s*)$/;
+
 /** Emits text, split into per-token spans when segments are known. */
 class TextSink {
   constructor(doc, segments) {
@@ -366,16 +370,21 @@ class TextSink {
     }
   }
 
+  /** A token's text: the span holds its visible characters only, so the tint never covers the
+   *  space before a word (or a whitespace-only token) and words stay the tinted unit. */
   piece(parent, text, segIndex) {
-    const textNode = this.doc.createTextNode(text);
-    if (segIndex < 0) {
-      parent.appendChild(textNode);
+    const visible = segIndex < 0 ? null : VISIBLE.exec(text);
+    if (!visible) {
+      parent.appendChild(this.doc.createTextNode(text));
       return;
     }
+    const [, lead, core, trail] = visible;
+    if (lead) parent.appendChild(this.doc.createTextNode(lead));
     const span = this.doc.createElement("span");
     span.className = this.segs[segIndex].draft ? "tok draft" : "tok";
-    span.appendChild(textNode);
+    span.appendChild(this.doc.createTextNode(core));
     parent.appendChild(span);
+    if (trail) parent.appendChild(this.doc.createTextNode(trail));
   }
 }
 

@@ -26,6 +26,7 @@ from streamsd.server.state import (
     admit,
     chat_prompt,
     sampling_params,
+    speculation,
     token_entries,
     usage,
 )
@@ -177,5 +178,5 @@ async def models(request: Request) -> Response:
     max_len = engine.core.scheduler.cfg.max_model_len if engine else None
     return JSONResponse({"object": "list", "data": [{
         "id": state.served_model_name, "object": "model", "created": int(state.started), "owned_by": "streamsd",
-        "max_model_len": max_len,
+        "max_model_len": max_len, "speculation": speculation(engine.core.spec) if engine else None,
     }]})

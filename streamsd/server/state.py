@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from streamsd.config import SpecConfig
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import RequestOutput
 from streamsd.request import SamplingParams, SpecStats
@@ -120,3 +122,14 @@ def usage(out: RequestOutput) -> dict[str, Any]:
 
 def token_entries(out: RequestOutput) -> list[dict[str, Any]]:
     return [{"id": t.id, "text": t.text, "draft": t.draft} for t in out.tokens]
+
+
+def speculation(spec: SpecConfig) -> dict[str, Any]:
+    """How the server speculates, for clients that name the proposer (the web UI's legend)."""
+    if not spec.enabled:
+        return {"method": "none", "num_tokens": 0, "draft_model": None, "tree": None}
+    draft = None
+    if spec.method == "draft" and spec.draft_model:  # named like the served model: a directory by its last part
+        draft = Path(spec.draft_model).name or spec.draft_model
+    return {"method": spec.method, "num_tokens": spec.num_tokens, "draft_model": draft,
+            "tree": str(spec.tree) if spec.tree else None}

@@ -310,6 +310,112 @@ def test_provenance_tints_draft_tokens(new_page, live_server):
     assert draft.evaluate(background) == before
 
 
+SEAMS = """reply => {
+  const spans = [...reply.querySelectorAll('.md .tok')];
+  const pairs = [];
+  for (const a of spans) {
+    const b = a.nextSibling;
+    if (!b || !b.classList || !b.classList.contains('tok')) continue;  // whitespace or markup between
+    const ra = a.getClientRects(), rb = b.getClientRects();
+    const last = ra[ra.length - 1], first = rb[0];
+    if (Math.abs(last.top - first.top) > 1) continue;  // a line break between them
+    pairs.push({ gap: first.left - last.right, a: a.textContent, b: b.textContent });
+  }
+  const style = (s) => { const c = getComputedStyle(s); return [c.paddingLeft, c.paddingRight, c.marginLeft,
+    c.marginRight, c.borderLeftWidth, c.borderRightWidth, c.borderTopLeftRadius, c.borderTopRightRadius]; };
+  return {
+    texts: spans.map((s) => s.textContent),
+    draftStyles: [...new Set(spans.filter((s) => s.classList.contains('draft')).map((s) => style(s).join(' ')))],
+    pairs,
+  };
+}"""
+
+
+def test_provenance_tints_visible_text_and_words_read_continuous(new_page, live_server):
+    """A token's leading whitespace is not tinted, and a word made of several tokens shows no seam:
+    the spans of adjacent tokens touch, with no padding, margin, border or rounding between them."""
+    page = new_page(color_scheme="light")
+    frames = _record_ws(page)
+    page.goto(live_server)
+    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+    _set_settings(page, max_tokens=150, temperature=0)
+    _send(page, "Once upon a time")
+    reply = page.get_by_test_id("assistant-message").last
+    expect(reply).to_have_attribute("data-status", "done", timeout=60_000)
+    page.get_by_test_id("provenance-toggle").click()
+    page.wait_for_timeout(300)
+
+    tokens = [t["text"] for f in frames["received"] if f["type"] == "delta" for t in f["tokens"]]
+    assert any(t[:1].isspace() and t.strip() for t in tokens), "the reply should hold tokens that start with a space"
+    seams = reply.evaluate(SEAMS)
+    assert seams["texts"], "the reply should be rendered as token spans"
+    padded = [t for t in seams["texts"] if t != t.strip() or not t]
+    assert not padded, f"token spans hold whitespace at their edges: {padded[:5]}"
+    assert seams["draftStyles"] == ["0px 0px 0px 0px 0px 0px 0px 0px"], seams["draftStyles"]
+    assert seams["pairs"], "the reply should hold words made of several tokens"
+    gaps = [p for p in seams["pairs"] if abs(p["gap"]) > 0.01]
+    assert not gaps, f"adjacent token spans do not touch: {gaps[:5]}"
+    # Whitespace left outside the spans is still in the reply.
+    assert _alnum(reply.locator(".md").inner_text()) == _alnum("".join(tokens))
+
+
+@pytest.fixture(scope="module")
+def tiny_head_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """An untrained EAGLE head for the tiny target: enough for a server to run it."""
+    import torch
+
+    from streamsd.runtime import load_model
+    from streamsd.spec.eagle_ckpt import new_head, save_head
+
+    target = load_model(str(tiny_model_dir), torch.device("cpu"), torch.float32)[0]
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    return save_head(new_head(target), tmp_path_factory.mktemp("head"), config, torch.float32)
+
+
+PROPOSERS = {
+    "ngram": (["--speculative-method", "ngram"], "proposed by n-gram lookup"),
+    "eagle-chain": (["--speculative-method", "eagle", "--draft-model", "{head}"], "proposed by EAGLE head (chain)"),
+    "eagle-tree": (["--speculative-method", "eagle", "--draft-model", "{head}", "--speculative-tree", "3,2,2,5"],
+                   "proposed by EAGLE head (tree)"),
+    "none": (["--speculative-method", "none"], "Speculation is off"),
+}
+
+
+def _models(base: str) -> dict:
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
+        return json.load(r)["data"][0]
+
+
+def test_legend_names_the_draft_model_the_server_runs(new_page, live_server, close_draft_dir):
+    assert _models(live_server)["speculation"] == {
+        "method": "draft", "num_tokens": 4, "draft_model": close_draft_dir.name, "tree": None,
+    }
+    page = new_page()
+    page.goto(live_server)
+    legend = page.get_by_test_id("legend")
+    expect(legend).to_contain_text(f"proposed by draft model {close_draft_dir.name}, accepted by the target")
+
+
+@pytest.mark.parametrize("kind", PROPOSERS)
+def test_legend_names_the_proposer_the_server_runs(new_page, tiny_model_dir, tiny_head_dir, tmp_path, kind):
+    args, wanted = PROPOSERS[kind]
+    args = [a.format(head=tiny_head_dir) for a in args]
+    with _serve(["--model", str(tiny_model_dir), "--device", "cpu", *args], tmp_path / "serve.log") as base:
+        spec = _models(base)["speculation"]
+        method = kind.split("-")[0]
+        assert spec["method"] == method and spec["draft_model"] is None
+        assert spec["tree"] == ("3,2,2,5" if kind == "eagle-tree" else None)
+        page = new_page()
+        page.goto(base)
+        legend = page.get_by_test_id("legend")
+        expect(legend).to_contain_text(wanted)
+        expect(legend).not_to_contain_text("draft model")
+        if kind == "none":
+            assert spec["num_tokens"] == 0
+            expect(legend.locator(".tok.draft")).to_have_count(0)
+        page.close()  # before the server stops, or its reconnect attempts log errors
+
+
 SCREENSHOT_TURNS = [
     "Add type hints to `def area(width, height): return width * height`",
     "Now write it out again with a docstring.",
@@ -611,9 +717,19 @@ def test_markdown_renderer_keeps_token_spans(new_page, static_server):
     ]
     (html,) = page.evaluate(RENDER, [["**ab cd**", segments]])
     assert html == (
-        '<p><strong><span class="tok draft">ab</span><span class="tok"> c</span>'
+        '<p><strong><span class="tok draft">ab</span> <span class="tok">c</span>'
         '<span class="tok draft">d</span></strong></p>'
     )
+    # Whitespace at a token's edges stays outside its span; a whitespace-only token has none.
+    # Tokens "Hyd" | "rated" | " water" | " " | " ok " | "yes".
+    bounds = [(0, 3, True), (3, 8, False), (8, 14, True), (14, 15, False), (15, 19, True), (19, 22, False)]
+    segments = [{"start": a, "end": b, "draft": d} for a, b, d in bounds]
+    (html,) = page.evaluate(RENDER, [["Hydrated water  ok yes", segments]])
+    assert html == (
+        '<p><span class="tok draft">Hyd</span><span class="tok">rated</span> <span class="tok draft">water</span>'
+        '  <span class="tok draft">ok</span> <span class="tok">yes</span></p>'
+    )
+
     # Code blocks keep their tokens too, newline included.
     segments = [
         {"start": 0, "end": 4, "draft": False},
