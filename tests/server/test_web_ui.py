@@ -364,8 +364,8 @@ def tiny_head_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """An untrained EAGLE head for the tiny target: enough for a server to run it."""
     import torch
 
-    from streamsd.runtime import load_model
-    from streamsd.spec.eagle_ckpt import new_head, save_head
+    from streamsd.engine.builder import load_model
+    from streamsd.spec_decode.eagle.checkpoint import new_head, save_head
 
     target = load_model(str(tiny_model_dir), torch.device("cpu"), torch.float32)[0]
     config = json.loads((tiny_model_dir / "config.json").read_text())
