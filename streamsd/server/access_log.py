@@ -12,6 +12,7 @@ import re
 
 SECRET_PARAM = re.compile(r"([?&](?:api[_-]?key|key|access[_-]?token|token)=)[^&#\s]*", re.IGNORECASE)
 WEBSOCKET_LINE = '"WebSocket %s"'
+CONNECTION_LINES = frozenset({"connection open", "connection closed"})  # the websockets library's own
 
 
 def redact(text: str) -> str:
@@ -19,15 +20,16 @@ def redact(text: str) -> str:
 
 
 class AccessLogFilter(logging.Filter):
-    """Redacts secrets from request lines; with `enabled` false drops WebSocket connect lines too
-    (uvicorn itself drops the HTTP ones)."""
+    """Redacts secrets from request lines; with `enabled` false drops the WebSocket connect lines
+    too (uvicorn itself drops the HTTP ones)."""
 
     def __init__(self, enabled: bool):
         super().__init__()
         self.enabled = enabled
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and WEBSOCKET_LINE in record.msg and not self.enabled:
+        if not self.enabled and isinstance(record.msg, str) and (
+                WEBSOCKET_LINE in record.msg or record.msg in CONNECTION_LINES):
             return False
         if isinstance(record.args, tuple):
             record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
