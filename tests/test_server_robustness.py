@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import select
+import shutil
 import socket
 import time
 
@@ -212,3 +213,51 @@ def test_access_log_has_http_and_websocket_lines_without_api_keys(server):
     assert '"GET /v1/models?api_key=REDACTED HTTP/1.1" 200' in log, log[-2000:]
     assert '"WebSocket /v1/ws?api_key=REDACTED&x=1" [accepted]' in log
     assert "sekret" not in log
+
+
+def test_tokenising_a_huge_prompt_does_not_stall_other_streams(tiny_model_dir, tmp_path):
+    """With a tokenizer that admits no characters-per-token bound (a normalizer that may delete), a
+    2 MB prompt is tokenised in full: on a thread, while another stream and /health carry on."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Strip", "strip_left": True, "strip_right": True}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    s = start_server(model, tmp_path, "--speculative-method", "none")
+    huge = "hello world " * 174762
+    try:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as ac:
+                arrivals: list[float] = []
+
+                async def stream():
+                    body = {"prompt": "hi", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+                    async with ac.stream("POST", "/v1/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                arrivals.append(time.monotonic())
+                                if refused.done() and len(arrivals) > 20:
+                                    return
+
+                refused: asyncio.Future = asyncio.get_running_loop().create_future()
+                task = asyncio.create_task(stream())
+                while len(arrivals) < 5:
+                    await asyncio.sleep(0.01)
+                big = asyncio.create_task(ac.post("/v1/completions", json={"prompt": huge, "max_tokens": 4}))
+                health_s = []
+                while not big.done():
+                    t0 = time.monotonic()
+                    assert (await ac.get("/health")).status_code == 200
+                    health_s.append(time.monotonic() - t0)
+                    await asyncio.sleep(0.05)
+                refused.set_result(await big)
+                await task
+                gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+                return refused.result(), max(health_s), max(gaps), len(health_s)
+
+        answer, worst_health, worst_gap, polls = asyncio.run(scenario())
+        assert worst_gap < 1.0, f"another stream stalled {worst_gap:.2f}s"
+        assert worst_health < 1.0 and polls >= 3
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        s.stop()
