@@ -1,7 +1,8 @@
 """Run the app under uvicorn (uvloop, httptools, websockets-sansio) with a graceful drain.
 
-SIGTERM: /health turns 503 and new requests get 503 at once; running streams get up to
-`drain_timeout` seconds to finish, then are cancelled with a final event; the process exits 0.
+SIGTERM: /health turns 503 and new requests get 503 at once; running requests get up to
+`drain_timeout` seconds to finish, then are cut: their answers end with finish_reason "abort", and
+those still queued (never run) get 503; the process exits 0.
 A second SIGTERM, or SIGINT, exits without waiting. A model that cannot load ends the process
 with status 1 after its one error line: a supervisor restarts it, a person sees it at once.
 """
