@@ -14,8 +14,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from transformers import PreTrainedTokenizerFast
-
 from streamsd.core import EngineCore
 from streamsd.server.protocol import ChatMessage
 from streamsd.server.state import ApiError
@@ -27,6 +25,8 @@ TOKENIZER_THREADS = 2
 
 class PromptEncoder:
     def __init__(self, core: EngineCore):
+        from transformers import PreTrainedTokenizerFast  # loaded with the model; not before the port opens
+
         self.core = core
         self.max_len = core.scheduler.cfg.max_model_len
         tok = core.tokenizer
