@@ -118,7 +118,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     name = a.served_model_name or (a.model if a.model == DEFAULT_MODEL else Path(a.model).name or a.model)
     state = ServerState(served_model_name=name, api_key=a.api_key, max_queue=a.max_queue, drain_timeout=a.drain_timeout)
     web = Path(a.web_dir) if a.web_dir else default_web_dir()
-    return serve(state, lambda: EngineCore(build_runtime(cfg), cfg.spec), a.host, a.port, web, a.log_level)
+    return serve(state, lambda: EngineCore(build_runtime(cfg), cfg.spec), a.host, a.port, web, a.log_level,
+                 access_log_enabled=a.access_log)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -173,13 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the OpenAI API, the WebSocket protocol and the web UI")
     _add_engine_args(s, model_default=DEFAULT_MODEL)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send and /v1/models lists")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this get 429")
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY) on /v1/")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get to finish on SIGTERM")
-    s.add_argument("--web-dir", default=None)
+    s.add_argument("--web-dir", default=None, help="serve the chat UI from this directory instead of the shipped one")
+    s.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no log line per HTTP request and WebSocket connect (API keys in URLs are always redacted)")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")

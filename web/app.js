@@ -189,6 +189,7 @@ function renderFooter(turn) {
   foot.appendChild(node("span", "figures", bits.join(" · ")));
   if (turn.finish === "cancelled") foot.appendChild(node("span", "badge", "stopped"));
   if (turn.finish === "length") foot.appendChild(node("span", "badge", "max tokens reached"));
+  if (turn.finish === "abort") foot.appendChild(node("span", "badge", "cut short: the server shut down"));
 }
 
 function renderStats() {
@@ -321,7 +322,8 @@ function keepFocus() {
 
 function finishTurn(turn, finish) {
   turn.finish = finish;
-  endTurn(turn, "done", finish === "cancelled" ? "Reply stopped." : "Reply finished.");
+  const said = { cancelled: "Reply stopped.", abort: "Reply cut short: the server shut down." };
+  endTurn(turn, "done", said[finish] || "Reply finished.");
 }
 
 function failTurn(turn, message) {

@@ -299,7 +299,12 @@ class EngineCore:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode_rendered_chat(self.render_chat(messages))
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ParamError("messages", "this model has no chat template; use the completions API")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode_rendered_chat(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

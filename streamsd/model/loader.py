@@ -120,6 +120,7 @@ def load_state_dict(
     target = torch.device(device)
     state: dict[str, torch.Tensor] = {}
     for file in files:
+        check_readable(file)
         try:
             # Reading straight onto the target device skips a host copy of every tensor on CUDA.
             with safe_open(str(file), framework="pt", device=str(target)) as reader:
@@ -134,6 +135,29 @@ def load_state_dict(
                 "re-convert the model"
             ) from exc
     return state
+
+
+def check_readable(file: Path) -> None:
+    """A ModelLoadError naming the user when this process may not read `file`. safetensors reports a
+    permission error as a missing file; a non-root container meeting another user's mode-600 weights
+    on a mounted volume must hear what is really wrong. Opening the file is the only faithful test
+    (root reads anything whatever its mode)."""
+    try:
+        os.close(os.open(file, os.O_RDONLY))
+    except PermissionError as exc:
+        uid = os.geteuid()
+        try:
+            import pwd
+
+            user = pwd.getpwuid(uid).pw_name
+        except (ImportError, KeyError):  # no passwd entry (an arbitrary container uid), or not POSIX
+            user = "?"
+        raise ModelLoadError(
+            f"permission denied reading weights file {file} as user {user} (uid {uid}); make it readable by "
+            "that user (chmod/chown, or run as its owner)"
+        ) from exc
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"weights file {file} is missing; re-download or re-convert the model") from exc
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

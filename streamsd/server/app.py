@@ -12,7 +12,7 @@ from pathlib import Path
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
@@ -20,8 +20,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import EngineCore
+from streamsd.server.auth import bearer_matches
 from streamsd.server.metrics import Metrics
 from streamsd.server.openai_routes import chat_completions, completions, models
+from streamsd.server.prompts import PromptEncoder
 from streamsd.server.state import ApiError, ServerState
 from streamsd.server.ws import websocket_endpoint
 
@@ -45,12 +47,18 @@ async def unknown_route(request: Request) -> Response:
 
 async def api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+
+async def client_gone(request: Request, exc: Exception) -> Response:
+    # The client hung up (mid-body, or while its answer was computed): nobody reads this answer.
+    log.debug("client left %s %s before its answer", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 async def server_error(request: Request, exc: Exception) -> Response:
@@ -67,8 +75,8 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.state.api_key
         if key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            headers = dict(scope["headers"])
-            if headers.get(b"authorization", b"").decode() != f"Bearer {key}":
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not bearer_matches(header, key):
                 err = ApiError(401, "a valid API key is required (Authorization: Bearer <key>)")
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
@@ -89,6 +97,8 @@ def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path 
                 await loader
             if state.engine is not None:
                 await state.engine.close()
+            if state.prompts is not None:
+                state.prompts.close()
 
     routes: list[Route | WebSocketRoute | Mount] = [
         Route("/health", health),
@@ -105,7 +115,8 @@ def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path 
         routes=routes,
         lifespan=lifespan,
         middleware=[Middleware(ApiKeyMiddleware, state=state)],
-        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error},
+        exception_handlers={ApiError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
+                            Exception: server_error},
     )
     app.state.streamsd = state
     app.state.metrics = metrics
@@ -124,5 +135,6 @@ async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) ->
         metrics.accepted_pos.labels(position=str(pos))  # every position exported from the start, at 0
     engine.observers.append(metrics.observe)
     await engine.start()
+    state.prompts = PromptEncoder(core)
     state.engine = engine
     log.info("ready: serving %s", state.served_model_name)

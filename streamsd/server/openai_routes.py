@@ -13,6 +13,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import RequestOutput
+from streamsd.request import SamplingParams
+from streamsd.server.body import read_limited
+from streamsd.server.disconnect import unless_disconnected
+from streamsd.server.prompts import PromptEncoder
 from streamsd.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,20 +28,16 @@ from streamsd.server.state import (
     ApiError,
     ServerState,
     admit,
-    chat_prompt,
+    finish_reason,
     sampling_params,
     speculation,
     token_entries,
     usage,
 )
 
-MAX_BODY = 4 * 1024 * 1024
-
 
 async def read_body(request: Request, decoder: msgspec.json.Decoder) -> Any:
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise ApiError(413, "the request body is too large")
+    raw = await read_limited(request)
     try:
         return decoder.decode(raw)
     except msgspec.ValidationError as exc:
@@ -92,7 +92,7 @@ class _Completion:
 
     def chunk(self, out: RequestOutput, first: bool) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(out),
-                                  "finish_reason": _finish(out) if out.finished else None,
+                                  "finish_reason": finish_reason(out) if out.finished else None,
                                   "streamsd": {"tokens": token_entries(out)}}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": out.text} if first else {"content": out.text}
@@ -105,7 +105,7 @@ class _Completion:
         text = "".join(o.text for o in outs)
         tokens = [t for o in outs for t in o.tokens]
         merged = RequestOutput(last.request_id, [t.id for t in tokens], text, tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(last), "logprobs": self._logprobs(merged),
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(last), "logprobs": self._logprobs(merged),
                                   "streamsd": {"tokens": token_entries(merged)}}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -113,9 +113,9 @@ class _Completion:
             choice["text"] = text
         return {**self._base(False), "choices": [choice], "usage": usage(last)}
 
-    async def sse(self, rid: str, queue: Any) -> AsyncIterator[bytes]:
+    async def sse(self, head: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
         first = True
-        async for out in self.engine.stream(rid, queue):
+        async for out in _chain(head, rest):
             if out.error:
                 yield _event(ApiError(500, out.error).body())
                 break
@@ -127,8 +127,17 @@ class _Completion:
         yield b"data: [DONE]\n\n"
 
 
-def _finish(out: RequestOutput) -> str:
-    return "stop" if out.finish_reason in ("stop", "cancelled") else (out.finish_reason or "stop")
+async def _chain(head: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield head
+    async for out in rest:
+        yield out
+
+
+def _never_ran(out: RequestOutput) -> bool:
+    return out.finished and out.finish_reason == "cancelled" and out.completion_tokens == 0
+
+
+NEVER_RAN = "the server shut down before this request ran; send it again"
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -137,30 +146,44 @@ def _event(obj: dict[str, Any]) -> bytes:
 
 async def _serve(request: Request, chat: bool) -> Response:
     state: ServerState = request.app.state.streamsd
-    engine = state.ready_engine()
+    engine, prompts = state.ready()
     body: ChatCompletionRequest | CompletionRequest = await read_body(request, chat_decoder if chat else completion_decoder)
     state.check_model(body.model)
     params = sampling_params(body)
+    return await unless_disconnected(request.receive, _answer(state, engine, prompts, body, params, chat))
+
+
+async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncoder,
+                  body: ChatCompletionRequest | CompletionRequest, params: SamplingParams, chat: bool) -> Response:
     if isinstance(body, ChatCompletionRequest):
-        prompt_ids = chat_prompt(engine, body.messages)
+        prompt_ids = await prompts.chat(body.messages, params.max_tokens)
     elif isinstance(body.prompt, str):
-        prompt_ids = engine.core.encode_prompt(body.prompt)
+        prompt_ids = await prompts.text(body.prompt, params.max_tokens)
     elif all(isinstance(x, int) for x in body.prompt):
         prompt_ids = [int(x) for x in body.prompt]
     elif len(body.prompt) == 1:
-        prompt_ids = engine.core.encode_prompt(str(body.prompt[0]))
+        prompt_ids = await prompts.text(str(body.prompt[0]), params.max_tokens)
     else:
         raise ApiError(400, "prompt must be a string, a list of token ids, or a list with one string", param="prompt")
     state.check_queue(engine)
-    rid, queue = admit(engine, prompt_ids, params)
+    rid, queue = admit(engine, prompt_ids, params, param="messages" if chat else "prompt")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None)
+    outputs = engine.stream(rid, queue)
     if body.stream:
-        return StreamingResponse(comp.sse(rid, queue), media_type="text/event-stream",
+        # The status goes out with the first output: a request the drain cut before it ran gets a 503.
+        head = await anext(outputs)
+        if head.error:
+            raise ApiError(500, head.error)
+        if _never_ran(head):
+            raise ApiError(503, NEVER_RAN)
+        return StreamingResponse(comp.sse(head, outputs), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    outs = [out async for out in engine.stream(rid, queue)]
+    outs = [out async for out in outputs]
     if outs[-1].error:
         raise ApiError(500, outs[-1].error)
+    if _never_ran(outs[-1]):
+        raise ApiError(503, NEVER_RAN)
     return Response(encoder.encode(comp.full(outs)), media_type="application/json")
 
 

@@ -1,8 +1,10 @@
 """Run the app under uvicorn (uvloop, httptools, websockets-sansio) with a graceful drain.
 
-SIGTERM: /health turns 503 and new requests get 503 at once; running streams get up to
-`drain_timeout` seconds to finish, then are cancelled with a final event; the process exits 0.
-A second SIGTERM, or SIGINT, exits without waiting.
+SIGTERM: /health turns 503 and new requests get 503 at once; running requests get up to
+`drain_timeout` seconds to finish, then are cut: their answers end with finish_reason "abort", and
+those still queued (never run) get 503; the process exits 0.
+A second SIGTERM, or SIGINT, exits without waiting. A model that cannot load ends the process
+with status 1 after its one error line: a supervisor restarts it, a person sees it at once.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from types import FrameType
 
 import uvicorn
 
+from streamsd.server import access_log
 from streamsd.server.app import EngineFactory, create_app
 from streamsd.server.state import ServerState
 
@@ -32,6 +35,11 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.load_error:
+            return True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self.state.draining and self._loop is not None:
@@ -58,13 +66,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(state: ServerState, factory: EngineFactory, host: str, port: int, web_dir: Path | None,
-          log_level: str = "info") -> int:
+          log_level: str = "info", access_log_enabled: bool = True) -> int:
     app = create_app(state, factory, web_dir)
     config = uvicorn.Config(
         app, host=host, port=port, loop="uvloop", http="httptools", ws="websockets-sansio",
-        ws_max_size=WS_MAX_FRAME, log_level=log_level, timeout_graceful_shutdown=5, access_log=False,
-        lifespan="on",
+        ws_max_size=WS_MAX_FRAME, log_level=log_level, timeout_graceful_shutdown=5,
+        access_log=access_log_enabled, lifespan="on",
     )
+    access_log.install(access_log_enabled)
     server = DrainingServer(config, state)
     server.run()
-    return 0
+    return 1 if state.load_error else 0

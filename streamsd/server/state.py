@@ -6,28 +6,41 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamsd.config import SpecConfig
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import RequestOutput
 from streamsd.request import SamplingParams, SpecStats
-from streamsd.server.protocol import ChatMessage, SamplingFields
+from streamsd.server.protocol import SamplingFields
+
+if TYPE_CHECKING:
+    from streamsd.server.prompts import PromptEncoder
+
+
+# What a 429 asks a client to wait: a step or two frees queue slots, and the openai client honours it.
+RETRY_AFTER_S = 1
 
 
 class ApiError(Exception):
     """An error the client caused or must know about, rendered OpenAI-style."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
+                 type_: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
         self.code = code or {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
                              405: "method_not_allowed", 413: "request_too_large", 429: "queue_full",
                              503: "unavailable"}.get(status, "internal_error")
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+    @classmethod
+    def overloaded(cls, message: str) -> ApiError:
+        """The whole server's queue is full: not this client's fault, worth a retry shortly."""
+        return cls(429, message, type_="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -40,6 +53,7 @@ class ServerState:
     max_queue: int = 1024
     drain_timeout: float = 30.0
     engine: AsyncEngine | None = None
+    prompts: PromptEncoder | None = None
     load_error: str | None = None
     draining: bool = False
     started: float = field(default_factory=time.time)
@@ -51,6 +65,11 @@ class ServerState:
             raise ApiError(503, self.load_error or "the model is still loading")
         return self.engine
 
+    def ready(self) -> tuple[AsyncEngine, PromptEncoder]:
+        engine = self.ready_engine()
+        assert self.prompts is not None, "set with the engine"
+        return engine, self.prompts
+
     def check_model(self, name: str | None) -> None:
         if name and name != self.served_model_name:
             raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.served_model_name}'",
@@ -58,7 +77,7 @@ class ServerState:
 
     def check_queue(self, engine: AsyncEngine) -> None:
         if len(engine.core.scheduler.waiting) >= self.max_queue:
-            raise ApiError(429, "too many requests are waiting; retry later")
+            raise ApiError.overloaded("too many requests are waiting; retry later")
 
 
 def sampling_params(f: SamplingFields) -> SamplingParams:
@@ -89,25 +108,24 @@ def sampling_params(f: SamplingFields) -> SamplingParams:
         raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from exc
 
 
-def chat_prompt(engine: AsyncEngine, messages: list[ChatMessage]) -> list[int]:
-    try:
-        return engine.core.encode_chat([{"role": m.role, "content": m.text()} for m in messages])
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="messages") from exc
-    except Exception as exc:  # chat templates raise their own errors for unsupported role orders
-        raise ApiError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
-
-
-def admit(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
+def admit(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+          param: str = "prompt"):
     from streamsd.sched.scheduler import QueueFullError
 
     try:
         return engine.submit(prompt_ids, params, request_id)
     except QueueFullError as exc:
-        raise ApiError(429, str(exc)) from exc
+        raise ApiError.overloaded(str(exc)) from exc
     except ValueError as exc:
-        raise ApiError(400, str(exc), param=getattr(exc, "param", None) or "prompt",
+        raise ApiError(400, str(exc), param=getattr(exc, "param", None) or param,
                        code="context_length_exceeded" if "context window" in str(exc) else None) from exc
+
+
+def finish_reason(out: RequestOutput) -> str:
+    # An engine abort reaches a client that is still listening only when the server cut the request
+    # (the drain on shutdown; a client's own cancel or hang-up never reads its end): "abort", as vLLM
+    # says, so that a cut answer never looks complete.
+    return "abort" if out.finish_reason == "cancelled" else (out.finish_reason or "stop")
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:

@@ -10,12 +10,13 @@ from typing import Any
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from streamsd.server.auth import bearer_matches, key_matches
 from streamsd.server.protocol import WsCancel, WsGenerate, encoder, ws_decoder
 from streamsd.server.state import (
     ApiError,
     ServerState,
     admit,
-    chat_prompt,
+    finish_reason,
     sampling_params,
     token_entries,
     usage,
@@ -58,14 +59,17 @@ class Session:
             await self.error(msg.id, "a request with this id is already running", "duplicate_id")
             return
         try:
-            engine = self.state.ready_engine()
+            engine, prompts = self.state.ready()
             self.state.check_model(msg.model)
             params = sampling_params(msg)
             if (msg.messages is None) == (msg.prompt is None):
                 raise ApiError(400, "give exactly one of messages or prompt", param="messages")
-            ids = chat_prompt(engine, msg.messages) if msg.messages else engine.core.encode_prompt(msg.prompt or "")
+            if msg.messages:
+                ids = await prompts.chat(msg.messages, params.max_tokens)
+            else:
+                ids = await prompts.text(msg.prompt or "", params.max_tokens)
             self.state.check_queue(engine)
-            rid, queue = admit(engine, ids, params)
+            rid, queue = admit(engine, ids, params, param="messages" if msg.messages else "prompt")
         except ApiError as exc:
             await self.error(msg.id, exc.message, exc.code)
             return
@@ -86,7 +90,8 @@ class Session:
                     ttft = ttft if ttft is not None else time.monotonic() - t0
                     await self.send({"type": "delta", "id": cid, "text": out.text, "tokens": token_entries(out)})
                 if out.finished:
-                    await self.send({"type": "done", "id": cid, "finish_reason": out.finish_reason, "usage": usage(out),
+                    await self.send({"type": "done", "id": cid, "finish_reason": finish_reason(out),
+                                     "usage": usage(out),
                                      "timing": {"ttft_s": ttft, "elapsed_s": time.monotonic() - t0, "steps": steps}})
         except asyncio.CancelledError:
             # engine.stream's cleanup aborted the request; tell the client unless it is gone.
@@ -117,8 +122,7 @@ def _id_of(raw: str) -> str | None:
 def _authorized(ws: WebSocket, key: str | None) -> bool:
     if not key:
         return True
-    header = ws.headers.get("authorization", "")
-    return header == f"Bearer {key}" or ws.query_params.get("api_key") == key
+    return bearer_matches(ws.headers.get("authorization"), key) or key_matches(ws.query_params.get("api_key"), key)
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:
