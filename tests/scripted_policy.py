@@ -1,6 +1,6 @@
 """A speculation policy that plays a script: every decoding request drafts the same k, the script's
 entry for this `choose` call (the last one repeats). Switches of every kind, on cue, for the lookahead
-tests and the profilers (scripts/resume_cost.py)."""
+tests."""
 
 from __future__ import annotations
 

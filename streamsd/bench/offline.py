@@ -195,9 +195,8 @@ def _prompts(rt: Runtime, n: int, prompt_len: int) -> list[list[int]]:
 
 
 def _draft_args(rt: Runtime):
-    proposer = rt.worker.proposer
-    model = getattr(proposer, "model", None)
-    return model.args if model is not None and hasattr(model, "args") else None
+    draft = rt.worker.proposer.draft_model() if rt.worker.proposer is not None else None
+    return draft.model.args if draft is not None else None
 
 
 def _device_name(dev: torch.device) -> str:

@@ -88,7 +88,8 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
     if method == "synthetic":
         assert alpha is not None
         inner = rt.worker.proposer
-        inner = getattr(inner, "inner", inner)
+        if isinstance(inner, SyntheticProposer):  # an earlier cell's
+            inner = inner.inner
         prop = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
                                  alpha, rt.args.vocab_size, inner)
         rt.worker.proposer = prop

@@ -22,7 +22,7 @@ from streamsd.request import SamplingParams
 from streamsd.worker.cuda import capture_all
 from streamsd.worker.profile import sync, time_step
 
-HBM_BYTES_PER_S = 4.25e12  # measured device-to-device copy bandwidth of the lent H200 (GPU.md)
+HBM_BYTES_PER_S = 4.25e12  # device-to-device copy bandwidth measured on an H200
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,13 +192,11 @@ def capture_graphs(rt: Runtime, batch: int) -> None:
 
 def draft_cost_ratio(rt: Runtime, batch: int) -> float:
     """c: one draft-model step over one target step at this batch size (0 without a draft model)."""
-    proposer = rt.worker.proposer
-    proposer = getattr(proposer, "inner", None) or proposer
-    draft = getattr(proposer, "model", None)
-    if not isinstance(draft, Transformer):
+    draft = rt.worker.proposer.draft_model() if rt.worker.proposer is not None else None
+    if draft is None:
         return 0.0
     # Timed the way the adaptive policy's start-up profile times a step: B requests x 1 token.
-    t_draft = time_step(draft, proposer.cache, getattr(proposer, "graphs", None), batch, 1, 0, 20)
+    t_draft = time_step(draft.model, draft.cache, draft.graphs, batch, 1, 0, 20)
     t_target = time_step(rt.worker.target, rt.worker.cache, rt.worker.graphs, batch, 1, 0, 20)
     return t_draft / t_target
 

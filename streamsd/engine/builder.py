@@ -234,8 +234,7 @@ def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerCon
     head's chains, synthetic drafts): the KV a queued verify writes past its step's, and one k for the
     whole chain up to max_tokens (SchedulerConfig.drafts_past_max_tokens). Returns the scheduler's
     config for it."""
-    worker.lookahead.chained = True
-    worker.lookahead.past_max_tokens_within = sched.max_model_len
+    worker.lookahead.queue_chains(sched.max_model_len)
     return dataclasses.replace(sched, lookahead=k + 1, drafts_past_max_tokens=True)
 
 

@@ -13,7 +13,7 @@ token is all there is) replays a prompt graph: bucket 1, padded to the smallest 
 `prompt_widths` that holds it. Its attention tiles (kernels/attention/prefill.py) and the one row
 whose logits it returns are static buffers the host rewrites too, so a prompt of any length and
 start runs the same graph. Eager, such a step launched ~10 kernels a layer from Python and took
-10-22 ms on the H200 for a 135M model (scripts/step_timeline.py); prompt chunks of steps with more
+10-22 ms on an H200 for a 135M model; prompt chunks of steps with more
 sequences, and longer ones, still run eagerly.
 
 Graphs of one runner share a memory pool: they never run concurrently, and each graph's output

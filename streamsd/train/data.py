@@ -18,11 +18,9 @@ from typing import Any
 
 import torch
 
-from streamsd.model.graphs import GraphRunner
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 from streamsd.model.llama import Transformer
 from streamsd.request import SamplingParams
-from streamsd.spec_decode.proposer import Proposer
 from streamsd.train.waves import in_waves
 
 
@@ -86,18 +84,6 @@ class Collected:
                          raw["write_s"], raw["generate_s"], tuple(raw["temperatures"]), raw["max_new_tokens"])
 
 
-class _Recorder(Proposer):
-    """Stands in for a proposer so the worker returns the streams of every computed token; drafts nothing.
-    Its `hidden_layers` (and no `chain`) keep every step on the worker's full path, through the recorded
-    `_forward`: steps queued ahead (worker/pipelined.py) run their forward elsewhere."""
-
-    def __init__(self, layers: tuple[int, ...]):
-        self.hidden_layers = layers
-
-    def propose(self, items: list[Any]) -> list[Any]:
-        return []
-
-
 def answer(llm: Any, prompts: list[str], max_new_tokens: int, seed: int, temperatures: tuple[float, ...],
            input_layers: tuple[int, ...], dtype: torch.dtype = torch.bfloat16, deadline: float | None = None,
            log: Callable[[str], None] | None = None) -> list[Sample]:
@@ -113,20 +99,13 @@ def answer(llm: Any, prompts: list[str], max_new_tokens: int, seed: int, tempera
     layers = tuple(sorted(set(input_layers) | {num_layers}))
     cols, last = [layers.index(i) for i in input_layers], layers.index(num_layers)
     chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    forward, proposer, graphs = worker._forward, worker.proposer, worker.graphs
 
-    def recording(entries: list[Any]) -> tuple[torch.Tensor, Any]:
-        logits, hidden = forward(entries)
+    def record(entries: list[Any], hidden: torch.Tensor) -> None:
         # One copy per step (not per request): a graph's output is overwritten by its next replay.
         full = hidden.to(dtype, copy=True)  # [T, layers * Ht]
         for e, h in zip(entries, full.split([e.num_tokens + e.num_drafts for e in entries]), strict=True):
             chunks.setdefault(e.request.request_id, []).append((e.start, h[: e.num_tokens]))  # from e.start
-        return logits, hidden
 
-    worker._forward, worker.proposer = recording, _Recorder(layers)
-    if graphs is not None:  # decode-only steps replay graphs that also return these streams
-        worker.graphs = GraphRunner(graphs.model, graphs.cache, graphs.scratch, graphs.cfg, graphs.device,
-                                    hidden_layers=layers)
     rids = [f"eagle-data-{i}" for i in range(len(prompts))]
     prompt_ids: dict[str, list[int]] = {}
     answers: dict[str, list[int]] = {r: [] for r in rids}
@@ -142,7 +121,7 @@ def answer(llm: Any, prompts: list[str], max_new_tokens: int, seed: int, tempera
         if log:
             log(f"answering: time is up, {n} answers cut short or never started")
 
-    try:
+    with worker.recording_streams(layers, record):
         for out in in_waves(core, requests, deadline, cut):
             answers[out.request_id].extend(out.token_ids)
             if out.finished:
@@ -152,8 +131,6 @@ def answer(llm: Any, prompts: list[str], max_new_tokens: int, seed: int, tempera
                 n = sum(map(len, answers.values()))
                 log(f"answering: {len(finished)}/{len(rids)} done, {n} tokens, "
                     f"{n / (last_log - t0):.0f} tokens/s, {last_log - t0:.0f}s")
-    finally:
-        worker._forward, worker.proposer, worker.graphs = forward, proposer, graphs
     out = []
     for rid in rids:
         parts = chunks.pop(rid, [])

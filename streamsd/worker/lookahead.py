@@ -58,6 +58,13 @@ class Lookahead:
         self.taken = 0  # steps served by a queued step
         self.dropped = 0  # queued steps thrown away
 
+    def queue_chains(self, max_model_len: int) -> None:
+        """Queue speculative steps ahead too, for a proposer that drafts on the device (the q pool
+        then has a second half: `pair_slot`); a queued step verifies past max_tokens but never past
+        `max_model_len` (SchedulerConfig.drafts_past_max_tokens)."""
+        self.chained = True
+        self.past_max_tokens_within = max_model_len
+
     @property
     def queues_speculative(self) -> bool:
         """Speculative steps are queued ahead too (a chained proposer on a pipelined worker)."""

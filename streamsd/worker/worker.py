@@ -13,6 +13,8 @@ again. Runs on one dedicated thread; never touches asyncio.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -25,11 +27,25 @@ from streamsd.request import Request
 from streamsd.sample.verify import Chain, Verified, Verifier
 from streamsd.sched.plan import EntryResult, Scheduled, StepPlan
 from streamsd.spec_decode.eagle.proposer import EagleProposer
-from streamsd.spec_decode.proposer import ProposeItem, Proposer
+from streamsd.spec_decode.proposer import Proposal, ProposeItem, Proposer
 from streamsd.worker import pipelined
 from streamsd.worker import tree_runner as tree_step
 from streamsd.worker.lookahead import Lookahead, Readback
 from streamsd.worker.tree_graphs import TreeGraphs, tree_graphs_for
+
+#: Receives a step's entries and the target's streams at every token it computed.
+StreamSink = Callable[[list[Scheduled], torch.Tensor], None]
+
+
+class _StreamsOnly(Proposer):
+    """Drafts nothing; declares the layers whose streams a recorder wants, so that every forward
+    returns them and no step is pipelined (no store keeps them there)."""
+
+    def __init__(self, layers: tuple[int, ...]):
+        self.hidden_layers = layers
+
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        return []
 
 
 class Worker:
@@ -48,10 +64,30 @@ class Worker:
         # Set once a step's GPU work is queued, just before its host read: the engine then does the
         # previous step's text work while the GPU runs (see EngineCore.run).
         self.launched = threading.Event()
+        self._stream_sink: StreamSink | None = None  # recording_streams
         self.verifier = Verifier(q_pool, self.vocab, device, self.launched)  # q_pool: [slots, K, V] or None
         # Pipelined plain steps: on by default where the device runs ahead of the host (CUDA).
         self.lookahead = Lookahead(cache.block_size, device.type == "cuda" if pipeline is None else pipeline)
         self.readback = Readback(device)
+
+    @contextmanager
+    def recording_streams(self, layers: tuple[int, ...], sink: StreamSink) -> Iterator[None]:
+        """Meanwhile, every step hands `sink` the target's residual streams entering `layers` at every
+        token it computes, [T, layers * hidden] in the step's entry order, and drafts nothing: the
+        target's own answers with their streams, for training a draft head (train/data.py). Every
+        step takes the full path, where the forward is this worker's own (a step queued ahead would
+        run its forward elsewhere); graphs, where there are any, capture those streams too."""
+        saved = self.proposer, self.graphs
+        self.proposer = _StreamsOnly(layers)
+        if self.graphs is not None:
+            g = self.graphs
+            self.graphs = GraphRunner(g.model, g.cache, g.scratch, g.cfg, g.device, hidden_layers=layers)
+        self._stream_sink = sink
+        try:
+            yield
+        finally:
+            self.proposer, self.graphs = saved
+            self._stream_sink = None
 
     def enable_cuda(self, *, scratch_block: int, max_len: int, k: int, graphs: bool, tree_max_batch: int) -> None:
         """Move onto the CUDA kernels and, with `graphs`, CUDA graphs (worker/cuda.py), before any step."""
@@ -95,6 +131,8 @@ class Worker:
 
     def _step(self, entries: list[Scheduled]) -> list[EntryResult]:
         logits, hidden = self._forward(entries)  # [rows, V], [tokens, layers * hidden] | None
+        if self._stream_sink is not None:
+            self._stream_sink(entries, hidden)
         verified = self.verifier.verify([e for e in entries if e.verifies], logits, self._chain(entries, hidden),
                                         self._graph_verified(entries, logits))
         return self._propose(entries, verified)

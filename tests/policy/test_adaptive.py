@@ -1,4 +1,4 @@
-"""Adaptive speculation (issue 10): cost model, acceptance estimator, planner and the simulator's claims.
+"""Adaptive speculation: cost model, acceptance estimator, planner and the simulator's claims.
 
 Everything here is torch-free and seeded; the simulator figures are for an 8B target on an H200
 (roofline) with a 1B draft, an n-gram proposer or a synthetic-α proposer.
@@ -402,10 +402,10 @@ def test_graph_table_prices_the_graph_a_step_replays() -> None:
 
 
 def test_free_drafts_in_a_padded_graph_are_planned_per_depth() -> None:
-    # The H200's 8B graphs at B = 64 (session 9 profile): widths 1, 2, 3, 5 replay in 5.64, 5.87, 6.89,
+    # The H200's 8B graphs at B = 64 (a profile): widths 1, 2, 3, 5 replay in 5.64, 5.87, 6.89,
     # 8.92 ms. Drafts cost nothing (synthetic / n-gram), but the graph pads every request to the widest
     # one: a plan putting a few confident requests at k = 4 makes all 64 pay width 5. Searched as one
-    # ranked level, the plan mixed depths (session 9: k = 1 / 2 / 4 for 1480 / 463 / 165 choices, 7.2 ms
+    # ranked level, the plan mixed depths (k = 1 / 2 / 4 for 1480 / 463 / 165 choices, 7.2 ms
     # steps); per depth limit, the best plan is the best uniform k.
     widths, ms = (1, 2, 3, 5), (5.64, 5.87, 6.89, 8.92)
     samples = {(b, w): t * 1e-3 * (0.8 + 0.2 * b / 64) for b in (1, 16, 64) for w, t in zip(widths, ms, strict=True)}
@@ -947,7 +947,7 @@ def test_a_small_batch_speculates_on_its_means_and_stops_where_they_misjudge_it(
 
     # At alpha 0.65 a k = 4 step yields 2.5 tokens for 2 plain steps' time, but a request with little
     # evidence of its own reads as the crowd's lower quarter, ~1.95 tokens. On the strict gate it
-    # speculated in 32 % of the steps (H200, issue 9: adaptive eagle 1.01x plain at T = 0 against
+    # speculated in 32 % of the steps (H200: adaptive eagle 1.01x plain at T = 0 against
     # fixed k = 4's 1.44x); on its means, within the loss bound, in 69 %.
     assert share(0.65, 0.65) >= 0.5
     # ... also where the running prior has forgotten its evidence (at batch 1 that takes ~60 steps, and

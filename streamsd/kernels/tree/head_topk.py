@@ -16,10 +16,10 @@ The second launch, a program per row, finds the row's k best from the blocks' be
 holding one of the k best has a best at least that good, and only k blocks can, so the k blocks with the
 best bests hold all k. It ranks those k blocks' values again. Keeping only the bests in the first launch
 made it 3.3-3.8 us shorter a level on the H200 than keeping each block's k best (k rounds of a max over
-the block), at 1 and 6 rows (docs/issue9-eagle/session27).
+the block), at 1 and 6 rows.
 
 The int8 rows only rank drafts: the target verifies whatever the tree holds, so the output stays exact;
-a head's acceptance moves by what int8 rounding moves its ranking (docs/issue9-eagle/session26).
+a head's acceptance moves by what int8 rounding moves its ranking.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from streamsd.model.tree_layout import Race
 
 # (ids a program, hidden columns a load, warps, loads in flight) for one block of rows and for more:
-# the fastest of scripts/head_topk_probe.py's on the H200 at SmolLM2-135M's 49152 x 576, 1, 6 and 24 rows
-# (docs/issue9-eagle/session27: 18.2 us for 1 row, 18.6 for 6, 27.4 for 24, where bf16 took 27.7, 28.7, 33.4).
+# the fastest measured on an H200 at SmolLM2-135M's 49152 x 576, 1, 6 and 24 rows (18.2 us for 1 row,
+# 18.6 for 6, 27.4 for 24, where bf16 took 27.7, 28.7, 33.4).
 TILES_ONE_BLOCK = (64, 64, 4, 2)
 TILES_MORE = (256, 32, 4, 2)
 PAD = 256  # the int8 rows come in whole blocks of any BLOCK_V up to this: their loads need no mask
@@ -58,7 +58,7 @@ class DraftLogits:
     weight: torch.Tensor  # [Vp, H] int8: id v's row of lm_head (Vp: V up to whole blocks)
     scale: torch.Tensor  # [V] float32: row v is weight[v] * scale[v]
     # [H] the final RMSNorm's weight (EAGLE-3; None: EAGLE-1's head output goes in as it is). Not folded into
-    # the int8 rows: folded, the held-out tau at T = 0 fell by 1 % (docs/issue9-eagle/session26).
+    # the int8 rows: folded, the held-out tau at T = 0 fell by 1 %.
     norm: torch.Tensor | None
     eps: float
     d2t: torch.Tensor | None  # [V] int64: target id = draft id + d2t[draft id] (None: the same ids)
@@ -197,7 +197,7 @@ def head_topk(out: torch.Tensor, head: DraftLogits, k: int, race: Race | None = 
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's pre-norm outputs out [R, H] -> (log-probabilities [R, k] float32, target ids [R, k] int64),
     best first: topk_logprobs(the head's logits) over the int8 lm_head. Race as there. tiles: (block_v,
-    block_h, warps, stages), for scripts/head_topk_probe.py to compare (None: by R, as measured)."""
+    block_h, warps, stages), to compare variants (None: by R, as measured)."""
     out = out if out.stride(-1) == 1 else out.contiguous()
     r, hidden = out.shape
     block_v, block_h, warps, stages = tiles or (TILES_ONE_BLOCK if r <= BLOCK_R else TILES_MORE)

@@ -1,4 +1,4 @@
-"""Adaptive speculation (issue 10): k chosen per request and per step from measured step costs
+"""Adaptive speculation: k chosen per request and per step from measured step costs
 and observed acceptance, so speculation is never slower than plain decoding at any load.
 
 Torch-free: the scheduler calls it on the event-loop side.

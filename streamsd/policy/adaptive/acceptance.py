@@ -62,8 +62,8 @@ class AcceptanceConfig:
     request_decay: float = 0.99  # per speculative observation: ~100 steps of memory
     idle_decay: float = 0.97  # per non-speculating step: back to the prior in a few dozen steps
     quantile: float = 0.25
-    # 64 until session 8: with plain steps pipelined (worker/lookahead.py) plain got cheaper than the start-up
-    # table says, the 0.6 prior stopped paying at B = 64, and 64-token requests ended before any probe.
+    # Not 64: with plain steps pipelined (worker/lookahead.py) plain is cheaper than the start-up table
+    # says, the 0.6 prior stops paying at B = 64, and 64-token requests would end before any probe.
     probe_after: int = 16
     refresh_every: int = 8  # steps a posterior may go unread while only the prior or idle decay moved it
     # Per position j >= 1: how much likelier a draft is accepted there than at j - 1, as measured at a

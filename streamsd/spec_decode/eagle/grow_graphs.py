@@ -5,7 +5,7 @@ A tree step's graph (worker/tree_graphs.py) grows the next tree inside its own r
 the proposer are a request's first tree (its head caught up on the prompt first) and the tree after
 any eager step. Eager, a growth is ~75 launches from Python, and a catch-up over a prompt ~20 more
 that cuBLAS and Triton first meet at each new prompt length: 4-12 ms of a request's first step on
-the H200 (scripts/step_timeline.py). Here it is one replay. A growth graph takes the head's output
+an H200. Here it is one replay. A growth graph takes the head's output
 at each request's last caught-up slot, its pending position, its blocks and its draw in static
 buffers; a catch-up graph (bucket 1) takes the catch-up's slots packed as a prompt graph packs a
 prompt chunk (model/graphs.py: padded to its width, its attention tiles and the row to grow from

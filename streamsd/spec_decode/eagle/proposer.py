@@ -104,8 +104,7 @@ class EagleProposer(Proposer):
     def capture_graphs(self, max_batch: int) -> None:
         """Every graph a call over at most `max_batch` requests replays, whatever its depth and draw: an
         adaptive policy changes k step by step, and a capture (tens of ms) should not land inside a step
-        the policy times. (The ~200 ms stall of the first k = 2 steps on the H200 stayed with this, so it
-        is something else: docs/issue9-eagle/session15.)"""
+        the policy times."""
         if self.grow_graphs is not None:
             self.grow_graphs.capture_up_to(max_batch)
         if self.graphs is None:

@@ -16,7 +16,7 @@ A sampled request's children are ranked by its target's own race (`Race`): the r
 takes argmax(p / E) over the noise E keyed (seed, m), so the head runs that race over its own
 probabilities q at the children's position, ranking by log q - log E, and the winner is the
 target's token wherever q's race agrees with p's; the next best fill in. That covers the target's
-sample far better than q's likeliest tokens at T = 1 (`scripts/tree_tau.py --rank both`), and costs no
+sample far better than q's likeliest tokens at T = 1, and costs no
 exactness: the walk (spec_decode/tree.py) keeps what the target draws whatever the tree holds.
 
 Fixed shapes throughout and no host read, so a CUDA graph captures a whole growth. Between two head
