@@ -49,9 +49,12 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--draft-greedy-threshold", type=float, default=0.75,
                    help="requests below this temperature draft greedily (one-hot q); others sample drafts")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype; auto: $STREAMSD_DTYPE, else bfloat16 on CUDA and on CPUs with "
+                        "native bf16, else float32")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the most requests decoding at once (the batch)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the most tokens one step runs (prefill chunks plus decode and verify tokens)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
     p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
@@ -157,38 +160,52 @@ def cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
-BENCH = {"offline": "streamsd.bench.offline", "serve": "streamsd.bench.serve", "soak": "streamsd.bench.soak",
-         "overhead": "streamsd.bench.overhead"}
+# name -> (what it measures, module with add_arguments, module with run): the options live apart from
+# the benchmark where the benchmark imports torch, so that `--help` stays quick.
+BENCH = {
+    "offline": ("the engine alone: TPOT and tokens/s per batch size against the HBM floor and HF transformers",
+                "streamsd.bench.offline_args", "streamsd.bench.offline"),
+    "serve": ("a running server over HTTP: latency and throughput per concurrency, speculation off and on",
+              "streamsd.bench.serve", "streamsd.bench.serve"),
+    "soak": ("reliability: many clients for a while, with disconnects and bad input; checks nothing leaks",
+             "streamsd.bench.soak", "streamsd.bench.soak"),
+    "overhead": ("the HTTP layer's cost: TTFT/TPOT of the engine alone against through SSE",
+                 "streamsd.bench.overhead", "streamsd.bench.overhead"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamsd", description="Streaming LLM server with lossless speculative decoding")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="how much streamsd and the server log")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the OpenAI API, the WebSocket protocol and the web UI")
     _add_engine_args(s, model_default=DEFAULT_MODEL)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the model's name)")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this get 429")
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--api-key", default=None,
+                   help="require this bearer token on the API (default: no authentication)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get to finish on SIGTERM")
-    s.add_argument("--web-dir", default=None)
+    s.add_argument("--web-dir", default=None, help="serve the chat UI from this directory instead of the shipped one")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     _add_engine_args(g, model_default=DEFAULT_MODEL)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the text to continue (or, with --chat, the user's message)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=128, help="the most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the likeliest tokens up to this mass")
+    g.add_argument("--seed", type=int, default=None, help="seed for a reproducible sample")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("pull", help="fetch and convert a model; prints its directory last")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"{DEFAULT_MODEL} (the default), a .gguf file or a hub id")
     p.set_defaults(func=cmd_pull)
 
     from streamsd.spec import train_eagle
@@ -200,16 +217,23 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: offline (engine), serve (a server), soak (reliability), "
                                      "overhead (HTTP layer)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for name, module in BENCH.items():
-        bp = bsub.add_parser(name)
+    for name, (summary, args_module, run_module) in BENCH.items():
+        bp = bsub.add_parser(name, help=summary, description=summary)
         try:
-            mod = importlib.import_module(module)
+            importlib.import_module(args_module).add_arguments(bp)
         except ImportError as exc:
             bp.set_defaults(func=lambda a, exc=exc: _missing(exc))
             continue
-        mod.add_arguments(bp)
-        bp.set_defaults(func=mod.run)
+        bp.set_defaults(func=lambda a, run_module=run_module: _run_bench(run_module, a))
     return parser
+
+
+def _run_bench(module: str, a: argparse.Namespace) -> int:
+    try:
+        run = importlib.import_module(module).run
+    except ImportError as exc:
+        return _missing(exc)
+    return int(run(a) or 0)
 
 
 def _missing(exc: ImportError) -> int:
