@@ -57,6 +57,10 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
                    help="the most tokens one step runs (prefill chunks plus decode and verify tokens)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
+    p.add_argument("--profile-cache", choices=["reuse", "refresh", "off"], default=None,
+                   help="the adaptive policy's start-up cost profile, kept under $STREAMSD_HOME/profiles: reuse "
+                        "it when the model, device, dtype and threads match, refresh it, or off (profile every "
+                        "start); default: $STREAMSD_PROFILE_CACHE, else reuse")
     p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
                    help="queue the next step (plain decode, EAGLE verify) on the device before reading this "
                         "one; auto: on CUDA, where the GPU runs ahead of the host")
@@ -108,7 +112,8 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
                       int8_draft_head=a.int8_draft_head, max_batch=max_batch)
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                        max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline))
+                        max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline),
+                        profile_cache=a.profile_cache)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

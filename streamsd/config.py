@@ -135,3 +135,6 @@ class EngineConfig:
     cuda_graphs: bool = True
     pipeline: bool | None = None  # plain decode steps queued one ahead (lookahead.py); None: on CUDA
     cpu_threads: int | None = None  # CPU only; default: all cores but one, left for the event loop
+    # The adaptive policy's start-up cost profile on disk (profile_cache.py): reuse, refresh or off;
+    # None: $STREAMSD_PROFILE_CACHE, else reuse.
+    profile_cache: str | None = None
