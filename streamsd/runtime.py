@@ -131,10 +131,19 @@ def kv_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device) -> 
     return max(tokens // BLOCK_SIZE, 1)
 
 
+def use_triton_cache() -> None:
+    """Triton's compiled kernels under $STREAMSD_HOME/triton, unless TRITON_CACHE_DIR says otherwise:
+    beside the models, in the volume a container keeps, so that a restart loads the kernel variants
+    the warm-up compiled instead of compiling them again. Triton reads the variable at each compile."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(streamsd_home() / "triton"))
+
+
 def build_runtime(cfg: EngineConfig) -> Runtime:
     t0 = time.perf_counter()
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
+    if device.type == "cuda":
+        use_triton_cache()
     if device.type == "cpu":
         # OpenMP threads spin while they wait: on a busy machine (the event loop, HTTP clients, a
         # load generator on the same box) one spinning thread too many makes every matmul crawl.

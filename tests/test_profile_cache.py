@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -113,3 +114,15 @@ def test_an_engine_built_twice_reuses_its_start_up_profile(tiny_model_dir, tmp_p
     # Timings measured twice never agree to the last bit: equal tables mean the second was read back.
     assert first.shape is not None and _same(first, second)
     assert json.loads(saved.read_text())["key"]["max_batch"] == 4
+
+
+def test_triton_keeps_its_kernels_under_the_streamsd_home_unless_told_otherwise(tmp_path, monkeypatch):
+    from streamsd.runtime import use_triton_cache
+
+    monkeypatch.setenv("STREAMSD_HOME", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    use_triton_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    use_triton_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
