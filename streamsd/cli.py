@@ -61,6 +61,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
                    help="the adaptive policy's start-up cost profile, kept under $STREAMSD_HOME/profiles: reuse "
                         "it when the model, device, dtype and threads match, refresh it, or off (profile every "
                         "start); default: $STREAMSD_PROFILE_CACHE, else reuse")
+    p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                   help="auto: sampling fields a request leaves out (temperature, top_p, top_k, min_p) take the "
+                        "model's generation_config.json values; none: ignore them (API defaults)")
     p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
                    help="queue the next step (plain decode, EAGLE verify) on the device before reading this "
                         "one; auto: on CUDA, where the GPU runs ahead of the host")
@@ -113,7 +116,7 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline),
-                        profile_cache=a.profile_cache)
+                        profile_cache=a.profile_cache, generation_config=a.generation_config)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -131,12 +134,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from streamsd.core import EngineCore
-    from streamsd.request import SamplingParams
     from streamsd.runtime import build_runtime
 
     cfg = _engine_config(a)
     core = EngineCore(build_runtime(cfg), cfg.spec)
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed)
+    # Unset sampling flags take the model's defaults, else greedy decoding.
+    params = core.rt.generation_defaults.sampling_params(temperature=a.temperature, top_p=a.top_p,
+                                                        fallback_temperature=0.0, max_tokens=a.max_tokens,
+                                                        seed=a.seed)
     ids = core.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat else core.encode_prompt(a.prompt)
     core.add_request("cli", ids, params)
     t0, first, n, stats = time.perf_counter(), None, 0, None
@@ -203,8 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True, help="the text to continue (or, with --chat, the user's message)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-tokens", type=int, default=128, help="the most tokens to generate")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the likeliest tokens up to this mass")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (0: greedy); default: the model's, else 0")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: keep the likeliest tokens up to this mass; default: the model's, else 1")
     g.add_argument("--seed", type=int, default=None, help="seed for a reproducible sample")
     g.set_defaults(func=cmd_generate)
 

@@ -138,3 +138,6 @@ class EngineConfig:
     # The adaptive policy's start-up cost profile on disk (profile_cache.py): reuse, refresh or off;
     # None: $STREAMSD_PROFILE_CACHE, else reuse.
     profile_cache: str | None = None
+    # Sampling defaults from the model's generation_config.json for fields a request leaves out
+    # (generation_defaults.py): auto, or none to ignore the file.
+    generation_config: str = "auto"

@@ -15,6 +15,7 @@ import torch
 
 from streamsd.adaptive import CostTable
 from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig
+from streamsd.generation_defaults import GenerationDefaults
 from streamsd.model.arch import ModelArgs
 from streamsd.model.kv_cache import PagedKVCache
 from streamsd.model.llama import Transformer
@@ -52,6 +53,7 @@ class Runtime:
     q_slots: int
     load_seconds: float
     policy: SpeculationPolicy
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -150,6 +152,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
     target, path = load_model(cfg.model, device, dtype)
     tokenizer = load_tokenizer(path)
+    defaults = GenerationDefaults.read(path, cfg.generation_config)
+    defaults.log_at_load(path / "generation_config.json")
     args = target.args
     draft: Transformer | None = None
     model_dirs = [path]  # what the cost profile ran (its cache key)
@@ -245,7 +249,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     # was collected ~130 times per 64-token pass at B = 256, 20-37 ms per pass on the H200's host
     # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy)
+    return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy,
+                   defaults)
 
 
 def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerConfig:

@@ -139,7 +139,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     engine = state.ready_engine()
     body: ChatCompletionRequest | CompletionRequest = await read_body(request, chat_decoder if chat else completion_decoder)
     state.check_model(body.model)
-    params = sampling_params(body)
+    params = sampling_params(body, engine.core.rt.generation_defaults)
     if isinstance(body, ChatCompletionRequest):
         prompt_ids = chat_prompt(engine, body.messages)
     elif isinstance(body.prompt, str):

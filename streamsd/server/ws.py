@@ -60,7 +60,7 @@ class Session:
         try:
             engine = self.state.ready_engine()
             self.state.check_model(msg.model)
-            params = sampling_params(msg)
+            params = sampling_params(msg, engine.core.rt.generation_defaults)
             if (msg.messages is None) == (msg.prompt is None):
                 raise ApiError(400, "give exactly one of messages or prompt", param="messages")
             ids = chat_prompt(engine, msg.messages) if msg.messages else engine.core.encode_prompt(msg.prompt or "")
