@@ -47,7 +47,11 @@ class GenerationDefaults:
             v = config.get(f.name)
             if isinstance(v, bool) or not isinstance(v, int | float):
                 continue
-            values[f.name] = max(int(v), 0) if f.name == "top_k" else float(v)  # top_k -1: no cut, as 0
+            value = max(int(v), 0) if f.name == "top_k" else float(v)  # top_k -1: no cut, as 0
+            if f.name != "repetition_penalty" and not _valid(f.name, value):
+                log.warning("ignoring the model's default %s=%r: out of range", f.name, v)
+                continue
+            values[f.name] = value
         return cls(**values)
 
     @classmethod
@@ -75,7 +79,7 @@ class GenerationDefaults:
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
     def log_at_load(self, source: Path) -> None:
-        applied = {k: v for k, v in self.as_dict().items() if k not in self.unapplied and k != "repetition_penalty"}
+        applied = {k: v for k, v in self.as_dict().items() if k != "repetition_penalty"}
         if applied:
             log.info("sampling defaults from %s for requests that leave them out: %s", source,
                      ", ".join(f"{k}={v:g}" for k, v in applied.items()))
@@ -94,3 +98,13 @@ class GenerationDefaults:
         return SamplingParams(temperature=pick(temperature, self.temperature, fallback_temperature),
                               top_p=pick(top_p, self.top_p, 1.0), top_k=pick(top_k, self.top_k, 0),
                               min_p=pick(min_p, self.min_p, 0.0), **rest)
+
+
+def _valid(name: str, value: float) -> bool:
+    """Whether a request could ask for this value (a model's default out of range must not turn every
+    request that leaves the field out into a 400 naming a field the client never sent)."""
+    try:
+        SamplingParams(**{name: value})
+    except ValueError:
+        return False
+    return True

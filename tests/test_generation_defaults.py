@@ -45,6 +45,8 @@ def test_defaults_are_read_from_the_generation_config(greedy_by_default):
     p = d.sampling_params(temperature=0.2, max_tokens=5)
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.2, 1, 1.0, 5)  # an explicit value wins
     assert GenerationDefaults().sampling_params().temperature == 1.0
+    odd = GenerationDefaults.from_dict({"temperature": 0.5, "top_p": 0.0, "top_k": -1, "do_sample": True})
+    assert (odd.temperature, odd.top_p, odd.top_k) == (0.5, None, 0)  # top_p 0 is no distribution: ignored
 
 
 def test_offline_llm_samples_with_the_models_defaults_and_says_what_it_cannot_apply(greedy_by_default, caplog):
