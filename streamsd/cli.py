@@ -49,11 +49,21 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--draft-greedy-threshold", type=float, default=0.75,
                    help="requests below this temperature draft greedily (one-hot q); others sample drafts")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype; auto: $STREAMSD_DTYPE, else bfloat16 on CUDA and on CPUs with "
+                        "native bf16, else float32")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the most requests decoding at once (the batch)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the most tokens one step runs (prefill chunks plus decode and verify tokens)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
+    p.add_argument("--profile-cache", choices=["reuse", "refresh", "off"], default=None,
+                   help="the adaptive policy's start-up cost profile, kept under $STREAMSD_HOME/profiles: reuse "
+                        "it when the model, device, dtype and threads match, refresh it, or off (profile every "
+                        "start); default: $STREAMSD_PROFILE_CACHE, else reuse")
+    p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                   help="auto: sampling fields a request leaves out (temperature, top_p, top_k, min_p) take the "
+                        "model's generation_config.json values; none: ignore them (API defaults)")
     p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
                    help="queue the next step (plain decode, EAGLE verify) on the device before reading this "
                         "one; auto: on CUDA, where the GPU runs ahead of the host")
@@ -105,7 +115,8 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
                       int8_draft_head=a.int8_draft_head, max_batch=max_batch)
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                        max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline))
+                        max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline),
+                        profile_cache=a.profile_cache, generation_config=a.generation_config)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -125,11 +136,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_generate(a: argparse.Namespace) -> int:
     from streamsd.engine.builder import build_runtime
     from streamsd.engine.core import EngineCore
-    from streamsd.request import SamplingParams
 
     cfg = _engine_config(a)
     core = EngineCore(build_runtime(cfg), cfg.spec)
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed)
+    # Unset sampling flags take the model's defaults, else greedy decoding.
+    params = core.rt.generation_defaults.sampling_params(temperature=a.temperature, top_p=a.top_p,
+                                                        fallback_temperature=0.0, max_tokens=a.max_tokens,
+                                                        seed=a.seed)
     ids = core.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat else core.encode_prompt(a.prompt)
     core.add_request("cli", ids, params)
     t0, first, n, stats = time.perf_counter(), None, 0, None
@@ -158,27 +171,37 @@ def cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
-BENCH = {  # name: (module, one-line description)
-    "offline": ("streamsd.bench.offline", "the engine's speed against the physical floor and HF transformers"),
-    "chat": ("streamsd.bench.chat", "batch-1 speed on real chat answers: plain vs n-gram vs EAGLE vs HF, per temperature"),
-    "serve": ("streamsd.bench.serve", "an OpenAI-compatible server's latency and throughput under streamed load"),
-    "soak": ("streamsd.bench.soak", "a server's reliability: many streams, cut connections, malformed requests, exact answers"),
-    "overhead": ("streamsd.bench.overhead", "what the HTTP/SSE layer costs over the engine"),
+# name -> (what it measures, module with add_arguments, module with run): the options live apart from
+# the benchmark where the benchmark imports torch, so that `--help` stays quick.
+BENCH = {
+    "offline": ("the engine alone: TPOT and tokens/s per batch size against the HBM floor and HF transformers",
+                "streamsd.bench.offline_args", "streamsd.bench.offline"),
+    "chat": ("real chat answers at batch 1: plain vs n-gram vs EAGLE chains and trees vs HF, per temperature",
+             "streamsd.bench.chat_args", "streamsd.bench.chat"),
+    "serve": ("a running server over HTTP: latency and throughput per concurrency, speculation off and on",
+              "streamsd.bench.serve", "streamsd.bench.serve"),
+    "soak": ("reliability: many clients for a while, with disconnects and bad input; checks nothing leaks",
+             "streamsd.bench.soak", "streamsd.bench.soak"),
+    "overhead": ("the HTTP layer's cost: TTFT/TPOT of the engine alone against through SSE",
+                 "streamsd.bench.overhead", "streamsd.bench.overhead"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamsd", description="Streaming LLM server with lossless speculative decoding")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="how much streamsd and the server log")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the OpenAI API, the WebSocket protocol and the web UI")
     _add_engine_args(s, model_default=DEFAULT_MODEL)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on")
-    s.add_argument("--served-model-name", default=None, help="the model name clients send and /v1/models lists")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the model's name)")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this get 429")
-    s.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY) on /v1/")
+    s.add_argument("--api-key", default=None,
+                   help="require this bearer token on the API (default: no authentication)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get to finish on SIGTERM")
     s.add_argument("--web-dir", default=None, help="serve the chat UI from this directory instead of the shipped one")
     s.add_argument("--no-access-log", dest="access_log", action="store_false",
@@ -187,16 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate from one prompt, streaming to the terminal")
     _add_engine_args(g, model_default=DEFAULT_MODEL)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the text to continue (or, with --chat, the user's message)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=128, help="the most tokens to generate")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (0: greedy); default: the model's, else 0")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: keep the likeliest tokens up to this mass; default: the model's, else 1")
+    g.add_argument("--seed", type=int, default=None, help="seed for a reproducible sample")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("pull", help="fetch and convert a model; prints its directory last")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"{DEFAULT_MODEL} (the default), a .gguf file or a hub id")
     p.set_defaults(func=cmd_pull)
 
     from streamsd.train import cli as train_eagle
@@ -208,16 +234,23 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: offline (engine), chat (batch-1 answers), serve (a server), "
                                      "soak (reliability), overhead (HTTP layer)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for name, (module, description) in BENCH.items():
-        bp = bsub.add_parser(name, help=description, description=description)
+    for name, (summary, args_module, run_module) in BENCH.items():
+        bp = bsub.add_parser(name, help=summary, description=summary)
         try:
-            mod = importlib.import_module(module)
+            importlib.import_module(args_module).add_arguments(bp)
         except ImportError as exc:
             bp.set_defaults(func=lambda a, exc=exc: _missing(exc))
             continue
-        mod.add_arguments(bp)
-        bp.set_defaults(func=mod.run)
+        bp.set_defaults(func=lambda a, run_module=run_module: _run_bench(run_module, a))
     return parser
+
+
+def _run_bench(module: str, a: argparse.Namespace) -> int:
+    try:
+        run = importlib.import_module(module).run
+    except ImportError as exc:
+        return _missing(exc)
+    return int(run(a) or 0)
 
 
 def _missing(exc: ImportError) -> int:

@@ -135,3 +135,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     pipeline: bool | None = None  # plain decode steps queued one ahead (worker/lookahead.py); None: on CUDA
     cpu_threads: int | None = None  # CPU only; default: all cores but one, left for the event loop
+    # The adaptive policy's start-up cost profile on disk (profile_cache.py): reuse, refresh or off;
+    # None: $STREAMSD_PROFILE_CACHE, else reuse.
+    profile_cache: str | None = None
+    # Sampling defaults from the model's generation_config.json for fields a request leaves out
+    # (generation_defaults.py): auto, or none to ignore the file.
+    generation_config: str = "auto"

@@ -20,6 +20,9 @@ from tests.tiny import build_model, build_perturbed, build_tokenizer  # noqa: E4
 os.environ.setdefault("STREAMSD_DEVICE", "cpu")
 # ... and in float32: `auto` would take bf16 on CPUs that multiply it natively.
 os.environ.setdefault("STREAMSD_DTYPE", "float32")
+# Every test profiles its own engine, as it did before profiles were kept: a cached table would make a
+# test's policy depend on what an earlier run measured (tests of the cache itself turn it on).
+os.environ.setdefault("STREAMSD_PROFILE_CACHE", "off")
 
 # Tiny models run fastest single-threaded, and the CI machine has two cores shared with servers.
 torch.set_num_threads(1)

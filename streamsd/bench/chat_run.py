@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from streamsd.bench.chat_args import DEFAULT_METHODS
 from streamsd.bench.stats import summarize
 from streamsd.config import EngineConfig, SpecConfig, TreeShape
 from streamsd.engine.builder import build_runtime
@@ -19,7 +20,7 @@ from streamsd.request import SamplingParams
 from streamsd.worker.profile import sync
 
 BASE_METHODS = ("plain", "plain-seq", "ngram", "eagle")
-DEFAULT_METHODS = "plain,ngram,eagle"
+
 HF = "hf"
 KV_CACHE_TOKENS = 8192  # per engine, beyond the longest answer: batch 1 needs one prompt's and answer's
 

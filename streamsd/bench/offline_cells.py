@@ -26,6 +26,8 @@ from streamsd.worker.profile import profile_worker
 PlainRerun = Callable[[], R.PassResult]
 WARM_PASSES = 3  # at most: synthetic warm-up passes that record oracle branches
 
+HF_BATCH_ONE = "n/a: HF assisted generation supports batch 1 only"
+
 
 @dataclass(slots=True)
 class Policies:
@@ -248,11 +250,13 @@ def hf_cells(rt: Runtime, hf: Any, args: argparse.Namespace, prompts: list[list[
     out.append({"engine": "hf", "method": "plain", "batch": b, "tpot_ms": round(tpot, 3), "tokens_per_s": round(tps, 1)})
     ours = next(c for c in cells if c["engine"] == "streamsd" and c["method"] == "plain" and c["batch"] == b)
     ours["hf_tpot_ms"], ours["x_hf_tokens_per_s"] = round(tpot, 3), round(ours["tokens_per_s"] / tps, 2)
-    if b == 1 and args.speculative_method in ("ngram", "draft"):
+    if args.speculative_method in ("ngram", "draft"):
+        name = "assisted" if args.speculative_method == "draft" else "prompt-lookup"
+        if len(prompts) != 1:  # transformers refuses both for more than one sequence at a time
+            out.append({"engine": "hf", "method": name, "batch": b, "note": HF_BATCH_ONE})
+            return out
         kw: dict[str, Any] = {"prompt_lookup_num_tokens": args.num_speculative_tokens}
-        name = "prompt-lookup"
         if args.speculative_method == "draft":
-            name = "assisted"
             draft = R.hf_model(draft_dir(args.draft_model), rt.worker.proposer.model, dev, dtype)
             kw = {"assistant_model": draft, "num_assistant_tokens": args.num_speculative_tokens,
                   "num_assistant_tokens_schedule": "constant"}

@@ -22,13 +22,13 @@ PROMPTS = ["Tell me about the history of Paris.", "Write a short poem about the 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--speculative-method", default="ngram", choices=["ngram", "none"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the model to serve and run")
+    p.add_argument("--speculative-method", default="ngram", choices=["ngram", "none"], help="speculation of both runs")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="measured passes over the prompt set (after one warm-up)")
-    p.add_argument("--port", type=int, default=8787)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--port", type=int, default=8787, help="port of the server it starts")
+    p.add_argument("--output-json", default=None, help="write the figures as JSON here")
 
 
 def _offline_core(args: argparse.Namespace):

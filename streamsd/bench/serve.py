@@ -39,9 +39,10 @@ DEFAULT_MAX_TOKENS = 128
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    parser.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                        help="/v1/chat/completions or /v1/completions")
     parser.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=None, help="bearer token, if the server asks for one")
     parser.add_argument(
         "--dataset", default="random",
         help="MT-bench JSONL (`turns`), ShareGPT JSON (`conversations`), `random` or `random:<words>`",
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep-concurrency", default=None, help="comma list, e.g. 1,2,4,8: one cell per concurrency"
     )
     parser.add_argument("--max-tokens", type=int, default=None, help="per request (default: dataset's, else 128)")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly max tokens (server extension)")
     parser.add_argument("--seed", type=int, default=0, help="dataset, arrivals and per-request sampling seeds")
     parser.add_argument(

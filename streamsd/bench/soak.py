@@ -45,14 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--websocket-share", type=float, default=0.3, help="share of requests over /v1/ws")
     parser.add_argument("--spec-off-share", type=float, default=0.2,
                         help='share of requests sent with speculative {"enabled": false}')
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32, help="max tokens of each request")
     parser.add_argument("--max-requests", type=int, default=1_000_000, help="hard cap on requests sent")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds one stream may take")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for /metrics to idle")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
+    parser.add_argument("--api-key", default=None, help="bearer token, if the server asks for one")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    parser.add_argument("--output-json", default=None, help="write the report as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 

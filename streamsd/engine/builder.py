@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig
+from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.model.arch import ModelArgs
 from streamsd.model.kv_cache import PagedKVCache
 from streamsd.model.llama import Transformer
@@ -23,6 +24,7 @@ from streamsd.model.loader import (
     load_hf_config,
     load_state_dict,
     resolve_model,
+    streamsd_home,
 )
 from streamsd.model.stream_store import StreamStore
 from streamsd.policy.adaptive import CostTable
@@ -50,6 +52,7 @@ class Runtime:
     q_slots: int
     load_seconds: float
     policy: SpeculationPolicy
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -129,26 +132,40 @@ def kv_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device) -> 
     return max(tokens // BLOCK_SIZE, 1)
 
 
+def use_triton_cache() -> None:
+    """Triton's compiled kernels under $STREAMSD_HOME/triton, unless TRITON_CACHE_DIR says otherwise:
+    beside the models, in the volume a container keeps, so that a restart loads the kernel variants
+    the warm-up compiled instead of compiling them again. Triton reads the variable at each compile."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(streamsd_home() / "triton"))
+
+
 def build_runtime(cfg: EngineConfig) -> Runtime:
     t0 = time.perf_counter()
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
+    if device.type == "cuda":
+        use_triton_cache()
     if device.type == "cpu":
         # OpenMP threads spin while they wait: on a busy machine (the event loop, HTTP clients, a
         # load generator on the same box) one spinning thread too many makes every matmul crawl.
         torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
     target, path = load_model(cfg.model, device, dtype)
     tokenizer = load_tokenizer(path)
+    defaults = GenerationDefaults.read(path, cfg.generation_config)
+    defaults.log_at_load(path / "generation_config.json")
     args = target.args
     draft: Transformer | None = None
+    model_dirs = [path]  # what the cost profile ran (its cache key)
     if cfg.spec.method == "draft":
         assert cfg.spec.draft_model
         draft, draft_path = load_model(cfg.spec.draft_model, device, dtype)
         check_vocab(tokenizer, load_tokenizer(draft_path), args, draft.args)
+        model_dirs.append(draft_path)
     head, depth_steps = None, ()
     if cfg.spec.method == "eagle":
         hdir = head_dir(cfg.spec.draft_model, cfg.model)
         head, depth_steps = load_head(hdir, target, device, dtype), measured_depth_steps(hdir)
+        model_dirs.append(Path(hdir))
     extra = draft.args if draft else head.spec.args if head else None
     per_token = args.kv_bytes_per_token(dtype) + (extra.kv_bytes_per_token(dtype) if extra else 0)
     if head is not None:  # the head's streams per KV slot (model/stream_store.py)
@@ -207,7 +224,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
             t1 = time.perf_counter()
             log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
                      time.perf_counter() - t1)
-    policy = build_policy(cfg, worker, sched)
+    policy = build_policy(cfg, worker, sched, tuple(model_dirs))
     seconds = time.perf_counter() - t0
     q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0
     log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB; "
@@ -226,7 +243,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     # was collected ~130 times per 64-token pass at B = 256, 20-37 ms per pass on the H200's host
     # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy)
+    return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy,
+                   defaults)
 
 
 def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerConfig:
@@ -238,18 +256,24 @@ def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerCon
     return dataclasses.replace(sched, lookahead=k + 1, drafts_past_max_tokens=True)
 
 
-def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig) -> SpeculationPolicy:
-    """Fixed k, or the adaptive planner over a cost table profiled now, before any request."""
+def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig,
+                 model_dirs: tuple[Path, ...] = ()) -> SpeculationPolicy:
+    """Fixed k, or the adaptive planner over a cost table profiled before any request (or read back
+    from the profile cache, profile_cache.py: `model_dirs` are the files the profile ran)."""
     if cfg.spec.policy != "adaptive" or not cfg.spec.enabled or worker.proposer is None:
         return FixedPolicy(cfg.spec.max_batch)
-    from streamsd.worker.profile import profile_worker
+    from streamsd.policy.profile_cache import cache_mode, load_or_profile
+    from streamsd.worker.profile import profile_key, profile_worker
 
     t0 = time.perf_counter()
+    limits = (worker, sched.max_num_seqs, sched.max_num_batched_tokens, cfg.spec.num_tokens)
     # Timed in the engine's own step shapes (B requests x 1 + k tokens, its CUDA graphs on a GPU).
-    cost = profile_worker(worker, sched.max_num_seqs, sched.max_num_batched_tokens, cfg.spec.num_tokens)
+    cost, source = load_or_profile(profile_key(*limits, list(model_dirs)), lambda: profile_worker(*limits),
+                                   home=streamsd_home(), mode=cache_mode(cfg.profile_cache))
     shape = cost.shape
-    log.info("adaptive speculation, profiled in %.1fs, ms per step (batch: per width %s): %s",
-             time.perf_counter() - t0, shape.widths if shape else (),
+    log.info("adaptive speculation, %s in %.1fs, ms per step (batch: per width %s): %s",
+             f"cost profile read from {source}" if source else "profiled", time.perf_counter() - t0,
+             shape.widths if shape else (),
              {b: [round(t * 1e3, 2) for t in row] for b, row in zip(shape.batches, shape.values, strict=True)}
              if shape else {})
     return adaptive_policy(cfg.spec.num_tokens, cost, worker)

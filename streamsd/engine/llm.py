@@ -54,6 +54,7 @@ class LLM:
         speculative_tree: str | TreeShape | None = None,
         int8_draft_head: bool = True,
         speculative_max_batch: int = 0,
+        generation_config: str = "auto",
     ):
         if speculative_method is None and draft_model is not None:
             speculative_method = "draft"
@@ -66,10 +67,17 @@ class LLM:
                           max_batch=speculative_max_batch)
         cfg = EngineConfig(model=model, spec=spec, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           max_queue=1 << 40, pipeline=pipeline)  # offline: every prompt waits its turn
+                           max_queue=1 << 40, pipeline=pipeline,  # offline: every prompt waits its turn
+                           generation_config=generation_config)
         self.core = EngineCore(build_runtime(cfg), spec)
         self.tokenizer = self.core.tokenizer
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """The model's sampling defaults (generation_config.json, unless built with generation_config="none";
+        else temperature 1), with ``overrides`` (any SamplingParams field) on top: what a call with no
+        sampling_params samples with."""
+        return self.core.rt.generation_defaults.sampling_params(**overrides)
 
     def generate(
         self,
@@ -93,7 +101,7 @@ class LLM:
 
     def _run(self, ids: list[list[int]], texts: list[str | None],
              sampling_params: SamplingParams | list[SamplingParams] | None) -> list[GenerationResult]:
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         per = params if isinstance(params, list) else [params] * len(ids)
         if len(per) != len(ids):
             raise ValueError("give one SamplingParams, or one per prompt")

@@ -17,8 +17,12 @@ rather than compiles them).
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -78,16 +82,44 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
             device: torch.device, trees: bool = False) -> tuple[int, float]:
     """Compiles the attention kernel of each model (head layout; with `trees` its draft-tree
     variants too), the rejection sampler for every k ≤ ``max_k`` and the sampling noise; returns
-    (variants compiled, seconds)."""
+    (variants compiled, seconds).
+
+    The groups below compile on a thread pool, side by side: Triton's compiler runs in worker
+    threads by design (its own AsyncCompileMode does so), and each group launches kernels no other
+    group launches, so no two threads ever touch one kernel's variant cache (whose first use per
+    device is not thread-safe). The sampling group compiles first, alone, so that Triton's lazily made
+    state (its driver, its backend) exists before the threads start. The device is set in each thread:
+    a new thread starts on device 0."""
     t0, before = time.perf_counter(), compiled_variants()
-    layouts = {(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in models}
-    for heads, kv_heads, dim in sorted(layouts):
-        _attention_variants(heads, kv_heads, dim, cache_dtype, block_size, device, trees)
+    layouts = sorted({(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in models})
+    _sampling_variants(vocab, cache_dtype, device)
+    groups: list[Callable[[], None]] = [
+        partial(_paged_variants, layouts, cache_dtype, block_size, device, trees),
+        partial(_prefill_variants, layouts, cache_dtype, block_size, device),
+        partial(_rejection_variants, max_k, vocab, device),
+        partial(_restart_variants, max_k, device),
+    ]
+
+    def run(group: Callable[[], None]) -> None:
+        with torch.cuda.device(device):
+            group()
+
+    with ThreadPoolExecutor(max_workers=min(len(groups), os.cpu_count() or 1)) as pool:
+        for future in [pool.submit(run, g) for g in groups]:
+            future.result()  # a compile error surfaces here, as it would have inline
+    torch.cuda.synchronize(device)
+    return compiled_variants() - before, time.perf_counter() - t0
+
+
+def _rejection_variants(max_k: int, vocab: int, device: torch.device) -> None:
     for k in range(1, max_k + 1):
         for has_p, has_q in ((False, False), (True, False), (True, True)):
             vi = _verify_input(k, vocab, has_p, has_q, device)
             # A step's sampler hashes its own uniforms and noise (Verifier.launch): those variants.
             rejection_sample_triton(replace(vi, uniforms=None, noise=None) if has_p else vi)
+
+
+def _sampling_variants(vocab: int, cache_dtype: torch.dtype, device: torch.device) -> None:
     seeds, positions = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, 1, dtype=torch.int64, device=device)
     exponentials(seeds, positions, 1, vocab)  # the sampling noise (one BLOCK per vocabulary size)
     uniforms(seeds, positions, 1)
@@ -98,13 +130,16 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
         sample_tokens(logits, torch.zeros(3, dtype=torch.int64, device=device), one, one * 0, 1)
         warp_probs_chunked(logits, one, one * 0)  # inside graphs (an EAGLE head's sampled chain)
         argmax_rows(logits)
-    _restart_variants(max_k, device)
-    torch.cuda.synchronize(device)
-    return compiled_variants() - before, time.perf_counter() - t0
 
 
-def _attention_variants(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, page: int,
-                        device: torch.device, trees: bool = False) -> None:
+def _paged_variants(layouts: list[tuple[int, int, int]], dtype: torch.dtype, page: int, device: torch.device,
+                    trees: bool) -> None:
+    for heads, kv_heads, dim in layouts:
+        _paged_layout(heads, kv_heads, dim, dtype, page, device, trees)
+
+
+def _paged_layout(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, page: int, device: torch.device,
+                  trees: bool) -> None:
     cache = torch.zeros(4, page, kv_heads, dim, dtype=dtype, device=device)  # [NB, BS, KVH, D]
     table = torch.zeros(1, 4, dtype=torch.int32, device=device)  # [S, max_blocks]
     qmax = 1
@@ -121,10 +156,17 @@ def _attention_variants(heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
                 paged_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits, tree_bits=bits,
                                 tree_start=root)
         qmax *= 2
-    chunk = KERNEL_MAX_QUERY + 1
-    q = torch.zeros(chunk, heads, dim, dtype=dtype, device=device)  # [T, H, D]
-    tiles = prefill_tiles([0], [chunk], [chunk], KERNEL_MAX_QUERY, tokens_per_tile(heads, kv_heads))
-    prefill_attention(q, cache, cache, table, tiles, 1.0, torch.empty_like(q))
+
+
+def _prefill_variants(layouts: list[tuple[int, int, int]], dtype: torch.dtype, page: int,
+                      device: torch.device) -> None:
+    for heads, kv_heads, dim in layouts:
+        cache = torch.zeros(4, page, kv_heads, dim, dtype=dtype, device=device)  # [NB, BS, KVH, D]
+        table = torch.zeros(1, 4, dtype=torch.int32, device=device)  # [S, max_blocks]
+        chunk = KERNEL_MAX_QUERY + 1
+        q = torch.zeros(chunk, heads, dim, dtype=dtype, device=device)  # [T, H, D]
+        tiles = prefill_tiles([0], [chunk], [chunk], KERNEL_MAX_QUERY, tokens_per_tile(heads, kv_heads))
+        prefill_attention(q, cache, cache, table, tiles, 1.0, torch.empty_like(q))
 
 
 def _verify_input(k: int, vocab: int, has_p: bool, has_q: bool, device: torch.device) -> VerifyInput:

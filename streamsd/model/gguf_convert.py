@@ -1,12 +1,18 @@
 """Convert a GGUF file once into a standard Hugging Face directory.
 
-The weights are dequantised to float32 by transformers' GGUF support, the tokenizer and its chat
-template come from the GGUF metadata, and everything is written with `save_pretrained`, so the
-result loads in plain transformers as well as in streamsd's own forward.
+The file is read once, through a memory map (gguf_file.py): its metadata gives the config
+(gguf_layout.py), its tensors are dequantised to float32 one at a time by gguf's dequantisers and
+written as safetensors under their HF names; the tokenizer and its chat template come from the
+metadata through transformers' GGUF tokenizer support. The result loads in plain transformers as well
+as in streamsd's own forward, and its weights are those transformers' own GGUF loader produces (the
+tests compare the two).
 
-We call `load_gguf_checkpoint` on a model built from the GGUF config rather than
-`AutoModelForCausalLM.from_pretrained(gguf_file=...)`: the latter needs `accelerate` and attaches a
-GGUF quantizer that refuses `save_pretrained`; both give bit-identical float32 weights.
+transformers' GGUF model path is not used: it read the file four times with gguf's GGUFReader (which
+makes a numpy view per element of every metadata array: 5-10 s per read for SmolLM2's vocabulary on a
+2-core machine) and rebuilt the tensor-name map once per module (9 s), so a 135M model took 35 s.
+
+`generation_config.json` gets the end-of-turn tokens and the sampling defaults the file carries
+(llama.cpp's `general.sampling.*`), or those the caller passes (the embedded default model's card).
 """
 
 from __future__ import annotations
@@ -16,26 +22,40 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from streamsd.model.gguf_file import GgufError, GgufFile
+from streamsd.model.gguf_layout import hf_config_dict, hf_tensor_name, unpermute_rotary
 from streamsd.model.loader import ModelLoadError, check_architecture
 
 MARKER = "streamsd-converted.json"
+FORMAT = 2  # 2: sampling defaults in generation_config.json; older conversions are redone
 # llama.cpp's "smollm" pre-tokenizer splits every digit on its own before the GPT-2 regex, as
 # SmolLM's own tokenizer.json does; transformers' GGUF tokenizer builder does not know that name.
 _DIGIT_SPLIT_PRE_TOKENIZERS = frozenset({"smollm", "starcoder", "refact", "codeshell", "command-r"})
+# llama.cpp's sampling metadata -> generation_config.json fields
+_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                  "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                  "general.sampling.penalty_repeat": "repetition_penalty"}
+_METADATA_STRINGS = ("tokenizer.chat_template", "tokenizer.ggml.pre")
 
 
 def is_converted(model_dir: Path) -> bool:
-    """True when `model_dir` holds a finished conversion (the marker is written last)."""
-    return (Path(model_dir) / MARKER).is_file()
+    """True when `model_dir` holds a finished conversion of the current format (the marker is written last)."""
+    try:
+        return json.loads((Path(model_dir) / MARKER).read_text()).get("format", 1) >= FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
-def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Path:
-    """Write `gguf_path` as an HF directory at `out_dir` and return it.
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, *, progress: bool = True,
+                       sampling: Mapping[str, float] | None = None) -> Path:
+    """Write `gguf_path` as an HF directory at `out_dir` and return it. `sampling`: generation defaults
+    (temperature, top_p, ...) to write when the file carries none of its own.
 
     The work happens in a sibling temp directory renamed into place at the end, so a crash never
     leaves a half-written `out_dir`. An existing finished `out_dir` is returned untouched.
@@ -46,42 +66,85 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, *, progress: bool = True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _convert_into(gguf_path, tmp, progress=progress)
+        _convert_into(gguf_path, tmp, progress=progress, sampling=dict(sampling or {}))
         _publish(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
-def _convert_into(gguf_path: Path, tmp: Path, *, progress: bool) -> None:
-    steps = tqdm(total=4, desc=f"converting {gguf_path.name}", unit="step", disable=not progress,
-                 file=sys.stderr)
-    # transformers adds its own per-tensor bar while dequantising (it reads no switch to hide it).
-    with steps:
-        steps.set_postfix_str("reading metadata")
-        metadata = _gguf_metadata(gguf_path)
-        config = _load_config(gguf_path)
-        _check_convertible(gguf_path, config, metadata)
-        steps.update()
-        steps.set_postfix_str("tokenizer")
-        tokenizer = _load_tokenizer(gguf_path, metadata, config.max_position_embeddings)
-        steps.update()
-        steps.set_postfix_str("dequantising weights")
-        model = _load_model(gguf_path, config)
-        steps.update()
-        steps.set_postfix_str("writing safetensors")
-        model.generation_config = _generation_config(config, tokenizer, metadata)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        marker = {"source": gguf_path.name, "size": gguf_path.stat().st_size, "format": 1}
-        _make_readable(tmp)
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-        steps.update()
+def _convert_into(gguf_path: Path, tmp: Path, *, progress: bool, sampling: dict[str, float]) -> None:
+    try:
+        gguf = GgufFile.open(gguf_path, _METADATA_STRINGS)
+    except (GgufError, OSError) as exc:
+        raise ModelLoadError(f"{gguf_path} is not a readable GGUF file ({exc}); check the file") from exc
+    try:
+        names = list(gguf.tensors)
+        config, fields = _config(gguf_path, gguf.metadata, set(names))
+        bar = tqdm(total=len(names) + 2, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress,
+                   file=sys.stderr)
+        with bar:
+            bar.set_postfix_str("tokenizer")
+            tokenizer = _load_tokenizer(gguf_path, gguf.metadata, config.max_position_embeddings)
+            bar.update()
+            bar.set_postfix_str("dequantising weights")
+            state = {}
+            for name in names:
+                state[hf_tensor_name(name)] = _tensor(gguf, name, fields)
+                bar.update()
+            bar.set_postfix_str("writing")
+            _write(tmp, config, state, tokenizer, _generation_config(config, tokenizer, gguf.metadata, sampling))
+            marker = {"source": gguf_path.name, "size": gguf_path.stat().st_size, "format": FORMAT}
+            _make_readable(tmp)
+            (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+            bar.update()
+    finally:
+        gguf.close()
+
+
+def _config(gguf_path: Path, metadata: dict[str, Any], names: set[str]) -> tuple[Any, dict[str, Any]]:
+    """transformers' config object, and the fields it was made from."""
+    from transformers import AutoConfig
+
+    # Fail before dequantising, not after.
+    if "rope_freqs.weight" in names:
+        # llama.cpp bakes llama3 RoPE scaling into this tensor, which no config field carries:
+        # converting would silently change the model's positions.
+        raise ModelLoadError(
+            f"{gguf_path.name} uses Llama 3.1-style RoPE scaling, which its GGUF form cannot carry over; "
+            "pass the model's Hugging Face directory instead"
+        )
+    fields = hf_config_dict(metadata, names)
+    try:
+        config = AutoConfig.for_model(**fields)
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(f"cannot convert {gguf_path.name}: {exc}") from exc
+    check_architecture(config)
+    return config, fields
+
+
+def _tensor(gguf: GgufFile, name: str, config: dict[str, Any]) -> Any:
+    import numpy as np
+    import torch
+
+    weight = unpermute_rotary(name, gguf.float32(name), config)
+    return torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))  # a copy: F32 data is the map itself
+
+
+def _write(tmp: Path, config: Any, state: dict[str, Any], tokenizer: Any, generation: Any) -> None:
+    from safetensors.torch import save_file
+
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the embedding itself, as save_pretrained leaves it out
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    generation.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
     if out_dir.exists() and not is_converted(out_dir):
-        shutil.rmtree(out_dir)  # unfinished (no marker): not ours to keep
+        shutil.rmtree(out_dir)  # unfinished (no marker) or an older format: not ours to keep
     try:
         os.rename(tmp, out_dir)
     except OSError:
@@ -97,47 +160,13 @@ def _make_readable(tmp: Path) -> None:
         path.chmod(0o644)
 
 
-def _gguf_metadata(gguf_path: Path) -> dict[str, Any]:
-    """The scalar and string metadata we need beyond what transformers reads."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(gguf_path)
-    except Exception as exc:  # gguf raises ValueError, struct errors, etc. on a bad file
-        raise ModelLoadError(f"{gguf_path} is not a readable GGUF file ({exc}); check the file") from exc
-    keys = ("tokenizer.chat_template", "tokenizer.ggml.pre", "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.eot_token_id", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.padding_token_id")
-    metadata = {key: reader.fields[key].contents() for key in keys if key in reader.fields}
-    metadata["rope_freqs"] = any(t.name == "rope_freqs.weight" for t in reader.tensors)
-    return metadata
-
-
-def _check_convertible(gguf_path: Path, config: Any, metadata: dict[str, Any]) -> None:
-    # Fail before minutes of dequantising, not after.
-    check_architecture(config)
-    if metadata["rope_freqs"]:
-        # llama.cpp bakes llama3 RoPE scaling into this tensor, and transformers' GGUF config reader
-        # drops it: converting would silently change the model's positions.
-        raise ModelLoadError(
-            f"{gguf_path.name} uses Llama 3.1-style RoPE scaling, which its GGUF form cannot carry over; "
-            "pass the model's Hugging Face directory instead"
-        )
-
-
-def _load_config(gguf_path: Path) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except ValueError as exc:  # "GGUF model with architecture X is not supported yet"
-        raise ModelLoadError(f"cannot convert {gguf_path.name}: {exc}") from exc
-
-
 def _load_tokenizer(gguf_path: Path, metadata: dict[str, Any], max_length: int) -> Any:
     from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # The fast tokenizer class itself: AutoTokenizer would first read the whole file once more, with
+    # gguf's slow reader, only to learn the model type (the GGUF's tokenizer is complete either way).
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     template = metadata.get("tokenizer.chat_template")
     if template and not tokenizer.chat_template:
         tokenizer.chat_template = template
@@ -150,26 +179,7 @@ def _load_tokenizer(gguf_path: Path, metadata: dict[str, Any], max_length: int) 
     return tokenizer
 
 
-def _load_model(gguf_path: Path, config: Any) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model,
-                                  torch_dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
-    # A tied lm_head is the embedding itself, so it is legitimately absent from the file.
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"cannot convert {gguf_path.name}: its tensors do not match the {config.model_type} layout "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    return model.eval()
-
-
-def _generation_config(config: Any, tokenizer: Any, metadata: dict[str, Any]) -> Any:
+def _generation_config(config: Any, tokenizer: Any, metadata: dict[str, Any], sampling: dict[str, float]) -> Any:
     from transformers import GenerationConfig
 
     # An end-of-turn token (llama.cpp's eot) ends a chat reply just as eos does.
@@ -177,9 +187,12 @@ def _generation_config(config: Any, tokenizer: Any, metadata: dict[str, Any]) ->
            metadata.get("tokenizer.ggml.eot_token_id")]
     eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None))
     pad = metadata.get("tokenizer.ggml.padding_token_id", tokenizer.pad_token_id)
+    own = {field: metadata[key] for key, field in _SAMPLING_KEYS.items() if key in metadata}
+    chosen = own or sampling  # the file's own, else the caller's (a model card's)
+    values = {field: int(v) if field == "top_k" else float(v) for field, v in chosen.items()}
     return GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids or None,
         pad_token_id=pad,
+        **({"do_sample": True, **values} if values else {}),
     )
-

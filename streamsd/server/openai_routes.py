@@ -149,7 +149,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     engine, prompts = state.ready()
     body: ChatCompletionRequest | CompletionRequest = await read_body(request, chat_decoder if chat else completion_decoder)
     state.check_model(body.model)
-    params = sampling_params(body)
+    params = sampling_params(body, engine.core.rt.generation_defaults)
     return await unless_disconnected(request.receive, _answer(state, engine, prompts, body, params, chat))
 
 

@@ -68,6 +68,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # refused unless 1 (generation_defaults.py says why)
     speculative: Speculative | None = None
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from streamsd.config import SpecConfig
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import RequestOutput
+from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.request import SamplingParams, SpecStats
 from streamsd.server.protocol import SamplingFields
 
@@ -80,19 +81,23 @@ class ServerState:
             raise ApiError.overloaded("too many requests are waiting; retry later")
 
 
-def sampling_params(f: SamplingFields) -> SamplingParams:
+def sampling_params(f: SamplingFields, defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+    """The request's fields; a sampling field it leaves out takes the model's default (`defaults`)."""
     if f.n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
+    if f.repetition_penalty not in (None, 1.0):
+        raise ApiError(400, "repetition_penalty is not supported (it would break exact speculation); leave it "
+                            "out or set it to 1", param="repetition_penalty")
     top_n = None
     if f.logprobs is True or (isinstance(f.logprobs, int) and not isinstance(f.logprobs, bool)):
         top_n = f.top_logprobs or 0 if f.logprobs is True else int(f.logprobs)
     spec = f.speculative
     try:
-        return SamplingParams(
-            temperature=1.0 if f.temperature is None else f.temperature,
-            top_p=1.0 if f.top_p is None else f.top_p,
-            top_k=max(f.top_k or 0, 0),
-            min_p=f.min_p or 0.0,
+        return defaults.sampling_params(
+            temperature=f.temperature,
+            top_p=f.top_p,
+            top_k=None if f.top_k is None else max(f.top_k, 0),
+            min_p=f.min_p,
             max_tokens=f.max_completion_tokens or f.max_tokens or 256,
             min_tokens=f.min_tokens or 0,
             seed=f.seed,

@@ -61,7 +61,7 @@ class Session:
         try:
             engine, prompts = self.state.ready()
             self.state.check_model(msg.model)
-            params = sampling_params(msg)
+            params = sampling_params(msg, engine.core.rt.generation_defaults)
             if (msg.messages is None) == (msg.prompt is None):
                 raise ApiError(400, "give exactly one of messages or prompt", param="messages")
             if msg.messages:

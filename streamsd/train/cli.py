@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", default="0,0.7", help="answers alternate over these temperatures")
     p.add_argument("--epochs", type=float, default=None, help=_dflt("epochs").lstrip("; "))
     p.add_argument("--draft-vocab-size", type=int, default=0, help="0: the target's lm_head over its full vocabulary")
-    p.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
+    p.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3",
+                   help="eagle3: the head reads three of the target's layers; eagle1: its last hidden state")
     p.add_argument("--head-intermediate-size", type=int, default=None, help="default: the target's")
     p.add_argument("--norm-before-residual", choices=["auto", "on", "off"], default="auto", nargs="?", const="on",
                    help="EAGLE-3: the layer's residual starts from the normalised fused states (config flag "
@@ -76,10 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-batch", type=int, default=None, help="answers generated at once" + _dflt("gen_batch"))
     p.add_argument("--no-cuda-graphs", action="store_true", help="eager CUDA steps (generation and evaluation)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k for the evaluation")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
-    p.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="dtype of the saved head's weights")
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts, sampling and initialisation")
     p.add_argument("--samples-cache", default=None,
                    help="a file: the answers and their streams are saved there, or read from it when it exists "
                         "(other heads trained on the same answers, e.g. to compare settings)")

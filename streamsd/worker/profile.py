@@ -19,7 +19,9 @@ territory never attracts speculation).
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +33,7 @@ from streamsd.model.stream_store import StreamStore
 from streamsd.policy.adaptive import CostTable
 from streamsd.policy.adaptive.cost import StepTable
 from streamsd.policy.adaptive.shape import ShapeTable
+from streamsd.policy.profile_cache import files_fingerprint
 from streamsd.spec_decode.proposer import Proposer
 from streamsd.worker.cuda import capture_all
 
@@ -162,3 +165,37 @@ def time_catch_up(proposer: Proposer, cache: PagedKVCache, max_tokens: int, repe
     table = list(range(min(-(-max_tokens // bs), cache.num_blocks - 1)))
     edges = [n for n in BUCKETS if n <= min(max_tokens, len(table) * bs)]
     return {n: _best_time(lambda n=n: proposer.catch_up_pass(n, table), dev, repeats) for n in edges}
+
+
+def profile_key(worker: Any, max_batch: int, max_tokens: int, max_k: int, model_dirs: list[Path],
+                context: int = 256) -> dict[str, Any]:
+    """What profile_worker's table depends on: the models' files, the machine, the dtype, the CPU
+    threads, the versions of the code that runs the steps, and profile_worker's own parameters."""
+    import streamsd
+
+    dev = worker.device
+    proposer = worker.proposer
+    proposer = getattr(proposer, "inner", None) or proposer
+    graphs = worker.graphs
+    return {
+        "streamsd": streamsd.__version__, "torch": torch.__version__, "device": device_name(dev),
+        "dtype": str(worker.cache.data.dtype), "threads": torch.get_num_threads() if dev.type == "cpu" else None,
+        "models": files_fingerprint([d for d in model_dirs if d.exists()]),
+        "proposer": type(proposer).__name__ if proposer is not None else None,
+        "graphs": None if graphs is None else [list(graphs.cfg.buckets), list(graphs.cfg.query_widths)],
+        "max_batch": max_batch, "max_tokens": max_tokens, "max_k": max_k, "context": context,
+    }
+
+
+def device_name(dev: torch.device) -> str:
+    """The accelerator's or the CPU's model name: a profile made on one machine prices nothing on another."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo") as fh:
+            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
+    except OSError:
+        names = []
+    import platform
+
+    return f"cpu: {names[0] if names else platform.processor() or platform.machine()} x {os.cpu_count()}"

