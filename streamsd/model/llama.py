@@ -85,7 +85,9 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        # Given its (uninitialised) table, an embedding skips its random init: on the meta device that
+        # init runs through torch's Python decompositions, which import torch._dynamo and with it Triton.
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(a.vocab_size, a.hidden_size), freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 

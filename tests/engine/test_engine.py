@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -396,3 +400,22 @@ def test_a_step_failing_under_a_deferred_stop_ends_each_request_once(tiny_model_
                 finals.setdefault(o.request_id, []).append(o.finish_reason)
     assert finals == {"stopper": ["stop"], "bystander": ["error"]}
     _assert_free(llm)
+
+
+def test_the_cpu_path_never_imports_triton(tiny_model_dir, close_draft_dir, tmp_path):
+    """A CPU engine (with a draft model, so both models load) answers without importing Triton: its
+    native module reports hundreds of leaked objects at every exit."""
+    code = (
+        "import sys\n"
+        "from streamsd import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_model_dir)!r}, draft_model={str(close_draft_dir)!r}, device='cpu')\n"
+        "out = llm.generate(['hello'], SamplingParams(max_tokens=6, temperature=0.0))\n"
+        "assert out[0].outputs[0].token_ids, out\n"
+        "print('triton' in sys.modules, 'torch._dynamo' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["STREAMSD_HOME"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "False"], done.stdout
+    assert "nanobind" not in done.stderr

@@ -92,7 +92,7 @@ class EagleHead(nn.Module):
             layer.input_layernorm = nn.Identity()  # EAGLE-1's first layer has none
             self.layers = nn.ModuleList([layer])
         if own_embed:
-            self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+            self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(spec.vocab_size, h), freeze=False)  # as llama.py's
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.shared: Shared | None = None
