@@ -84,6 +84,11 @@ class Worker:
         self.chains = ChainStep(self, self.full)
         self.trees = TreeStep(self, self.full)
 
+    def use_proposer(self, proposer: Proposer) -> None:
+        """Draft with `proposer` from the next step on (benchmarks: the synthetic proposer, whose
+        oracle is this engine's own plain answers, so it can only be made once the engine runs)."""
+        self.proposer = proposer
+
     @contextmanager
     def recording_streams(self, layers: tuple[int, ...], sink: StreamSink) -> Iterator[None]:
         """Meanwhile, every step hands `sink` the target's residual streams entering `layers` at every
