@@ -21,10 +21,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import EngineCore
 from streamsd.server.auth import bearer_matches
+from streamsd.server.fingerprint import system_fingerprint
 from streamsd.server.metrics import Metrics
-from streamsd.server.openai_routes import chat_completions, completions, models
+from streamsd.server.openai_routes import chat_completions, completions, model, models
 from streamsd.server.prompts import PromptEncoder
 from streamsd.server.state import ApiError, ServerState
+from streamsd.server.tokenize_routes import detokenize, tokenize, version
 from streamsd.server.ws import websocket_endpoint
 
 log = logging.getLogger("streamsd")
@@ -66,6 +68,10 @@ async def server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
 
 
+# What the API key guards besides /v1/: the tokenisation routes run the model's tokenizer.
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
 class ApiKeyMiddleware:
     """Bearer-token check on the HTTP API; the WebSocket route checks its own at connect."""
 
@@ -74,7 +80,8 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.state.api_key
-        if key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        if key and scope["type"] == "http" and (path.startswith("/v1/") or path in KEYED_PATHS):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if not bearer_matches(header, key):
                 err = ApiError(401, "a valid API key is required (Authorization: Bearer <key>)")
@@ -103,7 +110,11 @@ def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path 
     routes: list[Route | WebSocketRoute | Mount] = [
         Route("/health", health),
         Route("/metrics", metrics.endpoint),
+        Route("/version", version),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", models),
+        Route("/v1/models/{model_id:path}", model),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
@@ -131,10 +142,11 @@ async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) ->
         state.load_error = f"loading the model failed: {exc}"
         return
     engine = AsyncEngine(core)
-    for pos in range(core.spec.num_tokens if core.spec.enabled else 0):
-        metrics.accepted_pos.labels(position=str(pos))  # every position exported from the start, at 0
+    metrics.engine_loaded(core)
     engine.observers.append(metrics.observe)
+    engine.step_observers.append(metrics.observe_step)
     await engine.start()
     state.prompts = PromptEncoder(core)
+    state.system_fingerprint = system_fingerprint(core, state.served_model_name)
     state.engine = engine
     log.info("ready: serving %s", state.served_model_name)

@@ -14,6 +14,7 @@ from streamsd.engine.core import RequestOutput
 from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.request import SamplingParams, SpecStats
 from streamsd.server.protocol import SamplingFields
+from streamsd.server.unsupported import unsupported_field
 
 if TYPE_CHECKING:
     from streamsd.server.prompts import PromptEncoder
@@ -56,6 +57,7 @@ class ServerState:
     engine: AsyncEngine | None = None
     prompts: PromptEncoder | None = None
     load_error: str | None = None
+    system_fingerprint: str | None = None  # set with the engine (fingerprint.py)
     draining: bool = False
     started: float = field(default_factory=time.time)
 
@@ -72,9 +74,13 @@ class ServerState:
         return engine, self.prompts
 
     def check_model(self, name: str | None) -> None:
+        """A request may leave the model out; if it names one, it must be the served one."""
         if name and name != self.served_model_name:
-            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.served_model_name}'",
-                           param="model", code="model_not_found")
+            raise self.unknown_model(name)
+
+    def unknown_model(self, name: str) -> ApiError:
+        return ApiError(404, f"the model '{name}' does not exist; this server serves '{self.served_model_name}'",
+                        param="model", code="model_not_found")
 
     def check_queue(self, engine: AsyncEngine) -> None:
         if len(engine.core.scheduler.waiting) >= self.max_queue:
@@ -83,11 +89,9 @@ class ServerState:
 
 def sampling_params(f: SamplingFields, defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
     """The request's fields; a sampling field it leaves out takes the model's default (`defaults`)."""
-    if f.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
-    if f.repetition_penalty not in (None, 1.0):
-        raise ApiError(400, "repetition_penalty is not supported (it would break exact speculation); leave it "
-                            "out or set it to 1", param="repetition_penalty")
+    refusal = unsupported_field(f)
+    if refusal is not None:
+        raise ApiError(400, refusal.message, param=refusal.param)
     top_n = None
     if f.logprobs is True or (isinstance(f.logprobs, int) and not isinstance(f.logprobs, bool)):
         top_n = f.top_logprobs or 0 if f.logprobs is True else int(f.logprobs)
@@ -134,11 +138,15 @@ def finish_reason(out: RequestOutput) -> str:
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage; speculation in its predicted-output fields (drafts the target accepted, and
+    drafted but rejected) and in detail under `speculative`."""
     stats = out.stats or SpecStats()
     return {
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "total_tokens": out.prompt_tokens + out.completion_tokens,
+        "completion_tokens_details": {"accepted_prediction_tokens": stats.accepted,
+                                      "rejected_prediction_tokens": stats.drafted - stats.accepted},
         "speculative": stats.as_dict(),
     }
 
