@@ -49,6 +49,11 @@ class Metrics:
                              buckets=LATENCY_BUCKETS)
         self.queue = Histogram("streamsd:request_queue_time_seconds", "Time waiting before first scheduled",
                                registry=r, buckets=LATENCY_BUCKETS)
+        # Requests by the API key that authenticated them, named (key-1, or NAME from NAME:KEY), never the key.
+        self.key_requests = Counter("streamsd:api_key_requests", "Authenticated API requests (HTTP requests under "
+                                    "/v1/ and WebSocket generations) by API key name", ["key"], registry=r)
+        for name in state.api_keys.names if state.api_keys else []:
+            self.key_requests.labels(key=name)  # every key exported from the start, at 0
         self._last: dict[str, float] = {}
         r.register(_AdaptiveCollector(state))
 
