@@ -20,10 +20,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import EngineCore
-from streamsd.server.auth import bearer_matches
+from streamsd.server.auth import ApiKeys
 from streamsd.server.fingerprint import system_fingerprint
 from streamsd.server.metrics import Metrics
 from streamsd.server.openai_routes import chat_completions, completions, model, models
+from streamsd.server.origins import OriginPolicy
 from streamsd.server.prompts import PromptEncoder
 from streamsd.server.state import ApiError, ServerState
 from streamsd.server.tokenize_routes import detokenize, tokenize, version
@@ -73,24 +74,27 @@ KEYED_PATHS = ("/tokenize", "/detokenize")
 
 
 class ApiKeyMiddleware:
-    """Bearer-token check on the HTTP API; the WebSocket route checks its own at connect."""
+    """Bearer-token check on the HTTP API, each request counted under its key's name; the WebSocket
+    route checks its own at connect."""
 
-    def __init__(self, app: ASGIApp, state: ServerState):
-        self.app, self.state = app, state
+    def __init__(self, app: ASGIApp, keys: ApiKeys | None, metrics: Metrics):
+        self.app, self.keys, self.metrics = app, keys, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        key = self.state.api_key
         path = scope.get("path", "")
-        if key and scope["type"] == "http" and (path.startswith("/v1/") or path in KEYED_PATHS):
+        if self.keys and scope["type"] == "http" and (path.startswith("/v1/") or path in KEYED_PATHS):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not bearer_matches(header, key):
+            name = self.keys.bearer(header)
+            if name is None:
                 err = ApiError(401, "a valid API key is required (Authorization: Bearer <key>)")
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
+            self.metrics.key_requests.labels(key=name).inc()
         await self.app(scope, receive, send)
 
 
-def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path | None = None) -> Starlette:
+def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path | None = None,
+               origins: OriginPolicy = OriginPolicy()) -> Starlette:
     metrics = Metrics(state)
 
     @contextlib.asynccontextmanager
@@ -125,7 +129,7 @@ def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path 
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(ApiKeyMiddleware, state=state)],
+        middleware=[*origins.middleware(), Middleware(ApiKeyMiddleware, keys=state.api_keys, metrics=metrics)],
         exception_handlers={ApiError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
                             Exception: server_error},
     )

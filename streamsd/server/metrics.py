@@ -79,6 +79,11 @@ class Metrics:
                                      "Tokens the target computed per step (prompt, pending and draft tokens)",
                                      registry=r, buckets=STEP_TOKEN_BUCKETS)
         self.cache_config = Info("streamsd:cache_config", "The KV cache's configuration", registry=r)
+        # Requests by the API key that authenticated them, named (key-1, or NAME from NAME:KEY), never the key.
+        self.key_requests = Counter("streamsd:api_key_requests", "Authenticated API requests (HTTP requests under "
+                                    "/v1/ and WebSocket generations) by API key name", ["key"], registry=r)
+        for name in state.api_keys.names if state.api_keys else []:
+            self.key_requests.labels(key=name)  # every key exported from the start, at 0
         self._last: dict[str, float] = {}
         r.register(_AdaptiveCollector(state))
 

@@ -17,6 +17,7 @@ from streamsd.server.protocol import SamplingFields
 from streamsd.server.unsupported import unsupported_field
 
 if TYPE_CHECKING:
+    from streamsd.server.auth import ApiKeys
     from streamsd.server.prompts import PromptEncoder
 
 
@@ -34,7 +35,7 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.headers = headers
-        self.code = code or {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
+        self.code = code or {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
                              405: "method_not_allowed", 413: "request_too_large", 429: "queue_full",
                              503: "unavailable"}.get(status, "internal_error")
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
@@ -51,7 +52,7 @@ class ApiError(Exception):
 @dataclass(slots=True)
 class ServerState:
     served_model_name: str
-    api_key: str | None = None
+    api_keys: ApiKeys | None = None
     max_queue: int = 1024
     drain_timeout: float = 30.0
     engine: AsyncEngine | None = None
