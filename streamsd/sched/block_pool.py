@@ -71,8 +71,9 @@ class BlockPool:
     def take(self, n: int) -> list[int]:
         """n private blocks (free ones first, then the least recently released cached ones)."""
         assert n <= self.num_free
-        taken = self._free[len(self._free) - n :]
-        del self._free[len(self._free) - n :]
+        cut = max(len(self._free) - n, 0)
+        taken = self._free[cut:]
+        del self._free[cut:]
         while len(taken) < n:
             block, _ = self._evictable.popitem(last=False)
             entry = self._entry_of.pop(block)
