@@ -85,10 +85,12 @@ def test_a_five_turn_chat_is_token_identical_with_and_without_the_prefix_cache(
     assert all(c % 16 == 0 for c in runs[True][1])
 
 
-@pytest.mark.parametrize("method", ["plain", "draft"])
-def test_seeded_sampling_is_identical_with_and_without_the_prefix_cache(tiny_model_dir, close_draft_dir, method):
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft", "eagle"])
+def test_seeded_sampling_is_identical_with_and_without_the_prefix_cache(tiny_model_dir, close_draft_dir, request,
+                                                                        method):
+    head = request.getfixturevalue("eagle_head") if method == "eagle" else None
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=11, ignore_eos=True)
-    runs = [_chat(_engine(tiny_model_dir, method, close_draft_dir, None, cache), params) for cache in (False, True)]
+    runs = [_chat(_engine(tiny_model_dir, method, close_draft_dir, head, cache), params) for cache in (False, True)]
     assert runs[0][0] == runs[1][0]
     assert sum(runs[1][1]) > 0
 
