@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from streamsd import LLM, SamplingParams
+from tests.engine.test_engine import PROMPTS
 from tests.tiny import CORPUS
 
 QUESTIONS = [
@@ -188,3 +189,44 @@ def test_aborting_a_request_that_shares_blocks_releases_only_its_references(tiny
     _assert_released(llm, True)
     plain = LLM(str(tiny_model_dir), speculative_method="ngram", enable_prefix_caching=False)
     assert plain.generate([a.prompt_ids], greedy)[0].outputs[0].token_ids == a.output_ids
+
+
+def test_blocks_the_draft_model_never_computed_are_not_a_hit_for_a_speculating_request(tiny_model_dir,
+                                                                                         close_draft_dir):
+    """A request that does not speculate decodes with the target alone: the draft model's cache never
+    sees its answer. A speculating request that continues that answer takes only the blocks the draft
+    computed too, and its draft catches up on the rest: the same drafts pass as without a cache."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    runs = []
+    for cache in (False, True):
+        llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), enable_prefix_caching=cache)
+        prompt = llm.tokenizer.encode(CORPUS[4])[:20]
+        first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
+                                                      speculative=False))[0]
+        follow = prompt + first.outputs[0].token_ids + [7, 8, 9]
+        res = llm.generate([follow], greedy)[0]
+        runs.append((res.outputs[0].token_ids, res.spec_stats.accepted, res.num_cached_tokens))
+        _assert_released(llm, cache)
+    (plain_ids, plain_acc, _), (ids, acc, cached) = runs
+    assert ids == plain_ids and acc == plain_acc and plain_acc > 0
+    assert cached == 0  # the draft computed none of it (not even the prompt: the request never drafted)
+
+
+def test_an_eagle_heads_block_is_a_hit_only_when_the_token_after_it_matches_too(tiny_model_dir, eagle_head):
+    """The head's slot t holds (target stream h_t, token t + 1): a prompt that leaves another one's
+    tokens exactly at a block boundary cannot take the block before it, whose last slot read the
+    other prompt's next token. The target alone could; with the head it is recomputed."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    runs = []
+    for cache in (False, True):
+        llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(eagle_head),
+                  enable_prefix_caching=cache)
+        prompt = llm.tokenizer.encode(PROMPTS[4])  # one the head learnt the answers to
+        other = prompt[:32] + [(prompt[32] + 1) % 300] + prompt[33:]  # two whole blocks, then another token
+        llm.generate([other], greedy)
+        res = llm.generate([prompt], greedy)[0]
+        runs.append((res.outputs[0].token_ids, res.spec_stats.accepted, res.num_cached_tokens))
+        _assert_released(llm, cache)
+    (plain_ids, plain_acc, _), (ids, acc, cached) = runs
+    assert ids == plain_ids and acc == plain_acc and plain_acc > 0
+    assert cached == 16
