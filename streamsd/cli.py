@@ -56,6 +56,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the most tokens one step runs (prefill chunks plus decode and verify tokens)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of full blocks a request shares with earlier ones (a chat's earlier turns, "
+                        "a common system prompt); --no-enable-prefix-caching computes every prompt whole")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
     p.add_argument("--profile-cache", choices=["reuse", "refresh", "off"], default=None,
                    help="the adaptive policy's start-up cost profile, kept under $STREAMSD_HOME/profiles: reuse "
@@ -116,7 +119,8 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline),
-                        profile_cache=a.profile_cache, generation_config=a.generation_config)
+                        profile_cache=a.profile_cache, generation_config=a.generation_config,
+                        enable_prefix_caching=a.enable_prefix_caching)
 
 
 def _security(a: argparse.Namespace):

@@ -114,6 +114,13 @@ class SchedulerConfig:
     # from the first request within 2(k + 1) tokens of its end no step is queued until it leaves: on
     # the H200 at B = 64, k = 2, 64-token answers, a fifth of the steps waited for the host.
     drafts_past_max_tokens: bool = False
+    # Prefix caching (sched/prefix_cache.py): full blocks of final KV kept and shared by later requests
+    # with the same leading tokens. `prefix_draft_kv`: the drafter keeps KV in the same blocks (a draft
+    # model, an EAGLE head), so a block is cached only once the drafter has computed it too;
+    # `prefix_next_tokens`: tokens past a block its drafter KV depends on (1 for an EAGLE head).
+    enable_prefix_caching: bool = True
+    prefix_draft_kv: bool = False
+    prefix_next_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -141,3 +148,5 @@ class EngineConfig:
     # Sampling defaults from the model's generation_config.json for fields a request leaves out
     # (generation_defaults.py): auto, or none to ignore the file.
     generation_config: str = "auto"
+    # Requests sharing leading tokens (a chat's earlier turns, a system prompt) reuse their KV blocks.
+    enable_prefix_caching: bool = True

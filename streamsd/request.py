@@ -156,6 +156,11 @@ class Request:
     computed: int = 0
     draft_computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    # The prefix cache (sched/prefix_cache.py): leading blocks already registered (or taken from it) and the
+    # cache entry of the last of them; prompt tokens found cached at admission (OpenAI's cached_tokens).
+    prefix_blocks: int = 0
+    prefix_parent: int = 0
+    cached_tokens: int = 0
     draft_ids: list[int] = field(default_factory=list)
     # A draft tree's shape (spec_decode/tree.py): each draft's parent index, ROOT (-1) under the pending
     # token; empty for a chain.

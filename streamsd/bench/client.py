@@ -36,6 +36,7 @@ class RequestSpec:
     seed: int | None = None
     ignore_eos: bool = False
     speculative: bool | None = None  # None: leave the server's default
+    history: tuple[tuple[str, str], ...] = ()  # earlier (user, assistant) turns of the chat
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,9 @@ def sampling_fields(spec: RequestSpec) -> dict[str, Any]:
     """The fields HTTP bodies and WS `generate` frames share."""
     fields: dict[str, Any] = {"max_tokens": spec.max_tokens, "temperature": spec.temperature}
     if spec.endpoint == "chat":
-        fields["messages"] = [{"role": "user", "content": spec.text}]
+        earlier = [{"role": role, "content": text} for turn in spec.history
+                   for role, text in zip(("user", "assistant"), turn, strict=True)]
+        fields["messages"] = [*earlier, {"role": "user", "content": spec.text}]
     else:
         fields["prompt"] = spec.text
     if spec.seed is not None:

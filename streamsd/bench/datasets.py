@@ -27,17 +27,20 @@ class BenchPrompt:
 
     text: str
     output_len: int | None = None
+    follow_up: str | None = None  # the conversation's next user turn (MT-bench's second), for --multi-turn
 
 
 def load_mt_bench(path: str | Path) -> list[BenchPrompt]:
-    """MT-bench question file: one JSON object per line with `turns`; the first turn is the prompt."""
+    """MT-bench question file: one JSON object per line with `turns`; the first turn is the prompt,
+    the second its follow-up."""
     prompts = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if not line.strip():
             continue
         turns = json.loads(line).get("turns") or []
         if turns and isinstance(turns[0], str) and turns[0].strip():
-            prompts.append(BenchPrompt(turns[0]))
+            second = turns[1] if len(turns) > 1 and isinstance(turns[1], str) and turns[1].strip() else None
+            prompts.append(BenchPrompt(turns[0], follow_up=second))
     return prompts
 
 

@@ -25,6 +25,7 @@ class CellPlan:
     request_rate: float  # requests/s of the Poisson arrivals; inf sends all at once
     speculative: bool | None  # per-request switch; None leaves the server's default
     round: int | None = None  # with --repeats: which round of the setting (labels gain `#n`)
+    turn: int | None = None  # with --multi-turn: which turn of the conversations
 
     @property
     def label(self) -> str:
@@ -39,6 +40,8 @@ class CellPlan:
             parts.append("spec on" if self.speculative else "spec off")
         if self.round is not None:
             parts.append(f"#{self.round + 1}")
+        if self.turn is not None:
+            parts.append(f"turn {self.turn}")
         return " ".join(parts)
 
 

@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import httpx
@@ -35,6 +36,7 @@ from streamsd.bench.metrics_scrape import scrape, spec_delta
 from streamsd.bench.results import CellPlan, CellResult, build_cell, run_document
 
 DEFAULT_MAX_TOKENS = 128
+FOLLOW_UP = "Please go on."  # --multi-turn's second turn where the dataset has none (random, ShareGPT)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rounds per setting, in ABBA order with --compare-speculation; the rounds' plain cells "
              "against each other measure the run's noise (bench/compare.py)",
     )
+    parser.add_argument(
+        "--multi-turn", action="store_true",
+        help="chat only: every request is a conversation of two turns, the second (MT-bench's, else "
+             f"{FOLLOW_UP!r}) sent with the first's answer as soon as it is back; each turn gets its cells, "
+             "the second's TTFT shows what a prefix cache saves",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a stream may stall")
     parser.add_argument("--output-json", default=None, help="write every figure here")
     parser.add_argument("--plot", default=None, help="write a PNG: latency CDFs, sweep curves")
@@ -92,6 +100,8 @@ def plan_cells(args: argparse.Namespace) -> list[CellPlan]:
         raise ValueError("--sweep-concurrency and --max-concurrency are alternatives")
     if args.repeats < 1:
         raise ValueError(f"--repeats needs a positive integer, got {args.repeats}")
+    if args.multi_turn and args.endpoint != "chat":
+        raise ValueError("--multi-turn sends conversations: it needs --endpoint chat")
     concurrencies = parse_sweep(args.sweep_concurrency) if args.sweep_concurrency else [args.max_concurrency]
     switches: list[bool | None] = [False, True] if args.compare_speculation else [None]
     numbered = args.repeats > 1
@@ -125,31 +135,42 @@ async def run_cell(
     *,
     seed: int,
     progress: bool,
-) -> tuple[list[RequestResult], float]:
-    """Send every request of one cell; returns the results (in request order) and the wall time."""
+    follow_ups: Sequence[str] | None = None,
+) -> tuple[list[RequestResult], float, list[RequestResult]]:
+    """Send every request of one cell; returns the results (in request order), the wall time and, with
+    `follow_ups`, the second turns' results: each sent, with its first turn's answer, once that is back
+    (a conversation holds its concurrency slot for both turns)."""
     gate = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
     arrivals = random.Random(seed)
     bar = tqdm(total=len(specs), desc=plan.label, disable=None if progress else True, file=sys.stderr, leave=False)
+    seconds: list[RequestResult | None] = [None] * len(specs)
 
-    async def one(spec: RequestSpec) -> RequestResult:
+    async def turns(i: int, spec: RequestSpec) -> RequestResult:
+        result = await stream_sse(client, base_url, spec, headers=headers)
+        if follow_ups is not None and result.ok:
+            nxt = replace(spec, text=follow_ups[i], history=(*spec.history, (spec.text, result.text)))
+            seconds[i] = await stream_sse(client, base_url, nxt, headers=headers)
+        return result
+
+    async def one(i: int, spec: RequestSpec) -> RequestResult:
         if gate is None:
-            result = await stream_sse(client, base_url, spec, headers=headers)
+            result = await turns(i, spec)
         else:
             async with gate:
-                result = await stream_sse(client, base_url, spec, headers=headers)
+                result = await turns(i, spec)
         bar.update(1)
         return result
 
     start = time.perf_counter()
     tasks = []
-    for spec in specs:
-        tasks.append(asyncio.create_task(one(spec)))
+    for i, spec in enumerate(specs):
+        tasks.append(asyncio.create_task(one(i, spec)))
         if math.isfinite(plan.request_rate):
             await asyncio.sleep(arrivals.expovariate(plan.request_rate))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     bar.close()
-    return list(results), duration
+    return list(results), duration, [r for r in seconds if r is not None]
 
 
 async def probe(client: httpx.AsyncClient, base_url: str, headers: dict[str, str], spec: RequestSpec) -> None:
@@ -173,14 +194,20 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
             random_input_len=args.random_input_len, random_output_len=args.random_output_len,
         )
         await probe(client, args.base_url, headers, request_specs(args, model, prompts[:1], plans[-1].speculative)[0])
+        follow_ups = [p.follow_up or FOLLOW_UP for p in prompts] if args.multi_turn else None
         cells = []
         for i, plan in enumerate(plans):
             before = await scrape(client, args.base_url, headers)
             specs = request_specs(args, model, prompts, plan.speculative)
-            results, duration = await run_cell(
-                client, args.base_url, headers, specs, plan, seed=args.seed + i, progress=not args.no_progress
+            results, duration, seconds = await run_cell(
+                client, args.base_url, headers, specs, plan, seed=args.seed + i, progress=not args.no_progress,
+                follow_ups=follow_ups,
             )
             after = await scrape(client, args.base_url, headers)
+            if follow_ups is not None:  # the server's counters cover both turns: the second turn's cell has them
+                cells.append(build_cell(replace(plan, turn=1), results, duration, None))
+                plan = replace(plan, turn=2)
+                results = seconds
             cells.append(build_cell(plan, results, duration, spec_delta(before, after)))
             done = cells[-1].requests
             print(f"{plan.label}: {done.completed} ok, {done.failed} failed in {duration:.1f} s", file=sys.stderr)
@@ -190,7 +217,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": args.temperature,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
         "max_concurrency": args.max_concurrency, "sweep_concurrency": args.sweep_concurrency,
-        "compare_speculation": args.compare_speculation, "repeats": args.repeats, "ignore_eos": args.ignore_eos, "seed": args.seed,
+        "compare_speculation": args.compare_speculation, "multi_turn": args.multi_turn, "repeats": args.repeats, "ignore_eos": args.ignore_eos, "seed": args.seed,
     }
     return config, cells
 

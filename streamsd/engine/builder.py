@@ -211,6 +211,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         lookahead=cfg.spec.num_tokens + 1 if ahead else 0,
         draft_window=tree.frontier * (tree.depth - 1) if tree is not None else 0,
         whole_drafts=tree is not None,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        prefix_draft_kv=proposer is not None and proposer.keeps_cache,
+        prefix_next_tokens=proposer.kv_next_tokens if proposer is not None else 0,
     )
     worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree)
     if queues_ahead:

@@ -50,6 +50,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those whose KV came from the prefix cache
     completion_tokens: int = 0
     step_drafted: int = 0
     step_accepted: int = 0
@@ -304,6 +305,7 @@ class EngineCore:
         out.finished = True
         out.finish_reason = str(r.finish_reason or FinishReason.STOP)
         out.prompt_tokens = len(r.prompt_ids)
+        out.cached_tokens = r.cached_tokens
         out.completion_tokens = len(r.output_ids)
         out.stats = r.stats
         t = self.trackers.pop(r.request_id, None)

@@ -34,6 +34,7 @@ class GenerationResult:
     outputs: list[CompletionOutput]
     spec_stats: SpecStats
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache supplied
 
 
 class LLM:
@@ -55,6 +56,7 @@ class LLM:
         int8_draft_head: bool = True,
         speculative_max_batch: int = 0,
         generation_config: str = "auto",
+        enable_prefix_caching: bool = True,
     ):
         if speculative_method is None and draft_model is not None:
             speculative_method = "draft"
@@ -68,7 +70,7 @@ class LLM:
         cfg = EngineConfig(model=model, spec=spec, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_queue=1 << 40, pipeline=pipeline,  # offline: every prompt waits its turn
-                           generation_config=generation_config)
+                           generation_config=generation_config, enable_prefix_caching=enable_prefix_caching)
         self.core = EngineCore(build_runtime(cfg), spec)
         self.tokenizer = self.core.tokenizer
         self._ids = itertools.count()
@@ -126,4 +128,5 @@ class LLM:
         if out.finished:
             c.finish_reason = out.finish_reason
             res.spec_stats = out.stats or SpecStats()
+            res.num_cached_tokens = out.cached_tokens
             res.error = out.error

@@ -10,6 +10,11 @@ drafts) and trimmed after it to the tokens actually kept (the pending one includ
 request computes it next, and a plain step queued ahead already writes it; with `lookahead`, what
 a speculative step queued ahead writes), so the cache holds accepted tokens only.
 When blocks run out, the newest running request is preempted by recompute; its drafts stay.
+
+With prefix caching (sched/prefix_cache.py) a request admitted with no KV first takes the cached full
+blocks of its tokens' longest cached prefix, shared by reference count, and computes only the rest;
+its own blocks are cached as they fill with final KV. Blocks nobody holds stay cached until a
+request needs them (sched/block_pool.py), so after all requests finish, free + evictable == total.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from collections import deque
 from streamsd.config import SchedulerConfig
 from streamsd.policy.policy import Decision, FixedPolicy, SpeculationPolicy, cap_k
 from streamsd.request import FinishReason, Request, Status
+from streamsd.sched.block_pool import BlockPool
 from streamsd.sched.plan import EntryResult, HeldStep, Scheduled, StepPlan
+from streamsd.sched.prefix_cache import PrefixCache
 
 
 class AdmissionError(ValueError):
@@ -30,29 +37,13 @@ class QueueFullError(RuntimeError):
     pass
 
 
-class BlockPool:
-    def __init__(self, num_blocks: int):
-        self.total = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def take(self, n: int) -> list[int]:
-        taken = self._free[len(self._free) - n :]
-        del self._free[len(self._free) - n :]
-        return taken
-
-    def give(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-
-
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, *, dense_q_slots: int = 0, policy: SpeculationPolicy | None = None):
         self.cfg = cfg
         self.policy: SpeculationPolicy = policy or FixedPolicy()
-        self.blocks = BlockPool(cfg.num_blocks)
+        self.blocks = BlockPool(cfg.num_blocks, cfg.block_size)
+        self.prefix = PrefixCache(self.blocks, enabled=cfg.enable_prefix_caching, draft_kv=cfg.prefix_draft_kv,
+                                  next_tokens=cfg.prefix_next_tokens)
         self.q_slots_free = list(range(dense_q_slots - 1, -1, -1))
         self.q_slots_total = dense_q_slots
         self.waiting: deque[Request] = deque()
@@ -117,9 +108,12 @@ class Scheduler:
             r = self.waiting[0]
             if self._wants_q_slot(r) and r.q_slot is None and not self.q_slots_free:
                 break
+            hit = self.prefix.claim(r)
             entry = self._plan_one(r, budget, None)
             if entry is None or not self._reserve(r, entry):
+                self._release(r)
                 break
+            self.prefix.admitted(r, hit)
             self.waiting.popleft()
             if self._wants_q_slot(r) and r.q_slot is None:
                 r.q_slot = self.q_slots_free.pop()
@@ -154,7 +148,7 @@ class Scheduler:
                 decoding.append(r)
             else:
                 prefill += pending
-        prefill += sum(len(r.prompt_ids) for r in list(self.waiting)[:4])
+        prefill += sum(r.num_tokens - self.prefix.peek(r) for r in list(self.waiting)[:4])
         return self.policy.choose(decoding, min(prefill, self.cfg.max_num_batched_tokens), bool(self.waiting))
 
     def _follow_held(self, decision: Decision, depth: int | None = None) -> tuple[dict[int, tuple[int, int]], bool]:
@@ -236,11 +230,16 @@ class Scheduler:
         r.blocks.extend(self.blocks.take(need))
         return True
 
-    def _preempt(self, r: Request) -> None:
-        self.running.remove(r)
+    def _release(self, r: Request) -> None:
+        """Lets go of every block `r` holds (cached ones stay cached): it computes from scratch next."""
         self.blocks.give(r.blocks)
         r.blocks = []
         r.computed = r.draft_computed = 0
+        self.prefix.forget(r)
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self._release(r)
         r.status = Status.WAITING
         r.num_preemptions += 1
         self.waiting.appendleft(r)  # drafts and q slot stay with the request
@@ -258,6 +257,7 @@ class Scheduler:
             if not e.verifies:
                 r.computed = e.start + e.num_tokens
                 r.draft_computed = max(r.draft_computed, res.draft_computed)
+                self.prefix.register(r)
                 continue
             r.computed = e.start + e.num_tokens + res.num_accepted
             r.draft_computed = res.draft_computed
@@ -275,6 +275,7 @@ class Scheduler:
                 self.finish(r, r.finish_reason or FinishReason.STOP)
             else:
                 self._trim(r)
+                self.prefix.register(r)
             emitted.append((e, res, kept, usable))
         return emitted
 
@@ -312,6 +313,7 @@ class Scheduler:
             self.waiting.remove(r)
         self.blocks.give(r.blocks)
         r.blocks = []
+        self.prefix.forget(r)
         if r.q_slot is not None:
             self.q_slots_free.append(r.q_slot % self.q_slots_total)  # the worker may have moved it to its pair
             r.q_slot = None
@@ -333,4 +335,5 @@ class Scheduler:
     # -- accounting --------------------------------------------------------------------------
     @property
     def kv_usage(self) -> float:
+        """Blocks held by requests (cached blocks nobody holds are reusable: not counted)."""
         return 1.0 - self.blocks.num_free / self.blocks.total

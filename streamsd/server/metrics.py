@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
@@ -86,6 +86,7 @@ class Metrics:
             self.key_requests.labels(key=name)  # every key exported from the start, at 0
         self._last: dict[str, float] = {}
         r.register(_AdaptiveCollector(state))
+        r.register(_PrefixCacheCollector(state))
 
     def engine_loaded(self, core: EngineCore) -> None:
         cfg = core.scheduler.cfg
@@ -144,6 +145,22 @@ class Metrics:
 
     async def endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's lookups, in prompt tokens, as the scheduler counts them (at each request's
+    first admission): hits / queries is the share of prompt tokens whose prefill was skipped."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.state.engine
+        pool = engine.core.scheduler.blocks if engine else None
+        yield CounterMetricFamily("streamsd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=pool.queries if pool else 0)
+        yield CounterMetricFamily("streamsd:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=pool.hits if pool else 0)
 
 
 class _AdaptiveCollector:

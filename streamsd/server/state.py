@@ -144,6 +144,7 @@ def usage(out: RequestOutput) -> dict[str, Any]:
     stats = out.stats or SpecStats()
     return {
         "prompt_tokens": out.prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},  # from the prefix cache
         "completion_tokens": out.completion_tokens,
         "total_tokens": out.prompt_tokens + out.completion_tokens,
         "completion_tokens_details": {"accepted_prediction_tokens": stats.accepted,

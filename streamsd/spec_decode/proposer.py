@@ -65,6 +65,9 @@ class Proposer:
     dense: bool = False
     #: Keeps a KV cache that must follow the target's prefill chunks.
     keeps_cache: bool = False
+    #: Tokens past a position that its KV slot in the proposer's cache also depends on (an EAGLE head's
+    #: slot t holds token t + 1): a cached prefix block's key includes them (sched/prefix_cache.py).
+    kv_next_tokens: int = 0
     #: The target layers whose residual streams it drafts from (an EAGLE head); () needs none.
     hidden_layers: tuple[int, ...] = ()
     #: Drafts its next chain on the device behind a verify, with no host read in between (`chain`).

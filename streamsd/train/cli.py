@@ -121,8 +121,10 @@ def run(args: argparse.Namespace) -> int:
     cache = Path(args.samples_cache) if args.samples_cache else None
     reuse = cache is not None and cache.is_file()
     # Reusing saved answers: the engine only lends the target and tokenizer (no batch of graphs to capture).
+    # Every answer's prompt is computed in full: its streams are training data (no prefix cache).
     llm = LLM(args.model, device=args.device, max_num_seqs=1 if reuse else gen_batch,
-              kv_cache_tokens=args.max_new_tokens + 320 if reuse else gen_batch * (args.max_new_tokens + 320))
+              kv_cache_tokens=args.max_new_tokens + 320 if reuse else gen_batch * (args.max_new_tokens + 320),
+              enable_prefix_caching=False)
     if args.no_cuda_graphs:
         llm.core.rt.worker.graphs = None
     target = llm.core.rt.worker.target

@@ -92,8 +92,11 @@ def answer(llm: Any, prompts: list[str], max_new_tokens: int, seed: int, tempera
 
     Streams stay on the target's device. At `deadline` (time.monotonic()) the requests still running
     are aborted and their partial answers kept: every computed token's streams are valid data.
+    Every prompt position must be computed: the engine must not take prefixes from a prefix cache.
     """
     core = llm.core
+    if core.scheduler.cfg.enable_prefix_caching:
+        raise ValueError("answer records the streams of every position: build the LLM with enable_prefix_caching=False")
     worker = core.rt.worker
     num_layers = worker.target.args.num_layers
     layers = tuple(sorted(set(input_layers) | {num_layers}))

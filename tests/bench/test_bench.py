@@ -14,7 +14,14 @@ import httpx
 import pytest
 
 from streamsd.bench import serve, soak
-from streamsd.bench.client import RequestResult, RequestSpec, chunk_text, parse_sse_line, stream_sse
+from streamsd.bench.client import (
+    RequestResult,
+    RequestSpec,
+    chunk_text,
+    parse_sse_line,
+    sampling_fields,
+    stream_sse,
+)
 from streamsd.bench.compare import FASTER, SLOWER, UNKNOWN, WITHIN_NOISE, compare
 from streamsd.bench.datasets import load_dataset, load_mt_bench, load_sharegpt, random_prompts
 from streamsd.bench.metrics_scrape import parse_metrics, spec_delta
@@ -22,7 +29,7 @@ from streamsd.bench.report import plot_serve
 from streamsd.bench.results import FIGURE_GROUPS, CellPlan, CellResult, build_cell, run_document
 from streamsd.bench.soak_tally import Tally
 from streamsd.bench.stats import percentile, spec_totals, summarize, tpot
-from tests.server_util import start_server
+from tests.server_util import metric, start_server
 
 MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench_questions.jsonl"
 
@@ -34,6 +41,7 @@ def test_mt_bench_first_turns(tmp_path: Path) -> None:
     path = tmp_path / "q.jsonl"
     path.write_text('{"question_id": 1, "turns": ["first?", "second?"]}\n\n{"turns": []}\n{"turns": ["b"]}\n')
     assert [p.text for p in load_mt_bench(path)] == ["first?", "b"]
+    assert [p.follow_up for p in load_mt_bench(path)] == ["second?", None]
     if MT_BENCH.is_file():
         prompts = load_dataset(str(MT_BENCH), 100)
         assert len(prompts) == 100 and prompts[0].text.startswith("Compose an engaging travel blog")
@@ -315,6 +323,33 @@ def test_serve_json_has_every_figure_group(server_url: str, tmp_path: Path) -> N
     assert comparison["setting"] == "c=4" and len(comparison["rounds"]) == 1
     assert comparison["median_ratio"] == pytest.approx(
         on["throughput"]["output_tokens_per_s"] / off["throughput"]["output_tokens_per_s"])
+
+
+def test_serve_multi_turn_sends_each_second_turn_with_the_first_answer(server_url: str, tmp_path: Path) -> None:
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"turns": ["Tell me about Paris.", "And about Rome?"]}\n{"turns": ["Count to five."]}\n')
+    out = tmp_path / "turns.json"
+    hits = metric(server_url, "streamsd:prefix_cache_hits_total")
+    rc = serve.main(["--base-url", server_url, "--dataset", str(data), "--num-prompts", "4", "--max-concurrency", "2",
+                     "--max-tokens", "24", "--ignore-eos", "--multi-turn", "--output-json", str(out), "--no-progress"])
+    assert rc == 0
+    first, second = json.loads(out.read_text())["cells"]
+    assert (first["label"], second["label"]) == ("c=2 turn 1", "c=2 turn 2")
+    assert first["requests"]["completed"] == second["requests"]["completed"] == 4
+    # the second turn's prompt holds the first turn, its 24-token answer and the new question
+    assert second["tokens"]["input"] > first["tokens"]["input"] + 4 * 24
+    assert metric(server_url, "streamsd:prefix_cache_hits_total") > hits
+    with pytest.raises(ValueError, match="--endpoint chat"):
+        parser = argparse.ArgumentParser()
+        serve.add_arguments(parser)
+        serve.plan_cells(parser.parse_args(["--base-url", "x", "--multi-turn", "--endpoint", "completions"]))
+
+
+def test_chat_history_goes_before_the_new_question() -> None:
+    spec = RequestSpec("chat", "m", "And Rome?", 8, history=(("Paris?", "A city."),))
+    assert sampling_fields(spec)["messages"] == [{"role": "user", "content": "Paris?"},
+                                                 {"role": "assistant", "content": "A city."},
+                                                 {"role": "user", "content": "And Rome?"}]
 
 
 def test_serve_sweep_writes_png(server_url: str, tmp_path: Path) -> None:

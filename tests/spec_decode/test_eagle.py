@@ -579,7 +579,7 @@ def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadli
     from streamsd.train.data import answer
 
     prompts = [" ".join(CORPUS[i].split()[:6]) for i in range(6)]
-    llm = LLM(str(tiny_model_dir), max_num_seqs=4, kv_cache_tokens=160, pipeline=True)
+    llm = LLM(str(tiny_model_dir), max_num_seqs=4, kv_cache_tokens=160, pipeline=True, enable_prefix_caching=False)
     worker, static = llm.core.rt.worker, torch.empty(4096, 3 * 64)
     forward = worker.full.forward
 
@@ -594,6 +594,8 @@ def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadli
     preempt = sched._preempt
     sched._preempt = lambda r: (preempted.append(r.request_id), preempt(r))[1]  # counts, then preempts
     t0 = time.monotonic()
+    with pytest.raises(ValueError, match="enable_prefix_caching"):  # a cached prefix's streams were never computed
+        answer(LLM(str(tiny_model_dir)), prompts, 4, 0, (0.0,), (0, 1), dtype=torch.float32)
     full = answer(llm, prompts, 40, 0, (0.0, 1.0), (0, 1), dtype=torch.float32)
     elapsed = time.monotonic() - t0
     assert preempted and len(full) == len(prompts)

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 class EagleProposer(Proposer):
     dense = True
     keeps_cache = True
+    kv_next_tokens = 1  # slot t: (target h_t, token t + 1)
     chains_on_device = True
 
     def __init__(self, head: EagleHead, target: Transformer, cache: PagedKVCache, q_pool: torch.Tensor,

@@ -1,0 +1,144 @@
+"""The paged KV pool's block ids: free, held by requests (reference counted), and the prefix cache.
+
+A block full of a request's accepted tokens is registered under its key: (the key's entry of the
+block before it, the block's token ids, and `extra`, anything else its KV depends on). Entries are
+numbered once and never reused, so a key names one exact token prefix: a lookup needs no hash
+comparison and no collision check (the dict compares the keys themselves). A later request whose
+tokens start with the same blocks takes them by reference instead of computing them again.
+
+A cached block is never written: it is registered only once every position in it holds an
+accepted token whose KV (target's, and the drafter's where it keeps one in the same blocks) is
+final, and a request that takes it starts computing after it. When its last holder lets it go it
+stays cached, evictable, least recently released first; it is evicted only when a request needs a
+block and no free one is left. Torch-free: the scheduler owns it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import count
+
+ROOT = 0  # the entry "before" a prompt's first block
+
+Key = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class Entry:
+    uid: int  # names this entry as the parent of the next block's key
+    key: Key
+    block: int
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = False):
+        self.total = num_blocks
+        self.block_size = block_size
+        self.caching = caching
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+        self._table: dict[Key, Entry] = {}
+        self._entry_of: dict[int, Entry] = {}  # block -> its cache entry
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, LRU first
+        self._uids = count(1)
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # of them, found cached
+
+    # -- counts ------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks a request can take now: free, or cached and held by nobody (evicted on taking)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_unused(self) -> int:
+        """Blocks holding nothing at all (not even a cached prefix)."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._entry_of)
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._entry_of
+
+    # -- holding blocks ----------------------------------------------------------------------
+    def take(self, n: int) -> list[int]:
+        """n private blocks (free ones first, then the least recently released cached ones)."""
+        assert n <= self.num_free
+        cut = max(len(self._free) - n, 0)
+        taken = self._free[cut:]
+        del self._free[cut:]
+        while len(taken) < n:
+            block, _ = self._evictable.popitem(last=False)
+            entry = self._entry_of.pop(block)
+            del self._table[entry.key]
+            taken.append(block)
+        for b in taken:
+            self._refs[b] = 1
+        return taken
+
+    def give(self, blocks: Sequence[int]) -> None:
+        """Drops one reference to each block. A cached block nobody holds stays cached, evictable; the
+        last blocks of a prefix are evicted before its first ones (released in reverse order)."""
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] > 0:
+                continue
+            if b in self._entry_of:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
+
+    # -- the prefix cache --------------------------------------------------------------------
+    def key(self, parent: int, tokens: Sequence[int], extra: tuple[int, ...] = ()) -> Key:
+        return (parent, tuple(tokens), extra)
+
+    def lookup(self, keys_of: Sequence[tuple[Sequence[int], tuple[int, ...]]]) -> list[Entry]:
+        """The cached entries of the longest prefix of these blocks ((tokens, extra) each), in order."""
+        found: list[Entry] = []
+        parent = ROOT
+        for tokens, extra in keys_of:
+            entry = self._table.get((parent, tuple(tokens), extra))
+            if entry is None:
+                break
+            found.append(entry)
+            parent = entry.uid
+        return found
+
+    def acquire(self, entries: Sequence[Entry]) -> list[int]:
+        """Holds the cached blocks of `entries` (one more reference each); their block ids."""
+        blocks = []
+        for e in entries:
+            if self._refs[e.block] == 0:
+                del self._evictable[e.block]
+            self._refs[e.block] += 1
+            blocks.append(e.block)
+        return blocks
+
+    def register(self, parent: int, block: int, tokens: Sequence[int], extra: tuple[int, ...] = ()) -> int:
+        """Caches a held block full of final KV under its key; returns the entry's uid (the next
+        block's parent). If the same prefix is cached already, in another block, this block stays
+        private and that entry's uid is returned: the chain goes on through it."""
+        key = self.key(parent, tokens, extra)
+        entry = self._table.get(key)
+        if entry is not None:
+            return entry.uid
+        assert block not in self._entry_of, "a cached block is registered once"
+        entry = Entry(next(self._uids), key, block)
+        self._table[key] = entry
+        self._entry_of[block] = entry
+        return entry.uid
+
+    def reset_cache(self) -> None:
+        """Forgets every cached prefix (held blocks stay held, now private)."""
+        for b in self._evictable:
+            self._free.append(b)
+        self._evictable.clear()
+        self._table.clear()
+        self._entry_of.clear()
