@@ -148,7 +148,7 @@ def new_page(browser):
     contexts, errors = [], []
 
     def make(expected_errors: str | None = None, **ctx_args):
-        ctx = browser.new_context(viewport=VIEWPORT, **ctx_args)
+        ctx = browser.new_context(**{"viewport": VIEWPORT, **ctx_args})
         contexts.append(ctx)
         page = ctx.new_page()
 
