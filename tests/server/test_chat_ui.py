@@ -5,22 +5,22 @@ the speculation view and a phone-sized layout. Headless Chromium against a real 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from tests.server.test_web_ui import (  # noqa: F401  (fixtures used by name)
-    _record_ws,
-    _send,
-    _set_settings,
-    browser,
-    expect,
-    live_server,
-    new_page,
-)
+from tests.server import test_web_ui as web_ui
+from tests.server.test_web_ui import SCREENSHOT_TURNS, _record_ws, _send, _serve, _set_settings, expect
+
+# The browser, the live server and the page factory are test_web_ui.py's fixtures.
+browser = web_ui.browser
+live_server = web_ui.live_server
+new_page = web_ui.new_page
 
 pytestmark = pytest.mark.browser
 
 DONE_S = 60_000
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def _open(page, base: str) -> None:
@@ -178,3 +178,38 @@ def test_the_page_fits_a_phone(new_page, live_server):
                 && !e.closest('[hidden]') && e.type !== 'file')
         .map((e) => e.outerHTML)""")
     assert unnamed == []
+
+
+@pytest.mark.slow
+def test_readme_screenshots(new_page, tmp_path):
+    """docs/chat-{desktop,phone}-{light,dark}.png for the README: two saved chats, the open one with a
+    system prompt and two finished turns, provenance on, from the embedded default model
+    (SmolLM2-135M-Instruct; pulled on first use). A real model, because the tiny random one only
+    produces noise; slow, because on a CPU it runs at ~10 tokens/s."""
+    with _serve(["--device", "cpu"], tmp_path / "serve.log", ready_timeout_s=900) as base:
+        page = new_page(color_scheme="light", viewport={"width": 1180, "height": 760})
+        _open(page, base)
+        _set_settings(page, temperature=0, max_tokens=60)
+        _ask(page, "What is a haiku?", 1)
+        page.get_by_test_id("new-chat").click()
+        page.get_by_test_id("system-prompt").fill("You are a helpful Python assistant.")
+        _set_settings(page, max_tokens=160)
+        for n, text in enumerate(SCREENSHOT_TURNS, start=1):
+            _ask(page, text, n)
+        page.get_by_test_id("provenance-toggle").click()
+        expect(page.locator("[data-testid=assistant-message] .tok.draft").first).to_be_attached()
+        page.locator("#prompt").blur()
+        page.locator("#sidebar").evaluate("e => { e.scrollTop = 0; }")
+        shots = []
+        for size, viewport in (("desktop", {"width": 1180, "height": 760}), ("phone", {"width": 375, "height": 720})):
+            page.set_viewport_size(viewport)
+            for scheme in ("light", "dark"):
+                page.emulate_media(color_scheme=scheme)
+                page.wait_for_timeout(300)
+                assert page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
+                path = DOCS / f"chat-{size}-{scheme}.png"
+                page.screenshot(path=str(path))
+                shots.append(path)
+        page.close()  # before the server stops, or its reconnect attempts log errors
+    for path in shots:
+        assert 10_000 < path.stat().st_size < 200_000, (path, path.stat().st_size)
