@@ -4,6 +4,7 @@ the speculation view and a phone-sized layout. Headless Chromium against a real 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -76,6 +77,32 @@ def test_conversations_are_kept_across_a_reload_and_reopen_with_their_messages(n
     page.reload()
     expect(page.get_by_test_id("conversation-item")).to_have_count(1)
     expect(page.get_by_test_id("conversation-item")).to_contain_text("Water")
+
+
+def test_conversations_export_to_json_and_import_in_another_browser(new_page, live_server, tmp_path):
+    page = new_page()
+    _open(page, live_server)
+    _set_settings(page, max_tokens=6, temperature=0)
+    page.get_by_test_id("system-prompt").fill("Be brief.")
+    reply = _ask(page, "Export me", 1).locator(".md").inner_text()
+    with page.expect_download() as download:
+        page.get_by_test_id("export-chats").click()
+    path = tmp_path / "chats.json"
+    download.value.save_as(path)
+    doc = json.loads(path.read_text())
+    [conv] = doc["conversations"]
+    assert conv["title"] == "Export me" and conv["system"] == "Be brief."
+    assert [t["user"] for t in conv["turns"]] == ["Export me"] and conv["turns"][0]["text"] == reply
+
+    other = new_page()  # a fresh context: its own, empty IndexedDB
+    _open(other, live_server)
+    expect(other.get_by_test_id("conversation-item")).to_have_count(0)
+    other.locator("#import-chats").set_input_files(path)
+    expect(other.get_by_test_id("conversation-item")).to_have_count(1)
+    other.get_by_test_id("conversation-item").locator(".conv-open").click()
+    expect(other.locator(".msg.user .bubble")).to_have_text(["Export me"])
+    assert other.get_by_test_id("assistant-message").locator(".md").inner_text() == reply
+    expect(other.get_by_test_id("system-prompt")).to_have_value("Be brief.")
 
 
 def test_regenerate_replaces_the_last_answer_with_a_new_one(new_page, live_server):
