@@ -9,7 +9,8 @@
 import { authHeaders, getKey, setKey, socketProtocols } from "./auth.js";
 import { render } from "./markdown.js";
 import { Connection, socketUrl } from "./socket.js";
-import * as history from "./history.js";
+import { openEditor } from "./editor.js";
+import * as chats from "./history.js";
 import { proposerName, renderLegend } from "./speculation.js";
 import { renderPositions, renderStrip, SessionTrace, SpecTrace, summary } from "./specview.js";
 import { format, ReplyStats, SessionStats } from "./stats.js";
@@ -461,7 +462,7 @@ async function refreshList() {
     items = []; // no IndexedDB (a private window in some browsers): nothing is kept
   }
   ui.historyEmpty.hidden = items.length > 0;
-  history.renderList(ui.conversations, items, state.conv && state.conv.id, {
+  chats.renderList(ui.conversations, items, state.conv && state.conv.id, {
     open: openConversation,
     rename: renameConversation,
     remove: removeConversation,
@@ -518,55 +519,20 @@ async function removeConversation(id) {
 /** Edit an earlier question in place; sending it replaces every later turn. */
 function editTurn(turn) {
   if (state.active || !turn.el) return;
-  const { user, bubble } = turn.el;
-  const form = node("form", "edit-form");
-  const label = form.appendChild(node("label", "visually-hidden", "Edit your question"));
-  const box = form.appendChild(node("textarea"));
-  box.id = `edit-${state.nextId++}`;
-  label.htmlFor = box.id;
-  box.value = turn.user;
-  box.rows = Math.min(8, turn.user.split("\n").length + 1);
-  const row = form.appendChild(node("div", "edit-actions"));
-  const cancel = row.appendChild(node("button", "btn small", "Cancel"));
-  cancel.type = "button";
-  const send = row.appendChild(node("button", "btn small primary", "Send"));
-  send.type = "submit";
-  bubble.hidden = true;
-  user.appendChild(form);
-  box.focus();
-  const close = () => {
-    form.remove();
-    bubble.hidden = false;
-    turn.el.edit.focus();
-  };
-  const submit = () => {
-    const text = box.value.trim();
-    if (!text || state.active || !conn.isOpen) return;
-    const at = state.turns.indexOf(turn);
-    for (const later of state.turns.splice(at + 1)) {
-      later.el.user.remove();
-      later.el.bot.remove();
-    }
-    turn.user = text;
-    bubble.textContent = text;
-    form.remove();
-    bubble.hidden = false;
-    startReply(turn);
-    ui.prompt.focus();
-  };
-  form.addEventListener("submit", (e) => {
-    e.preventDefault();
-    submit();
-  });
-  cancel.addEventListener("click", close);
-  box.addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
-      e.preventDefault();
-      submit();
-    } else if (e.key === "Escape") {
-      e.preventDefault();
-      close();
-    }
+  openEditor(turn.el.user, turn.el.bubble, turn.user, {
+    send: (text) => {
+      if (state.active || !conn.isOpen) return false;
+      for (const later of state.turns.splice(state.turns.indexOf(turn) + 1)) {
+        later.el.user.remove();
+        later.el.bot.remove();
+      }
+      turn.user = text;
+      turn.el.bubble.textContent = text;
+      startReply(turn);
+      ui.prompt.focus();
+      return true;
+    },
+    cancel: () => turn.el.edit.focus(),
   });
 }
 
@@ -820,10 +786,10 @@ function init() {
       ui.historyToggle.focus();
     }
   });
-  ui.exportChats.addEventListener("click", () => history.download());
+  ui.exportChats.addEventListener("click", () => chats.download());
   ui.importChats.addEventListener("change", async () => {
     try {
-      const n = await history.upload(ui.importChats);
+      const n = await chats.upload(ui.importChats);
       announce(`Imported ${n} conversation${n === 1 ? "" : "s"}.`);
     } catch (err) {
       showBanner(`Import failed: ${err && err.message ? err.message : err}`, null);
