@@ -103,6 +103,7 @@ class SpecStats:
     accepted: int = 0
     emitted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)  # steps that drafted a token at each position
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
         self.steps += 1
@@ -111,6 +112,9 @@ class SpecStats:
         self.emitted += emitted
         if len(self.accepted_per_pos) < drafted:
             self.accepted_per_pos.extend([0] * (drafted - len(self.accepted_per_pos)))
+            self.drafted_per_pos.extend([0] * (drafted - len(self.drafted_per_pos)))
+        for pos in range(drafted):
+            self.drafted_per_pos[pos] += 1
         for pos in range(accepted):
             self.accepted_per_pos[pos] += 1
 
@@ -130,6 +134,7 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_per_position": list(self.accepted_per_pos),
+            "drafted_per_position": list(self.drafted_per_pos),
         }
 
 

@@ -9,8 +9,12 @@
 import { authHeaders, getKey, setKey, socketProtocols } from "./auth.js";
 import { render } from "./markdown.js";
 import { Connection, socketUrl } from "./socket.js";
-import { renderLegend } from "./speculation.js";
+import { openEditor } from "./editor.js";
+import * as chats from "./history.js";
+import { proposerName, renderLegend } from "./speculation.js";
+import { renderPositions, renderStrip, SessionTrace, SpecTrace, summary } from "./specview.js";
 import { format, ReplyStats, SessionStats } from "./stats.js";
+import * as store from "./store.js";
 
 const $ = (id) => document.getElementById(id);
 const ui = {
@@ -38,6 +42,18 @@ const ui = {
   keyForm: $("key-form"),
   keyInput: $("key-input"),
   keyError: $("key-error"),
+  history: $("history"),
+  historyToggle: $("history-toggle"),
+  historyEmpty: $("history-empty"),
+  conversations: $("conversation-list"),
+  exportChats: $("export-chats"),
+  importChats: $("import-chats"),
+  system: $("system-prompt"),
+  specProposer: $("spec-proposer"),
+  specChart: $("spec-position-chart"),
+  specStrip: $("spec-step-strip"),
+  specSession: $("spec-session-strip"),
+  specSummary: $("spec-summary"),
 };
 
 const SETTINGS_KEY = "streamsd.settings";
@@ -52,7 +68,12 @@ const state = {
   /** @type {Turn|null} the turn whose reply is streaming */
   active: null,
   session: new SessionStats(), // since the page loaded; "New chat" keeps it
+  sessionTrace: new SessionTrace(),
   lastReply: null,
+  /** @type {SpecTrace|null} the speculation of the reply the stats show */
+  lastTrace: null,
+  /** @type {{id: string, title: string, created: number}|null} the saved conversation on screen */
+  conv: null,
   nextId: 1,
 };
 
@@ -83,6 +104,10 @@ function loadSettings() {
   } catch {
     saved = {};
   }
+  applySettings(saved);
+}
+
+function applySettings(saved) {
   const f = ui.settings.elements;
   for (const key of ["temperature", "top_p", "max_tokens", "spec_k"]) {
     if (typeof saved[key] === "number") f[key].value = String(saved[key]);
@@ -114,8 +139,13 @@ function node(tag, className, text) {
 function addTurnElements(turn) {
   ui.empty.hidden = true;
   const user = node("div", "msg user");
-  user.appendChild(node("div", "role", "You"));
-  user.appendChild(node("div", "bubble", turn.user));
+  const head = user.appendChild(node("div", "role", "You"));
+  const edit = head.appendChild(node("button", "icon edit", "Edit"));
+  edit.type = "button";
+  edit.dataset.testid = "edit-message";
+  edit.setAttribute("aria-label", "Edit this question and send it again");
+  edit.addEventListener("click", () => editTurn(turn));
+  const bubble = user.appendChild(node("div", "bubble", turn.user));
 
   const bot = node("article", "msg assistant");
   bot.dataset.testid = "assistant-message";
@@ -124,7 +154,7 @@ function addTurnElements(turn) {
   const body = bot.appendChild(node("div", "md"));
   const foot = bot.appendChild(node("div", "foot"));
   ui.log.append(user, bot);
-  turn.el = { user, bot, body, foot };
+  turn.el = { user, bubble, edit, bot, body, foot };
 }
 
 let renderQueued = false;
@@ -196,6 +226,13 @@ function renderFooter(turn) {
   if (turn.finish === "cancelled") foot.appendChild(node("span", "badge", "stopped"));
   if (turn.finish === "length") foot.appendChild(node("span", "badge", "max tokens reached"));
   if (turn.finish === "abort") foot.appendChild(node("span", "badge", "cut short: the server shut down"));
+  if (turn === lastTurn()) {
+    const again = foot.appendChild(node("button", "btn small", "Regenerate"));
+    again.type = "button";
+    again.dataset.testid = "regenerate";
+    again.disabled = !conn.isOpen || state.active !== null;
+    again.addEventListener("click", () => retryTurn(turn));
+  }
 }
 
 function renderStats() {
@@ -219,6 +256,10 @@ function renderStats() {
   set("session-tokens", format.count(s.replies ? s.tokens : null));
   set("session-replies", String(s.replies));
   ui.statsNote.hidden = !(r && r.live);
+  renderPositions(ui.specChart, state.lastTrace, state.sessionTrace);
+  renderStrip(ui.specStrip, state.lastTrace ? state.lastTrace.steps : [], "This reply");
+  renderStrip(ui.specSession, state.sessionTrace.steps, "Session");
+  ui.specSummary.textContent = summary(state.lastTrace);
 }
 
 function nearBottom() {
@@ -246,6 +287,8 @@ const lastTurn = () => state.turns[state.turns.length - 1] || null;
 /** The messages to send for `turn`: every earlier turn that produced a reply, then its own. */
 function historyFor(turn) {
   const messages = [];
+  const system = ui.system.value.trim();
+  if (system) messages.push({ role: "system", content: system });
   for (const t of state.turns) {
     if (t === turn) break;
     // Failed turns are left out so the roles keep alternating; a stopped reply still counts.
@@ -259,9 +302,12 @@ function historyFor(turn) {
 function sendMessage() {
   const text = ui.prompt.value.trim();
   if (!text || state.active || !conn.isOpen) return;
-  const turn = { user: text, text: "", segments: [], status: "idle", id: null, error: null, finish: null, stats: null };
+  const turn = { user: text, text: "", segments: [], status: "idle", id: null, error: null, finish: null, stats: null, spec: null };
+  if (!state.conv) state.conv = { id: store.newId(), title: text.split("\n")[0].slice(0, 80), created: Date.now() };
+  const previous = lastTurn();
   state.turns.push(turn);
   addTurnElements(turn);
+  if (previous) renderFooter(previous); // its Regenerate goes: only the last reply has one
   ui.prompt.value = "";
   autosize();
   startReply(turn);
@@ -277,8 +323,10 @@ function startReply(turn) {
   turn.error = null;
   turn.finish = null;
   turn.stats = new ReplyStats();
+  turn.spec = new SpecTrace();
   state.active = turn;
   state.lastReply = turn.stats;
+  state.lastTrace = turn.spec;
   const frame = {
     type: "generate",
     id: turn.id,
@@ -349,6 +397,7 @@ function endTurn(turn, status, announcement) {
   updateControls();
   keepFocus();
   announce(announcement);
+  saveConversation();
 }
 
 function newChat() {
@@ -358,11 +407,138 @@ function newChat() {
   }
   state.turns = [];
   state.lastReply = null;
+  state.lastTrace = null;
+  state.conv = null;
+  ui.system.value = "";
   ui.log.replaceChildren(ui.empty);
   ui.empty.hidden = false;
   renderStats();
   updateControls();
+  refreshList();
   ui.prompt.focus();
+}
+
+// ---------------------------------------------------------------------------------------
+// Saved conversations (store.js): saved when a reply ends, listed newest first.
+
+/** The conversation on screen as the store keeps it. */
+function conversationRecord() {
+  const c = state.conv;
+  return {
+    id: c.id,
+    title: c.title,
+    created: c.created,
+    updated: Date.now(),
+    system: ui.system.value,
+    settings: readSettings(),
+    turns: state.turns.map((t) => ({
+      user: t.user,
+      text: t.text,
+      segments: t.segments,
+      status: t.status === "failed" ? "failed" : "done",
+      error: t.error,
+      finish: t.finish,
+      stats: t.stats ? t.stats.toJSON() : null,
+      spec: t.spec ? t.spec.toJSON() : null,
+    })),
+  };
+}
+
+async function saveConversation() {
+  if (!state.conv || !state.turns.length) return;
+  try {
+    await store.put(conversationRecord());
+  } catch (err) {
+    showBanner(`This conversation could not be saved: ${err && err.message ? err.message : err}`, null);
+  }
+  await refreshList();
+}
+
+async function refreshList() {
+  let items = [];
+  try {
+    items = await store.list();
+  } catch {
+    items = []; // no IndexedDB (a private window in some browsers): nothing is kept
+  }
+  ui.historyEmpty.hidden = items.length > 0;
+  chats.renderList(ui.conversations, items, state.conv && state.conv.id, {
+    open: openConversation,
+    rename: renameConversation,
+    remove: removeConversation,
+  });
+}
+
+async function openConversation(id) {
+  if (state.active) return;
+  const c = await store.get(id);
+  if (!c) return refreshList();
+  newChat();
+  state.conv = { id: c.id, title: c.title, created: c.created };
+  ui.system.value = c.system || "";
+  if (c.settings) applySettings(c.settings);
+  for (const saved of c.turns) {
+    const turn = { ...saved, id: null, stats: saved.stats ? ReplyStats.restore(saved.stats) : null,
+      spec: saved.spec ? new SpecTrace(saved.spec) : null, segments: saved.segments || [] };
+    state.turns.push(turn);
+    addTurnElements(turn);
+    renderReply(turn);
+  }
+  for (const t of state.turns) renderFooter(t);
+  const last = lastTurn();
+  state.lastReply = last ? last.stats : null;
+  state.lastTrace = last ? last.spec : null;
+  renderStats();
+  updateControls();
+  await refreshList();
+  setHistory(false);
+  scrollToBottom();
+  ui.prompt.focus();
+  announce(`Opened “${c.title}”.`);
+}
+
+async function renameConversation(id, title) {
+  const c = await store.get(id);
+  if (c && c.title !== title) {
+    c.title = title;
+    await store.put(c);
+  }
+  if (state.conv && state.conv.id === id) state.conv.title = title;
+  await refreshList();
+  ui.conversations.querySelector(`[data-focus-key="${CSS.escape(`rename:${id}`)}"]`)?.focus();
+}
+
+async function removeConversation(id) {
+  await store.remove(id);
+  if (state.conv && state.conv.id === id) newChat();
+  await refreshList();
+  announce("Conversation deleted.");
+  ui.prompt.focus();
+}
+
+/** Edit an earlier question in place; sending it replaces every later turn. */
+function editTurn(turn) {
+  if (state.active || !turn.el) return;
+  openEditor(turn.el.user, turn.el.bubble, turn.user, {
+    send: (text) => {
+      if (state.active || !conn.isOpen) return false;
+      for (const later of state.turns.splice(state.turns.indexOf(turn) + 1)) {
+        later.el.user.remove();
+        later.el.bot.remove();
+      }
+      turn.user = text;
+      turn.el.bubble.textContent = text;
+      startReply(turn);
+      ui.prompt.focus();
+      return true;
+    },
+    cancel: () => turn.el.edit.focus(),
+  });
+}
+
+function setHistory(open) {
+  ui.history.classList.toggle("open", open);
+  ui.historyToggle.setAttribute("aria-expanded", String(open));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -378,7 +554,9 @@ function handleFrame(frame) {
     case "done":
       if (turn) {
         turn.stats.onDone(frame);
+        turn.spec.onDone(frame);
         state.session.add(turn.stats);
+        state.sessionTrace.add(turn.spec);
         finishTurn(turn, frame.finish_reason || "stop");
       }
       break;
@@ -413,6 +591,7 @@ function onDelta(turn, frame) {
   }
   turn.text += text;
   turn.stats.onDelta(tokens);
+  turn.spec.onDelta(frame, tokens.length);
   scheduleRender();
 }
 
@@ -515,6 +694,8 @@ function updateControls() {
   ui.send.hidden = busy;
   ui.stop.hidden = !busy;
   ui.stop.disabled = busy && state.active.status === "stopping";
+  for (const b of document.querySelectorAll("[data-testid=regenerate]")) b.disabled = busy || !conn.isOpen;
+  for (const t of state.turns) if (t.el) t.el.edit.disabled = busy;
   ui.send.disabled = !conn.isOpen;
   ui.send.title = conn.isOpen ? "" : "Waiting for the connection";
 }
@@ -555,7 +736,10 @@ async function loadServerInfo() {
     ui.modelName.textContent = model.id;
     document.title = `${model.id} · streamsd`;
     if (Number.isInteger(model.max_model_len)) ui.settings.elements.max_tokens.max = String(model.max_model_len);
-    if (model.speculation) renderLegend(ui.legend, model.speculation);
+    if (model.speculation) {
+      renderLegend(ui.legend, model.speculation);
+      ui.specProposer.textContent = proposerName(model.speculation) || "none (speculation is off)";
+    }
     // null while the model loads: ask again until it is known.
     else if (model.speculation === null && conn.isOpen) serverInfoRetry = setTimeout(loadServerInfo, LOADING_RETRY_MS);
     return "ok";
@@ -585,8 +769,35 @@ function init() {
     }
   });
   ui.prompt.addEventListener("input", autosize);
+  // Escape stops a streaming reply wherever the focus is (the dialogs and editors handle their own).
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && state.active && !e.defaultPrevented) stopReply();
+  });
   ui.stop.addEventListener("click", stopReply);
   ui.newChat.addEventListener("click", newChat);
+  ui.historyToggle.addEventListener("click", () => {
+    const open = !ui.history.classList.contains("open");
+    setHistory(open);
+    if (open) (ui.conversations.querySelector("button") || ui.exportChats).focus();
+  });
+  ui.history.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && ui.history.classList.contains("open")) {
+      setHistory(false);
+      ui.historyToggle.focus();
+    }
+  });
+  ui.exportChats.addEventListener("click", () => chats.download());
+  ui.importChats.addEventListener("change", async () => {
+    try {
+      const n = await chats.upload(ui.importChats);
+      announce(`Imported ${n} conversation${n === 1 ? "" : "s"}.`);
+    } catch (err) {
+      showBanner(`Import failed: ${err && err.message ? err.message : err}`, null);
+    }
+    await refreshList();
+  });
+  // The system prompt belongs to the conversation: keep it with it as it is typed.
+  ui.system.addEventListener("change", saveConversation);
   ui.provenance.addEventListener("click", () => setProvenance(!document.body.classList.contains("show-provenance")));
   const setPanel = (open) => {
     ui.sidebar.classList.toggle("open", open);
@@ -614,6 +825,7 @@ function init() {
   ui.keyForm.addEventListener("submit", submitKey);
   renderStats();
   updateControls();
+  refreshList();
   ui.prompt.focus();
   connectIfAllowed();
 }

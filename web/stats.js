@@ -53,6 +53,20 @@ export class ReplyStats {
     };
   }
 
+  /** What a saved conversation keeps: the finished figures. */
+  toJSON() {
+    return { tokens: this.tokens, draftTokens: this.draftTokens, final: this.final };
+  }
+
+  /** A finished reply's figures, from toJSON's object. */
+  static restore(saved) {
+    const r = new ReplyStats();
+    r.tokens = Number(saved?.tokens) || 0;
+    r.draftTokens = Number(saved?.draftTokens) || 0;
+    r.final = saved?.final ?? null;
+    return r;
+  }
+
   clientTtft() {
     return this.firstAt === null ? null : (this.firstAt - this.sentAt) / 1000;
   }

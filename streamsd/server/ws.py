@@ -90,7 +90,10 @@ class Session:
                 emitted += len(out.tokens)
                 if out.tokens or out.text:
                     ttft = ttft if ttft is not None else time.monotonic() - t0
-                    await self.send({"type": "delta", "id": cid, "text": out.text, "tokens": token_entries(out)})
+                    # `step`: what this verify step drafted and the target accepted (drafted 0: it did
+                    # not speculate), so that a client can chart the steps as they come.
+                    await self.send({"type": "delta", "id": cid, "text": out.text, "tokens": token_entries(out),
+                                     "step": {"drafted": out.step_drafted, "accepted": out.step_accepted}})
                 if out.finished:
                     await self.send({"type": "done", "id": cid, "finish_reason": finish_reason(out),
                                      "usage": usage(out),

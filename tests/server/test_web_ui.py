@@ -4,8 +4,7 @@ Two kinds of test:
 
 * Live: a real ``streamsd serve`` (uvicorn subprocess, tiny random target + draft) serves the page
   and answers its WebSocket. A message streams, stop cancels, provenance tints draft tokens, the
-  stats fill in. The README's ``docs/screenshot.png`` comes from ``test_readme_screenshot``
-  (marked slow), a finished conversation with the embedded default model and provenance on.
+  stats fill in. The README's screenshots come from test_chat_ui.py's ``test_readme_screenshots``.
 * Scripted: the tiny random model cannot be steered into Markdown, errors or dropped sockets, so
   these tests load the same page from ``web/`` and play the server with Playwright's WebSocket
   routing (``page.route_web_socket``). The app's real socket, frame handling and rendering run
@@ -43,7 +42,6 @@ expect = sync_api.expect
 
 ROOT = Path(__file__).resolve().parents[2]
 WEB = ROOT / "web"
-SCREENSHOT = ROOT / "docs" / "screenshot.png"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless",
@@ -148,7 +146,7 @@ def new_page(browser):
     contexts, errors = [], []
 
     def make(expected_errors: str | None = None, **ctx_args):
-        ctx = browser.new_context(viewport=VIEWPORT, **ctx_args)
+        ctx = browser.new_context(**{"viewport": VIEWPORT, **ctx_args})
         contexts.append(ctx)
         page = ctx.new_page()
 
@@ -488,30 +486,6 @@ def test_ui_asks_for_the_api_key_over_https_and_never_puts_it_in_an_address(new_
     assert other_urls[0] == f"{base}/?api_key={key}"  # the navigation the test itself made
     assert not [u for u in urls + other_urls[1:] if key in u]
     assert key not in log.read_text()
-
-
-@pytest.mark.slow
-def test_readme_screenshot(new_page, tmp_path):
-    """docs/screenshot.png: a finished conversation with provenance on, from the embedded default
-    model (SmolLM2-135M-Instruct with n-gram speculation; pulled on first use). A real model, because
-    the tiny random one only produces noise; slow, because on a CPU it runs at ~10 tokens/s."""
-    with _serve(["--device", "cpu"], tmp_path / "serve.log", ready_timeout_s=900) as base:
-        page = new_page(color_scheme="light")
-        page.goto(base)
-        expect(page.locator("#conn")).to_have_attribute("data-state", "open")
-        _set_settings(page, temperature=0, max_tokens=160)
-        for n, text in enumerate(SCREENSHOT_TURNS, start=1):
-            _send(page, text)
-            expect(page.get_by_test_id("assistant-message")).to_have_count(n)
-            reply = page.get_by_test_id("assistant-message").last
-            expect(reply).to_have_attribute("data-status", "done", timeout=300_000)
-        page.get_by_test_id("provenance-toggle").click()
-        expect(page.locator("[data-testid=assistant-message] .tok.draft").first).to_be_attached()
-        page.wait_for_timeout(300)
-        SCREENSHOT.parent.mkdir(exist_ok=True)
-        page.screenshot(path=str(SCREENSHOT))
-        page.close()  # before the server stops, or its reconnect attempts log errors
-    assert SCREENSHOT.stat().st_size > 10_000
 
 
 # ------------------------------------------------------------------------------------------
