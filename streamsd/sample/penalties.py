@@ -35,11 +35,14 @@ def chain_bits(width: int) -> list[int]:
     return [(1 << (j + 1)) - 1 for j in range(width)]
 
 
-def penalise(entries: list[Scheduled], rows: torch.Tensor, bits: list[list[int]] | None = None) -> torch.Tensor:
+def penalise(entries: list[Scheduled], rows: torch.Tensor, bits: list[list[int]] | None = None,
+             pick: list[int] | None = None) -> torch.Tensor:
     """rows [B, W, V]: entry b's logits at its window rows -> the same, each penalised request's rows
     penalised (in float32; a new tensor). `bits[b][j]`: the window rows row j sees (tree_verify.host_tree's),
-    default a chain's; the drafts at those rows count as generated output for row j."""
-    pick = [b for b, e in enumerate(entries) if e.request.params.penalised]
+    default a chain's; the drafts at those rows count as generated output for row j. `pick`: the
+    entries whose requests are penalised, when the caller has them."""
+    if pick is None:
+        pick = [b for b, e in enumerate(entries) if e.request.params.penalised]
     if not pick:
         return rows
     n, width, vocab = len(pick), rows.shape[1], rows.shape[2]

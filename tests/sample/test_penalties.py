@@ -29,7 +29,7 @@ def _entry(prompt: list[int], output: list[int], drafts: list[int], **params) ->
     return Scheduled(r, r.num_tokens - 1, 1, len(drafts), 0)
 
 
-def _reference(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+def penalised_reference(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
     """One row, element by element, as vLLM defines it: bias, repetition over prompt + output,
     frequency and presence over the output."""
     x = logits.clone().double()
@@ -50,7 +50,7 @@ def test_each_row_of_a_window_counts_the_drafts_before_it_as_output():
     e = _entry(prompt, output, drafts, **params)
     got = penalise([e], rows)
     for j in range(4):
-        want = _reference(rows[0, j], prompt, output + drafts[:j], e.request.params)
+        want = penalised_reference(rows[0, j], prompt, output + drafts[:j], e.request.params)
         assert torch.allclose(got[0, j], want, atol=1e-5), j
     # A request without penalties is left alone, in the same tensor.
     plain = _entry(prompt, output, drafts)
@@ -71,7 +71,7 @@ def test_tree_rows_count_the_drafts_on_their_own_path():
     got = penalise([e], rows, [bits])
     paths = [[], [7], [9], [7, 8]]  # window row -> the drafts generated before the token it decides
     for j, path in enumerate(paths):
-        assert torch.allclose(got[0, j], _reference(rows[0, j], [1, 2], [3] + path, e.request.params), atol=1e-5)
+        assert torch.allclose(got[0, j], penalised_reference(rows[0, j], [1, 2], [3] + path, e.request.params), atol=1e-5)
 
 
 @pytest.mark.parametrize("penalty", [0.7, 1.0, 1.3, 2.0])
