@@ -280,6 +280,31 @@ def test_seeded_tree_sampling_is_plain_sampling_token_for_token(tiny_model_dir, 
     _assert_free(tree)
 
 
+def test_penalised_trees_and_chains_are_plain_decoding_token_for_token(tiny_model_dir, head):
+    """Logit bias and penalties through an EAGLE head's trees (each row counting the drafts on its own
+    path) and its chain: greedy answers are plain decoding's, and a tree's seeded sampled ones too."""
+    from tests.engine.test_penalties import BIAS
+
+    # Penalties that reward repeating: what a row counts (its own path's drafts) moves its argmax.
+    penalties = dict(frequency_penalty=-1.0, presence_penalty=-0.5, repetition_penalty=0.8, logit_bias=BIAS)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **penalties) for n in MAX_TOKENS]
+    sampled = [SamplingParams(temperature=t, top_k=k, max_tokens=24, seed=s, ignore_eos=True, **penalties)
+               for s, (t, k) in enumerate([(1.0, 0), (0.7, 0), (0.8, 5), (1.2, 0), (0.5, 0), (1.0, 0)])]
+    plain = LLM(str(tiny_model_dir))
+    want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS * 2, greedy + sampled)]
+    assert want[:6] != [r.outputs[0].token_ids for r in plain.generate(PROMPTS, greedy_params())]
+    tree = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10")
+    res = tree.generate(PROMPTS * 2, greedy + sampled)
+    assert [r.outputs[0].token_ids for r in res] == want
+    assert sum(r.spec_stats.accepted for r in res) > 0
+    _assert_free(tree)
+    chain = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), num_speculative_tokens=4)
+    res = chain.generate(PROMPTS, greedy)
+    assert [r.outputs[0].token_ids for r in res] == want[:6]
+    assert sum(r.spec_stats.accepted for r in res) > 0
+    _assert_free(chain)
+
+
 def test_end_to_end_tree_sampling_matches_target_distribution(tiny_model_dir, head):
     n, temperature = 2000, 1.0
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="3,3,3,8",
