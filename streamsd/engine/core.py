@@ -93,6 +93,8 @@ class EngineCore:
         vocab = self.rt.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ParamError("prompt", f"token ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ParamError("logit_bias", f"token ids must be in [0, {vocab})")
         r = Request(
             request_id=request_id,
             prompt_ids=list(prompt_ids),

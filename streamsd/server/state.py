@@ -85,9 +85,6 @@ def sampling_params(f: SamplingFields, defaults: GenerationDefaults = Generation
     """The request's fields; a sampling field it leaves out takes the model's default (`defaults`)."""
     if f.n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
-    if f.repetition_penalty not in (None, 1.0):
-        raise ApiError(400, "repetition_penalty is not supported (it would break exact speculation); leave it "
-                            "out or set it to 1", param="repetition_penalty")
     top_n = None
     if f.logprobs is True or (isinstance(f.logprobs, int) and not isinstance(f.logprobs, bool)):
         top_n = f.top_logprobs or 0 if f.logprobs is True else int(f.logprobs)
@@ -98,6 +95,10 @@ def sampling_params(f: SamplingFields, defaults: GenerationDefaults = Generation
             top_p=f.top_p,
             top_k=None if f.top_k is None else max(f.top_k, 0),
             min_p=f.min_p,
+            repetition_penalty=f.repetition_penalty,
+            presence_penalty=f.presence_penalty or 0.0,
+            frequency_penalty=f.frequency_penalty or 0.0,
+            logit_bias=f.logit_bias or None,
             max_tokens=f.max_completion_tokens or f.max_tokens or 256,
             min_tokens=f.min_tokens or 0,
             seed=f.seed,
