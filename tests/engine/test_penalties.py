@@ -75,6 +75,19 @@ def test_penalised_and_plain_requests_share_a_batch_exactly(tiny_model_dir, clos
     _assert_free(llm)
 
 
+def test_steps_queued_ahead_leave_penalised_requests_out_and_stay_exact(tiny_model_dir, plain_penalised):
+    """Pipelined plain steps (the next queued before this one's tokens are read) cannot count a token
+    the host has not seen: a batch holding a penalised request takes its full path, and the plain
+    requests are queued ahead again once the penalised ones have finished."""
+    longer = [SamplingParams(temperature=0.0, max_tokens=n + 16, ignore_eos=True) for n in MAX_TOKENS]
+    unpenalised = _answers(LLM(str(tiny_model_dir)), longer)
+    llm = LLM(str(tiny_model_dir), pipeline=True)
+    res = llm.generate(PROMPTS * 2, _greedy(**PENALTIES) + longer)
+    assert [r.outputs[0].token_ids for r in res] == plain_penalised + unpenalised
+    assert llm.core.rt.worker.lookahead.taken > 0
+    _assert_free(llm)
+
+
 # Penalties that reward repeating (this random model rarely repeats a token by itself): the second
 # token's p then depends strongly on whether the first is counted, which a verify row must do.
 @pytest.mark.parametrize("text,temperature,top_k,penalties", [

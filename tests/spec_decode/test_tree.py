@@ -28,7 +28,7 @@ from tests.engine.test_engine import (
     greedy_params,
     hf_greedy,
 )
-from tests.spec_decode.test_eagle import _train_head
+from tests.spec_decode.test_eagle import _chained_engine, _train_head
 
 CPU = torch.device("cpu")
 # A tree over nodes 0..5: the root's children 0 (token 5) and 1 (7); 0's children 2 (9) and 3 (4);
@@ -282,7 +282,8 @@ def test_seeded_tree_sampling_is_plain_sampling_token_for_token(tiny_model_dir, 
 
 def test_penalised_trees_and_chains_are_plain_decoding_token_for_token(tiny_model_dir, head):
     """Logit bias and penalties through an EAGLE head's trees (each row counting the drafts on its own
-    path) and its chain: greedy answers are plain decoding's, and a tree's seeded sampled ones too."""
+    path) and its chain: greedy answers are plain decoding's, and a tree's seeded sampled ones too; the
+    chain's steps queued ahead (pipeline) serve the unpenalised requests of the same batch."""
     from tests.engine.test_penalties import BIAS
 
     # Penalties that reward repeating: what a row counts (its own path's drafts) moves its argmax.
@@ -298,10 +299,13 @@ def test_penalised_trees_and_chains_are_plain_decoding_token_for_token(tiny_mode
     assert [r.outputs[0].token_ids for r in res] == want
     assert sum(r.spec_stats.accepted for r in res) > 0
     _assert_free(tree)
-    chain = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), num_speculative_tokens=4)
-    res = chain.generate(PROMPTS, greedy)
-    assert [r.outputs[0].token_ids for r in res] == want[:6]
-    assert sum(r.spec_stats.accepted for r in res) > 0
+    longer = [SamplingParams(temperature=0.0, max_tokens=n + 24, ignore_eos=True) for n in MAX_TOKENS]
+    unpenalised = [r.outputs[0].token_ids for r in plain.generate(PROMPTS, longer)]
+    chain = _chained_engine(tiny_model_dir, head, pipeline=True)  # the head queued behind the verify, as on CUDA
+    res = chain.generate(PROMPTS * 2, greedy + longer)
+    assert [r.outputs[0].token_ids for r in res] == want[:6] + unpenalised
+    assert sum(r.spec_stats.accepted for r in res[:6]) > 0
+    assert chain.core.rt.worker.lookahead.taken > 0  # once the penalised requests are done
     _assert_free(chain)
 
 
