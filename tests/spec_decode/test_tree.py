@@ -309,6 +309,32 @@ def test_penalised_trees_and_chains_are_plain_decoding_token_for_token(tiny_mode
     _assert_free(chain)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_penalised_requests_verify_eagerly_beside_graphs(tiny_model_dir, head):
+    """On CUDA a penalised request's steps leave the graphs' greedy verify and tree steps and the steps
+    queued ahead: its answers are plain decoding's, through the Triton samplers over its float32
+    penalised logits, and the unpenalised requests of the batch keep the graphs."""
+    from tests.engine.test_penalties import BIAS
+
+    kw = dict(device="cuda", dtype="float32", kv_cache_tokens=8192)
+    penalties = dict(frequency_penalty=-1.0, presence_penalty=-0.5, repetition_penalty=0.8, logit_bias=BIAS)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **penalties) for n in MAX_TOKENS]
+    sampled = [SamplingParams(temperature=t, max_tokens=20, seed=s, ignore_eos=True, **penalties)
+               for s, t in enumerate([1.0, 0.7, 1.2])]
+    longer = [SamplingParams(temperature=0.0, max_tokens=n + 24, ignore_eos=True) for n in MAX_TOKENS]
+    plain = LLM(str(tiny_model_dir), **kw)
+    want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS * 2 + PROMPTS[:3], greedy + longer + sampled)]
+    tree = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10", **kw)
+    assert [r.outputs[0].token_ids for r in tree.generate(PROMPTS * 2 + PROMPTS[:3], greedy + longer + sampled)] == want
+    assert tree.core.rt.worker.tree_graphs.replays > 0
+    _assert_free(tree)
+    chain = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), num_speculative_tokens=4, **kw)
+    assert [r.outputs[0].token_ids for r in chain.generate(PROMPTS * 2, greedy + longer)] == want[:12]
+    assert chain.core.rt.worker.lookahead.taken > 0 and chain.core.rt.worker.verifier.graph_greedy > 0
+    _assert_free(chain)
+
+
 def test_end_to_end_tree_sampling_matches_target_distribution(tiny_model_dir, head):
     n, temperature = 2000, 1.0
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="3,3,3,8",
