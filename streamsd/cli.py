@@ -119,7 +119,27 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
                         profile_cache=a.profile_cache, generation_config=a.generation_config)
 
 
+def _security(a: argparse.Namespace):
+    """The keys, origins and TLS files of `serve`, checked before anything loads."""
+    from streamsd.server.auth import ApiKeys
+    from streamsd.server.origins import OriginPolicy
+    from streamsd.server.serve import Tls
+
+    specs = [*(a.api_key or []), *(ApiKeys.read_file(a.api_key_file) if a.api_key_file else [])]
+    if a.api_key_file and not specs[len(a.api_key or []):]:
+        raise ValueError(f"--api-key-file {a.api_key_file} holds no key")
+    keys = ApiKeys.parse(specs) if specs else None
+    origins = OriginPolicy.parse(a.allowed_origins, a.allowed_methods, a.allowed_headers)
+    if bool(a.ssl_certfile) != bool(a.ssl_keyfile):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    if a.ssl_ca_certs and not a.ssl_certfile:
+        raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+    tls = Tls(a.ssl_certfile, a.ssl_keyfile, a.ssl_ca_certs) if a.ssl_certfile else None
+    return keys, origins, tls
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
+    keys, origins, tls = _security(a)
     from streamsd.engine.builder import build_runtime
     from streamsd.engine.core import EngineCore
     from streamsd.server.serve import serve
@@ -127,10 +147,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     cfg = _engine_config(a, a.max_queue)
     name = a.served_model_name or (a.model if a.model == DEFAULT_MODEL else Path(a.model).name or a.model)
-    state = ServerState(served_model_name=name, api_key=a.api_key, max_queue=a.max_queue, drain_timeout=a.drain_timeout)
+    state = ServerState(served_model_name=name, api_keys=keys, max_queue=a.max_queue, drain_timeout=a.drain_timeout)
     web = Path(a.web_dir) if a.web_dir else default_web_dir()
     return serve(state, lambda: EngineCore(build_runtime(cfg), cfg.spec), a.host, a.port, web, a.log_level,
-                 access_log_enabled=a.access_log)
+                 access_log_enabled=a.access_log, origins=origins, tls=tls)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -200,8 +220,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the model's name)")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this get 429")
-    s.add_argument("--api-key", default=None,
-                   help="require this bearer token on the API (default: no authentication)")
+    s.add_argument("--api-key", action="append", default=None, metavar="[NAME:]KEY",
+                   help="require this bearer token on the API (default: no authentication); repeat it for "
+                        "several keys; /metrics counts each key's requests under NAME, else key-N (its position)")
+    s.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="more API keys, one [NAME:]KEY per line (# comments and blank lines skipped), after "
+                        "those of --api-key")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma list of web origins (scheme://host[:port], or *) besides the server's own that may "
+                        "open the WebSocket; turns CORS on for them on the HTTP API (default: none, CORS off)")
+    s.add_argument("--allowed-methods", default=None, metavar="METHODS",
+                   help="CORS: comma list of HTTP methods listed origins may use (default: GET,POST)")
+    s.add_argument("--allowed-headers", default=None, metavar="HEADERS",
+                   help="CORS: comma list of request headers listed origins may send (default: *, any)")
+    s.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve https and wss with this PEM certificate (chain); needs --ssl-keyfile")
+    s.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the certificate's PEM private key")
+    s.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="require a client certificate signed by one of these PEM CA certificates")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds streams get to finish on SIGTERM")
     s.add_argument("--web-dir", default=None, help="serve the chat UI from this directory instead of the shipped one")
     s.add_argument("--no-access-log", dest="access_log", action="store_false",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -26,10 +27,15 @@ class Server:
     port: int
     log: Path
     health_seen: list[int] = field(default_factory=list)
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"{'wss' if self.scheme == 'https' else 'ws'}://127.0.0.1:{self.port}/v1/ws"
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
@@ -43,7 +49,8 @@ class Server:
 
 
 def start_server(model: Path | str | None, log_dir: Path, *extra: str, env: dict[str, str] | None = None,
-                 timeout: float = 120) -> Server:
+                 timeout: float = 120, tls: ssl.SSLContext | None = None) -> Server:
+    """`tls`: the server speaks https (its flags in `extra`); the context the health check trusts it by."""
     port = free_port()
     cmd = [sys.executable, "-m", "streamsd.cli", "serve", "--port", str(port), "--device", "cpu", *extra]
     if model is not None:
@@ -51,13 +58,13 @@ def start_server(model: Path | str | None, log_dir: Path, *extra: str, env: dict
     log = log_dir / f"server-{port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=full_env)
-    server = Server(proc, port, log)
+    server = Server(proc, port, log, scheme="https" if tls else "http")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited early:\n{log.read_text()}")
         try:
-            r = httpx.get(f"{server.url}/health", timeout=2)
+            r = httpx.get(f"{server.url}/health", timeout=2, verify=tls or True)
             server.health_seen.append(r.status_code)
             if r.status_code == 200:
                 return server

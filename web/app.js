@@ -5,6 +5,8 @@
 // animation frame while they stream, with each token kept as a <span> (see markdown.js), so
 // the provenance tint works on streaming and finished replies alike.
 
+// First: it moves a `?api_key=` out of the address bar before anything else runs.
+import { authHeaders, getKey, setKey, socketProtocols } from "./auth.js";
 import { render } from "./markdown.js";
 import { Connection, socketUrl } from "./socket.js";
 import { renderLegend } from "./speculation.js";
@@ -32,6 +34,10 @@ const ui = {
   legend: $("legend"),
   announce: $("announce"),
   statsNote: $("stats-note"),
+  keyDialog: $("key-dialog"),
+  keyForm: $("key-form"),
+  keyInput: $("key-input"),
+  keyError: $("key-error"),
 };
 
 const SETTINGS_KEY = "streamsd.settings";
@@ -50,7 +56,7 @@ const state = {
   nextId: 1,
 };
 
-const conn = new Connection(socketUrl());
+const conn = new Connection(socketUrl(), { protocols: socketProtocols });
 
 // ---------------------------------------------------------------------------------------
 // Settings (kept in localStorage so a reload keeps them).
@@ -439,9 +445,7 @@ function onStatus({ state: s, retryIn, everOpened }) {
     ui.connText.textContent = "Connecting…";
   } else {
     ui.connText.textContent = "Disconnected";
-    const what = everOpened
-      ? "Connection to the server lost."
-      : "Cannot connect to the server (if it needs an API key, add ?api_key=… to this page's address).";
+    const what = everOpened ? "Connection to the server lost." : "Cannot connect to the server.";
     const until = Date.now() + retryIn;
     const tick = () => {
       const left = Math.max(0, Math.ceil((until - Date.now()) / 1000));
@@ -459,6 +463,51 @@ function onStatus({ state: s, retryIn, everOpened }) {
 function onLost() {
   if (state.active) failTurn(state.active, "Connection to the server was lost during this reply.");
   announce("Connection to the server lost.");
+  // A refused key looks like any failed handshake to a page: the HTTP API says which it was.
+  if (!conn.stopped) loadServerInfo().then((access) => access === "denied" && askForKey());
+}
+
+// ---------------------------------------------------------------------------------------
+// The API key (see auth.js): asked for in a modal dialog when the server refuses the one held.
+
+/** Stop connecting and ask; `refused` when there was a key and the server turned it down. */
+function askForKey() {
+  const refused = Boolean(getKey());
+  conn.stop();
+  clearInterval(countdown);
+  ui.conn.dataset.state = "closed";
+  ui.connText.textContent = "API key needed";
+  showBanner("This server needs an API key.", { label: "Enter API key", run: askForKey });
+  updateControls();
+  ui.keyError.hidden = !refused;
+  ui.keyInput.setAttribute("aria-invalid", String(refused));
+  ui.keyInput.value = "";
+  if (!ui.keyDialog.open) ui.keyDialog.showModal();
+  ui.keyInput.focus();
+}
+
+async function submitKey(e) {
+  e.preventDefault();
+  const key = ui.keyInput.value.trim();
+  if (!key) {
+    ui.keyInput.focus();
+    return;
+  }
+  setKey(key);
+  ui.keyInput.value = "";
+  ui.keyDialog.close();
+  await connectIfAllowed();
+}
+
+/** Open the socket unless the server refuses this page's key (then ask for one). */
+async function connectIfAllowed() {
+  if ((await loadServerInfo()) === "denied") {
+    askForKey();
+    return;
+  }
+  hideBanner();
+  conn.start();
+  ui.prompt.focus();
 }
 
 function updateControls() {
@@ -493,25 +542,26 @@ const LOADING_RETRY_MS = 2000;
 let serverInfoRetry = null;
 
 /** What the server serves: the model's name, its context length, how it speculates. Asked on
- *  every (re)connect, since a restarted server may serve something else. */
+ *  every (re)connect, since a restarted server may serve something else. Resolves to "denied"
+ *  when the server refuses this page's API key (or wants one), else to "ok" or "unknown". */
 async function loadServerInfo() {
   clearTimeout(serverInfoRetry);
-  const headers = {};
-  const key = new URLSearchParams(location.search).get("api_key");
-  if (key) headers.Authorization = `Bearer ${key}`;
   try {
-    const res = await fetch(new URL("v1/models", location.href), { headers });
-    if (!res.ok) return;
+    const res = await fetch(new URL("v1/models", location.href), { headers: authHeaders() });
+    if (res.status === 401 || res.status === 403) return "denied";
+    if (!res.ok) return "unknown";
     const model = (await res.json()).data?.[0];
-    if (!model) return;
+    if (!model) return "ok";
     ui.modelName.textContent = model.id;
     document.title = `${model.id} · streamsd`;
     if (Number.isInteger(model.max_model_len)) ui.settings.elements.max_tokens.max = String(model.max_model_len);
     if (model.speculation) renderLegend(ui.legend, model.speculation);
     // null while the model loads: ask again until it is known.
     else if (model.speculation === null && conn.isOpen) serverInfoRetry = setTimeout(loadServerInfo, LOADING_RETRY_MS);
+    return "ok";
   } catch {
     // The name is decoration; the socket status already tells whether the server is there.
+    return "unknown";
   }
 }
 
@@ -561,10 +611,11 @@ function init() {
   conn.addEventListener("frame", (e) => handleFrame(e.detail));
   conn.addEventListener("lost", onLost);
   conn.addEventListener("bad", () => showBanner("The server sent a frame that is not JSON; it was ignored.", null));
-  conn.start();
+  ui.keyForm.addEventListener("submit", submitKey);
   renderStats();
   updateControls();
   ui.prompt.focus();
+  connectIfAllowed();
 }
 
 init();

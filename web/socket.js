@@ -7,21 +7,22 @@
 //   "bad"    a frame that was not JSON (shown to the user; the socket stays up)
 
 /** The socket URL: next to the page (so a reverse-proxy prefix keeps working), ws or wss to
- *  match http or https, with the page's `?api_key=` forwarded as the server accepts it. */
+ *  match http or https; nothing of the page's query (the key goes in a subprotocol). */
 export function socketUrl(loc = window.location) {
   const url = new URL("v1/ws", loc.href);
   url.protocol = loc.protocol === "https:" ? "wss:" : "ws:";
   url.search = "";
   url.hash = "";
-  const key = new URLSearchParams(loc.search).get("api_key");
-  if (key) url.searchParams.set("api_key", key);
   return url.href;
 }
 
 export class Connection extends EventTarget {
-  constructor(url, { minDelayMs = 500, maxDelayMs = 15000 } = {}) {
+  /** `protocols()`: the subprotocols to offer, asked at every (re)connect. */
+  constructor(url, { protocols = () => [], minDelayMs = 500, maxDelayMs = 15000 } = {}) {
     super();
     this.url = url;
+    this.protocols = protocols;
+    this.stopped = true;
     this.minDelayMs = minDelayMs;
     this.maxDelayMs = maxDelayMs;
     this.ws = null;
@@ -35,12 +36,21 @@ export class Connection extends EventTarget {
   }
 
   start() {
-    this.connect();
+    this.stopped = false;
+    clearTimeout(this.timer);
+    if (!this.ws) this.connect();
+  }
+
+  /** Close and stop reconnecting until `start` (while the server waits for an API key). */
+  stop() {
+    this.stopped = true;
+    clearTimeout(this.timer);
+    if (this.ws) this.ws.close();
   }
 
   /** Skip the wait and try again at once (the banner's "Reconnect now"). */
   reconnectNow() {
-    if (this.ws && this.ws.readyState <= WebSocket.OPEN) return;
+    if (this.stopped || (this.ws && this.ws.readyState <= WebSocket.OPEN)) return;
     clearTimeout(this.timer);
     this.connect();
   }
@@ -54,7 +64,8 @@ export class Connection extends EventTarget {
 
   connect() {
     this.emit("status", { state: "connecting", everOpened: this.everOpened });
-    const ws = new WebSocket(this.url);
+    const protocols = this.protocols();
+    const ws = protocols.length ? new WebSocket(this.url, protocols) : new WebSocket(this.url);
     this.ws = ws;
     ws.addEventListener("open", () => {
       this.attempt = 0;
@@ -76,6 +87,7 @@ export class Connection extends EventTarget {
       if (this.ws !== ws) return;
       this.ws = null;
       this.emit("lost", { code: ev.code, reason: ev.reason });
+      if (this.stopped) return;
       // Full jitter keeps many tabs from reconnecting in lockstep after a server restart.
       const cap = Math.min(this.maxDelayMs, this.minDelayMs * 2 ** this.attempt);
       const delay = Math.round(cap / 2 + (Math.random() * cap) / 2);

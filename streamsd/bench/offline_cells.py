@@ -94,7 +94,7 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
             inner = inner.inner
         prop = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
                                  alpha, rt.args.vocab_size, inner)
-        rt.worker.proposer = prop
+        rt.worker.use_proposer(prop)
         if inner is None and rt.worker.lookahead.enabled:
             # Drafts made on the device (SyntheticProposer.chain): its steps queue ahead like an EAGLE
             # head's, with the KV margin a queued verify writes into.

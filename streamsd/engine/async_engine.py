@@ -15,8 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from streamsd.engine.core import Emission, EngineCore, RequestOutput
 from streamsd.request import SamplingParams
+from streamsd.sched.plan import StepPlan
 
 OutputObserver = Callable[[RequestOutput], None]
+StepObserver = Callable[[StepPlan], None]
 
 
 class AsyncEngine:
@@ -28,6 +30,8 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self.observers: list[OutputObserver] = []
+        # Told of each executed step (its tokens, the requests it preempted) while the next one runs.
+        self.step_observers: list[StepObserver] = []
         self.steps = 0
 
     async def start(self) -> None:
@@ -86,8 +90,11 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         core = self.core
         em: Emission | None = None
+        done: StepPlan | None = None  # the last step executed, not yet shown to the step observers
         while True:
             if em is None and not core.has_work:
+                self._observe_step(done)
+                done = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -97,15 +104,22 @@ class AsyncEngine:
                 core.wait_launched()
             for out in core.emit(em, defer_stops=running is not None):
                 self._dispatch(out)
+            self._observe_step(done)
             if running is not None:
                 core.scheduler.plan_ahead(plan)
             results = await running if running is not None else []
             for out in core.settle():
                 self._dispatch(out)
             em = core.finish_step(plan, results, aborted)
+            done = plan if plan.entries or plan.preempted else None
             self.steps += 1
             if running is None and em is None:
                 await asyncio.sleep(0.001)  # only aborts were processed; let the loop breathe
+
+    def _observe_step(self, plan: StepPlan | None) -> None:
+        if plan is not None:
+            for observe in self.step_observers:
+                observe(plan)
 
     def _dispatch(self, out: RequestOutput) -> None:
         for observe in self.observers:

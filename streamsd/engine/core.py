@@ -26,6 +26,18 @@ log = logging.getLogger("streamsd")
 IDLE_GAP_S = 0.05  # a longer gap between two steps is the engine idle, not part of the next step's cost
 
 
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """When a finished request reached each stage (time.monotonic()), for the server's metrics.
+    The token times are those its outputs were made at; None for a request that made none."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    max_tokens: int
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One step's worth of a request: new tokens and text, and at the end why it stopped."""
@@ -44,6 +56,7 @@ class RequestOutput:
     stats: SpecStats | None = None
     queue_seconds: float | None = None
     arrival: float = 0.0  # time.monotonic() at submission, for latency metrics
+    metrics: RequestMetrics | None = None  # on the last output
 
 
 @dataclass(slots=True)
@@ -93,6 +106,8 @@ class EngineCore:
         vocab = self.rt.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ParamError("prompt", f"token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids or ()):
+            raise ParamError("stop_token_ids", f"must be token ids in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ParamError("logit_bias", f"token ids must be in [0, {vocab})")
         r = Request(
@@ -293,7 +308,10 @@ class EngineCore:
         out.prompt_tokens = len(r.prompt_ids)
         out.completion_tokens = len(r.output_ids)
         out.stats = r.stats
-        self.trackers.pop(r.request_id, None)
+        t = self.trackers.pop(r.request_id, None)
+        timeline = t.timeline if t is not None else []
+        out.metrics = RequestMetrics(r.arrival, r.first_scheduled, timeline[0] if timeline else None,
+                                     timeline[-1] if timeline else None, r.params.max_tokens)
         assert r.status is Status.FINISHED and not r.blocks, "finished requests hold no KV"
 
     # -- text -------------------------------------------------------------------------------
@@ -303,10 +321,11 @@ class EngineCore:
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode_rendered_chat(self.render_chat(messages))
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ParamError("messages", "this model has no chat template; use the completions API")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def encode_rendered_chat(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -20,11 +20,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import EngineCore
-from streamsd.server.auth import bearer_matches
+from streamsd.server.auth import ApiKeys
+from streamsd.server.fingerprint import system_fingerprint
 from streamsd.server.metrics import Metrics
-from streamsd.server.openai_routes import chat_completions, completions, models
+from streamsd.server.openai_routes import chat_completions, completions, model, models
+from streamsd.server.origins import OriginPolicy
 from streamsd.server.prompts import PromptEncoder
 from streamsd.server.state import ApiError, ServerState
+from streamsd.server.tokenize_routes import detokenize, tokenize, version
 from streamsd.server.ws import websocket_endpoint
 
 log = logging.getLogger("streamsd")
@@ -66,24 +69,32 @@ async def server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
 
 
-class ApiKeyMiddleware:
-    """Bearer-token check on the HTTP API; the WebSocket route checks its own at connect."""
+# What the API key guards besides /v1/: the tokenisation routes run the model's tokenizer.
+KEYED_PATHS = ("/tokenize", "/detokenize")
 
-    def __init__(self, app: ASGIApp, state: ServerState):
-        self.app, self.state = app, state
+
+class ApiKeyMiddleware:
+    """Bearer-token check on the HTTP API, each request counted under its key's name; the WebSocket
+    route checks its own at connect."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys | None, metrics: Metrics):
+        self.app, self.keys, self.metrics = app, keys, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        key = self.state.api_key
-        if key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        if self.keys and scope["type"] == "http" and (path.startswith("/v1/") or path in KEYED_PATHS):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not bearer_matches(header, key):
+            name = self.keys.bearer(header)
+            if name is None:
                 err = ApiError(401, "a valid API key is required (Authorization: Bearer <key>)")
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
+            self.metrics.key_requests.labels(key=name).inc()
         await self.app(scope, receive, send)
 
 
-def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path | None = None) -> Starlette:
+def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path | None = None,
+               origins: OriginPolicy = OriginPolicy()) -> Starlette:
     metrics = Metrics(state)
 
     @contextlib.asynccontextmanager
@@ -103,7 +114,11 @@ def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path 
     routes: list[Route | WebSocketRoute | Mount] = [
         Route("/health", health),
         Route("/metrics", metrics.endpoint),
+        Route("/version", version),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", models),
+        Route("/v1/models/{model_id:path}", model),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
@@ -114,7 +129,7 @@ def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path 
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(ApiKeyMiddleware, state=state)],
+        middleware=[*origins.middleware(), Middleware(ApiKeyMiddleware, keys=state.api_keys, metrics=metrics)],
         exception_handlers={ApiError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
                             Exception: server_error},
     )
@@ -131,10 +146,11 @@ async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) ->
         state.load_error = f"loading the model failed: {exc}"
         return
     engine = AsyncEngine(core)
-    for pos in range(core.spec.num_tokens if core.spec.enabled else 0):
-        metrics.accepted_pos.labels(position=str(pos))  # every position exported from the start, at 0
+    metrics.engine_loaded(core)
     engine.observers.append(metrics.observe)
+    engine.step_observers.append(metrics.observe_step)
     await engine.start()
     state.prompts = PromptEncoder(core)
+    state.system_fingerprint = system_fingerprint(core, state.served_model_name)
     state.engine = engine
     log.info("ready: serving %s", state.served_model_name)

@@ -5,18 +5,23 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamsd.engine.core import RequestOutput
+from streamsd.engine.core import EngineCore, RequestMetrics, RequestOutput
 from streamsd.policy.policy import AdaptivePolicy
-from streamsd.server.state import ServerState
+from streamsd.sched.plan import StepPlan
+from streamsd.server.state import ServerState, finish_reason
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (*LATENCY_BUCKETS, 160.0, 320.0, 640.0, 1280.0, 2560.0)
+# 1, 2, 5, 10, ... 1e6: token counts, as vLLM buckets them.
+COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
+STEP_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
 
 
 class Metrics:
@@ -49,8 +54,52 @@ class Metrics:
                              buckets=LATENCY_BUCKETS)
         self.queue = Histogram("streamsd:request_queue_time_seconds", "Time waiting before first scheduled",
                                registry=r, buckets=LATENCY_BUCKETS)
+        # Per finished request, from the engine's own timestamps (RequestMetrics).
+        self.success = Counter("streamsd:request_success", "Finished requests by finish reason", ["finished_reason"],
+                               registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(finished_reason=reason)  # exported from the start, at 0
+        self.tpot = Histogram("streamsd:time_per_output_token_seconds",
+                              "A request's decode time per output token after its first", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.prefill = Histogram("streamsd:request_prefill_time_seconds",
+                                 "From first scheduled to first token", registry=r, buckets=REQUEST_BUCKETS)
+        self.decode = Histogram("streamsd:request_decode_time_seconds", "From first token to last", registry=r,
+                                buckets=REQUEST_BUCKETS)
+        self.req_prompt = Histogram("streamsd:request_prompt_tokens", "Prompt tokens per request", registry=r,
+                                    buckets=COUNT_BUCKETS)
+        self.req_generation = Histogram("streamsd:request_generation_tokens", "Generated tokens per request",
+                                        registry=r, buckets=COUNT_BUCKETS)
+        self.req_max_tokens = Histogram("streamsd:request_params_max_tokens", "max_tokens per request", registry=r,
+                                        buckets=COUNT_BUCKETS)
+        # Per step, as the engine reports each executed one (AsyncEngine.step_observers).
+        self.preemptions = Counter("streamsd:num_preemptions", "Requests preempted (their KV recomputed later)",
+                                   registry=r)
+        self.step_tokens = Histogram("streamsd:iteration_tokens_total",
+                                     "Tokens the target computed per step (prompt, pending and draft tokens)",
+                                     registry=r, buckets=STEP_TOKEN_BUCKETS)
+        self.cache_config = Info("streamsd:cache_config", "The KV cache's configuration", registry=r)
+        # Requests by the API key that authenticated them, named (key-1, or NAME from NAME:KEY), never the key.
+        self.key_requests = Counter("streamsd:api_key_requests", "Authenticated API requests (HTTP requests under "
+                                    "/v1/ and WebSocket generations) by API key name", ["key"], registry=r)
+        for name in state.api_keys.names if state.api_keys else []:
+            self.key_requests.labels(key=name)  # every key exported from the start, at 0
         self._last: dict[str, float] = {}
         r.register(_AdaptiveCollector(state))
+
+    def engine_loaded(self, core: EngineCore) -> None:
+        cfg = core.scheduler.cfg
+        self.cache_config.info({"block_size": str(cfg.block_size), "num_gpu_blocks": str(cfg.num_blocks),
+                                "cache_dtype": str(core.rt.worker.cache.data.dtype).removeprefix("torch."),
+                                "device": core.rt.worker.device.type, "max_model_len": str(cfg.max_model_len)})
+        for pos in range(core.spec.num_tokens if core.spec.enabled else 0):
+            self.accepted_pos.labels(position=str(pos))  # every position exported from the start, at 0
+
+    def observe_step(self, plan: StepPlan) -> None:
+        if plan.entries:
+            self.step_tokens.observe(plan.num_tokens)
+        if plan.preempted:
+            self.preemptions.inc(len(plan.preempted))
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -77,6 +126,21 @@ class Metrics:
             self._last.pop(out.request_id, None)
             self.prompt_tokens.inc(out.prompt_tokens)
             self.e2e.observe(now - out.arrival)
+            self.success.labels(finished_reason=finish_reason(out)).inc()
+            self.req_prompt.observe(out.prompt_tokens)
+            self.req_generation.observe(out.completion_tokens)
+            if out.metrics is not None:
+                self._observe_request(out.metrics, out.completion_tokens)
+
+    def _observe_request(self, m: RequestMetrics, completion_tokens: int) -> None:
+        self.req_max_tokens.observe(m.max_tokens)
+        if m.first_scheduled_time is None or m.first_token_time is None or m.last_token_time is None:
+            return  # it never ran, or made no token
+        self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+        decode = m.last_token_time - m.first_token_time
+        self.decode.observe(decode)
+        if completion_tokens > 1:
+            self.tpot.observe(decode / (completion_tokens - 1))
 
     async def endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

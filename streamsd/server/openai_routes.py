@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions (SSE or not), /v1/models."""
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions (SSE or not), /v1/models[/{id}]."""
 
 from __future__ import annotations
 
@@ -41,15 +41,19 @@ async def read_body(request: Request, decoder: msgspec.json.Decoder) -> Any:
     try:
         return decoder.decode(raw)
     except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid request: {exc}", param=_param_of(str(exc))) from exc
+        hint = "; this server does not implement it" if "unknown field" in str(exc) else ""
+        raise ApiError(400, f"invalid request: {exc}{hint}", param=_param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"malformed JSON: {exc}") from exc
 
 
 def _param_of(message: str) -> str | None:
-    # msgspec names the field as `$.field` or `$.field[0].x` at the end of its message.
+    # msgspec names the field as `$.field` or `$.field[0].x` at the end of its message, and a
+    # top-level field it does not know as "unknown field `name`" alone.
     if "`$." in message:
         return message.split("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
+    if "unknown field `" in message:
+        return message.split("unknown field `", 1)[1].split("`", 1)[0]
     return None
 
 
@@ -76,7 +80,8 @@ class _Completion:
 
     def _base(self, chunk: bool) -> dict[str, Any]:
         obj = self.object + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.served_model_name}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.served_model_name,
+                "system_fingerprint": self.state.system_fingerprint}
 
     def _logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -149,6 +154,8 @@ async def _serve(request: Request, chat: bool) -> Response:
     engine, prompts = state.ready()
     body: ChatCompletionRequest | CompletionRequest = await read_body(request, chat_decoder if chat else completion_decoder)
     state.check_model(body.model)
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     params = sampling_params(body, engine.core.rt.generation_defaults)
     return await unless_disconnected(request.receive, _answer(state, engine, prompts, body, params, chat))
 
@@ -195,11 +202,20 @@ async def completions(request: Request) -> Response:
     return await _serve(request, chat=False)
 
 
-async def models(request: Request) -> Response:
-    state: ServerState = request.app.state.streamsd
+def _model_card(state: ServerState) -> dict[str, Any]:
     engine = state.engine
     max_len = engine.core.scheduler.cfg.max_model_len if engine else None
-    return JSONResponse({"object": "list", "data": [{
-        "id": state.served_model_name, "object": "model", "created": int(state.started), "owned_by": "streamsd",
-        "max_model_len": max_len, "speculation": speculation(engine.core.spec) if engine else None,
-    }]})
+    return {"id": state.served_model_name, "object": "model", "created": int(state.started), "owned_by": "streamsd",
+            "max_model_len": max_len, "speculation": speculation(engine.core.spec) if engine else None}
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.streamsd)]})
+
+
+async def model(request: Request) -> Response:
+    state: ServerState = request.app.state.streamsd
+    name = request.path_params["model_id"]
+    if name != state.served_model_name:
+        raise state.unknown_model(name)
+    return JSONResponse(_model_card(state))

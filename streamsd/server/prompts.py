@@ -20,6 +20,7 @@ from streamsd.server.state import ApiError
 from streamsd.server.token_bound import max_chars_per_token
 
 T = TypeVar("T")
+Tokenized = tuple[list[int], list[str] | None]  # the ids, and their token strings when asked for
 TOKENIZER_THREADS = 2
 
 
@@ -42,18 +43,47 @@ class PromptEncoder:
         return await self._run(self.core.encode_prompt, prompt)
 
     async def chat(self, messages: list[ChatMessage], max_tokens: int) -> list[int]:
-        return await self._run(self._chat, [{"role": m.role, "content": m.text()} for m in messages], max_tokens)
+        return await self._run(self._chat, _as_dicts(messages), max_tokens)
 
     def _chat(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
         """On the pool: render, refuse what cannot fit, tokenise."""
+        text = self._render(messages, add_generation_prompt=True)
+        self._check_length(len(text), max_tokens, "messages")
+        return self.core.encode_rendered_chat(text)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
-            text = self.core.render_chat(messages)
+            return self.core.render_chat(messages, add_generation_prompt)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
         except Exception as exc:  # chat templates raise their own errors for unsupported role orders
             raise ApiError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
-        self._check_length(len(text), max_tokens, "messages")
-        return self.core.encode_rendered_chat(text)
+
+    # -- /tokenize and /detokenize: no context bound, the caller asks about the text itself ------
+    async def tokenize_text(self, prompt: str, add_special_tokens: bool, with_strs: bool) -> Tokenized:
+        return await self._run(self._tokenize, prompt, add_special_tokens, with_strs)
+
+    async def tokenize_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                            add_special_tokens: bool, with_strs: bool) -> Tokenized:
+        def run() -> Tokenized:
+            text = self._render(_as_dicts(messages), add_generation_prompt)
+            return self._tokenize(text, add_special_tokens, with_strs)
+
+        return await self._run(run)
+
+    def _tokenize(self, text: str, add_special_tokens: bool, with_strs: bool) -> Tokenized:
+        tok = self.core.tokenizer
+        ids = list(tok.encode(text, add_special_tokens=add_special_tokens))
+        return ids, (list(tok.convert_ids_to_tokens(ids)) if with_strs else None)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        return await self._run(self._decode, ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        vocab = self.core.rt.args.vocab_size
+        if any(t >= vocab for t in ids):  # negative ids are refused by the wire type
+            raise ApiError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+        return self.core.tokenizer.decode(ids)
 
     def _check_length(self, chars: int, max_tokens: int, param: str) -> None:
         if self.chars_per_token is None:
@@ -65,3 +95,7 @@ class PromptEncoder:
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+
+def _as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    return [{"role": m.role, "content": m.text()} for m in messages]

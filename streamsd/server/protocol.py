@@ -1,12 +1,14 @@
 """Wire types (msgspec) for the OpenAI routes and the WebSocket protocol, with their bounds.
 
-msgspec rejects wrong types and out-of-range values with a message naming the field; the
-remaining cross-field rules live in SamplingParams. Decoders and encoders are built once.
+msgspec rejects wrong types, out-of-range values and fields these types do not declare, with a
+message naming the field; OpenAI fields declared here but not honoured are refused by
+unsupported.py, and the remaining cross-field rules live in SamplingParams. Decoders and encoders
+are built once.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -44,11 +46,11 @@ class Speculative(msgspec.Struct, forbid_unknown_fields=True):
     draft_greedy_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] | None = None
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The sampling fields every request kind shares (HTTP bodies and WebSocket frames)."""
 
     model: str | None = None
@@ -68,7 +70,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # the end user, as a client labels it: nothing here depends on it
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
@@ -78,18 +80,41 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     # A string, token ids, or a one-element list of strings (n prompts per request is not supported).
     prompt: str | Annotated[list[int | str], msgspec.Meta(min_length=1)]
     echo: bool = False
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
+    suffix: str | None = None
 
 
 class WsGenerate(SamplingFields, tag="generate", tag_field="type", kw_only=True):
     id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
+    add_generation_prompt: bool | None = None  # messages only; default true
+    add_special_tokens: bool | None = None  # default true for a prompt, false for messages (as the routes run)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[Annotated[int, msgspec.Meta(ge=0)]]
 
 
 class WsCancel(msgspec.Struct, tag="cancel", tag_field="type"):
@@ -101,4 +126,6 @@ WsClientMessage = WsGenerate | WsCancel
 chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 completion_decoder = msgspec.json.Decoder(CompletionRequest)
 ws_decoder = msgspec.json.Decoder(WsClientMessage)
+tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 encoder = msgspec.json.Encoder()

@@ -5,6 +5,8 @@ SIGTERM: /health turns 503 and new requests get 503 at once; running requests ge
 those still queued (never run) get 503; the process exits 0.
 A second SIGTERM, or SIGINT, exits without waiting. A model that cannot load ends the process
 with status 1 after its one error line: a supervisor restarts it, a person sees it at once.
+With certificate files it speaks https and wss only (uvicorn's TLS); with a CA file as well, it
+asks every client for a certificate signed by it and refuses those without.
 """
 
 from __future__ import annotations
@@ -12,18 +14,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
 from streamsd.server import access_log
 from streamsd.server.app import EngineFactory, create_app
+from streamsd.server.origins import OriginPolicy
 from streamsd.server.state import ServerState
 
 log = logging.getLogger("streamsd")
 WS_MAX_FRAME = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Tls:
+    certfile: str
+    keyfile: str
+    ca_certs: str | None = None  # client certificates required, signed by these
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        return {"ssl_certfile": self.certfile, "ssl_keyfile": self.keyfile, "ssl_ca_certs": self.ca_certs,
+                "ssl_cert_reqs": ssl.CERT_REQUIRED if self.ca_certs else ssl.CERT_NONE}
 
 
 class DrainingServer(uvicorn.Server):
@@ -66,14 +83,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(state: ServerState, factory: EngineFactory, host: str, port: int, web_dir: Path | None,
-          log_level: str = "info", access_log_enabled: bool = True) -> int:
-    app = create_app(state, factory, web_dir)
+          log_level: str = "info", access_log_enabled: bool = True, origins: OriginPolicy = OriginPolicy(),
+          tls: Tls | None = None) -> int:
+    app = create_app(state, factory, web_dir, origins)
     config = uvicorn.Config(
         app, host=host, port=port, loop="uvloop", http="httptools", ws="websockets-sansio",
         ws_max_size=WS_MAX_FRAME, log_level=log_level, timeout_graceful_shutdown=5,
-        access_log=access_log_enabled, lifespan="on",
+        access_log=access_log_enabled, lifespan="on", **(tls.uvicorn_options() if tls else {}),
     )
-    access_log.install(access_log_enabled)
+    access_log.install(access_log_enabled, state.api_keys)
     server = DrainingServer(config, state)
     server.run()
     return 1 if state.load_error else 0

@@ -14,8 +14,10 @@ from streamsd.engine.core import RequestOutput
 from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.request import SamplingParams, SpecStats
 from streamsd.server.protocol import SamplingFields
+from streamsd.server.unsupported import unsupported_field
 
 if TYPE_CHECKING:
+    from streamsd.server.auth import ApiKeys
     from streamsd.server.prompts import PromptEncoder
 
 
@@ -33,7 +35,7 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.headers = headers
-        self.code = code or {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
+        self.code = code or {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
                              405: "method_not_allowed", 413: "request_too_large", 429: "queue_full",
                              503: "unavailable"}.get(status, "internal_error")
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
@@ -50,12 +52,13 @@ class ApiError(Exception):
 @dataclass(slots=True)
 class ServerState:
     served_model_name: str
-    api_key: str | None = None
+    api_keys: ApiKeys | None = None
     max_queue: int = 1024
     drain_timeout: float = 30.0
     engine: AsyncEngine | None = None
     prompts: PromptEncoder | None = None
     load_error: str | None = None
+    system_fingerprint: str | None = None  # set with the engine (fingerprint.py)
     draining: bool = False
     started: float = field(default_factory=time.time)
 
@@ -72,9 +75,13 @@ class ServerState:
         return engine, self.prompts
 
     def check_model(self, name: str | None) -> None:
+        """A request may leave the model out; if it names one, it must be the served one."""
         if name and name != self.served_model_name:
-            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.served_model_name}'",
-                           param="model", code="model_not_found")
+            raise self.unknown_model(name)
+
+    def unknown_model(self, name: str) -> ApiError:
+        return ApiError(404, f"the model '{name}' does not exist; this server serves '{self.served_model_name}'",
+                        param="model", code="model_not_found")
 
     def check_queue(self, engine: AsyncEngine) -> None:
         if len(engine.core.scheduler.waiting) >= self.max_queue:
@@ -83,8 +90,9 @@ class ServerState:
 
 def sampling_params(f: SamplingFields, defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
     """The request's fields; a sampling field it leaves out takes the model's default (`defaults`)."""
-    if f.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    refusal = unsupported_field(f)
+    if refusal is not None:
+        raise ApiError(400, refusal.message, param=refusal.param)
     top_n = None
     if f.logprobs is True or (isinstance(f.logprobs, int) and not isinstance(f.logprobs, bool)):
         top_n = f.top_logprobs or 0 if f.logprobs is True else int(f.logprobs)
@@ -135,11 +143,15 @@ def finish_reason(out: RequestOutput) -> str:
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage; speculation in its predicted-output fields (drafts the target accepted, and
+    drafted but rejected) and in detail under `speculative`."""
     stats = out.stats or SpecStats()
     return {
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "total_tokens": out.prompt_tokens + out.completion_tokens,
+        "completion_tokens_details": {"accepted_prediction_tokens": stats.accepted,
+                                      "rejected_prediction_tokens": stats.drafted - stats.accepted},
         "speculative": stats.as_dict(),
     }
 

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamsd.server.auth import bearer_matches, key_matches
+from streamsd.server.auth import PROTOCOL, ApiKeys
 from streamsd.server.protocol import WsCancel, WsGenerate, encoder, ws_decoder
 from streamsd.server.state import (
     ApiError,
@@ -24,8 +24,8 @@ from streamsd.server.state import (
 
 
 class Session:
-    def __init__(self, ws: WebSocket, state: ServerState):
-        self.ws, self.state = ws, state
+    def __init__(self, ws: WebSocket, state: ServerState, key_name: str | None = None):
+        self.ws, self.state, self.key_name = ws, state, key_name
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.send_lock = asyncio.Lock()
 
@@ -58,6 +58,8 @@ class Session:
         if msg.id in self.tasks:
             await self.error(msg.id, "a request with this id is already running", "duplicate_id")
             return
+        if self.key_name is not None:
+            self.ws.app.state.metrics.key_requests.labels(key=self.key_name).inc()
         try:
             engine, prompts = self.state.ready()
             self.state.check_model(msg.model)
@@ -119,19 +121,22 @@ def _id_of(raw: str) -> str | None:
     return None
 
 
-def _authorized(ws: WebSocket, key: str | None) -> bool:
-    if not key:
-        return True
-    return bearer_matches(ws.headers.get("authorization"), key) or key_matches(ws.query_params.get("api_key"), key)
+def _key_name(ws: WebSocket, keys: ApiKeys) -> str | None:
+    """The name of the key the handshake carries: in `Authorization: Bearer`, in a subprotocol
+    (browsers can set no header), or in an `api_key` query parameter (redacted from logs, but a
+    URL travels further than a header: proxies' logs, histories)."""
+    return (keys.bearer(ws.headers.get("authorization")) or keys.subprotocol(ws.scope.get("subprotocols", []))
+            or keys.match(ws.query_params.get("api_key")))
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:
     state: ServerState = ws.app.state.streamsd
-    if not _authorized(ws, state.api_key):
+    key_name = _key_name(ws, state.api_keys) if state.api_keys else None
+    if state.api_keys and key_name is None:
         await ws.close(code=1008, reason="invalid API key")
         return
-    await ws.accept()
-    session = Session(ws, state)
+    await ws.accept(subprotocol=PROTOCOL if PROTOCOL in ws.scope.get("subprotocols", []) else None)
+    session = Session(ws, state, key_name)
     try:
         while True:
             message = await ws.receive()

@@ -192,7 +192,7 @@ class Lookahead:
 
     def queue_tree(self, entries: list[Scheduled], k: int, result: torch.Tensor, key: tuple[int, int],
                    reach: int) -> None:
-        """Records the tree step just queued (worker/tree_runner.py) for `entries`: its graph's result, its
+        """Records the tree step just queued (worker/steps/tree.py) for `entries`: its graph's result, its
         rows' starts still to come (`place`), the blocks it may write up to `reach` past them."""
         bs = self.block_size
         first = [e.start // bs for e in entries]

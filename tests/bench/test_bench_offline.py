@@ -330,7 +330,7 @@ def test_synthetic_steps_queue_ahead_and_change_nothing(tiny_model_dir, alpha):
     """With its drafts made on the device, a synthetic speculative step queues the next one before
     it is read (pipelined, here on the CPU): outputs equal plain decoding, and drafted / accepted
     counts equal the engine that reads every step first (both with one k to max_tokens, as the
-    benchmark runs them: runtime.queue_chains)."""
+    benchmark runs them: builder.queue_chains)."""
     import dataclasses
 
     from streamsd.config import EngineConfig, SpecConfig
@@ -343,8 +343,8 @@ def test_synthetic_steps_queue_ahead_and_change_nothing(tiny_model_dir, alpha):
         rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method=None, num_tokens=4),
                                         device="cpu", max_num_seqs=4, pipeline=pipeline))
         plain = offline_run.engine_pass(rt, dataclasses.replace(spec, method=None), prompts, 40, 4, speculative=False)
-        rt.worker.proposer = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
-                                               alpha, rt.args.vocab_size)
+        oracle = {tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)}
+        rt.worker.use_proposer(SyntheticProposer(oracle, alpha, rt.args.vocab_size))
         rt = dataclasses.replace(rt, scheduler_config=queue_chains(rt.worker, rt.scheduler_config, 4))
         res = offline_run.engine_pass(rt, spec, prompts, 40, 4, speculative=True)
         assert res.outputs == plain.outputs and res.drafted > 100
@@ -374,8 +374,8 @@ def test_a_batch_that_starts_together_takes_every_queued_step(tiny_model_dir, k)
                                     device="cpu", max_num_seqs=8, pipeline=True))
     spec = SpecConfig(method="synthetic", num_tokens=k, policy="fixed")
     plain = offline_run.engine_pass(rt, dataclasses.replace(spec, method=None), prompts, 32, 8, speculative=False)
-    rt.worker.proposer = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
-                                           0.7, rt.args.vocab_size)
+    oracle = {tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)}
+    rt.worker.use_proposer(SyntheticProposer(oracle, 0.7, rt.args.vocab_size))
     rt = dataclasses.replace(rt, scheduler_config=queue_chains(rt.worker, rt.scheduler_config, k))
     la = rt.worker.lookahead
     taken, dropped = la.taken, la.dropped

@@ -601,7 +601,7 @@ def test_graph_replay_returns_the_eager_hidden_streams(tiny_model_dir):
     all_rows = torch.arange(sum(counts), device=DEV)
     ref = model(torch.tensor(ids, device=DEV), BatchLayout.build(lens, counts, tables, bs, DEV), cache,
                 torch.tensor(rows, device=DEV), hidden_layers=layers, hidden_rows=all_rows)
-    ref_hidden = torch.cat(ref.hidden, dim=-1)  # [T, 3 * hidden], as Worker._forward builds it
+    ref_hidden = torch.cat(ref.hidden, dim=-1)  # [T, 3 * hidden], as the full step's forward builds it
     cache.data.copy_(before)
     runner = GraphRunner(model, cache, scratch, GraphConfig(max_blocks=8, query_widths=(1, 4)), DEV,
                          hidden_layers=layers)

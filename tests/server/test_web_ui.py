@@ -24,6 +24,7 @@ import json
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -32,6 +33,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.tls import self_signed, trusting
 
 pytestmark = pytest.mark.browser
 
@@ -76,20 +79,21 @@ def browser():
 
 
 @contextlib.contextmanager
-def _serve(args: list[str], log_path: Path, ready_timeout_s: float = 120):
-    """Run ``streamsd serve ARGS`` on a free loopback port until /health answers 200; yield its URL."""
+def _serve(args: list[str], log_path: Path, ready_timeout_s: float = 120, tls: ssl.SSLContext | None = None):
+    """Run ``streamsd serve ARGS`` on a free loopback port until /health answers 200; yield its URL.
+    ``tls``: the server speaks https (its certificate in ARGS), trusted through this context."""
     port = _free_port()
     cmd = [sys.executable, "-m", "streamsd.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    base = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
             try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{base}/health", timeout=2, context=tls) as r:
                     if r.status == 200:
                         break
             except OSError:
@@ -139,14 +143,20 @@ def static_server():
 
 @pytest.fixture
 def new_page(browser):
-    """Opens pages that record console errors; the test fails if any were logged."""
+    """Opens pages that record console errors; the test fails if any were logged, but for those
+    matching ``expected_errors`` (a regular expression)."""
     contexts, errors = [], []
 
-    def make(**ctx_args):
+    def make(expected_errors: str | None = None, **ctx_args):
         ctx = browser.new_context(viewport=VIEWPORT, **ctx_args)
         contexts.append(ctx)
         page = ctx.new_page()
-        page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+
+        def on_console(m):
+            if m.type == "error" and not (expected_errors and re.search(expected_errors, m.text)):
+                errors.append(f"console: {m.text}")
+
+        page.on("console", on_console)
         page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
         return page
 
@@ -422,6 +432,64 @@ SCREENSHOT_TURNS = [
 ]
 
 
+def test_ui_asks_for_the_api_key_over_https_and_never_puts_it_in_an_address(new_page, tiny_model_dir, tmp_path):
+    """Under --api-key (and TLS: the page and its socket over https and wss), the page asks for the
+    key in a dialog, says when the server refuses one, and works once it has the right one; the
+    key reaches no address: not the page's, not a request's, not the server's log."""
+    key = "sk-ui-7f3Qz"
+    cert, tls_key = self_signed(tmp_path, "server")
+    log = tmp_path / "serve.log"
+    args = ["--model", str(tiny_model_dir), "--device", "cpu", "--api-key", f"ui:{key}",
+            "--ssl-certfile", str(cert), "--ssl-keyfile", str(tls_key)]
+    urls: list[str] = []
+    with _serve(args, log, tls=trusting(cert)) as base:
+        # The browser logs each 401 the page's probe gets while it has no (right) key.
+        page = new_page(expected_errors=r"status of 401", ignore_https_errors=True)
+        page.on("request", lambda r: urls.append(r.url))
+        page.on("websocket", lambda ws: urls.append(ws.url))
+        page.goto(base)
+        dialog = page.get_by_role("dialog", name="API key")
+        expect(dialog).to_be_visible()
+        field = dialog.get_by_label("API key")
+        expect(field).to_be_focused()
+        field.fill("sk-wrong")
+        field.press("Enter")
+        expect(dialog.get_by_role("alert")).to_have_text("The server refused this key.")
+        expect(field).to_be_focused()
+        field.fill(key)
+        dialog.get_by_role("button", name="Connect").click()
+        expect(dialog).to_be_hidden()
+        expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+        expect(page.locator("#model-name")).to_have_text(tiny_model_dir.name)
+        _set_settings(page, max_tokens=8)
+        _send(page, "Hello there")
+        expect(page.get_by_test_id("assistant-message").last).to_have_attribute("data-status", "done",
+                                                                                 timeout=60_000)
+        # This tab keeps the key: a reload asks nothing.
+        page.reload()
+        expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+        expect(dialog).to_be_hidden()
+        assert page.url == f"{base}/"
+        # A key given in the address anyway leaves it at once and is used from headers.
+        other = new_page(ignore_https_errors=True)
+        other_urls: list[str] = []
+        other.on("request", lambda r: other_urls.append(r.url))
+        other.on("websocket", lambda ws: other_urls.append(ws.url))
+        other.goto(f"{base}/?api_key={key}")
+        assert other.url == f"{base}/"
+        expect(other.locator("#conn")).to_have_attribute("data-state", "open")
+        expect(other.get_by_role("dialog", name="API key")).to_be_hidden()
+        _send(other, "Hi")
+        expect(other.get_by_test_id("assistant-message").last).to_have_attribute("data-status", "done",
+                                                                                  timeout=60_000)
+        page.close()  # before the server goes: their reconnects would log errors
+        other.close()
+    assert any(u.startswith("wss://") for u in urls) and any(u.endswith("/v1/models") for u in urls), urls
+    assert other_urls[0] == f"{base}/?api_key={key}"  # the navigation the test itself made
+    assert not [u for u in urls + other_urls[1:] if key in u]
+    assert key not in log.read_text()
+
+
 @pytest.mark.slow
 def test_readme_screenshot(new_page, tmp_path):
     """docs/screenshot.png: a finished conversation with provenance on, from the embedded default
@@ -600,21 +668,23 @@ def test_connection_loss_reconnects_and_retry_works(new_page, static_server):
     expect(reply.locator(".md")).to_have_text("Back again.")
 
 
-def test_api_key_from_the_page_url_reaches_socket_and_api(new_page, static_server):
+def test_api_key_in_the_page_address_moves_out_of_it_into_headers(new_page, static_server):
     page = new_page()
-    auth, urls = [], []
+    auth, sockets = [], []
 
     def models(route):
         auth.append(route.request.headers.get("authorization"))
         route.fulfill(json=MODELS)
 
     page.route("**/v1/models", models)
-    page.route_web_socket(re.compile(r".*/v1/ws.*"), lambda ws: urls.append(ws.url))
-    page.goto(f"{static_server}/?api_key=s3cret")
+    page.route_web_socket(re.compile(r".*/v1/ws.*"), lambda ws: sockets.append(ws.url))
+    page.goto(f"{static_server}/?api_key=s3cret&x=1#top")
+    assert page.url == f"{static_server}/?x=1#top"
     expect(page.locator("#conn")).to_have_attribute("data-state", "open")
     expect(page.locator("#model-name")).to_have_text("tiny")
-    assert urls == [f"{static_server.replace('http', 'ws')}/v1/ws?api_key=s3cret"]
-    assert auth == ["Bearer s3cret"]
+    assert sockets == [f"{static_server.replace('http', 'ws')}/v1/ws"]
+    assert auth and set(auth) == {"Bearer s3cret"}
+    assert page.evaluate("sessionStorage.getItem('streamsd.apiKey')") == "s3cret"
 
 
 def test_keyboard_new_chat_and_settings(new_page, static_server):

@@ -581,14 +581,14 @@ def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadli
     prompts = [" ".join(CORPUS[i].split()[:6]) for i in range(6)]
     llm = LLM(str(tiny_model_dir), max_num_seqs=4, kv_cache_tokens=160, pipeline=True)
     worker, static = llm.core.rt.worker, torch.empty(4096, 3 * 64)
-    forward = worker._forward
+    forward = worker.full.forward
 
     def graph_like(entries):
         logits, hidden = forward(entries)
         static[: hidden.shape[0], : hidden.shape[1]] = hidden
         return logits, static[: hidden.shape[0], : hidden.shape[1]]
 
-    worker._forward = graph_like
+    worker.full.forward = graph_like  # type: ignore[method-assign]
     target, sched = llm.core.rt.worker.target, llm.core.scheduler
     preempted = []
     preempt = sched._preempt

@@ -168,8 +168,8 @@ def test_switches_take_the_step_queued_ahead(tiny_model_dir):
     rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method=None, num_tokens=4),
                                     device="cpu", max_num_seqs=4, pipeline=True))
     plain = offline_run.engine_pass(rt, SpecConfig(method=None, num_tokens=4), prompts, 60, 4, speculative=False)
-    rt.worker.proposer = SyntheticProposer({tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)},
-                                           0.7, rt.args.vocab_size)
+    oracle = {tuple(p): o for p, o in zip(prompts, plain.outputs, strict=True)}
+    rt.worker.use_proposer(SyntheticProposer(oracle, 0.7, rt.args.vocab_size))
     la = rt.worker.lookahead
     la.chained = True
     script = [0, 0, 0, 4, 4, 4, 0, 0, 0, 3, 3, 3, 1, 1, 1, 0, 0, 0, 2, 2, 2, 4, 4, 4, 0, 0, 0] * 3

@@ -1,0 +1,1 @@
+"""One runner per step kind: the worker picks one for each plan (worker/worker.py)."""
