@@ -78,15 +78,20 @@ def penalise(entries: list[Scheduled], rows: torch.Tensor, bits: list[list[int]]
     rep, freq, pres = (floats[k * n : (k + 1) * n].view(n, 1, 1) for k in range(3))
     bias = torch.zeros(n * vocab, dtype=torch.float32, device=dev).index_put_((bias_idx,), floats[3 * n :],
                                                                                accumulate=True)
-    counts = (torch.bincount(out_at, minlength=n * vocab).view(n, 1, vocab)
-              + torch.bincount(win_at, minlength=n * width * vocab).view(n, width, vocab)).float()  # [P, W, V]
-    in_prompt = torch.bincount(prompt_at, minlength=n * vocab).view(n, 1, vocab) > 0  # [P, 1, V]
+    counts = _count(out_at, n * vocab).view(n, 1, vocab) + _count(win_at, n * width * vocab).view(n, width, vocab)
+    in_prompt = _count(prompt_at, n * vocab).view(n, 1, vocab) > 0  # [P, 1, V]
     x = rows.index_select(0, index).float() + bias.view(n, 1, vocab)  # [P, W, V]
     x = torch.where(in_prompt | (counts > 0), torch.where(x > 0, x / rep, x * rep), x)
     x = x - freq * counts - pres * (counts > 0).float()
     out = rows.to(torch.float32, copy=True)
     out.index_copy_(0, index, x)
     return out
+
+
+def _count(at: torch.Tensor, size: int) -> torch.Tensor:
+    """Occurrences of each flat index, float32 [size]; unlike torch.bincount, no host read on CUDA."""
+    ones = torch.ones(at.shape, dtype=torch.float32, device=at.device)
+    return torch.zeros(size, dtype=torch.float32, device=at.device).index_put_((at,), ones, accumulate=True)
 
 
 def _cat(parts: list[np.ndarray], dtype: type = np.int64) -> np.ndarray:
