@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_TOP_LOGPROBS = 5
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +17,10 @@ class SamplingParams:
 
     `speculative` (None = the engine's default) switches speculation for this request, and
     `num_speculative_tokens` caps its k below the engine's maximum.
+
+    `logit_bias` (token id -> value added to its logit), `repetition_penalty`, `frequency_penalty`
+    and `presence_penalty` change the target's logits before warping (sample/penalties.py says how
+    speculation stays exact with them); `penalised` says whether any of them is in effect.
     """
 
     temperature: float = 1.0
@@ -32,6 +37,12 @@ class SamplingParams:
     speculative: bool | None = None
     num_speculative_tokens: int | None = None
     draft_greedy_threshold: float | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Read for every request of every step: computed once, not per read.
+    penalised: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
@@ -56,6 +67,20 @@ class SamplingParams:
         _check(len(self.stop_strings) <= 16, "stop", "at most 16 stop strings")
         for t in self.stop_token_ids or []:
             _check(isinstance(t, int) and t >= 0, "stop_token_ids", "must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_number(v) and -2.0 <= v <= 2.0, name, "must be in [-2, 2]")
+        _check(_number(self.repetition_penalty) and self.repetition_penalty > 0.0, "repetition_penalty",
+               "must be > 0 (1 = off)")
+        _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias",
+               "must map token ids to numbers")
+        for t, v in (self.logit_bias or {}).items():
+            _check(isinstance(t, int) and not isinstance(t, bool) and t >= 0, "logit_bias",
+                   f"keys must be token ids (integers >= 0), not {t!r}")
+            _check(_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS, "logit_bias",
+                   f"values must be in [-100, 100] (token {t}: {v!r})")
+        object.__setattr__(self, "penalised", bool(self.logit_bias) or self.presence_penalty != 0.0
+                           or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -79,6 +104,10 @@ class ParamError(ValueError):
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise ParamError(param, message)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class FinishReason(enum.StrEnum):

@@ -109,6 +109,8 @@ class EngineCore:
             raise ParamError("prompt", f"token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids or ()):
             raise ParamError("stop_token_ids", f"must be token ids in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ParamError("logit_bias", f"token ids must be in [0, {vocab})")
         r = Request(
             request_id=request_id,
             prompt_ids=list(prompt_ids),

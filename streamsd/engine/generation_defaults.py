@@ -1,16 +1,10 @@
 """A model's own sampling defaults, from its generation_config.json, for requests that leave them out.
 
 Models ship the sampling they were tuned for (SmolLM2-135M-Instruct's card: temperature 0.2, top-p
-0.9; Qwen2: temperature 0.7, top-p 0.8, top-k 20); a small model sampled at the OpenAI default of
-temperature 1.0 rambles. As vLLM's ``--generation-config auto`` does, a field a request does not set
-takes the model's value, and only then the API's own default; ``none`` ignores the file. An
-explicit value always wins, and ``do_sample`` is not read (vLLM does not either).
-
-A repetition penalty cannot be applied without giving up exactness: the penalty changes the
-target's distribution by the tokens generated so far, and the verifier would have to apply it at
-every drafted position with the drafts before it counted as generated. streamsd does not implement
-it, so a model default for it is reported once at load (``unapplied``) and a request asking for one
-is refused, never dropped in silence.
+0.9; Qwen2: temperature 0.7, top-p 0.8, top-k 20, repetition penalty 1.05); a small model sampled at
+the OpenAI default of temperature 1.0 rambles. As vLLM's ``--generation-config auto`` does, a field a
+request does not set takes the model's value, and only then the API's own default; ``none`` ignores
+the file. An explicit value always wins, and ``do_sample`` is not read (vLLM does not either).
 
 Imports no torch: the server's wire layer uses it.
 """
@@ -48,7 +42,7 @@ class GenerationDefaults:
             if isinstance(v, bool) or not isinstance(v, int | float):
                 continue
             value = max(int(v), 0) if f.name == "top_k" else float(v)  # top_k -1: no cut, as 0
-            if f.name != "repetition_penalty" and not _valid(f.name, value):
+            if not _valid(f.name, value):
                 log.warning("ignoring the model's default %s=%r: out of range", f.name, v)
                 continue
             values[f.name] = value
@@ -69,35 +63,29 @@ class GenerationDefaults:
             return cls()
         return cls.from_dict(content) if isinstance(content, dict) else cls()
 
-    @property
-    def unapplied(self) -> dict[str, float]:
-        """Defaults the engine does not implement (and so does not apply)."""
-        rp = self.repetition_penalty
-        return {"repetition_penalty": rp} if rp is not None and rp != 1.0 else {}
-
     def as_dict(self) -> dict[str, float | int]:
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
     def log_at_load(self, source: Path) -> None:
-        applied = {k: v for k, v in self.as_dict().items() if k != "repetition_penalty"}
+        applied = self.as_dict()
         if applied:
             log.info("sampling defaults from %s for requests that leave them out: %s", source,
                      ", ".join(f"{k}={v:g}" for k, v in applied.items()))
-        for name, value in self.unapplied.items():
-            log.warning("the model's generation_config.json sets %s=%g, which streamsd does not implement "
-                        "(it would break exact speculation): requests sample without it", name, value)
 
     def sampling_params(self, *, temperature: float | None = None, top_p: float | None = None,
-                        top_k: int | None = None, min_p: float | None = None, fallback_temperature: float = 1.0,
+                        top_k: int | None = None, min_p: float | None = None,
+                        repetition_penalty: float | None = None, fallback_temperature: float = 1.0,
                         **rest: Any) -> SamplingParams:
         """SamplingParams with every sampling field the caller left None taken from the model, else from
-        the API's defaults (temperature ``fallback_temperature``, no top-p/top-k/min-p cut)."""
+        the API's defaults (temperature ``fallback_temperature``, no top-p/top-k/min-p cut, no
+        repetition penalty)."""
         def pick(given: Any, model: Any, fallback: Any) -> Any:
             return given if given is not None else model if model is not None else fallback
 
         return SamplingParams(temperature=pick(temperature, self.temperature, fallback_temperature),
                               top_p=pick(top_p, self.top_p, 1.0), top_k=pick(top_k, self.top_k, 0),
-                              min_p=pick(min_p, self.min_p, 0.0), **rest)
+                              min_p=pick(min_p, self.min_p, 0.0),
+                              repetition_penalty=pick(repetition_penalty, self.repetition_penalty, 1.0), **rest)
 
 
 def _valid(name: str, value: float) -> bool:

@@ -59,19 +59,21 @@ def verify_trees(v: Verifier, entries: list[Scheduled], logits: torch.Tensor, ca
     parents = np.full((b, max(n, 1)), NONE, dtype=np.int64)  # [B, N]
     index = np.zeros((b, n + 1), dtype=np.int64)  # [B, N + 1] each window row's logits row
     depth = np.zeros((b, n + 1), dtype=np.int64)  # [B, N + 1]
+    bits: list[list[int]] = []  # [B][<= N + 1] each window row's path: a penalised row counts its drafts
     row = 0
     for i, e in enumerate(entries):
         k, r = e.num_drafts, e.request
+        bits.append([1])
         if k:
             assert r.draft_parents, "tree verification of drafts without a tree"
             tokens[i, :k] = r.draft_ids[:k]
             parents[i, :k] = r.draft_parents[:k]
-            depth[i, : k + 1] = host_tree(r.draft_parents[:k])[0]
+            depth[i, : k + 1], bits[i] = host_tree(r.draft_parents[:k])
         index[i] = row + np.minimum(np.arange(n + 1), k)  # padding rows repeat the last: never read
         row += 1 + k
     depth_t = h2d(torch.from_numpy(depth), torch.int64, dev)  # [B, N + 1]
     rows = logits[h2d(torch.from_numpy(index.ravel()), torch.int64, dev)].view(b, n + 1, -1)  # [B, N + 1, V]
-    rows = v.suppress_early_stops(entries, rows, depth=depth)
+    rows = v.adjust_rows(entries, rows, depth=depth, bits=bits)
     target = _target_tokens(v, reqs, rows, depth_t)  # [B, N + 1]
     width = max_depth + 1
     if n == 0:  # no trees (a request's prompt, plain rows): nothing to walk or move, the row's token is all

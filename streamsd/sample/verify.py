@@ -18,6 +18,7 @@ import torch
 from streamsd.model.kv_cache import h2d
 from streamsd.request import Request
 from streamsd.sample.greedy import row_argmax
+from streamsd.sample.penalties import penalise
 from streamsd.sample.rejection import VerifyInput, rejection_sample
 from streamsd.sample.sampler import sample_keyed, token_logprobs
 from streamsd.sample.warp import WarpParams, warp
@@ -70,8 +71,9 @@ class Verifier:
         return self.read(self.launch(entries, logits, chain, greedy=greedy))
 
     def _rows(self, entries: list[Scheduled], logits: torch.Tensor, k: int) -> torch.Tensor:
-        """Each entry's rows of the step's logits [rows, V] as [B, K+1, V], early stops suppressed."""
-        return self.suppress_early_stops(entries, self._per_entry(entries, logits, k))
+        """Each entry's rows of the step's logits [rows, V] as [B, K+1, V], early stops suppressed and
+        penalties applied."""
+        return self.adjust_rows(entries, self._per_entry(entries, logits, k))
 
     def _per_entry(self, entries: list[Scheduled], x: torch.Tensor, k: int) -> torch.Tensor:
         """x [rows, ...], one row per verified token of the step -> [B, K+1, ...], each entry's rows;
@@ -95,8 +97,10 @@ class Verifier:
         dev = self.device
         reqs = [e.request for e in entries]
         k = max(e.num_drafts for e in entries)
-        # Every row greedy, nothing suppressed, no log-probabilities: only the target's argmax is read.
-        argmax_only = all(r.params.greedy and r.params.logprobs is None and not below_min_tokens(r) for r in reqs)
+        # Every row greedy, nothing suppressed or penalised, no log-probabilities: only the target's
+        # argmax is read.
+        argmax_only = all(r.params.greedy and r.params.logprobs is None and not r.params.penalised
+                          and not below_min_tokens(r) for r in reqs)
         if greedy is not None and greedy[0].shape[1] > k and argmax_only:
             tokens, accepted = greedy[0][:, : k + 1], greedy[1]  # [B, K+1], [B]: past K+1 only -1
             tokens = tokens if tokens.is_contiguous() else tokens.contiguous()
@@ -173,8 +177,9 @@ class Verifier:
 
     def sample_plain(self, entries: list[Scheduled], logits: torch.Tensor, ahead: int = 0) -> torch.Tensor:
         """[B] tokens of a plain step on the device, from its logits [B, V], `ahead` tokens past each
-        request's current end (a step queued ahead: worker/lookahead.py); no host read."""
-        rows = self.suppress_early_stops(entries, logits.unsqueeze(1), ahead)  # [B, 1, V]
+        request's current end (a step queued ahead: worker/lookahead.py, which never queues a penalised
+        request: its penalties would count tokens the host does not know yet); no host read."""
+        rows = self.adjust_rows(entries, logits.unsqueeze(1), ahead)  # [B, 1, V]
         return self._race([e.request for e in entries], rows[:, 0], ahead)
 
     def _race(self, reqs: list[Request], logits: torch.Tensor, ahead: int = 0) -> torch.Tensor:
@@ -198,14 +203,19 @@ class Verifier:
             wp = self._warp_cache[key] = WarpParams.build(list(key), self.device)
         return wp
 
-    def suppress_early_stops(self, entries: list[Scheduled], rows: torch.Tensor, ahead: int = 0,
-                             depth: np.ndarray | None = None) -> torch.Tensor:
-        """Below min_tokens, EOS and stop ids are impossible in the target distribution itself.
-        rows [B, K+1, V]; `ahead`: tokens the requests will have gained before these rows; `depth`
-        [B, K+1]: how far past the pending token each row decides (a draft tree's; default: j)."""
+    def adjust_rows(self, entries: list[Scheduled], rows: torch.Tensor, ahead: int = 0,
+                    depth: np.ndarray | None = None, bits: list[list[int]] | None = None) -> torch.Tensor:
+        """The target distribution itself as each request asks for it: below min_tokens, EOS and stop
+        ids are impossible; a request's logit bias and penalties apply (sample/penalties.py).
+        rows [B, K+1, V]; `ahead`: tokens the requests will have gained before these rows (0 for any
+        penalised one); `depth` [B, K+1]: how far past the pending token each row decides, and `bits`
+        [B][K+1] the window rows on its path (a draft tree's; default a chain's)."""
         cells = []
+        pick = []
         for b, e in enumerate(entries):
             p, r = e.request.params, e.request
+            if p.penalised:
+                pick.append(b)
             if not below_min_tokens(r, ahead):
                 continue
             made = len(r.output_ids) + ahead
@@ -213,11 +223,13 @@ class Verifier:
             for j in range(e.num_drafts + 1):
                 if made + (j if depth is None else int(depth[b, j])) < p.min_tokens:
                     cells.extend((b, j, t) for t in banned if t < self.vocab)
-        if not cells:
-            return rows
-        rows = rows.clone()
-        b, j, t = zip(*cells, strict=True)
-        rows[list(b), list(j), list(t)] = float("-inf")
+        if cells:
+            rows = rows.clone()
+            b, j, t = zip(*cells, strict=True)
+            rows[list(b), list(j), list(t)] = float("-inf")
+        if pick:
+            assert ahead == 0, "a penalised request's step was prepared before its tokens were known"
+            rows = penalise(entries, rows, bits, pick)
         return rows
 
     def _logprobs(self, reqs: list[Request], rows: torch.Tensor, tokens: torch.Tensor) -> list:
@@ -238,7 +250,7 @@ class Verifier:
 
 
 def below_min_tokens(r: Request, ahead: int = 0) -> bool:
-    """The request's next token (`ahead` past its end) may not stop it: `suppress_early_stops` then
+    """The request's next token (`ahead` past its end) may not stop it: `adjust_rows` then
     masks its EOS and stop ids."""
     return len(r.output_ids) + ahead < r.params.min_tokens
 

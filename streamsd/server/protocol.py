@@ -14,6 +14,9 @@ import msgspec
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 Prob = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+# OpenAI's: token ids (JSON object keys, so strings on the wire) -> a bias in [-100, 100].
+LogitBias = dict[Annotated[int, msgspec.Meta(ge=0)], Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]]
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
 StopList = str | Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]], msgspec.Meta(max_length=16)]
 Role = Literal["system", "user", "assistant", "developer", "tool"]
@@ -68,10 +71,10 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the end user, as a client labels it: nothing here depends on it
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    logit_bias: LogitBias | None = None
     speculative: Speculative | None = None
 
 

@@ -1,7 +1,7 @@
 """The OpenAI request fields the server knows and does not honour, in one table.
 
 Each is accepted only at a value that asks for nothing (what a client sends to mean "off": `n: 1`,
-`tools: []`, `presence_penalty: 0`), and refused otherwise with a 400 naming it, so that no request
+`tools: []`, `echo: false`), and refused otherwise with a 400 naming it, so that no request
 is answered as if a field it set had been applied. A field leaves the table when it is implemented.
 Fields the server does not know at all are refused by the wire types (protocol.py).
 """
@@ -25,12 +25,6 @@ _TOOLS = "tool and function calling is not supported"
 
 # field, the values that ask for nothing, and why anything else is refused.
 _REFUSALS = (
-    # Sampling changes not implemented yet.
-    Refusal("logit_bias", (None, {}), "logit_bias is not supported"),
-    Refusal("presence_penalty", (None, 0), "presence_penalty is not supported; leave it out or set it to 0"),
-    Refusal("frequency_penalty", (None, 0), "frequency_penalty is not supported; leave it out or set it to 0"),
-    Refusal("repetition_penalty", (None, 1),
-            "repetition_penalty is not supported (it would break exact speculation); leave it out or set it to 1"),
     # Several answers, the prompt echoed, constrained output: not implemented yet.
     Refusal("n", (None, 1), "only n=1 is supported"),
     Refusal("best_of", (None, 1), "only best_of=1 is supported"),

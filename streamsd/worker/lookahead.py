@@ -81,12 +81,14 @@ class Lookahead:
     @staticmethod
     def chains(entries: list[Scheduled]) -> bool:
         """A speculative step a chained proposer (EAGLE, synthetic) can run queued ahead: every entry verifies
-        its one pending token and k drafts and proposes k again (one k for all), no log-probabilities."""
+        its one pending token and k drafts and proposes k again (one k for all), no log-probabilities,
+        no penalties (the step queued behind it would count tokens the host does not know yet)."""
         if not entries:
             return False
         k = entries[0].num_drafts
         return k > 0 and all(e.num_tokens == 1 and e.num_drafts == k and e.k_next == k and e.verifies
-                             and e.request.params.logprobs is None for e in entries)
+                             and e.request.params.logprobs is None and not e.request.params.penalised
+                             for e in entries)
 
     def take(self, entries: list[Scheduled]) -> tuple[Queued, list[int]] | None:
         """The queued step and the rows of it these entries are, when it computed exactly their
@@ -142,8 +144,10 @@ class Lookahead:
     def next_rows(self, entries: list[Scheduled]) -> list[int]:
         """The entries of a plain step whose next step can be queued now: those still running after
         it unless a stop token ends them, with their next position's block already held. None when
-        the next step will not be plain (drafts proposed now) or the lookahead is off."""
-        if not self.enabled or any(e.k_next for e in entries):
+        the next step will not be plain (drafts proposed now), when a request is penalised (its next
+        step's penalties count the token this one samples, which the host does not know yet) or the
+        lookahead is off."""
+        if not self.enabled or any(e.k_next or e.request.params.penalised for e in entries):
             return []
         bs = self.block_size
         return [i for i, e in enumerate(entries)

@@ -94,8 +94,8 @@ class TreeGraphs:
         bucket = next((b for b in self.buckets if b >= len(reqs)), None)
         if bucket is None or max(len(t) for t in tables) > self.max_blocks:
             return None
-        if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs):
-            return None  # the Triton race has no sort
+        if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.penalised for r in reqs):
+            return None  # the Triton race has no sort; penalties count each path's drafts (sample/penalties.py)
         return bucket, GREEDY if all(r.params.greedy for r in reqs) else SAMPLED
 
     def run(self, key: tuple[int, int], reqs: list[Request], roots: list[int]) -> torch.Tensor:

@@ -240,12 +240,18 @@ def test_prompt_longer_than_context_is_refused(tiny_model_dir):
     _assert_free(llm)
 
 
-def _target_next_token_probs(model_dir, ids, temperature, top_k, top_p, min_p):
+def _target_next_token_probs(model_dir, ids, temperature, top_k, top_p, min_p, penalised=None):
+    """The target's warped p after `ids`; `penalised`: (prompt length, params) whose bias and penalties
+    apply first (the tokens past the prompt count as output)."""
     from streamsd.sample.warp import WarpParams, warp
+    from tests.sample.test_penalties import penalised_reference
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0, -1:].float()
+    if penalised is not None:
+        n, params = penalised
+        logits = penalised_reference(logits[0], ids[:n], ids[n:], params).view(1, -1)
     return warp(logits, WarpParams.build([(temperature, top_k, top_p, min_p)], torch.device("cpu")))[0]
 
 
@@ -267,16 +273,19 @@ def test_end_to_end_sampling_matches_target_distribution(tiny_model_dir, close_d
     assert_pairs_follow_target(tiny_model_dir, prompt, res, (temperature, top_k, top_p, min_p))
 
 
-def assert_pairs_follow_target(model_dir, prompt: list[int], res: list, warp: tuple) -> None:
+def assert_pairs_follow_target(model_dir, prompt: list[int], res: list, warp: tuple,
+                               params: SamplingParams | None = None) -> None:
     """The first two tokens of the answers `res` (one per seed) against the target's exact warped
-    joint p(t1) p(t2 | t1): no forbidden pair, and a chi-square test (sparse cells pooled)."""
+    joint p(t1) p(t2 | t1): no forbidden pair, and a chi-square test (sparse cells pooled). With
+    `params`, p is penalised by its logit bias and penalties first."""
     n = len(res)
     pairs = [tuple(r.outputs[0].token_ids[:2]) for r in res]
-    p1 = _target_next_token_probs(model_dir, prompt, *warp)
+    penalised = None if params is None else (len(prompt), params)
+    p1 = _target_next_token_probs(model_dir, prompt, *warp, penalised=penalised)
     firsts = sorted({a for a, _ in pairs} | set((p1 > 0.01).nonzero().flatten().tolist()))
     observed, expected = [], []
     for a in firsts:
-        p2 = _target_next_token_probs(model_dir, prompt + [a], *warp)
+        p2 = _target_next_token_probs(model_dir, prompt + [a], *warp, penalised=penalised)
         for b in range(p2.numel()):
             e = n * p1[a].item() * p2[b].item()
             o = sum(1 for x in pairs if x == (a, b))

@@ -28,7 +28,7 @@ from tests.engine.test_engine import (
     greedy_params,
     hf_greedy,
 )
-from tests.spec_decode.test_eagle import _train_head
+from tests.spec_decode.test_eagle import _chained_engine, _train_head
 
 CPU = torch.device("cpu")
 # A tree over nodes 0..5: the root's children 0 (token 5) and 1 (7); 0's children 2 (9) and 3 (4);
@@ -278,6 +278,61 @@ def test_seeded_tree_sampling_is_plain_sampling_token_for_token(tiny_model_dir, 
     assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
     assert sum(r.spec_stats.accepted for r in b) > 0
     _assert_free(tree)
+
+
+def test_penalised_trees_and_chains_are_plain_decoding_token_for_token(tiny_model_dir, head):
+    """Logit bias and penalties through an EAGLE head's trees (each row counting the drafts on its own
+    path) and its chain: greedy answers are plain decoding's, and a tree's seeded sampled ones too; the
+    chain's steps queued ahead (pipeline) serve the unpenalised requests of the same batch."""
+    from tests.engine.test_penalties import BIAS
+
+    # Penalties that reward repeating: what a row counts (its own path's drafts) moves its argmax.
+    penalties = dict(frequency_penalty=-1.0, presence_penalty=-0.5, repetition_penalty=0.8, logit_bias=BIAS)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **penalties) for n in MAX_TOKENS]
+    sampled = [SamplingParams(temperature=t, top_k=k, max_tokens=24, seed=s, ignore_eos=True, **penalties)
+               for s, (t, k) in enumerate([(1.0, 0), (0.7, 0), (0.8, 5), (1.2, 0), (0.5, 0), (1.0, 0)])]
+    plain = LLM(str(tiny_model_dir))
+    want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS * 2, greedy + sampled)]
+    assert want[:6] != [r.outputs[0].token_ids for r in plain.generate(PROMPTS, greedy_params())]
+    tree = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10")
+    res = tree.generate(PROMPTS * 2, greedy + sampled)
+    assert [r.outputs[0].token_ids for r in res] == want
+    assert sum(r.spec_stats.accepted for r in res) > 0
+    _assert_free(tree)
+    longer = [SamplingParams(temperature=0.0, max_tokens=n + 24, ignore_eos=True) for n in MAX_TOKENS]
+    unpenalised = [r.outputs[0].token_ids for r in plain.generate(PROMPTS, longer)]
+    chain = _chained_engine(tiny_model_dir, head, pipeline=True)  # the head queued behind the verify, as on CUDA
+    res = chain.generate(PROMPTS * 2, greedy + longer)
+    assert [r.outputs[0].token_ids for r in res] == want[:6] + unpenalised
+    assert sum(r.spec_stats.accepted for r in res[:6]) > 0
+    assert chain.core.rt.worker.lookahead.taken > 0  # once the penalised requests are done
+    _assert_free(chain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_penalised_requests_verify_eagerly_beside_graphs(tiny_model_dir, head):
+    """On CUDA a penalised request's steps leave the graphs' greedy verify and tree steps and the steps
+    queued ahead: its answers are plain decoding's, through the Triton samplers over its float32
+    penalised logits, and the unpenalised requests of the batch keep the graphs."""
+    from tests.engine.test_penalties import BIAS
+
+    kw = dict(device="cuda", dtype="float32", kv_cache_tokens=8192)
+    penalties = dict(frequency_penalty=-1.0, presence_penalty=-0.5, repetition_penalty=0.8, logit_bias=BIAS)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **penalties) for n in MAX_TOKENS]
+    sampled = [SamplingParams(temperature=t, max_tokens=20, seed=s, ignore_eos=True, **penalties)
+               for s, t in enumerate([1.0, 0.7, 1.2])]
+    longer = [SamplingParams(temperature=0.0, max_tokens=n + 24, ignore_eos=True) for n in MAX_TOKENS]
+    plain = LLM(str(tiny_model_dir), **kw)
+    want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS * 2 + PROMPTS[:3], greedy + longer + sampled)]
+    tree = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10", **kw)
+    assert [r.outputs[0].token_ids for r in tree.generate(PROMPTS * 2 + PROMPTS[:3], greedy + longer + sampled)] == want
+    assert tree.core.rt.worker.tree_graphs.replays > 0
+    _assert_free(tree)
+    chain = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), num_speculative_tokens=4, **kw)
+    assert [r.outputs[0].token_ids for r in chain.generate(PROMPTS * 2, greedy + longer)] == want[:12]
+    assert chain.core.rt.worker.lookahead.taken > 0 and chain.core.rt.worker.verifier.graph_greedy > 0
+    _assert_free(chain)
 
 
 def test_end_to_end_tree_sampling_matches_target_distribution(tiny_model_dir, head):
