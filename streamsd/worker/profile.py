@@ -167,15 +167,14 @@ def time_catch_up(proposer: Proposer, cache: PagedKVCache, max_tokens: int, repe
     return {n: _best_time(lambda n=n: proposer.catch_up_pass(n, table), dev, repeats) for n in edges}
 
 
-def profile_key(worker: Any, max_batch: int, max_tokens: int, max_k: int, model_dirs: list[Path],
+def profile_key(worker: Worker, max_batch: int, max_tokens: int, max_k: int, model_dirs: list[Path],
                 context: int = 256) -> dict[str, Any]:
     """What profile_worker's table depends on: the models' files, the machine, the dtype, the CPU
     threads, the versions of the code that runs the steps, and profile_worker's own parameters."""
     import streamsd
 
     dev = worker.device
-    proposer = worker.proposer
-    proposer = getattr(proposer, "inner", None) or proposer
+    proposer = worker.proposer  # as built: what profile_worker times is its draft model, if any
     graphs = worker.graphs
     return {
         "streamsd": streamsd.__version__, "torch": torch.__version__, "device": device_name(dev),
