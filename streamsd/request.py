@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,12 +48,13 @@ class AsyncEngine:
     def num_streams(self) -> int:
         return len(self._streams)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> tuple[str, asyncio.Queue[RequestOutput]]:
-        """Admit a request (raises ValueError-family errors on bad input); returns its output queue."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               queue: asyncio.Queue[RequestOutput] | None = None) -> tuple[str, asyncio.Queue[RequestOutput]]:
+        """Admit a request (raises ValueError-family errors on bad input); returns its output queue,
+        `queue` when given (several requests answered together share one)."""
         rid = request_id or f"req-{next(self._ids)}"
         self.core.add_request(rid, prompt_ids, params)
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue = queue if queue is not None else asyncio.Queue()
         self._streams[rid] = queue
         self._wake.set()
         return rid, queue
@@ -74,6 +75,20 @@ class AsyncEngine:
                 yield out
         finally:
             if not finished:
+                self.abort(rid)
+
+    async def stream_all(self, rids: list[str], queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """The deltas of several requests sharing `queue`, as they come, until all have finished;
+        leaving early aborts those still running."""
+        running = set(rids)
+        try:
+            while running:
+                out = await queue.get()
+                if out.finished:
+                    running.discard(out.request_id)
+                yield out
+        finally:
+            for rid in running:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:

@@ -1,6 +1,6 @@
 """The OpenAI request fields the server knows and does not honour, in one table.
 
-Each is accepted only at a value that asks for nothing (what a client sends to mean "off": `n: 1`,
+Each is accepted only at a value that asks for nothing (what a client sends to mean "off": `suffix: ""`,
 `tools: []`, `presence_penalty: 0`), and refused otherwise with a 400 naming it, so that no request
 is answered as if a field it set had been applied. A field leaves the table when it is implemented.
 Fields the server does not know at all are refused by the wire types (protocol.py).
@@ -31,10 +31,7 @@ _REFUSALS = (
     Refusal("frequency_penalty", (None, 0), "frequency_penalty is not supported; leave it out or set it to 0"),
     Refusal("repetition_penalty", (None, 1),
             "repetition_penalty is not supported (it would break exact speculation); leave it out or set it to 1"),
-    # Several answers, the prompt echoed, constrained output: not implemented yet.
-    Refusal("n", (None, 1), "only n=1 is supported"),
-    Refusal("best_of", (None, 1), "only best_of=1 is supported"),
-    Refusal("echo", (None, False), "echo is not supported"),
+    # Constrained output: not implemented yet.
     Refusal("response_format", (None, {"type": "text"}), 'only response_format {"type": "text"} is supported'),
     # Not part of what this server does.
     Refusal("tools", (None, []), _TOOLS),
