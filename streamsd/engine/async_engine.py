@@ -77,20 +77,6 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
-    async def stream_all(self, rids: list[str], queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """The deltas of several requests sharing `queue`, as they come, until all have finished;
-        leaving early aborts those still running."""
-        running = set(rids)
-        try:
-            while running:
-                out = await queue.get()
-                if out.finished:
-                    running.discard(out.request_id)
-                yield out
-        finally:
-            for rid in running:
-                self.abort(rid)
-
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
         self._wake.set()

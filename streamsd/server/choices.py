@@ -3,14 +3,15 @@ its own (its own drafts, its own seed stream), answered together under one id.
 
 Choice `index` is prompt i's sample j at i * n + j, as vLLM numbers them. Sample j of a seeded
 request runs with `seed + j`, so each sample is reproducible on its own and differs from its
-siblings; unseeded samples draw their seeds independently. Samples of one prompt admitted in the
-same step prefill together; a later step's find the prompt's full blocks in the prefix cache.
+siblings; unseeded samples draw their seeds independently. A prompt's samples share its full KV
+blocks through the prefix cache: sample 0 prefills it, the others start after its cached blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from streamsd.engine.async_engine import AsyncEngine
@@ -24,14 +25,34 @@ SEED_SPACE = 2**63
 
 @dataclass(slots=True)
 class Fanout:
-    """The engine requests behind one HTTP request, by choice index."""
+    """The engine requests behind one HTTP request, by choice index, and the outputs they made
+    while the request was being admitted."""
 
     rids: list[str]
     queue: asyncio.Queue[RequestOutput]
     n: int
+    early: list[RequestOutput]
 
     def index(self) -> dict[str, int]:
         return {rid: i for i, rid in enumerate(self.rids)}
+
+    async def outputs(self, engine: AsyncEngine) -> AsyncGenerator[RequestOutput]:
+        """Every answer's deltas as they come, until all have finished; leaving early aborts
+        those still running."""
+        running = set(self.rids)
+        try:
+            for out in self.early:
+                if out.finished:
+                    running.discard(out.request_id)
+                yield out
+            while running:
+                out = await self.queue.get()
+                if out.finished:
+                    running.discard(out.request_id)
+                yield out
+        finally:
+            for rid in running:
+                engine.abort(rid)
 
 
 def check_choices(n: int, best_of: int | None, prompts: int) -> None:
@@ -48,19 +69,41 @@ def sample_params(params: SamplingParams, j: int) -> SamplingParams:
     return dataclasses.replace(params, seed=(params.seed + j) % SEED_SPACE)
 
 
-def admit_all(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, n: int, param: str) -> Fanout:
-    """Admits every prompt's n samples, or none: a refusal aborts those already admitted."""
+async def admit_all(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, n: int,
+                    param: str) -> Fanout:
+    """Admits every prompt's n samples, or none: a refusal (or the client leaving meanwhile) aborts
+    those already admitted. A prompt with full blocks to share is prefilled once: its sample 0 runs
+    first, and the others are admitted once it has made its first token, its blocks in the cache."""
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    rids: list[str] = []
+    rids: list[str | None] = [None] * (len(prompts) * n)
+    early: list[RequestOutput] = []
+    shares = engine.core.scheduler.cfg.enable_prefix_caching and n > 1
+    block = engine.core.scheduler.cfg.block_size
+
+    def admit_sample(i: int, j: int) -> None:
+        rids[i * n + j] = admit(engine, prompts[i], sample_params(params, j), param=param, queue=queue)[0]
+
     try:
-        for ids in prompts:
-            for j in range(n):
-                rids.append(admit(engine, ids, sample_params(params, j), param=param, queue=queue)[0])
-    except ApiError:
+        waiting: dict[str, int] = {}
+        for i, ids in enumerate(prompts):
+            admit_sample(i, 0)
+            if shares and len(ids) > block:
+                waiting[rids[i * n] or ""] = i
+            else:
+                for j in range(1, n):
+                    admit_sample(i, j)
+        while waiting:
+            out = await queue.get()
+            early.append(out)
+            i = waiting.pop(out.request_id, -1)
+            for j in range(1, n) if i >= 0 else ():
+                admit_sample(i, j)
+    except BaseException:
         for rid in rids:
-            engine.abort(rid)
+            if rid is not None:
+                engine.abort(rid)
         raise
-    return Fanout(rids, queue, n)
+    return Fanout([rid for rid in rids if rid is not None], queue, n, early)
 
 
 def summed(finals: list[RequestOutput], n: int) -> RequestOutput:

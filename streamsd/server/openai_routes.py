@@ -222,10 +222,10 @@ async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncode
             echoes = [t if t is not None else engine.core.tokenizer.decode(ids) for t, ids in zip(texts, prompt_ids,
                                                                                                     strict=True)]
     state.check_queue(engine)
-    fanout = admit_all(engine, prompt_ids, params, body.n, param="messages" if chat else "prompt")
+    fanout = await admit_all(engine, prompt_ids, params, body.n, param="messages" if chat else "prompt")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None, fanout, echoes)
-    outputs = engine.stream_all(fanout.rids, fanout.queue)
+    outputs = fanout.outputs(engine)
     if body.stream:
         # The status goes out with the first output: a request the drain cut before it ran gets a 503.
         head = await anext(outputs)

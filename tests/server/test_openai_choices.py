@@ -203,3 +203,14 @@ def test_a_websocket_generate_frame_with_n_is_refused(server):
 
     msg = asyncio.run(go())
     assert msg["type"] == "error" and msg["id"] == "a" and "n" in msg["error"]["message"], msg
+
+
+def test_n_samples_prefill_their_prompt_once_and_share_its_blocks(client, model, server):
+    prompt = "The samples of one prompt share its blocks: " + " ".join(f"w{i}" for i in range(60))
+    before = metric(server.url, "streamsd:prefix_cache_hits_total")
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=1.0, n=3)
+    hits = metric(server.url, "streamsd:prefix_cache_hits_total") - before
+    full_blocks = (done.usage.prompt_tokens - 1) // 16
+    assert full_blocks >= 2
+    # Sample 0 computes the prompt; the two others take its full blocks from the prefix cache.
+    assert hits >= 2 * full_blocks * 16, (hits, done.usage)
