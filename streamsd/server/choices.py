@@ -60,7 +60,8 @@ def check_choices(n: int, best_of: int | None, prompts: int) -> None:
         # Ranking best_of candidates by likelihood is not implemented; best_of == n asks for no ranking.
         raise ApiError(400, f"best_of must equal n ({n}): ranking candidates is not supported", param="best_of")
     if prompts * n > MAX_N:
-        raise ApiError(400, f"{prompts} prompts x n={n} asks for more than {MAX_N} answers", param="n")
+        raise ApiError(400, f"{prompts} prompts x n={n} asks for more than {MAX_N} answers",
+                       param="n" if n > 1 else "prompt")
 
 
 def sample_params(params: SamplingParams, j: int) -> SamplingParams:

@@ -190,16 +190,16 @@ async def _serve(request: Request, chat: bool) -> Response:
     return await unless_disconnected(request.receive, _answer(state, engine, prompts, body, params, chat))
 
 
-async def _prompts(prompts: PromptEncoder, body: CompletionRequest, max_tokens: int) -> list[list[int]]:
-    p = body.prompt
-    if isinstance(p, str):
-        return [await prompts.text(p, max_tokens)]
-    if all(isinstance(x, int) for x in p):
-        return [[int(x) for x in p]]
-    if any(isinstance(x, int) for x in p):
+def _prompt_list(prompt: str | list[int | str | list[int]]) -> list[str | list[int]]:
+    """The completions prompt as its prompts: a string, a list of token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(x, int) for x in prompt):
+        return [[int(x) for x in prompt]]
+    if any(isinstance(x, int) for x in prompt):
         raise ApiError(400, "prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
                        param="prompt")
-    return [await prompts.text(x, max_tokens) if isinstance(x, str) else list(x) for x in p]
+    return [x for x in prompt if not isinstance(x, int)]
 
 
 async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncoder,
@@ -209,18 +209,13 @@ async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncode
         check_choices(body.n, None, 1)
         prompt_ids = [await prompts.chat(body.messages, params.max_tokens)]
     else:
-        check_choices(body.n, body.best_of, 1 if isinstance(body.prompt, str) or
-                      all(isinstance(x, int) for x in body.prompt) else len(body.prompt))
+        listed = _prompt_list(body.prompt)
+        check_choices(body.n, body.best_of, len(listed))
         if body.echo and params.logprobs is not None:
             raise ApiError(400, "echo with logprobs (the prompt's own logprobs) is not supported", param="echo")
-        prompt_ids = await _prompts(prompts, body, params.max_tokens)
-        if body.echo:
-            p = body.prompt
-            texts = [p] if isinstance(p, str) else [x if isinstance(x, str) else None for x in p]
-            if not isinstance(p, str) and all(isinstance(x, int) for x in p):
-                texts = [None]
-            echoes = [t if t is not None else engine.core.tokenizer.decode(ids) for t, ids in zip(texts, prompt_ids,
-                                                                                                    strict=True)]
+        prompt_ids = [await prompts.text(p, params.max_tokens) if isinstance(p, str) else p for p in listed]
+        if body.echo:  # a token-id prompt echoes as its decoded text
+            echoes = [p if isinstance(p, str) else engine.core.tokenizer.decode(p) for p in listed]
     state.check_queue(engine)
     fanout = await admit_all(engine, prompt_ids, params, body.n, param="messages" if chat else "prompt")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
