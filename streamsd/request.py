@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
 
 

@@ -48,12 +48,13 @@ class AsyncEngine:
     def num_streams(self) -> int:
         return len(self._streams)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> tuple[str, asyncio.Queue[RequestOutput]]:
-        """Admit a request (raises ValueError-family errors on bad input); returns its output queue."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               queue: asyncio.Queue[RequestOutput] | None = None) -> tuple[str, asyncio.Queue[RequestOutput]]:
+        """Admit a request (raises ValueError-family errors on bad input); returns its output queue,
+        `queue` when given (several requests answered together share one)."""
         rid = request_id or f"req-{next(self._ids)}"
         self.core.add_request(rid, prompt_ids, params)
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue = queue if queue is not None else asyncio.Queue()
         self._streams[rid] = queue
         self._wake.set()
         return rid, queue

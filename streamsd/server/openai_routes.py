@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import msgspec
@@ -15,6 +15,7 @@ from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import RequestOutput
 from streamsd.request import SamplingParams
 from streamsd.server.body import read_limited
+from streamsd.server.choices import Fanout, admit_all, check_choices, summed
 from streamsd.server.disconnect import unless_disconnected
 from streamsd.server.prompts import PromptEncoder
 from streamsd.server.protocol import (
@@ -27,7 +28,6 @@ from streamsd.server.protocol import (
 from streamsd.server.state import (
     ApiError,
     ServerState,
-    admit,
     finish_reason,
     sampling_params,
     speculation,
@@ -69,11 +69,16 @@ def _logprob_entry(engine: AsyncEngine, tok: Any) -> dict[str, Any]:
 
 
 class _Completion:
-    """Turns engine deltas into one of the two OpenAI object shapes."""
+    """Turns engine deltas into one of the two OpenAI object shapes, a choice per engine request."""
 
-    def __init__(self, state: ServerState, engine: AsyncEngine, chat: bool, include_usage: bool, logprobs: bool):
+    def __init__(self, state: ServerState, engine: AsyncEngine, chat: bool, include_usage: bool, logprobs: bool,
+                 fanout: Fanout, echoes: list[str] | None = None):
         self.state, self.engine, self.chat = state, engine, chat
         self.include_usage, self.logprobs = include_usage, logprobs
+        self.fanout, self.index = fanout, fanout.index()
+        # Completions with echo: each choice's text starts with its prompt's.
+        self.echo = [echoes[i // fanout.n] for i in range(len(fanout.rids))] if echoes is not None else None
+        self.offset = [len(self.echo[i]) if self.echo else 0 for i in range(len(fanout.rids))]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -83,52 +88,77 @@ class _Completion:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.state.served_model_name,
                 "system_fingerprint": self.state.system_fingerprint}
 
-    def _logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+    def _logprobs(self, out: RequestOutput, index: int) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         if self.chat:
             return {"content": [_logprob_entry(self.engine, t) for t in out.tokens]}
+        offsets = []
+        for t in out.tokens:  # where each token starts in the choice's text, as vLLM counts
+            offsets.append(self.offset[index])
+            self.offset[index] += len(t.text)
         return {
             "tokens": [t.text for t in out.tokens],
             "token_logprobs": [t.logprob for t in out.tokens],
             "top_logprobs": [{e["token"]: e["logprob"] for e in _logprob_entry(self.engine, t)["top_logprobs"]}
                              for t in out.tokens],
+            "text_offset": offsets,
         }
 
-    def chunk(self, out: RequestOutput, first: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(out),
-                                  "finish_reason": finish_reason(out) if out.finished else None,
+    def _choice(self, out: RequestOutput, index: int, first: bool, finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(out, index), "finish_reason": finish,
                                   "streamsd": {"tokens": token_entries(out)}}
+        if not self.chat:  # a chat choice's delta or message is its caller's
+            choice["text"] = (self.echo[index] if self.echo and first else "") + out.text
+        return choice
+
+    def chunk(self, out: RequestOutput, first: bool) -> dict[str, Any]:
+        index = self.index[out.request_id]
+        choice = self._choice(out, index, first, finish_reason(out) if out.finished else None)
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": out.text} if first else {"content": out.text}
-        else:
-            choice["text"] = out.text
         return {**self._base(True), "choices": [choice]}
 
     def full(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        last = outs[-1]
-        text = "".join(o.text for o in outs)
-        tokens = [t for o in outs for t in o.tokens]
-        merged = RequestOutput(last.request_id, [t.id for t in tokens], text, tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(last), "logprobs": self._logprobs(merged),
-                                  "streamsd": {"tokens": token_entries(merged)}}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._base(False), "choices": [choice], "usage": usage(last)}
+        by_index: list[list[RequestOutput]] = [[] for _ in self.fanout.rids]
+        for o in outs:
+            by_index[self.index[o.request_id]].append(o)
+        choices, finals = [], []
+        for index, mine in enumerate(by_index):
+            last = mine[-1]
+            tokens = [t for o in mine for t in o.tokens]
+            merged = RequestOutput(last.request_id, [t.id for t in tokens], "".join(o.text for o in mine), tokens)
+            choice = self._choice(merged, index, True, finish_reason(last))
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": merged.text}
+            choices.append(choice)
+            finals.append(last)
+        return {**self._base(False), "choices": choices, "usage": usage(summed(finals, self.fanout.n))}
 
-    async def sse(self, head: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
-        first = True
+    async def sse(self, head: RequestOutput, rest: AsyncGenerator[RequestOutput]) -> AsyncIterator[bytes]:
+        try:
+            async for event in self._events(head, rest):
+                yield event
+        finally:
+            await rest.aclose()  # an error or a hang-up ends every answer still running, not only one
+
+    async def _events(self, head: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+        started: set[int] = set()
+        finals: list[RequestOutput | None] = [None] * len(self.fanout.rids)
         async for out in _chain(head, rest):
             if out.error:
                 yield _event(ApiError(500, out.error).body())
                 break
+            index = self.index[out.request_id]
+            first = index not in started
             if out.text or out.finished or out.tokens or first:
                 yield _event(self.chunk(out, first))
-                first = False
-            if out.finished and self.include_usage:
-                yield _event({**self._base(True), "choices": [], "usage": usage(out)})
+                started.add(index)
+            if out.finished:
+                finals[index] = out
+        if self.include_usage and all(f is not None for f in finals):
+            done = [f for f in finals if f is not None]
+            yield _event({**self._base(True), "choices": [], "usage": usage(summed(done, self.fanout.n))})
         yield b"data: [DONE]\n\n"
 
 
@@ -160,36 +190,54 @@ async def _serve(request: Request, chat: bool) -> Response:
     return await unless_disconnected(request.receive, _answer(state, engine, prompts, body, params, chat))
 
 
+def _prompt_list(prompt: str | list[int | str | list[int]]) -> list[str | list[int]]:
+    """The completions prompt as its prompts: a string, a list of token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(x, int) for x in prompt):
+        return [[int(x) for x in prompt]]
+    if any(isinstance(x, int) for x in prompt):
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
+                       param="prompt")
+    return [x for x in prompt if not isinstance(x, int)]
+
+
 async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncoder,
                   body: ChatCompletionRequest | CompletionRequest, params: SamplingParams, chat: bool) -> Response:
+    echoes: list[str] | None = None
     if isinstance(body, ChatCompletionRequest):
-        prompt_ids = await prompts.chat(body.messages, params.max_tokens)
-    elif isinstance(body.prompt, str):
-        prompt_ids = await prompts.text(body.prompt, params.max_tokens)
-    elif all(isinstance(x, int) for x in body.prompt):
-        prompt_ids = [int(x) for x in body.prompt]
-    elif len(body.prompt) == 1:
-        prompt_ids = await prompts.text(str(body.prompt[0]), params.max_tokens)
+        check_choices(body.n, None, 1)
+        prompt_ids = [await prompts.chat(body.messages, params.max_tokens)]
     else:
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a list with one string", param="prompt")
+        listed = _prompt_list(body.prompt)
+        check_choices(body.n, body.best_of, len(listed))
+        if body.echo and params.logprobs is not None:
+            raise ApiError(400, "echo with logprobs (the prompt's own logprobs) is not supported", param="echo")
+        prompt_ids = [await prompts.text(p, params.max_tokens) if isinstance(p, str) else p for p in listed]
+        if body.echo:  # a token-id prompt echoes as its decoded text
+            echoes = [p if isinstance(p, str) else engine.core.tokenizer.decode(p) for p in listed]
     state.check_queue(engine)
-    rid, queue = admit(engine, prompt_ids, params, param="messages" if chat else "prompt")
+    fanout = await admit_all(engine, prompt_ids, params, body.n, param="messages" if chat else "prompt")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None)
-    outputs = engine.stream(rid, queue)
+    comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None, fanout, echoes)
+    outputs = fanout.outputs(engine)
     if body.stream:
         # The status goes out with the first output: a request the drain cut before it ran gets a 503.
         head = await anext(outputs)
         if head.error:
+            await outputs.aclose()
             raise ApiError(500, head.error)
         if _never_ran(head):
+            await outputs.aclose()
             raise ApiError(503, NEVER_RAN)
         return StreamingResponse(comp.sse(head, outputs), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     outs = [out async for out in outputs]
-    if outs[-1].error:
-        raise ApiError(500, outs[-1].error)
-    if _never_ran(outs[-1]):
+    finals = [o for o in outs if o.finished]
+    for f in finals:
+        if f.error:
+            raise ApiError(500, f.error)
+    if any(_never_ran(f) for f in finals):
         raise ApiError(503, NEVER_RAN)
     return Response(encoder.encode(comp.full(outs)), media_type="application/json")
 

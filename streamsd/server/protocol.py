@@ -12,6 +12,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from streamsd.request import MAX_TOP_LOGPROBS
+
+MAX_N = 128  # answers per request (n, and prompts x n on /v1/completions)
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 Prob = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
@@ -65,9 +68,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: StopList | None = None
     stop_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=64)] | None = None
     ignore_eos: bool = False
-    n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
-    logprobs: bool | Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    logprobs: bool | Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the end user, as a client labels it: nothing here depends on it
@@ -78,8 +80,13 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     speculative: Speculative | None = None
 
 
+# How many answers an HTTP request asks for, each sampled on its own (with `seed` + its index).
+N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    n: N = 1
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -88,10 +95,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    # A string, token ids, or a one-element list of strings (n prompts per request is not supported).
-    prompt: str | Annotated[list[int | str], msgspec.Meta(min_length=1)]
+    # A string, token ids, or a list of prompts (strings or token-id lists), each answered n times.
+    prompt: str | Annotated[list[int | str | Annotated[list[int], msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
+    n: N = 1
     echo: bool = False
-    best_of: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
 

@@ -3,6 +3,7 @@ the translation from wire fields to engine parameters."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,11 +124,11 @@ def sampling_params(f: SamplingFields, defaults: GenerationDefaults = Generation
 
 
 def admit(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-          param: str = "prompt"):
+          param: str = "prompt", queue: asyncio.Queue[RequestOutput] | None = None):
     from streamsd.sched.scheduler import QueueFullError
 
     try:
-        return engine.submit(prompt_ids, params, request_id)
+        return engine.submit(prompt_ids, params, request_id, queue)
     except QueueFullError as exc:
         raise ApiError.overloaded(str(exc)) from exc
     except ValueError as exc:

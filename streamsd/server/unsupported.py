@@ -1,7 +1,7 @@
 """The OpenAI request fields the server knows and does not honour, in one table.
 
-Each is accepted only at a value that asks for nothing (what a client sends to mean "off": `n: 1`,
-`tools: []`, `echo: false`), and refused otherwise with a 400 naming it, so that no request
+Each is accepted only at a value that asks for nothing (what a client sends to mean "off": `suffix: ""`,
+`tools: []`), and refused otherwise with a 400 naming it, so that no request
 is answered as if a field it set had been applied. A field leaves the table when it is implemented.
 Fields the server does not know at all are refused by the wire types (protocol.py).
 """
@@ -25,10 +25,7 @@ _TOOLS = "tool and function calling is not supported"
 
 # field, the values that ask for nothing, and why anything else is refused.
 _REFUSALS = (
-    # Several answers, the prompt echoed, constrained output: not implemented yet.
-    Refusal("n", (None, 1), "only n=1 is supported"),
-    Refusal("best_of", (None, 1), "only best_of=1 is supported"),
-    Refusal("echo", (None, False), "echo is not supported"),
+    # Constrained output: not implemented yet.
     Refusal("response_format", (None, {"type": "text"}), 'only response_format {"type": "text"} is supported'),
     # Not part of what this server does.
     Refusal("tools", (None, []), _TOOLS),

@@ -230,7 +230,7 @@ def test_out_of_range_params_are_clear_errors():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=5)
     with pytest.raises(ValueError, match="logprobs"):
-        SamplingParams(logprobs=9)
+        SamplingParams(logprobs=21)
 
 
 def test_prompt_longer_than_context_is_refused(tiny_model_dir):
