@@ -33,7 +33,7 @@ def _u32(x):
 
 @triton.jit
 def _row_key(seed, pos, stream):
-    """sampling/rng.row_keys for one (seed, position); seed and pos int64."""
+    """sample/rng.row_keys for one (seed, position); seed and pos int64."""
     lo = _u32(seed)
     hi = _mix(_u32((seed >> 32) + stream.to(tl.int64) * 0x61C88647))
     h = _mix(lo ^ hi)

@@ -7,9 +7,9 @@ program a chunk: the chunk's max, its sum of exp(x - max), and its k best (ids a
 equal values). A second launch per row merges the chunks' sums into the log-normaliser and their
 candidates into the row's k best, best first, the lowest id first among equal values.
 
-With a race (spec/eagle_tree.Race) the first launch ranks a sampled request's row by its logits at
+With a race (model/tree_layout.Race) the first launch ranks a sampled request's row by its logits at
 the request's temperature plus the Gumbel noise its target will race at the children's position
-(kernels/sample/rng.py's bits, -log of the Exp(1) noise): the same numbers spec/eagle_tree.race_logits
+(kernels/sample/rng.py's bits, -log of the Exp(1) noise): the same numbers spec_decode/eagle/tree.race_logits
 makes in torch, never written out.
 """
 

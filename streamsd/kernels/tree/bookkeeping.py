@@ -22,7 +22,7 @@ import triton.language as tl
 @triton.jit
 def _catch_up_row(b, root, taken, emitted_ptr, bt_ptr, s_bt, ids_ptr, pos_ptr, slot_ptr, ctx_ptr, pending_ptr,
                   C: tl.constexpr, CP: tl.constexpr, PAGE: tl.constexpr):
-    """Request b's catch-up after its walk (spec/tree.catch_up): the head over its root and the D slots
+    """Request b's catch-up after its walk (spec_decode/tree.catch_up): the head over its root and the D slots
     after it, ids the emitted tokens (padding as 0); its context, and its pending position."""
     j = tl.arange(0, CP)
     live = j < C
@@ -77,9 +77,9 @@ Catch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 def walk(target: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, max_depth: int,
          roots: torch.Tensor | None = None, block_table: torch.Tensor | None = None, block_size: int = 0
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Catch | None]:
-    """spec/tree.walk in one launch: (emitted [B, D + 1], accepted [B], path [B, D], catch). With the
+    """spec_decode/tree.walk in one launch: (emitted [B, D + 1], accepted [B], path [B, D], catch). With the
     windows' roots [B] and block_table, the same launch lays out the head's catch-up after it
-    (spec/tree.catch_up: ids, positions, slots [B * (D + 1)], context [B] int32, pending [B]); else
+    (spec_decode/tree.catch_up: ids, positions, slots [B * (D + 1)], context [B] int32, pending [B]); else
     catch is None."""
     b, n = tokens.shape
     dev = tokens.device

@@ -1,4 +1,4 @@
-"""One level of a draft tree's growth in one Triton launch (spec/eagle_tree.expand_level is the oracle).
+"""One level of a draft tree's growth in one Triton launch (spec_decode/eagle/tree.expand_level is the oracle).
 
 Between two head forwards the growth ranked the level's candidates, gathered the expanded nodes'
 tokens, scores, masks and features, and laid out their window: ~30 small torch kernels a level,
@@ -62,7 +62,7 @@ def _expand_kernel(s_ptr, t_ptr, base_score_ptr, base_index_ptr, base_bits_ptr, 
 
 def expand_level(s: torch.Tensor, t: torch.Tensor, base: Frontier, offset: int, cands: Candidates, m: int,
                  level: int, pending: torch.Tensor, block_table: torch.Tensor, block_size: int) -> Frontier | None:
-    """spec/eagle_tree.expand_level in one launch."""
+    """spec_decode/eagle/tree.expand_level in one launch."""
     b, p = base.scores.shape
     c = s.shape[1]
     dev = s.device

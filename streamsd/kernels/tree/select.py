@@ -2,7 +2,7 @@
 is the oracle, and the CPU path). (The head's catch-up layout after a walk, a dozen small torch kernels
 once, is written by kernels/tree/bookkeeping.py's walk.)
 
-- `select`: the n likeliest candidates of a grown tree as a tree (spec/tree.select: a stable sort, a
+- `select`: the n likeliest candidates of a grown tree as a tree (spec_decode/tree.select: a stable sort, a
   scatter and four gathers). A program per request and block of candidates ranks each against every
   other (a stable descending sort is the count of the better ones, ties broken by index), and ranks each
   one's parent the same way, which is its node index once kept.
@@ -54,7 +54,7 @@ def _select_kernel(scores_ptr, tokens_ptr, parents_ptr, out_tok_ptr, out_par_ptr
 
 def select(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """spec/tree.select's (tokens, parents as node indices) [B, n] in one launch. A NaN score ranks last
+    """spec_decode/tree.select's (tokens, parents as node indices) [B, n] in one launch. A NaN score ranks last
     (so every node is written), and a kept node whose parent is not kept (possible only then) gets NONE."""
     b, c = scores.shape
     out_tok = torch.empty(b, n, dtype=torch.int64, device=scores.device)
