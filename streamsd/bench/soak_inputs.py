@@ -54,7 +54,7 @@ def bad_http_requests(model: str, stream: bool) -> list[BadHttp]:
         BadHttp("unknown_role", chat, body(messages=[{"role": "wizard", "content": "Hi"}])),
         BadHttp("max_tokens_wrong_type", chat, body(max_tokens="ten")),
         BadHttp("messages_wrong_type", chat, body(messages="Hi")),
-        BadHttp("n_2", chat, body(n=2)),
+        BadHttp("n_0", chat, body(n=0)),
         BadHttp("top_logprobs_too_many", chat, body(logprobs=True, top_logprobs=50)),
         BadHttp("prompt_wrong_type", "/v1/completions",
                 {"model": model, "prompt": {"text": 1}, "max_tokens": 8, "stream": stream}),
