@@ -9,28 +9,14 @@ import json
 import time
 
 import httpx
-import openai
 import pytest
 import websockets
 from transformers import AutoTokenizer
 
-from tests.server_util import metric, start_server
+from tests.server_util import metric
 
 CHAT = [{"role": "user", "content": "Tell me about Paris."}]
 PROMPTS = ["Once upon a time", "The capital of France", "In a hole in the ground", "It was a dark night"]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, close_draft_dir, tmp_path_factory):
-    s = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), "--draft-model", str(close_draft_dir),
-                     "--num-speculative-tokens", "3", "--speculation-policy", "fixed")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

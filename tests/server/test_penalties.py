@@ -8,27 +8,13 @@ import json
 from collections import Counter
 
 import httpx
-import openai
 import pytest
 from websockets.sync.client import connect
 
-from tests.server_util import metric, start_server
+from tests.server_util import metric
 
 PROMPT = "hello"  # its greedy answer repeats a token
 CHAT = [{"role": "user", "content": "Tell me about Paris."}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, close_draft_dir, tmp_path_factory):
-    s = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), "--draft-model", str(close_draft_dir),
-                     "--num-speculative-tokens", "3", "--speculation-policy", "fixed")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def _ids(choice) -> list[int]:

@@ -7,21 +7,12 @@ import asyncio
 import json
 
 import openai
-import pytest
 import websockets
 
 from tests.server_util import metric, start_server
 from tests.tiny import CORPUS
 
 LONG = " ".join(CORPUS[:3])  # well over three KV blocks of tokens
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, close_draft_dir, tmp_path_factory):
-    s = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), "--draft-model", str(close_draft_dir),
-                     "--num-speculative-tokens", "3", "--speculation-policy", "fixed")
-    yield s
-    s.stop()
 
 
 def _client(server) -> openai.OpenAI:

@@ -19,19 +19,6 @@ CHAT = [{"role": "user", "content": "Tell me about Paris."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, close_draft_dir, tmp_path_factory):
-    s = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), "--draft-model", str(close_draft_dir),
-                     "--num-speculative-tokens", "3", "--speculation-policy", "fixed")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_model_dir, close_draft_dir):
     return LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3)
 
