@@ -16,7 +16,7 @@ block and no free one is left. Torch-free: the scheduler owns it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import count
 
@@ -99,7 +99,7 @@ class BlockPool:
     def key(self, parent: int, tokens: Sequence[int], extra: tuple[int, ...] = ()) -> Key:
         return (parent, tuple(tokens), extra)
 
-    def lookup(self, keys_of: Sequence[tuple[Sequence[int], tuple[int, ...]]]) -> list[Entry]:
+    def lookup(self, keys_of: Iterable[tuple[Sequence[int], tuple[int, ...]]]) -> list[Entry]:
         """The cached entries of the longest prefix of these blocks ((tokens, extra) each), in order."""
         found: list[Entry] = []
         parent = ROOT

@@ -18,6 +18,8 @@ one written next), so a prompt whose every full block is cached recomputes its l
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from streamsd.request import Request
 from streamsd.sched.block_pool import ROOT, BlockPool
 
@@ -36,10 +38,12 @@ class PrefixCache:
         n = r.num_tokens
         return max(min((n - 1) // self.bs, (n - self.next_tokens) // self.bs), 0)
 
-    def _keys(self, ids: list[int], start: int, stop: int) -> list[tuple[list[int], tuple[int, ...]]]:
+    def _keys(self, ids: list[int], start: int, stop: int) -> Iterator[tuple[list[int], tuple[int, ...]]]:
+        """Blocks start..stop-1's keys, made as a lookup asks for them: it stops at the first miss, so a
+        waiting request's peek (every step) costs its cached blocks and one more, not its whole prompt."""
         bs, nt = self.bs, self.next_tokens
-        return [(ids[b * bs : (b + 1) * bs], (*self.salt, *ids[(b + 1) * bs : (b + 1) * bs + nt]))
-                for b in range(start, stop)]
+        for b in range(start, stop):
+            yield ids[b * bs : (b + 1) * bs], (*self.salt, *ids[(b + 1) * bs : (b + 1) * bs + nt])
 
     def peek(self, r: Request) -> int:
         """Tokens of `r` a claim would find cached now (nothing is held)."""
