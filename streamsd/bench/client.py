@@ -37,6 +37,7 @@ class RequestSpec:
     ignore_eos: bool = False
     speculative: bool | None = None  # None: leave the server's default
     history: tuple[tuple[str, str], ...] = ()  # earlier (user, assistant) turns of the chat
+    system: str | None = None  # a system prompt (chat) or text prefix (completions) before it all
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,10 @@ def sampling_fields(spec: RequestSpec) -> dict[str, Any]:
     if spec.endpoint == "chat":
         earlier = [{"role": role, "content": text} for turn in spec.history
                    for role, text in zip(("user", "assistant"), turn, strict=True)]
-        fields["messages"] = [*earlier, {"role": "user", "content": spec.text}]
+        system = [{"role": "system", "content": spec.system}] if spec.system is not None else []
+        fields["messages"] = [*system, *earlier, {"role": "user", "content": spec.text}]
     else:
-        fields["prompt"] = spec.text
+        fields["prompt"] = spec.text if spec.system is None else f"{spec.system}\n\n{spec.text}"
     if spec.seed is not None:
         fields["seed"] = spec.seed
     if spec.ignore_eos:

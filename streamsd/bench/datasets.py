@@ -72,6 +72,13 @@ def random_prompts(n: int, input_len: int, output_len: int | None, seed: int) ->
     ]
 
 
+def shared_prefix(words: int, seed: int) -> str:
+    """The system prompt every request of a shared-prefix run starts with: about `words` tokens of
+    random words, the same for a seed, and drawn apart from the prompts' own words (another stream)."""
+    rng = random.Random(f"shared-prefix:{seed}")
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
 def load_dataset(
     spec: str,
     num_prompts: int,

@@ -26,6 +26,7 @@ class CellPlan:
     speculative: bool | None  # per-request switch; None leaves the server's default
     round: int | None = None  # with --repeats: which round of the setting (labels gain `#n`)
     turn: int | None = None  # with --multi-turn: which turn of the conversations
+    shared_prefix_tokens: int | None = None  # with --shared-prefix-tokens: every request's common prefix
 
     @property
     def label(self) -> str:
@@ -42,6 +43,8 @@ class CellPlan:
             parts.append(f"#{self.round + 1}")
         if self.turn is not None:
             parts.append(f"turn {self.turn}")
+        if self.shared_prefix_tokens is not None:
+            parts.append(f"prefix={self.shared_prefix_tokens}")
         return " ".join(parts)
 
 
@@ -89,6 +92,7 @@ class CellResult:
     concurrency: int | None
     request_rate: float | None  # None stands for infinity (JSON has no inf)
     speculative: bool | None
+    shared_prefix_tokens: int | None  # about how many tokens every request's prompt shares (None: none)
     duration_s: float
     requests: RequestCounts
     throughput: Throughput
@@ -117,6 +121,7 @@ def build_cell(
         concurrency=plan.concurrency,
         request_rate=plan.request_rate if math.isfinite(plan.request_rate) else None,
         speculative=plan.speculative,
+        shared_prefix_tokens=plan.shared_prefix_tokens,
         duration_s=duration_s,
         requests=RequestCounts(len(results), len(done), len(results) - len(done), dict(sorted(errors.items()))),
         throughput=Throughput(len(done) / span, out_tokens / span, (in_tokens + out_tokens) / span),

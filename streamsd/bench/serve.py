@@ -31,7 +31,7 @@ from streamsd.bench.client import (
     stream_sse,
 )
 from streamsd.bench.compare import compare
-from streamsd.bench.datasets import BenchPrompt, load_dataset
+from streamsd.bench.datasets import BenchPrompt, load_dataset, shared_prefix
 from streamsd.bench.metrics_scrape import scrape, spec_delta
 from streamsd.bench.results import CellPlan, CellResult, build_cell, run_document
 
@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              f"{FOLLOW_UP!r}) sent with the first's answer as soon as it is back; each turn gets its cells, "
              "the second's TTFT shows what a prefix cache saves",
     )
+    parser.add_argument(
+        "--shared-prefix-tokens", type=int, default=0, metavar="N",
+        help="start every request with the same system prompt of about N tokens (chat: a system message; "
+             "completions: a text prefix), drawn from --seed: TTFT then shows what the prefix cache saves",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a stream may stall")
     parser.add_argument("--output-json", default=None, help="write every figure here")
     parser.add_argument("--plot", default=None, help="write a PNG: latency CDFs, sweep curves")
@@ -102,15 +107,19 @@ def plan_cells(args: argparse.Namespace) -> list[CellPlan]:
         raise ValueError(f"--repeats needs a positive integer, got {args.repeats}")
     if args.multi_turn and args.endpoint != "chat":
         raise ValueError("--multi-turn sends conversations: it needs --endpoint chat")
+    if args.shared_prefix_tokens < 0:
+        raise ValueError(f"--shared-prefix-tokens needs a count >= 0, got {args.shared_prefix_tokens}")
+    prefix = args.shared_prefix_tokens or None
     concurrencies = parse_sweep(args.sweep_concurrency) if args.sweep_concurrency else [args.max_concurrency]
     switches: list[bool | None] = [False, True] if args.compare_speculation else [None]
     numbered = args.repeats > 1
-    return [CellPlan(c, args.request_rate, s, r if numbered else None)
+    return [CellPlan(c, args.request_rate, s, r if numbered else None, shared_prefix_tokens=prefix)
             for c in concurrencies for r in range(args.repeats)
             for s in (switches if r % 2 == 0 else switches[::-1])]
 
 
 def request_specs(args: argparse.Namespace, model: str, prompts: Sequence[BenchPrompt], spec: bool | None) -> list[RequestSpec]:
+    system = shared_prefix(args.shared_prefix_tokens, args.seed) if args.shared_prefix_tokens else None
     return [
         RequestSpec(
             endpoint=args.endpoint,
@@ -121,6 +130,7 @@ def request_specs(args: argparse.Namespace, model: str, prompts: Sequence[BenchP
             seed=args.seed + i,
             ignore_eos=args.ignore_eos,
             speculative=spec,
+            system=system,
         )
         for i, p in enumerate(prompts)
     ]
@@ -174,7 +184,8 @@ async def run_cell(
 
 
 async def probe(client: httpx.AsyncClient, base_url: str, headers: dict[str, str], spec: RequestSpec) -> None:
-    """One short request before measuring, so a wrong URL, model or endpoint fails fast and clearly."""
+    """One short request before measuring, so a wrong URL, model or endpoint fails fast and clearly.
+    It leaves out a shared prefix: the first measured request is the one that prefills it."""
     short = RequestSpec(spec.endpoint, spec.model, spec.text, 2, spec.temperature, spec.seed, False, spec.speculative)
     result = await stream_sse(client, base_url, short, headers=headers)
     if not result.ok:
@@ -217,7 +228,8 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": args.temperature,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
         "max_concurrency": args.max_concurrency, "sweep_concurrency": args.sweep_concurrency,
-        "compare_speculation": args.compare_speculation, "multi_turn": args.multi_turn, "repeats": args.repeats, "ignore_eos": args.ignore_eos, "seed": args.seed,
+        "compare_speculation": args.compare_speculation, "multi_turn": args.multi_turn,
+        "shared_prefix_tokens": args.shared_prefix_tokens or None, "repeats": args.repeats, "ignore_eos": args.ignore_eos, "seed": args.seed,
     }
     return config, cells
 

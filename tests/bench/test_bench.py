@@ -23,7 +23,7 @@ from streamsd.bench.client import (
     stream_sse,
 )
 from streamsd.bench.compare import FASTER, SLOWER, UNKNOWN, WITHIN_NOISE, compare
-from streamsd.bench.datasets import load_dataset, load_mt_bench, load_sharegpt, random_prompts
+from streamsd.bench.datasets import load_dataset, load_mt_bench, load_sharegpt, random_prompts, shared_prefix
 from streamsd.bench.metrics_scrape import parse_metrics, spec_delta
 from streamsd.bench.report import plot_serve
 from streamsd.bench.results import FIGURE_GROUPS, CellPlan, CellResult, build_cell, run_document
@@ -350,6 +350,33 @@ def test_chat_history_goes_before_the_new_question() -> None:
     assert sampling_fields(spec)["messages"] == [{"role": "user", "content": "Paris?"},
                                                  {"role": "assistant", "content": "A city."},
                                                  {"role": "user", "content": "And Rome?"}]
+
+
+def test_shared_prefix_is_seeded_and_leads_every_prompt() -> None:
+    assert shared_prefix(50, 3) == shared_prefix(50, 3) != shared_prefix(50, 4)
+    assert len(shared_prefix(50, 3).split()) == 50
+    chat = sampling_fields(RequestSpec("chat", "m", "Paris?", 8, system="Be brief."))
+    assert chat["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}]
+    assert sampling_fields(RequestSpec("completions", "m", "Paris?", 8, system="Be brief."))["prompt"] == \
+        "Be brief.\n\nParis?"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_serve_shared_prefix_mode_hits_the_prefix_cache_and_names_itself(server_url: str, tmp_path: Path,
+                                                                        endpoint: str) -> None:
+    out = tmp_path / "prefix.json"
+    hits = metric(server_url, "streamsd:prefix_cache_hits_total")
+    rc = serve.main(["--base-url", server_url, "--endpoint", endpoint, "--dataset", "random:6", "--num-prompts", "4",
+                     "--max-concurrency", "1", "--max-tokens", "4", "--shared-prefix-tokens", "96",
+                     "--output-json", str(out), "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["shared_prefix_tokens"] == 96
+    (cell,) = doc["cells"]
+    assert cell["label"] == "c=1 prefix=96" and cell["shared_prefix_tokens"] == 96
+    assert cell["requests"]["completed"] == 4 and cell["tokens"]["input"] > 4 * 96
+    # one request at a time: each after the first finds the prefix's blocks cached
+    assert metric(server_url, "streamsd:prefix_cache_hits_total") >= hits + 3 * 64
 
 
 def test_serve_sweep_writes_png(server_url: str, tmp_path: Path) -> None:
