@@ -55,13 +55,12 @@ class Fanout:
                 engine.abort(rid)
 
 
-def check_choices(n: int, best_of: int | None, prompts: int) -> None:
-    if best_of is not None and best_of != n:
-        # Ranking best_of candidates by likelihood is not implemented; best_of == n asks for no ranking.
-        raise ApiError(400, f"best_of must equal n ({n}): ranking candidates is not supported", param="best_of")
-    if prompts * n > MAX_N:
-        raise ApiError(400, f"{prompts} prompts x n={n} asks for more than {MAX_N} answers",
-                       param="n" if n > 1 else "prompt")
+def check_choices(n: int, candidates: int, prompts: int) -> None:
+    """`candidates`: the samples per prompt (`best_of`, which is `n` unless larger: best_of.py)."""
+    if prompts * candidates > MAX_N:
+        what = f"n={n}" if candidates == n else f"best_of={candidates}"
+        raise ApiError(400, f"{prompts} prompts x {what} asks for more than {MAX_N} answers",
+                       param=("n" if candidates == n else "best_of") if candidates > 1 else "prompt")
 
 
 def sample_params(params: SamplingParams, j: int) -> SamplingParams:

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import RequestOutput
 from streamsd.request import SamplingParams
+from streamsd.server.best_of import check_best_of, pick_best, ranked_params
 from streamsd.server.body import read_limited
 from streamsd.server.choices import Fanout, admit_all, check_choices, summed
 from streamsd.server.disconnect import unless_disconnected
@@ -119,7 +120,10 @@ class _Completion:
             choice["delta"] = {"role": "assistant", "content": out.text} if first else {"content": out.text}
         return {**self._base(True), "choices": [choice]}
 
-    def full(self, outs: list[RequestOutput]) -> dict[str, Any]:
+    def full(self, outs: list[RequestOutput], every: list[RequestOutput] | None = None,
+             per_prompt: int = 0) -> dict[str, Any]:
+        """`every`: all candidates' final outputs, `per_prompt` of each prompt, when the choices
+        are the best of more (best_of.py): usage counts them all."""
         by_index: list[list[RequestOutput]] = [[] for _ in self.fanout.rids]
         for o in outs:
             by_index[self.index[o.request_id]].append(o)
@@ -133,7 +137,8 @@ class _Completion:
                 choice["message"] = {"role": "assistant", "content": merged.text}
             choices.append(choice)
             finals.append(last)
-        return {**self._base(False), "choices": choices, "usage": usage(summed(finals, self.fanout.n))}
+        billed = summed(every, per_prompt) if every is not None else summed(finals, self.fanout.n)
+        return {**self._base(False), "choices": choices, "usage": usage(billed)}
 
     async def sse(self, head: RequestOutput, rest: AsyncGenerator[RequestOutput]) -> AsyncIterator[bytes]:
         try:
@@ -205,21 +210,23 @@ def _prompt_list(prompt: str | list[int | str | list[int]]) -> list[str | list[i
 async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncoder,
                   body: ChatCompletionRequest | CompletionRequest, params: SamplingParams, chat: bool) -> Response:
     echoes: list[str] | None = None
+    candidates = body.n
     if isinstance(body, ChatCompletionRequest):
-        check_choices(body.n, None, 1)
+        check_choices(body.n, body.n, 1)
         prompt_ids = [await prompts.chat(body.messages, params.max_tokens)]
     else:
         listed = _prompt_list(body.prompt)
-        check_choices(body.n, body.best_of, len(listed))
+        candidates = check_best_of(body.n, body.best_of, body.stream)
+        check_choices(body.n, candidates, len(listed))
         if body.echo and params.logprobs is not None:
             raise ApiError(400, "echo with logprobs (the prompt's own logprobs) is not supported", param="echo")
         prompt_ids = [await prompts.text(p, params.max_tokens) if isinstance(p, str) else p for p in listed]
         if body.echo:  # a token-id prompt echoes as its decoded text
             echoes = [p if isinstance(p, str) else engine.core.tokenizer.decode(p) for p in listed]
     state.check_queue(engine)
-    fanout = await admit_all(engine, prompt_ids, params, body.n, param="messages" if chat else "prompt")
+    fanout = await admit_all(engine, prompt_ids, ranked_params(params, body.n, candidates), candidates,
+                             param="messages" if chat else "prompt")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None, fanout, echoes)
     outputs = fanout.outputs(engine)
     if body.stream:
         # The status goes out with the first output: a request the drain cut before it ran gets a 503.
@@ -230,6 +237,7 @@ async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncode
         if _never_ran(head):
             await outputs.aclose()
             raise ApiError(503, NEVER_RAN)
+        comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None, fanout, echoes)
         return StreamingResponse(comp.sse(head, outputs), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     outs = [out async for out in outputs]
@@ -239,7 +247,13 @@ async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncode
             raise ApiError(500, f.error)
     if any(_never_ran(f) for f in finals):
         raise ApiError(503, NEVER_RAN)
-    return Response(encoder.encode(comp.full(outs)), media_type="application/json")
+    every: list[RequestOutput] | None = None
+    if candidates > body.n:
+        final_of = {f.request_id: f for f in finals}
+        every = [final_of[rid] for rid in fanout.rids]
+        fanout, outs = pick_best(fanout, outs, body.n)
+    comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None, fanout, echoes)
+    return Response(encoder.encode(comp.full(outs, every, candidates)), media_type="application/json")
 
 
 async def chat_completions(request: Request) -> Response:

@@ -163,7 +163,6 @@ INVALID = [
     ("/v1/completions", {"prompt": ["a"] * 65, "n": 2}, "n"),
     ("/v1/completions", {"prompt": ["a"] * 129}, "prompt"),
     ("/v1/completions", {"n": 3, "best_of": 2}, "best_of"),
-    ("/v1/completions", {"n": 2, "best_of": 4}, "best_of"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
