@@ -18,6 +18,11 @@ class SamplingParams:
     `speculative` (None = the engine's default) switches speculation for this request, and
     `num_speculative_tokens` caps its k below the engine's maximum.
 
+    `prompt_logprobs` (top alternatives per position, as `logprobs`) asks for the logprob of every
+    prompt token after the first under the target's raw distribution, scored during its prefill;
+    such a request takes no prefix-cache hits until its prompt is scored (a cached block's logits are
+    not kept).
+
     `logit_bias` (token id -> value added to its logit), `repetition_penalty`, `frequency_penalty`
     and `presence_penalty` change the target's logits before warping (sample/penalties.py says how
     speculation stays exact with them); `penalised` says whether any of them is in effect.
@@ -34,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     speculative: bool | None = None
     num_speculative_tokens: int | None = None
     draft_greedy_threshold: float | None = None
@@ -57,6 +63,9 @@ class SamplingParams:
                "seed", "must be an integer in [0, 2**63)")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                "logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(self.prompt_logprobs is None
+               or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+               "prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(self.num_speculative_tokens is None
                or (isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= 16),
                "num_speculative_tokens", "must be an integer in [0, 16]")
@@ -205,10 +214,17 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     first_scheduled: float | None = None
     acceptance: Any = None  # the adaptive policy's per-request estimator state
+    # With params.prompt_logprobs: prompt token i + 1's (logprob, top alternatives), i from 0, as scored.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are asked for and not all scored yet: every prompt token is computed."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def all_ids(self) -> list[int]:

@@ -58,6 +58,8 @@ class RequestOutput:
     queue_seconds: float | None = None
     arrival: float = 0.0  # time.monotonic() at submission, for latency metrics
     metrics: RequestMetrics | None = None  # on the last output
+    # With prompt_logprobs asked for, on the first output: prompt token i + 1's (logprob, top alternatives).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(slots=True)
@@ -66,6 +68,7 @@ class _Tracker:
     detok: Detokenizer
     released_tokens: int = 0
     timeline: list[float] = field(default_factory=list)
+    prompt_scored: bool = False  # its prompt logprobs went out (with its first output)
 
 
 @dataclass(slots=True)
@@ -278,6 +281,8 @@ class EngineCore:
                             step_drafted=drafted, step_accepted=accepted, arrival=r.arrival)
         if r.first_scheduled is not None and not t.timeline:
             out.queue_seconds = r.first_scheduled - r.arrival
+        if r.params.prompt_logprobs is not None and not t.prompt_scored:
+            out.prompt_logprobs, t.prompt_scored = list(r.prompt_logprobs), True
         t.timeline.append(time.monotonic())
         if t.detok.stopped and not r.finished and defer_stops:
             self._stopped.append((r, out))

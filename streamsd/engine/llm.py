@@ -35,6 +35,9 @@ class GenerationResult:
     spec_stats: SpecStats
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache supplied
+    # With SamplingParams.prompt_logprobs, as vLLM's: None for the first prompt token, then each one's
+    # (logprob, top alternatives as (token id, logprob)).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 class LLM:
@@ -122,6 +125,8 @@ class LLM:
     @staticmethod
     def _merge(res: GenerationResult, out: RequestOutput) -> None:
         c = res.outputs[0]
+        if out.prompt_logprobs is not None:
+            res.prompt_logprobs = [None, *out.prompt_logprobs]
         c.text += out.text
         c.token_ids.extend(out.token_ids)
         c.tokens.extend(out.tokens)

@@ -75,4 +75,6 @@ class EntryResult:
     draft_flags: list[bool] = field(default_factory=list)  # per new token: was it an accepted draft
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     draft_parents: list[int] = field(default_factory=list)  # the proposed drafts' tree (empty: a chain)
+    # With prompt logprobs asked for: those of the prompt tokens at start + 1 .. this step computed.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 

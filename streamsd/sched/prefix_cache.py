@@ -12,6 +12,9 @@ What a block's KV depends on, and so what its key holds:
 An n-gram proposer keeps nothing but tokens. Rejected drafts never reach a registered block:
 registration stops at `computed` (accepted tokens only), past which a queued-ahead step may write.
 
+A request that scores its prompt (`Request.scores_prompt`) takes no hits: a cached block's logits
+are gone, so its prompt is computed whole; its blocks are registered as any others.
+
 A hit never covers the last known token: its logits are needed (and the block holding it is the
 one written next), so a prompt whose every full block is cached recomputes its last block.
 """
@@ -47,14 +50,14 @@ class PrefixCache:
 
     def peek(self, r: Request) -> int:
         """Tokens of `r` a claim would find cached now (nothing is held)."""
-        if not self.enabled or r.blocks:
+        if not self.enabled or r.blocks or r.scores_prompt:
             return r.computed
         return len(self.pool.lookup(self._keys(r.all_ids, 0, self._max_blocks(r)))) * self.bs
 
     def claim(self, r: Request) -> int:
         """At admission of a request that holds no KV: takes the cached blocks of its longest cached
         prefix and counts them computed, for the target and the drafter. Returns the tokens taken."""
-        if not self.enabled or r.blocks:
+        if not self.enabled or r.blocks or r.scores_prompt:
             return 0
         entries = self.pool.lookup(self._keys(r.all_ids, 0, self._max_blocks(r)))
         if not entries:

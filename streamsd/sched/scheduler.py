@@ -254,6 +254,9 @@ class Scheduler:
             r = e.request
             if r.finished:
                 continue
+            if res.prompt_logprobs:
+                # A prompt computed again (after a preemption) scores what is scored already: kept once.
+                r.prompt_logprobs.extend(res.prompt_logprobs[max(len(r.prompt_logprobs) - e.start, 0) :])
             if not e.verifies:
                 r.computed = e.start + e.num_tokens
                 r.draft_computed = max(r.draft_computed, res.draft_computed)

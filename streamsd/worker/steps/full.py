@@ -18,6 +18,7 @@ from streamsd.request import Request
 from streamsd.sample.verify import Chain, Verified
 from streamsd.sched.plan import EntryResult, Scheduled
 from streamsd.spec_decode.proposer import ProposeItem
+from streamsd.worker.steps.prompt_scores import PromptRows, Scored
 
 if TYPE_CHECKING:
     from streamsd.worker.worker import Worker
@@ -32,12 +33,12 @@ class FullStep:
         return self.step(entries)
 
     def step(self, entries: list[Scheduled]) -> list[EntryResult]:
-        logits, hidden = self.forward(entries)  # [rows, V], [tokens, layers * hidden] | None
+        logits, hidden, scored = self.forward_scored(entries)  # [rows, V], [tokens, layers * hidden] | None
         if self.w.stream_sink is not None:
             self.w.stream_sink(entries, hidden)
         verified = self.w.verifier.verify([e for e in entries if e.verifies], logits, self.chain(entries, hidden),
                                         self.graph_verified(entries, logits))
-        return self.propose(entries, verified)
+        return self.propose(entries, verified, scored)
 
     def graph_verified(self, entries: list[Scheduled], logits: torch.Tensor, queued: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -69,16 +70,26 @@ class FullStep:
 
     def forward(self, entries: list[Scheduled], trees: list[tuple[list[int], list[int]] | None] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """trees: per entry, its draft tree's window (tree_verify.entry_tree), when the step verifies trees."""
+        """trees: per entry, its draft tree's window (tree_verify.entry_tree), when the step verifies trees.
+        For steps of one pending token each (which score no prompt)."""
+        logits, hidden, _ = self.forward_scored(entries, trees)
+        return logits, hidden
+
+    def forward_scored(self, entries: list[Scheduled], trees: list[tuple[list[int], list[int]] | None] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, list[Scored | None] | None]:
+        """`forward`, and per entry the logprobs of the prompt tokens it scores (prompt_scores.py), or
+        None when no entry scores its prompt."""
         ids: list[int] = []
         rows: list[int] = []
         starts, counts, tables = [], [], []
-        for e in entries:
+        scoring = PromptRows()
+        for at, e in enumerate(entries):
             r = e.request
             toks = [r.token_at(i) for i in range(e.start, e.start + e.num_tokens)] + r.draft_ids[: e.num_drafts]
             if e.verifies:
                 first = len(ids) + e.num_tokens - 1
                 rows.extend(range(first, first + 1 + e.num_drafts))
+            scoring.add(at, e, len(ids))
             ids.extend(toks)
             starts.append(e.start)
             counts.append(len(toks))
@@ -87,20 +98,23 @@ class FullStep:
         layers = self.w.hidden_layers
         # A graph serves the step only if it captures exactly these streams (none, or the head's).
         fits = self.w.graphs is not None and self.w.graphs.hidden_layers == layers
-        key = self.w.graphs.key_for(counts, tables, len(rows)) if self.w.graphs is not None and fits and trees is None \
-            else None
+        key = self.w.graphs.key_for(counts, tables, len(rows)) \
+            if self.w.graphs is not None and fits and trees is None and not scoring.rows else None
         if self.w.graphs is not None and key is not None:
             if not layers:
-                return self.w.graphs.run(key, ids, starts, counts, tables, rows), None
-            return self.w.graphs.run_hidden(key, ids, starts, counts, tables, rows)  # views: read before the next replay
+                return self.w.graphs.run(key, ids, starts, counts, tables, rows), None, None
+            return *self.w.graphs.run_hidden(key, ids, starts, counts, tables, rows), None  # views: read before the next replay
         layout = BatchLayout.build(starts, counts, tables, self.w.cache.block_size, self.w.device, trees)
+        # A scored prompt's rows come after the verified ones: [rows + scored rows, V].
         out = self.w.target(h2d(ids, torch.int64, self.w.device), layout, self.w.cache,
-                          h2d(rows, torch.int64, self.w.device), hidden_layers=layers,
+                          h2d(rows + scoring.rows, torch.int64, self.w.device), hidden_layers=layers,
                           hidden_rows=torch.arange(len(ids), device=self.w.device) if layers else None)
+        scored = scoring.score(out.logits[len(rows) :], len(entries)) if scoring.rows else None
         # [T, layers * hidden] | None; a graph's replay writes the store inside
-        return out.logits, keep_streams(out.hidden, layout.slot_mapping, self.w.store)
+        return out.logits[: len(rows)], keep_streams(out.hidden, layout.slot_mapping, self.w.store), scored
 
-    def propose(self, entries: list[Scheduled], verified: Verified) -> list[EntryResult]:
+    def propose(self, entries: list[Scheduled], verified: Verified, scored: list[Scored | None] | None = None
+                ) -> list[EntryResult]:
         results: list[EntryResult] = []
         items: list[ProposeItem] = []
         owners: list[int] = []
@@ -129,6 +143,8 @@ class FullStep:
                 items.append(ProposeItem(r, [*r.prompt_ids, *r.output_ids, *new], e.k_next, computed,
                                          min(r.draft_computed, computed)))
                 owners.append(i)
+        for res, prompt in zip(results, scored or (), strict=False):
+            res.prompt_logprobs = prompt
         if self.w.proposer is None:
             return results
         if not self.w.proposer.keeps_cache:

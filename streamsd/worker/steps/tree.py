@@ -72,9 +72,9 @@ class TreeStep:
         assert w.tree is not None
         w.lookahead.drop()
         trees = [entry_tree(e) for e in entries]
-        logits, _ = self.full.forward(entries, trees if any(trees) else None)
+        logits, _, scored = self.full.forward_scored(entries, trees if any(trees) else None)
         verified = verify_trees(w.verifier, [e for e in entries if e.verifies], logits, w.cache, w.store, w.tree.depth)
-        return self.full.propose(entries, verified)
+        return self.full.propose(entries, verified, scored)
 
     def _whole_trees(self, entries: list[Scheduled]) -> bool:
         """Every entry verifies its pending token and a full tree and wants the next full one (or none:

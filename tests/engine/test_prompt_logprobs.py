@@ -1,0 +1,61 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs) on tiny models: every prompt token's logprob and
+top alternatives equal a plain transformers forward's log_softmax, however the prefill is chunked,
+with speculation on, next to requests that score nothing, and whatever the prefix cache holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from streamsd import LLM, SamplingParams
+from tests.tiny import CORPUS
+
+PROMPT = " ".join(CORPUS[:4])
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, V]
+
+    return logprobs
+
+
+def _check(scored, ids: list[int], expected: torch.Tensor, top: int) -> None:
+    assert scored[0] is None and len(scored) == len(ids)
+    for p in range(1, len(ids)):
+        logprob, alternatives = scored[p]
+        assert logprob == pytest.approx(expected[p - 1, ids[p]].item(), abs=1e-4)
+        vals, tops = expected[p - 1].topk(top)
+        assert [t for t, _ in alternatives] == tops.tolist()
+        assert [v for _, v in alternatives] == pytest.approx(vals.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [16, 2048], ids=["chunked-prefill", "one-chunk"])
+def test_prompt_logprobs_equal_a_plain_forward_with_speculation_and_a_neighbour(tiny_model_dir, close_draft_dir,
+                                                                                reference, chunk):
+    llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3,
+              max_num_batched_tokens=chunk)
+    ids = llm.tokenizer.encode(PROMPT)
+    assert len(ids) > 3 * 16
+    scored, plain = llm.generate([ids, ids[:20]], [SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=3),
+                                                   SamplingParams(max_tokens=6, temperature=0)])
+    _check(scored.prompt_logprobs, ids, reference(ids), 3)
+    assert plain.prompt_logprobs is None
+    alone = llm.generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert scored.outputs[0].token_ids == alone.outputs[0].token_ids  # scoring changes no answer
+
+
+def test_a_request_scoring_its_prompt_takes_no_prefix_cache_hits(tiny_model_dir, reference):
+    llm = LLM(str(tiny_model_dir), max_num_batched_tokens=32)
+    ids = llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    llm.generate([ids], params)
+    scored = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0))[0]
+    assert scored.num_cached_tokens == 0
+    _check(scored.prompt_logprobs, ids, reference(ids), 0)
+    assert llm.generate([ids], params)[0].num_cached_tokens > 0  # the cache still serves the others
