@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -18,6 +19,7 @@ from streamsd.server.best_of import check_best_of, pick_best, ranked_params
 from streamsd.server.body import read_limited
 from streamsd.server.choices import Fanout, admit_all, check_choices, summed
 from streamsd.server.disconnect import unless_disconnected
+from streamsd.server.prompt_logprobs import by_text, prompt_logprobs
 from streamsd.server.prompts import PromptEncoder
 from streamsd.server.protocol import (
     ChatCompletionRequest,
@@ -73,13 +75,15 @@ class _Completion:
     """Turns engine deltas into one of the two OpenAI object shapes, a choice per engine request."""
 
     def __init__(self, state: ServerState, engine: AsyncEngine, chat: bool, include_usage: bool, logprobs: bool,
-                 fanout: Fanout, echoes: list[str] | None = None):
+                 fanout: Fanout, echoes: list[str] | None = None, prompt_ids: list[list[int]] | None = None):
         self.state, self.engine, self.chat = state, engine, chat
         self.include_usage, self.logprobs = include_usage, logprobs
         self.fanout, self.index = fanout, fanout.index()
         # Completions with echo: each choice's text starts with its prompt's.
         self.echo = [echoes[i // fanout.n] for i in range(len(fanout.rids))] if echoes is not None else None
         self.offset = [len(self.echo[i]) if self.echo else 0 for i in range(len(fanout.rids))]
+        # Echo with logprobs: each choice's logprobs start with its prompt's tokens.
+        self.prompt_ids = prompt_ids
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -98,13 +102,17 @@ class _Completion:
         for t in out.tokens:  # where each token starts in the choice's text, as vLLM counts
             offsets.append(self.offset[index])
             self.offset[index] += len(t.text)
-        return {
+        done = {
             "tokens": [t.text for t in out.tokens],
             "token_logprobs": [t.logprob for t in out.tokens],
-            "top_logprobs": [{e["token"]: e["logprob"] for e in _logprob_entry(self.engine, t)["top_logprobs"]}
-                             for t in out.tokens],
+            "top_logprobs": [by_text(self.engine.core.tokenizer.decode, t.top_logprobs or []) for t in out.tokens],
             "text_offset": offsets,
         }
+        if self.prompt_ids is None or out.prompt_logprobs is None:
+            return done
+        prompt = prompt_logprobs(self.engine.core.tokenizer.decode, self.prompt_ids[index // self.fanout.n],
+                                 out.prompt_logprobs)
+        return {key: prompt[key] + done[key] for key in done}
 
     def _choice(self, out: RequestOutput, index: int, first: bool, finish: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(out, index), "finish_reason": finish,
@@ -131,7 +139,8 @@ class _Completion:
         for index, mine in enumerate(by_index):
             last = mine[-1]
             tokens = [t for o in mine for t in o.tokens]
-            merged = RequestOutput(last.request_id, [t.id for t in tokens], "".join(o.text for o in mine), tokens)
+            merged = RequestOutput(last.request_id, [t.id for t in tokens], "".join(o.text for o in mine), tokens,
+                                   prompt_logprobs=next((o.prompt_logprobs for o in mine if o.prompt_logprobs), None))
             choice = self._choice(merged, index, True, finish_reason(last))
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": merged.text}
@@ -210,6 +219,7 @@ def _prompt_list(prompt: str | list[int | str | list[int]]) -> list[str | list[i
 async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncoder,
                   body: ChatCompletionRequest | CompletionRequest, params: SamplingParams, chat: bool) -> Response:
     echoes: list[str] | None = None
+    scored: list[list[int]] | None = None
     candidates = body.n
     if isinstance(body, ChatCompletionRequest):
         check_choices(body.n, body.n, 1)
@@ -218,11 +228,12 @@ async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncode
         listed = _prompt_list(body.prompt)
         candidates = check_best_of(body.n, body.best_of, body.stream)
         check_choices(body.n, candidates, len(listed))
-        if body.echo and params.logprobs is not None:
-            raise ApiError(400, "echo with logprobs (the prompt's own logprobs) is not supported", param="echo")
         prompt_ids = [await prompts.text(p, params.max_tokens) if isinstance(p, str) else p for p in listed]
         if body.echo:  # a token-id prompt echoes as its decoded text
             echoes = [p if isinstance(p, str) else engine.core.tokenizer.decode(p) for p in listed]
+        if body.echo and params.logprobs is not None:  # the prompt's tokens are scored too
+            scored = prompt_ids
+            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     state.check_queue(engine)
     fanout = await admit_all(engine, prompt_ids, ranked_params(params, body.n, candidates), candidates,
                              param="messages" if chat else "prompt")
@@ -237,7 +248,7 @@ async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncode
         if _never_ran(head):
             await outputs.aclose()
             raise ApiError(503, NEVER_RAN)
-        comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None, fanout, echoes)
+        comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None, fanout, echoes, scored)
         return StreamingResponse(comp.sse(head, outputs), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     outs = [out async for out in outputs]
@@ -252,7 +263,7 @@ async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncode
         final_of = {f.request_id: f for f in finals}
         every = [final_of[rid] for rid in fanout.rids]
         fanout, outs = pick_best(fanout, outs, body.n)
-    comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None, fanout, echoes)
+    comp = _Completion(state, engine, chat, include_usage, params.logprobs is not None, fanout, echoes, scored)
     return Response(encoder.encode(comp.full(outs, every, candidates)), media_type="application/json")
 
 

@@ -165,7 +165,6 @@ INVALID = [
     ("/v1/completions", {"n": 3, "best_of": 2}, "best_of"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
 ]
 
