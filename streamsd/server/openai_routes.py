@@ -140,7 +140,7 @@ class _Completion:
             last = mine[-1]
             tokens = [t for o in mine for t in o.tokens]
             merged = RequestOutput(last.request_id, [t.id for t in tokens], "".join(o.text for o in mine), tokens,
-                                   prompt_logprobs=next((o.prompt_logprobs for o in mine if o.prompt_logprobs), None))
+                                   prompt_logprobs=next((o.prompt_logprobs for o in mine if o.prompt_logprobs is not None), None))
             choice = self._choice(merged, index, True, finish_reason(last))
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": merged.text}

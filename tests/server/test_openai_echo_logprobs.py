@@ -99,3 +99,12 @@ def test_echo_with_logprobs_recomputes_a_cached_prompt_and_scores_every_sample(c
         assert choice.logprobs.top_logprobs[1:len(ids)] == [{}] * (len(ids) - 1)
     hit = client.completions.create(model=model, prompt=prompt, max_tokens=2)
     assert hit.usage.prompt_tokens_details.cached_tokens > 0  # the others still take the cache
+
+
+def test_echo_with_logprobs_of_a_one_token_prompt_has_its_null_entry(client, model, tok):
+    ids = tok.encode("Once")[:1]
+    done = client.completions.create(model=model, prompt=ids, echo=True, logprobs=1, max_tokens=2,
+                                     extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == 3 and lp.tokens[0] == tok.decode(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
