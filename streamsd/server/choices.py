@@ -77,7 +77,8 @@ async def admit_all(engine: AsyncEngine, prompts: list[list[int]], params: Sampl
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     rids: list[str | None] = [None] * (len(prompts) * n)
     early: list[RequestOutput] = []
-    shares = engine.core.scheduler.cfg.enable_prefix_caching and n > 1
+    # A sample scoring its prompt computes it whole (no prefix-cache hits): nothing to wait for.
+    shares = engine.core.scheduler.cfg.enable_prefix_caching and n > 1 and params.prompt_logprobs is None
     block = engine.core.scheduler.cfg.block_size
 
     def admit_sample(i: int, j: int) -> None:

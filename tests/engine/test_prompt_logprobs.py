@@ -59,3 +59,20 @@ def test_a_request_scoring_its_prompt_takes_no_prefix_cache_hits(tiny_model_dir,
     assert scored.num_cached_tokens == 0
     _check(scored.prompt_logprobs, ids, reference(ids), 0)
     assert llm.generate([ids], params)[0].num_cached_tokens > 0  # the cache still serves the others
+
+
+def test_prompt_logprobs_survive_preemption_by_recompute(tiny_model_dir, close_draft_dir, reference):
+    # 6 blocks of 16 tokens cannot hold four prompts of 20-40 tokens and their answers at once.
+    llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), kv_cache_tokens=96, max_num_batched_tokens=16)
+    prompts = [llm.tokenizer.encode(text)[:40] for text in CORPUS[:4]]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    requests = [llm.core.add_request(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
+    scored: dict[str, list] = {}
+    while llm.core.has_work:
+        for out in llm.core.step():
+            assert out.request_id not in scored or out.prompt_logprobs is None  # once, with the first output
+            if out.prompt_logprobs is not None:
+                scored[out.request_id] = [None, *out.prompt_logprobs]
+    assert sum(r.num_preemptions for r in requests) >= 2
+    for ids, r in zip(prompts, requests, strict=True):
+        _check(scored[r.request_id], ids, reference(ids), 1)
