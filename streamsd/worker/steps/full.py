@@ -130,7 +130,7 @@ class FullStep:
                                          min(r.draft_computed, computed)))
                 owners.append(i)
         if self.w.proposer is None:
-            return results
+            return _within_grammar(entries, results)
         if not self.w.proposer.keeps_cache:
             # Host-side proposers (n-gram) have no cache to catch up, only drafts to make.
             pairs = [(o, it) for o, it in zip(owners, items, strict=True) if it.k > 0]
@@ -141,7 +141,18 @@ class FullStep:
             if entries[owner].verifies:
                 res.draft_ids = proposal.draft_ids
                 res.draft_parents = proposal.draft_parents
-        return results
+        return _within_grammar(entries, results)
+
+
+def _within_grammar(entries: list[Scheduled], results: list[EntryResult]) -> list[EntryResult]:
+    """A constrained request's drafts end before the first token its grammar forbids after the tokens
+    this step emits: p gives that token 0, so verifying it (and all after it) would waste rows."""
+    for e, res in zip(entries, results, strict=True):
+        r = e.request
+        if r.matcher is not None and res.draft_ids and not res.draft_parents:
+            res.draft_ids = res.draft_ids[: r.matcher.allowed([*r.output_ids, *res.new_tokens], res.draft_ids)]
+    return results
+
 
 def _will_stop(r: Request, new: list[int]) -> bool:
     p = r.params
