@@ -145,12 +145,18 @@ class FullStep:
 
 
 def _within_grammar(entries: list[Scheduled], results: list[EntryResult]) -> list[EntryResult]:
-    """A constrained request's drafts end before the first token its grammar forbids after the tokens
-    this step emits: p gives that token 0, so verifying it (and all after it) would waste rows."""
+    """A constrained request's drafts end at the first token its grammar forbids after the tokens this
+    step emits (sample/grammar.py, `Matcher.allowed`): p gives it 0, so the drafts after it could
+    never be accepted. A one-hot draft goes too (its rejection would sample p itself, as the row's
+    plain sample does); a draft with a dense q stays: its certain rejection samples the residual
+    (p - q)+, which exactness needs, not p."""
     for e, res in zip(entries, results, strict=True):
         r = e.request
-        if r.matcher is not None and res.draft_ids and not res.draft_parents:
-            res.draft_ids = res.draft_ids[: r.matcher.allowed([*r.output_ids, *res.new_tokens], res.draft_ids)]
+        if r.matcher is None or not res.draft_ids or res.draft_parents:
+            continue
+        keep = r.matcher.allowed([*r.output_ids, *res.new_tokens], res.draft_ids)
+        dense = not r.greedy_draft and r.q_slot is not None
+        res.draft_ids = res.draft_ids[: keep + 1 if dense else keep]
     return results
 
 
