@@ -9,7 +9,11 @@ import re
 
 import httpx
 import jsonschema
+import openai
 import pytest
+from websockets.sync.client import connect
+
+from tests.server_util import metric, start_server
 
 CHAT = [{"role": "user", "content": "Describe a pet as JSON."}]
 SCHEMA = {
@@ -116,3 +120,39 @@ def test_server_keeps_answering_after_refusing_a_schema(client, server):
     assert httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                       json={"messages": CHAT, "response_format": bad}).status_code == 400
     json.loads(_answers(client, 1, temperature=0.0, max_tokens=200, response_format=PET)[0])
+
+
+def test_websocket_generate_frames_take_a_response_format(server):
+    with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as ws:
+        ws.send(json.dumps({"type": "generate", "id": "j", "messages": CHAT, "max_tokens": 200, "temperature": 1.0,
+                            "seed": 4, "response_format": PET}))
+        text, event = "", {}
+        while event.get("type") != "done":
+            event = json.loads(ws.recv(timeout=60))
+            assert event["type"] in ("delta", "done"), event
+            text += event.get("text", "")
+        assert event["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+        ws.send(json.dumps({"type": "generate", "id": "bad", "prompt": "x", "response_format": {"type": "xml"}}))
+        event = json.loads(ws.recv(timeout=60))
+        assert event["type"] == "error" and "response_format" in event["error"]["message"], event
+
+
+def test_refused_and_finished_constrained_requests_leave_nothing_behind(server):
+    assert metric(server.url, "streamsd:num_requests_running") == 0
+    assert metric(server.url, "streamsd:kv_cache_usage_perc") == 0
+
+
+def test_ngram_speculation_keeps_structured_answers_exact(tiny_model_dir, tmp_path):
+    s = start_server(tiny_model_dir, tmp_path, "--speculative-method", "ngram", "--num-speculative-tokens", "3")
+    try:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        spec = _create(client, 1, temperature=0.0, max_tokens=300, response_format=PET)
+        plain = _answers(client, 1, temperature=0.0, max_tokens=300, response_format=PET,
+                         extra_body={"speculative": {"enabled": False}})[0]
+        assert spec.choices[0].message.content == plain
+        assert spec.usage.completion_tokens_details.accepted_prediction_tokens > 0  # it did speculate
+        for text in _answers(client, 20, temperature=1.0, max_tokens=200, seed=9, response_format=PET):
+            jsonschema.validate(json.loads(text), SCHEMA)
+    finally:
+        s.stop()
