@@ -12,6 +12,16 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """Structured output (sample/grammar.py): `kind` "json" (`source` a JSON schema; JSON mode is the
+    schema of any object) or "regex"; `param` names the request field it came from, for errors."""
+
+    kind: str
+    source: str
+    param: str = "response_format"
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What to sample and when to stop; shaped like vLLM's so users know it.
 
@@ -25,7 +35,9 @@ class SamplingParams:
 
     `logit_bias` (token id -> value added to its logit), `repetition_penalty`, `frequency_penalty`
     and `presence_penalty` change the target's logits before warping (sample/penalties.py says how
-    speculation stays exact with them); `penalised` says whether any of them is in effect.
+    speculation stays exact with them); `constraint`, a grammar, masks them (sample/grammar.py).
+    `penalised` says whether any of these is in effect: the target's p then depends on the tokens
+    before each position, so no step is prepared before the host knows them.
     """
 
     temperature: float = 1.0
@@ -47,6 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    constraint: Constraint | None = None
     # Read for every request of every step: computed once, not per read.
     penalised: bool = field(init=False, repr=False, compare=False)
 
@@ -88,8 +101,17 @@ class SamplingParams:
                    f"keys must be token ids (integers >= 0), not {t!r}")
             _check(_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS, "logit_bias",
                    f"values must be in [-100, 100] (token {t}: {v!r})")
-        object.__setattr__(self, "penalised", bool(self.logit_bias) or self.presence_penalty != 0.0
-                           or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)
+        if self.constraint is not None:
+            # The grammar alone decides when the answer may end.
+            _check(self.min_tokens == 0, "min_tokens", f"cannot be combined with {self.constraint.param}")
+            _check(not self.ignore_eos, "ignore_eos", f"cannot be combined with {self.constraint.param}")
+        object.__setattr__(self, "penalised", self.penalties or self.constraint is not None)
+
+    @property
+    def penalties(self) -> bool:
+        """A logit bias or a penalty is in effect (sample/penalties.py)."""
+        return (bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -216,6 +238,7 @@ class Request:
     acceptance: Any = None  # the adaptive policy's per-request estimator state
     # With params.prompt_logprobs: prompt token i + 1's (logprob, top alternatives), i from 0, as scored.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    matcher: Any = None  # a constrained request's grammar state (sample/grammar.py's Matcher)
 
     @property
     def num_tokens(self) -> int:

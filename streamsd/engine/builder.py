@@ -29,6 +29,7 @@ from streamsd.model.loader import (
 from streamsd.model.stream_store import StreamStore
 from streamsd.policy.adaptive import CostTable
 from streamsd.policy.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
+from streamsd.sample.grammar import Grammars
 from streamsd.spec_decode.draft_model import DraftModelProposer
 from streamsd.spec_decode.eagle.checkpoint import head_dir, load_head, measured_depth_steps
 from streamsd.spec_decode.eagle.proposer import EagleProposer
@@ -52,6 +53,7 @@ class Runtime:
     q_slots: int
     load_seconds: float
     policy: SpeculationPolicy
+    grammars: Grammars
     generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
@@ -247,7 +249,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy,
-                   defaults)
+                   Grammars(tokenizer, args.vocab_size), defaults)
 
 
 def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerConfig:

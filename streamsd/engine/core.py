@@ -126,6 +126,8 @@ class EngineCore:
                                                if params.draft_greedy_threshold is not None
                                                else self.spec.draft_greedy_threshold),
         )
+        if params.constraint is not None:
+            r.matcher = self.rt.grammars.matcher(params.constraint, self.rt.eos_ids)  # compiles on first use
         self.scheduler.add(r)
         self.trackers[request_id] = _Tracker(r, Detokenizer.for_prompt(self.tokenizer, r.prompt_ids,
                                                                         params.stop_strings))
@@ -134,6 +136,8 @@ class EngineCore:
     def _spec_k(self, p: SamplingParams) -> int:
         if not self.spec.enabled or p.speculative is False:
             return 0
+        if p.constraint is not None and self.spec.tree is not None:
+            return 0  # a tree's rows would each need its own path's grammar state: plain steps instead
         k = self.spec.num_tokens
         return min(k, p.num_speculative_tokens) if p.num_speculative_tokens is not None else k
 

@@ -42,7 +42,7 @@ def penalise(entries: list[Scheduled], rows: torch.Tensor, bits: list[list[int]]
     default a chain's; the drafts at those rows count as generated output for row j. `pick`: the
     entries whose requests are penalised, when the caller has them."""
     if pick is None:
-        pick = [b for b, e in enumerate(entries) if e.request.params.penalised]
+        pick = [b for b, e in enumerate(entries) if e.request.params.penalties]
     if not pick:
         return rows
     n, width, vocab = len(pick), rows.shape[1], rows.shape[2]

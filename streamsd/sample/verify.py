@@ -17,6 +17,7 @@ import torch
 
 from streamsd.model.kv_cache import h2d
 from streamsd.request import Request
+from streamsd.sample.grammar import apply_masks
 from streamsd.sample.greedy import row_argmax
 from streamsd.sample.penalties import penalise
 from streamsd.sample.rejection import VerifyInput, rejection_sample
@@ -206,16 +207,20 @@ class Verifier:
     def adjust_rows(self, entries: list[Scheduled], rows: torch.Tensor, ahead: int = 0,
                     depth: np.ndarray | None = None, bits: list[list[int]] | None = None) -> torch.Tensor:
         """The target distribution itself as each request asks for it: below min_tokens, EOS and stop
-        ids are impossible; a request's logit bias and penalties apply (sample/penalties.py).
+        ids are impossible; a request's logit bias and penalties apply (sample/penalties.py), then its
+        grammar's mask (sample/grammar.py).
         rows [B, K+1, V]; `ahead`: tokens the requests will have gained before these rows (0 for any
         penalised one); `depth` [B, K+1]: how far past the pending token each row decides, and `bits`
         [B][K+1] the window rows on its path (a draft tree's; default a chain's)."""
         cells = []
         pick = []
+        constrained = []
         for b, e in enumerate(entries):
             p, r = e.request.params, e.request
-            if p.penalised:
+            if p.penalties:
                 pick.append(b)
+            if p.constraint is not None:
+                constrained.append(b)
             if not below_min_tokens(r, ahead):
                 continue
             made = len(r.output_ids) + ahead
@@ -230,6 +235,10 @@ class Verifier:
         if pick:
             assert ahead == 0, "a penalised request's step was prepared before its tokens were known"
             rows = penalise(entries, rows, bits, pick)
+        if constrained:
+            # A tree step carries constrained requests without drafts (EngineCore._spec_k): row 0 only.
+            assert ahead == 0, "a constrained request's step was prepared before its tokens were known"
+            rows = apply_masks(entries, rows, constrained)
         return rows
 
     def _logprobs(self, reqs: list[Request], rows: torch.Tensor, tokens: torch.Tensor) -> list:

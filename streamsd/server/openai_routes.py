@@ -31,6 +31,7 @@ from streamsd.server.protocol import (
 from streamsd.server.state import (
     ApiError,
     ServerState,
+    compile_constraint,
     finish_reason,
     sampling_params,
     speculation,
@@ -201,6 +202,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     params = sampling_params(body, engine.core.rt.generation_defaults)
+    await compile_constraint(engine, params)
     return await unless_disconnected(request.receive, _answer(state, engine, prompts, body, params, chat))
 
 

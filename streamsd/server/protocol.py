@@ -78,6 +78,9 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
     logit_bias: LogitBias | None = None
     speculative: Speculative | None = None
+    # Structured output (server/structured.py): OpenAI's JSON mode and JSON schema, or a regex.
+    response_format: dict[str, Any] | None = None
+    guided_regex: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
 
 
 # How many answers an HTTP request asks for, each sampled on its own (with `seed` + its index).
@@ -87,7 +90,6 @@ N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     n: N = 1
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None

@@ -13,8 +13,9 @@ from streamsd.config import SpecConfig
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import RequestOutput
 from streamsd.engine.generation_defaults import GenerationDefaults
-from streamsd.request import SamplingParams, SpecStats
+from streamsd.request import ParamError, SamplingParams, SpecStats
 from streamsd.server.protocol import SamplingFields
+from streamsd.server.structured import constraint_of
 from streamsd.server.unsupported import unsupported_field
 
 if TYPE_CHECKING:
@@ -118,9 +119,21 @@ def sampling_params(f: SamplingFields, defaults: GenerationDefaults = Generation
             speculative=None if spec is None else spec.enabled,
             num_speculative_tokens=None if spec is None else spec.num_tokens,
             draft_greedy_threshold=None if spec is None else spec.draft_greedy_threshold,
+            constraint=constraint_of(f.response_format, f.guided_regex),
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from exc
+
+
+async def compile_constraint(engine: AsyncEngine, params: SamplingParams) -> None:
+    """Compiles the request's grammar on a thread (the engine's compiler caches it for the worker), so
+    that one that cannot be compiled is refused before the request is admitted."""
+    if params.constraint is None:
+        return
+    try:
+        await asyncio.to_thread(engine.core.rt.grammars.compile, params.constraint)
+    except ParamError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from exc
 
 
 def admit(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,

@@ -25,8 +25,6 @@ _TOOLS = "tool and function calling is not supported"
 
 # field, the values that ask for nothing, and why anything else is refused.
 _REFUSALS = (
-    # Constrained output: not implemented yet.
-    Refusal("response_format", (None, {"type": "text"}), 'only response_format {"type": "text"} is supported'),
     # Not part of what this server does.
     Refusal("tools", (None, []), _TOOLS),
     Refusal("tool_choice", (None, "none"), _TOOLS),

@@ -16,6 +16,7 @@ from streamsd.server.state import (
     ApiError,
     ServerState,
     admit,
+    compile_constraint,
     finish_reason,
     sampling_params,
     token_entries,
@@ -64,6 +65,7 @@ class Session:
             engine, prompts = self.state.ready()
             self.state.check_model(msg.model)
             params = sampling_params(msg, engine.core.rt.generation_defaults)
+            await compile_constraint(engine, params)
             if (msg.messages is None) == (msg.prompt is None):
                 raise ApiError(400, "give exactly one of messages or prompt", param="messages")
             if msg.messages:

@@ -572,3 +572,22 @@ def test_cli_generates_with_a_tree_and_refuses_a_bad_one(tiny_model_dir, head, r
     assert "nodes" in capsys.readouterr().err
     assert main([*args[:6], "ngram", *args[7:], "--speculative-tree", "4,3,3,10"]) == 2
     assert "EAGLE" in capsys.readouterr().err
+
+
+def test_constrained_requests_take_plain_steps_beside_trees_with_plain_decodings_answers(tiny_model_dir, head):
+    """A grammar's mask would need each tree node's own path state: a constrained request is decoded
+    one token a step (no drafts) while the others of its batch keep their trees; its answers, greedy
+    and seeded, are plain constrained decoding's."""
+    from streamsd.request import Constraint
+
+    pattern = Constraint("regex", "(The|Once|[a-z ]{1,12})[ a-z0-9.,]{0,40}", "guided_regex")
+    params = [SamplingParams(temperature=0.0, max_tokens=30, constraint=pattern),
+              SamplingParams(temperature=1.0, max_tokens=30, seed=5, constraint=pattern),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    plain = LLM(str(tiny_model_dir))
+    want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS[:3], params)]
+    tree = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10")
+    res = tree.generate(PROMPTS[:3], params)
+    assert [r.outputs[0].token_ids for r in res] == want
+    assert [r.spec_stats.drafted for r in res][:2] == [0, 0] and res[2].spec_stats.drafted > 0
+    _assert_free(tree)

@@ -146,7 +146,7 @@ class FullStep:
         for res, prompt in zip(results, scored or (), strict=False):
             res.prompt_logprobs = prompt
         if self.w.proposer is None:
-            return results
+            return _within_grammar(entries, results)
         if not self.w.proposer.keeps_cache:
             # Host-side proposers (n-gram) have no cache to catch up, only drafts to make.
             pairs = [(o, it) for o, it in zip(owners, items, strict=True) if it.k > 0]
@@ -157,7 +157,24 @@ class FullStep:
             if entries[owner].verifies:
                 res.draft_ids = proposal.draft_ids
                 res.draft_parents = proposal.draft_parents
-        return results
+        return _within_grammar(entries, results)
+
+
+def _within_grammar(entries: list[Scheduled], results: list[EntryResult]) -> list[EntryResult]:
+    """A constrained request's drafts end at the first token its grammar forbids after the tokens this
+    step emits (sample/grammar.py, `Matcher.allowed`): p gives it 0, so the drafts after it could
+    never be accepted. A one-hot draft goes too (its rejection would sample p itself, as the row's
+    plain sample does); a draft with a dense q stays: its certain rejection samples the residual
+    (p - q)+, which exactness needs, not p."""
+    for e, res in zip(entries, results, strict=True):
+        r = e.request
+        if r.matcher is None or not res.draft_ids or res.draft_parents:
+            continue
+        keep = r.matcher.allowed([*r.output_ids, *res.new_tokens], res.draft_ids)
+        dense = not r.greedy_draft and r.q_slot is not None
+        res.draft_ids = res.draft_ids[: keep + 1 if dense else keep]
+    return results
+
 
 def _will_stop(r: Request, new: list[int]) -> bool:
     p = r.params
