@@ -38,6 +38,7 @@ class RequestSpec:
     speculative: bool | None = None  # None: leave the server's default
     history: tuple[tuple[str, str], ...] = ()  # earlier (user, assistant) turns of the chat
     system: str | None = None  # a system prompt (chat) or text prefix (completions) before it all
+    response_format: dict[str, Any] | None = None  # structured output (JSON mode or a JSON schema)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ def sampling_fields(spec: RequestSpec) -> dict[str, Any]:
         fields["ignore_eos"] = True
     if spec.speculative is not None:
         fields["speculative"] = {"enabled": spec.speculative}
+    if spec.response_format is not None:
+        fields["response_format"] = spec.response_format
     return fields
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import random
 import sys
@@ -17,6 +18,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
 import httpx
 from tqdm import tqdm
@@ -63,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="per request (default: dataset's, else 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly max tokens (server extension)")
+    parser.add_argument(
+        "--response-format", default=None,
+        help="structured output for every request: `json_object`, or a JSON schema's file (the grammar's cost)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="dataset, arrivals and per-request sampling seeds")
     parser.add_argument(
         "--compare-speculation", action="store_true",
@@ -118,8 +125,19 @@ def plan_cells(args: argparse.Namespace) -> list[CellPlan]:
             for s in (switches if r % 2 == 0 else switches[::-1])]
 
 
+def response_format(arg: str | None) -> dict[str, Any] | None:
+    """--response-format as the request field: JSON mode, or the schema read from a file."""
+    if arg is None:
+        return None
+    if arg == "json_object":
+        return {"type": "json_object"}
+    schema = json.loads(Path(arg).read_text(encoding="utf-8"))
+    return {"type": "json_schema", "json_schema": {"name": Path(arg).stem, "schema": schema}}
+
+
 def request_specs(args: argparse.Namespace, model: str, prompts: Sequence[BenchPrompt], spec: bool | None) -> list[RequestSpec]:
     system = shared_prefix(args.shared_prefix_tokens, args.seed) if args.shared_prefix_tokens else None
+    structured = response_format(args.response_format)
     return [
         RequestSpec(
             endpoint=args.endpoint,
@@ -131,6 +149,7 @@ def request_specs(args: argparse.Namespace, model: str, prompts: Sequence[BenchP
             ignore_eos=args.ignore_eos,
             speculative=spec,
             system=system,
+            response_format=structured,
         )
         for i, p in enumerate(prompts)
     ]
@@ -230,6 +249,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
         "max_concurrency": args.max_concurrency, "sweep_concurrency": args.sweep_concurrency,
         "compare_speculation": args.compare_speculation, "multi_turn": args.multi_turn,
         "shared_prefix_tokens": args.shared_prefix_tokens or None, "repeats": args.repeats, "ignore_eos": args.ignore_eos, "seed": args.seed,
+        "response_format": args.response_format,
     }
     return config, cells
 

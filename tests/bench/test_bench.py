@@ -379,6 +379,24 @@ def test_serve_shared_prefix_mode_hits_the_prefix_cache_and_names_itself(server_
     assert metric(server_url, "streamsd:prefix_cache_hits_total") >= hits + 3 * 64
 
 
+def test_serve_response_format_constrains_every_request(server_url: str, tmp_path: Path) -> None:
+    # A schema with one constant member: each answer is `{"a": 1}` and then must end, far below
+    # max_tokens, where a random tiny model left alone would run to the limit.
+    schema = tmp_path / "one.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"],
+                                  "additionalProperties": False}))
+    out = tmp_path / "structured.json"
+    rc = serve.main(["--base-url", server_url, "--endpoint", "chat", "--dataset", "random:6", "--num-prompts", "4",
+                     "--max-concurrency", "2", "--max-tokens", "60", "--response-format", str(schema),
+                     "--output-json", str(out), "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["response_format"] == str(schema)
+    (cell,) = doc["cells"]
+    assert cell["requests"]["completed"] == 4
+    assert 4 * 3 <= cell["tokens"]["output"] < 4 * 30
+
+
 def test_serve_sweep_writes_png(server_url: str, tmp_path: Path) -> None:
     plot, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
     rc = serve.main(["--base-url", server_url, "--endpoint", "completions", "--dataset", "random:12",
