@@ -59,6 +59,10 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of full blocks a request shares with earlier ones (a chat's earlier turns, "
                         "a common system prompt); --no-enable-prefix-caching computes every prompt whole")
+    p.add_argument("--exact", action="store_true",
+                   help="batch-invariant target forward: a token's logits are the same bits whatever else its step "
+                        "holds, so greedy output is the same with or without speculation and at any batch "
+                        "(chains only, no draft trees; costs throughput on CUDA, see docs/benchmarks.md)")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
     p.add_argument("--profile-cache", choices=["reuse", "refresh", "off"], default=None,
                    help="the adaptive policy's start-up cost profile, kept under $STREAMSD_HOME/profiles: reuse "
@@ -120,7 +124,7 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline),
                         profile_cache=a.profile_cache, generation_config=a.generation_config,
-                        enable_prefix_caching=a.enable_prefix_caching)
+                        enable_prefix_caching=a.enable_prefix_caching, exact=a.exact)
 
 
 def _security(a: argparse.Namespace):
