@@ -124,3 +124,23 @@ def test_exact_kernel_forward_gives_a_token_the_same_logits_however_its_step_is_
     assert differing(exact) == []
     for name, t in exact.items():
         assert torch.allclose(t, reference[name], rtol=1e-4, atol=1e-4), name
+
+
+LLAMA_8B_LINEARS = {  # (in, out) of each linear of a Llama-3.1-8B layer, and its lm_head
+    "qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096), "lm_head": (4096, 128256),
+}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: 8B-shaped weights")
+@pytest.mark.parametrize("name", list(LLAMA_8B_LINEARS))
+def test_exact_linear_gives_8b_shaped_rows_the_same_bits_at_any_batch(name):
+    k, n = LLAMA_8B_LINEARS[name]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w = (torch.randn(n, k, generator=g, device=DEV) * k**-0.5).to(torch.bfloat16)
+    row = torch.randn(1, k, generator=g, device=DEV).to(torch.bfloat16)
+    alone = exact_linear(row, w)[0]
+    for m in (1, 5, 25, 64, 256):
+        for where in sorted({0, m // 2, m - 1}):
+            x = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
+            x[where] = row[0]
+            assert torch.equal(exact_linear(x, w)[where], alone), (m, where)
