@@ -26,3 +26,20 @@ def test_check_fails_on_any_cell_whose_output_differs_and_names_it(capsys):
     assert "1 of 3 compared cells differ" in capsys.readouterr().out
     cells[3]["identical_to_plain"] = "16/16"
     assert report(cells) == 0
+
+
+def test_exact_offline_bench_finds_every_batch_and_speculation_identical(tmp_path, tiny_model_dir):
+    import json
+
+    from streamsd.cli import build_parser
+
+    out = tmp_path / "exact.json"
+    args = build_parser().parse_args(["bench", "offline", "--device", "cpu", "--max-tokens", "12", "--model",
+                                      str(tiny_model_dir), "--speculative-method", "ngram", "--batch-sizes", "1,3",
+                                      "--no-hf", "--exact", "--check-identical", "--output-json", str(out)])
+    assert args.func(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["exact"] is True
+    plain3 = next(c for c in doc["cells"] if c["method"] == "plain" and c["batch"] == 3)
+    assert plain3["identical_to_smallest_batch"] == "1/1"
+    assert [c["identical_to_plain"] for c in doc["cells"] if c["method"] == "ngram"] == ["1/1", "3/3"]
