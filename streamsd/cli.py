@@ -93,14 +93,15 @@ def default_speculation(model: str, draft_model: str | None, device: str | None)
 
 def default_tree(a: argparse.Namespace, method: str) -> str | None:
     """--speculative-tree when none is given: DEFAULT_TREE for the embedded default model's shipped head
-    on CUDA, unless a chain setting was asked for (a policy, K, another head). On an H200 at batch 1
+    on CUDA, unless a chain setting was asked for (a policy, K, another head) or exact mode, which verifies
+    chains only. On an H200 at batch 1
     (16 held-out prompts x 256 tokens) it reads 2.6x plain at T=0 and 2.1x at T=1, the adaptive chain
     ~1x (docs/benchmarks.md)."""
     from streamsd.engine.builder import pick_device
 
     if a.speculative_tree is not None:
         return None if a.speculative_tree == "none" else a.speculative_tree
-    chain_asked = a.speculation_policy is not None or a.num_speculative_tokens != DEFAULT_K
+    chain_asked = a.speculation_policy is not None or a.num_speculative_tokens != DEFAULT_K or a.exact
     if method != "eagle" or a.model != DEFAULT_MODEL or a.draft_model or chain_asked:
         return None
     return DEFAULT_TREE if pick_device(a.device).type == "cuda" else None
