@@ -33,7 +33,7 @@ LOG2E = 1.4426950408889634
 
 # The block table's width changes per eager step, and a graph's context and query starts are views into
 # its packed buffer at any offset: neither is worth a variant.
-@triton.jit(do_not_specialize=["s_bt", "ctx_ptr", "qs_ptr"])
+@triton.jit(do_not_specialize=["s_bt"], do_not_specialize_on_alignment=["ctx_ptr", "qs_ptr"])
 def _exact_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, ctx_ptr, qs_ptr, scale_log2,
     sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, s_bt,
