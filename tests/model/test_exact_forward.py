@@ -84,3 +84,24 @@ def test_exact_cuda_forward_gives_a_token_the_same_logits_however_its_step_is_ma
     model.attend = exact_cuda_attention
     enable_fast_forward(model, exact=True)
     assert differing(checked_row_logits(model, torch.device("cuda"), dtype)) == []
+
+
+def test_exact_greedy_eagle_chains_equal_plain_decoding(tiny_model_dir, tmp_path):
+    """An EAGLE head reads the target's residual streams, which the exact forward captures too."""
+    import json
+
+    from streamsd.engine.builder import load_model
+    from streamsd.spec_decode.eagle.checkpoint import new_head, save_head
+
+    device = torch.device("cuda" if CUDA else "cpu")
+    target = load_model(str(tiny_model_dir), torch.device("cpu"), torch.float32)[0]
+    torch.manual_seed(0)
+    head = new_head(target, kind="eagle3", draft_ids=list(range(384)), norm_before_residual=False)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    save_head(head, tmp_path, config, torch.float32)
+    plain = _greedy(LLM(str(tiny_model_dir), exact=True, device=str(device)), PROMPTS)
+    llm = LLM(str(tiny_model_dir), exact=True, device=str(device), speculative_method="eagle",
+              draft_model=str(tmp_path), num_speculative_tokens=3)
+    res = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert [r.outputs[0].token_ids for r in res] == plain
+    assert sum(r.spec_stats.drafted for r in res) > 0
