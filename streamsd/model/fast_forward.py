@@ -10,8 +10,8 @@ iteration, captured exactly where the reference forward captures it.
 
 With `exact` (EngineConfig.exact) every linear, the lm_head's included, runs through the batch-invariant
 GEMM (kernels/exact/matmul.py) and the final RMSNorm through the one-program-a-row kernel the layers'
-norms use: with the exact attention the model's attend is then given, a row's logits are the same bits
-whatever else the step holds.
+norms use; with the exact attention as the model's `attend` (worker/cuda.py sets both), a row's logits
+are then the same bits whatever else the step holds.
 """
 
 from __future__ import annotations
