@@ -59,6 +59,10 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of full blocks a request shares with earlier ones (a chat's earlier turns, "
                         "a common system prompt); --no-enable-prefix-caching computes every prompt whole")
+    p.add_argument("--exact", action="store_true",
+                   help="batch-invariant target forward: a token's logits are the same bits whatever else its step "
+                        "holds, so greedy output is the same with or without speculation and at any batch "
+                        "(chains only, no draft trees; costs throughput on CUDA, see docs/benchmarks.md)")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
     p.add_argument("--profile-cache", choices=["reuse", "refresh", "off"], default=None,
                    help="the adaptive policy's start-up cost profile, kept under $STREAMSD_HOME/profiles: reuse "
@@ -89,14 +93,15 @@ def default_speculation(model: str, draft_model: str | None, device: str | None)
 
 def default_tree(a: argparse.Namespace, method: str) -> str | None:
     """--speculative-tree when none is given: DEFAULT_TREE for the embedded default model's shipped head
-    on CUDA, unless a chain setting was asked for (a policy, K, another head). On an H200 at batch 1
+    on CUDA, unless a chain setting was asked for (a policy, K, another head) or exact mode, which verifies
+    chains only. On an H200 at batch 1
     (16 held-out prompts x 256 tokens) it reads 2.6x plain at T=0 and 2.1x at T=1, the adaptive chain
     ~1x (docs/benchmarks.md)."""
     from streamsd.engine.builder import pick_device
 
     if a.speculative_tree is not None:
         return None if a.speculative_tree == "none" else a.speculative_tree
-    chain_asked = a.speculation_policy is not None or a.num_speculative_tokens != DEFAULT_K
+    chain_asked = a.speculation_policy is not None or a.num_speculative_tokens != DEFAULT_K or a.exact
     if method != "eagle" or a.model != DEFAULT_MODEL or a.draft_model or chain_asked:
         return None
     return DEFAULT_TREE if pick_device(a.device).type == "cuda" else None
@@ -120,7 +125,7 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline),
                         profile_cache=a.profile_cache, generation_config=a.generation_config,
-                        enable_prefix_caching=a.enable_prefix_caching)
+                        enable_prefix_caching=a.enable_prefix_caching, exact=a.exact)
 
 
 def _security(a: argparse.Namespace):

@@ -150,3 +150,11 @@ class EngineConfig:
     generation_config: str = "auto"
     # Requests sharing leading tokens (a chat's earlier turns, a system prompt) reuse their KV blocks.
     enable_prefix_caching: bool = True
+    # Batch-invariant target forward (kernels/exact/, model/exact_forward.py): a row's logits are the same
+    # bits whatever else its step holds, so greedy speculative output equals plain decoding token for token.
+    exact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.exact and self.spec.tree is not None:
+            raise ValueError("exact mode verifies chains: a draft tree's rows see scattered keys, which no "
+                             "batch-invariant attention sums in a chain's order (use --speculative-tree none)")

@@ -48,3 +48,15 @@ def test_help_does_not_import_torch(argv):
     assert out.returncode == 0, out.stderr
     assert "usage: streamsd" in out.stdout
     assert out.stdout.strip().endswith("torch loaded: False"), out.stdout[-300:]
+
+
+def test_exact_mode_on_cuda_keeps_the_default_models_head_on_chains():
+    """`--exact` verifies chains only: the default model's head on CUDA drafts a chain instead of its default
+    tree, and a tree asked for by name is refused."""
+    from streamsd.cli import DEFAULT_MODEL, _engine_config, build_parser
+
+    cfg = _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact"]))
+    assert cfg.exact and cfg.model == DEFAULT_MODEL and cfg.spec.method == "eagle" and cfg.spec.tree is None
+    with pytest.raises(ValueError, match="exact mode verifies chains"):
+        _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact", "--speculative-tree",
+                                                  "4,6,6,24"]))

@@ -24,6 +24,10 @@ steps and the histogram of chosen k.
 `--forced-plain` adds a `spec k=0` cell per batch size: the speculative engine (its policy and
 proposer configured) with every request's k capped at 0, against plain — what speculation costs
 when it is never used (the adaptive policy's target: within 1 %).
+
+`--exact` builds the engine in exact mode (EngineConfig.exact), so the same grid run with and without it
+prices the batch-invariant forward; `--check-identical` exits 1 unless greedy output is the same at
+every batch size and with speculation (bench/identical.py).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 
 from streamsd.bench import offline_run as R
+from streamsd.bench.identical import batch_invariance, report
 from streamsd.bench.offline_cells import Policies, forced_plain_cell, hf_cells, make_cell, spec_cell
 from streamsd.bench.offline_report import plot, print_table
 from streamsd.config import EngineConfig, SpecConfig
@@ -74,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     cells: list[dict[str, Any]] = []
     hf = None if args.no_hf else R.hf_model(rt.model_dir, rt.worker.target, dev, dtype)
     policies = Policies(k) if args.speculation_policy == "adaptive" else None
-    for b in batches:
+    first_plain: tuple[int, list[list[int]]] | None = None  # the smallest batch's plain outputs
+    for b in sorted(batches):
         prompts = prompts_all[: args.num_prompts or b]
         mean_ctx = sum(map(len, prompts)) / len(prompts) + max_tokens / 2
         floor_plain = R.floor_step_ms(rt.args, dtype, b, mean_ctx)
@@ -83,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         R.engine_pass(rt, plain_spec, prompts, min(8, max_tokens), b, speculative=False)  # warm-up
         plain = R.engine_pass(rt, plain_spec, prompts, max_tokens, b, speculative=False)
         cells.append(make_cell("streamsd", "plain", b, plain, floor_ms=floor_plain, tokens_per_step=1.0))
+        cells[-1].update(batch_invariance(plain.outputs, first_plain))
+        first_plain = first_plain or (b, plain.outputs)
         if args.unpipelined_plain:
             off = R.unpipelined_pass(rt, plain_spec, prompts, max_tokens, b)
             cells.append(make_cell("streamsd", "plain-unpipelined", b, off, floor_ms=floor_plain, tokens_per_step=1.0))
@@ -105,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(doc)
     if args.plot:
         plot(doc, args.plot)
-    return 0
+    return report(cells) if args.check_identical else 0
 
 
 def _doc(args: argparse.Namespace, rt: Runtime, alphas: list[float], cells: list[dict[str, Any]],
@@ -115,7 +123,7 @@ def _doc(args: argparse.Namespace, rt: Runtime, alphas: list[float], cells: list
     return {
         "command": "streamsd bench offline", "model": args.model, "draft_model": args.draft_model,
         "method": args.speculative_method, "k": args.num_speculative_tokens,
-        "speculation_policy": args.speculation_policy, "profile": policies.profile if policies else None,
+        "speculation_policy": args.speculation_policy, "exact": args.exact, "profile": policies.profile if policies else None,
         "acceptance_rate": (alphas[0] if len(alphas) == 1 else alphas) if synthetic else None,
         "max_tokens": args.max_tokens, "device": _device_name(dev), "dtype": str(dtype).replace("torch.", ""),
         "hbm_bytes_per_s": R.HBM_BYTES_PER_S, "cuda_graphs": rt.worker.graphs is not None,
@@ -134,7 +142,7 @@ def _build(args: argparse.Namespace, batches: list[int], k: int) -> tuple[Runtim
         spec=SpecConfig(method=build_method, num_tokens=k, draft_model=args.draft_model),  # type: ignore[arg-type]
         device=args.device, dtype=args.dtype, max_num_seqs=max(batches), max_model_len=max_len,
         kv_cache_tokens=max(batches) * max_len + 256, max_num_batched_tokens=max(2048, max(batches) * (k + 1)),
-        cuda_graphs=not args.no_cuda_graphs,
+        cuda_graphs=not args.no_cuda_graphs, exact=args.exact,
     )
     rt = build_runtime(cfg)
     spec = SpecConfig(method=None if method == "none" else method, num_tokens=k,  # type: ignore[arg-type]

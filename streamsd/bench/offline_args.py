@@ -38,5 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unpipelined-plain", action="store_true",
                    help="also run each plain pass without queueing the next plain step before reading this one "
                         "(method plain-unpipelined: the gain of the pipelined step, side by side)")
+    p.add_argument("--exact", action="store_true",
+                   help="the engine in exact mode (a batch-invariant target forward): run with and without it to "
+                        "price it")
+    p.add_argument("--check-identical", action="store_true",
+                   help="exit 1 unless every plain pass gives the smallest batch's tokens for the same prompts and "
+                        "every speculative pass its batch's plain tokens (expected with --exact)")
     p.add_argument("--output-json", default=None, help="write the cells as JSON here (after every batch size)")
     p.add_argument("--plot", default=None, help="write a PNG of the cells")

@@ -17,6 +17,7 @@ import torch
 
 from streamsd.bench import offline_run as R
 from streamsd.bench.compare import spread_of, verdict
+from streamsd.bench.identical import identical
 from streamsd.config import SpecConfig
 from streamsd.engine.builder import Runtime, adaptive_policy, queue_chains
 from streamsd.policy.adaptive import CostTable
@@ -229,7 +230,8 @@ def _against_plain(res: R.PassResult, plain: R.PassResult, paired: R.PassResult 
     the GPU's, not the engine's), and passes late in a grid ran slower than the first plain pass:
     comparing each cell with its neighbour cancels that drift; ``plain_drift`` says how large it was.
     """
-    out: dict[str, Any] = {"same_output_as_plain": res.outputs == plain.outputs}
+    out: dict[str, Any] = {"same_output_as_plain": res.outputs == plain.outputs,
+                           "identical_to_plain": f"{identical(res.outputs, plain.outputs)}/{len(plain.outputs)}"}
     if paired is not None:
         out["plain_drift"] = round(paired.tpot_ms / plain.tpot_ms, 3) if plain.tpot_ms else None
         out["paired_plain_tpot_ms"] = round(paired.tpot_ms, 3)

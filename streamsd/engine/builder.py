@@ -16,6 +16,7 @@ import torch
 from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig
 from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.model.arch import ModelArgs
+from streamsd.model.exact_forward import enable_exact_reference
 from streamsd.model.kv_cache import PagedKVCache
 from streamsd.model.llama import Transformer
 from streamsd.model.loader import (
@@ -218,11 +219,13 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         prefix_next_tokens=proposer.kv_next_tokens if proposer is not None else 0,
     )
     worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree)
+    if cfg.exact and device.type != "cuda":
+        enable_exact_reference(target)
     if queues_ahead:
         sched = queue_chains(worker, sched, cfg.spec.num_tokens)
     if device.type == "cuda":
         worker.enable_cuda(scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs,
-                           tree_max_batch=cfg.spec.max_batch)
+                           tree_max_batch=cfg.spec.max_batch, exact=cfg.exact)
         if cfg.cuda_graphs:
             from streamsd.worker.cuda import capture_all
 

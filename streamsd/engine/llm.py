@@ -60,6 +60,7 @@ class LLM:
         speculative_max_batch: int = 0,
         generation_config: str = "auto",
         enable_prefix_caching: bool = True,
+        exact: bool = False,
     ):
         if speculative_method is None and draft_model is not None:
             speculative_method = "draft"
@@ -73,7 +74,8 @@ class LLM:
         cfg = EngineConfig(model=model, spec=spec, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_queue=1 << 40, pipeline=pipeline,  # offline: every prompt waits its turn
-                           generation_config=generation_config, enable_prefix_caching=enable_prefix_caching)
+                           generation_config=generation_config, enable_prefix_caching=enable_prefix_caching,
+                           exact=exact)
         self.core = EngineCore(build_runtime(cfg), spec)
         self.tokenizer = self.core.tokenizer
         self._ids = itertools.count()

@@ -7,10 +7,16 @@ reference forward still works on the same tensors. `Transformer.fast` then route
 here, those that capture residual streams for an EAGLE head included: the kernels write the new
 residual out of place, so the stream entering layer i is the tensor `h` at the top of its
 iteration, captured exactly where the reference forward captures it.
+
+With `exact` (EngineConfig.exact) every linear, the lm_head's included, runs through the batch-invariant
+GEMM (kernels/exact/matmul.py) and the final RMSNorm through the one-program-a-row kernel the layers'
+norms use; with the exact attention as the model's `attend` (worker/cuda.py sets both), a row's logits
+are then the same bits whatever else the step holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +33,9 @@ class FusedLayer:
     qkv_weight: torch.Tensor  # [(H + 2 KVH) D, hidden]
     qkv_bias: torch.Tensor | None  # [(H + 2 KVH) D]
     gate_up_weight: torch.Tensor  # [2 I, hidden]
+
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # x, weight, bias -> y
 
 
 def concat_params(mods: list[nn.Linear], attr: str) -> torch.Tensor | None:
@@ -54,15 +63,20 @@ def fuse_weights(model: Transformer) -> list[FusedLayer]:
     return fused
 
 
-def enable_fast_forward(model: Transformer) -> None:
+def enable_fast_forward(model: Transformer, exact: bool = False) -> None:
     fused = fuse_weights(model)
+    linear: Linear = F.linear
+    if exact:
+        from streamsd.kernels.exact.matmul import exact_linear
+
+        linear = exact_linear
 
     def fast(input_ids: torch.Tensor, layout: BatchLayout, cache: PagedKVCache, logits_rows: torch.Tensor,
              hidden_layers: tuple[int, ...] = (), hidden_rows: torch.Tensor | None = None,
              every_row: bool = False, float_logits: bool = True,
              streams_into: torch.Tensor | None = None) -> ForwardOutput:
         return fast_forward(model, fused, input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows,
-                            every_row, float_logits, streams_into)
+                            every_row, float_logits, streams_into, linear, exact)
 
     model.fast = fast
 
@@ -71,13 +85,14 @@ def enable_fast_forward(model: Transformer) -> None:
 def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.Tensor, layout: BatchLayout,
                  cache: PagedKVCache, logits_rows: torch.Tensor, hidden_layers: tuple[int, ...] = (),
                  hidden_rows: torch.Tensor | None = None, every_row: bool = False,
-                 float_logits: bool = True, streams_into: torch.Tensor | None = None) -> ForwardOutput:
+                 float_logits: bool = True, streams_into: torch.Tensor | None = None, linear: Linear = F.linear,
+                 exact: bool = False) -> ForwardOutput:
     """every_row: logits and streams of all T rows in order, as they are (logits_rows and hidden_rows
     unread), with no gather copying them; float_logits False: the lm_head's dtype (a reader that
     upcasts as it loads draws the same tokens from them); streams_into: a stream store's rows
     [slots, len(hidden_layers) * hidden], where every row's streams go at its KV slot (hidden_layers
     ascending; none returned). Streams of inner layers go there from the add+RMSNorm that makes them,
-    with no copy or cat after."""
+    with no copy or cat after. linear: every GEMM's; exact: the final norm one program a row too."""
     a = model.args
     t = input_ids.shape[0]
     h = model.model.embed_tokens(input_ids)  # [T, hidden] the residual stream
@@ -96,13 +111,13 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
         if i in hidden_layers and not direct:  # h is the input of layer i (add_rmsnorm never overwrites it)
             captured.append(h if every_row or streams_into is not None else h.index_select(0, hidden_rows))
         k_cache, v_cache = cache.layer(i)
-        qkv = F.linear(x, f.qkv_weight, f.qkv_bias)  # [T, (H + 2 KVH) D]
+        qkv = linear(x, f.qkv_weight, f.qkv_bias)  # [T, (H + 2 KVH) D]
         q = rope_and_cache(qkv, model.rope_cos, model.rope_sin, layout.positions, layout.slot_mapping,
                            k_cache, v_cache, a.num_heads, a.num_kv_heads, a.head_dim)  # [T, H, D]
         attn = model.attend(q, k_cache, v_cache, layout, layer.self_attn.scale)  # [T, H, D]
-        attn = layer.self_attn.o_proj(attn.reshape(t, -1))  # [T, hidden]
+        attn = linear(attn.reshape(t, -1), layer.self_attn.o_proj.weight, None)  # [T, hidden]
         x, h = add_rmsnorm(attn, h, layer.post_attention_layernorm.weight, a.rms_norm_eps)
-        mlp = layer.mlp.down_proj(silu_mul(F.linear(x, f.gate_up_weight)))  # [T, hidden]
+        mlp = linear(silu_mul(linear(x, f.gate_up_weight, None)), layer.mlp.down_proj.weight, None)  # [T, hidden]
         if i + 1 < len(layers):
             x, h = add_rmsnorm(mlp, h, layers[i + 1].input_layernorm.weight, a.rms_norm_eps, keep(i + 1))
         else:
@@ -112,6 +127,10 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
     if streams_into is not None and captured:
         streams_into.index_copy_(0, layout.slot_mapping, torch.cat(captured, dim=-1).to(streams_into.dtype))
         captured = []
-    h = model.model.norm(h if every_row else h.index_select(0, logits_rows))  # [N, hidden]
-    logits = model.lm_head(h)  # [N, V]
+    h = h if every_row else h.index_select(0, logits_rows)
+    if exact:  # torch's row reduction splits a row differently for another number of rows
+        h, _ = add_rmsnorm(h, None, model.model.norm.weight, a.rms_norm_eps)  # [N, hidden]
+    else:
+        h = model.model.norm(h)  # [N, hidden]
+    logits = linear(h, model.lm_head.weight, None)  # [N, V]
     return ForwardOutput(logits=logits.float() if float_logits else logits, hidden=captured or None)

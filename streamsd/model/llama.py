@@ -105,7 +105,8 @@ class Transformer(nn.Module):
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.attend: AttentionFn = paged_attention_reference
-        # The CUDA fast path (model/fast_forward.py: fused weights and Triton kernels), set on GPUs.
+        # Another forward every call goes to when set: the CUDA fast path (model/fast_forward.py: fused weights
+        # and Triton kernels) on GPUs, or the exact mode's batch-invariant one (model/exact_forward.py).
         self.fast: Callable[..., ForwardOutput] | None = None
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -137,7 +138,7 @@ class Transformer(nn.Module):
         # a stream store's rows: every row's streams there at its KV slot (hidden_rows: all rows), none returned
         streams_into: torch.Tensor | None = None,
     ) -> ForwardOutput:
-        if self.fast is not None:  # the CUDA path: fused weights and Triton kernels, streams included
+        if self.fast is not None:  # the CUDA path or the exact one, streams included
             return self.fast(input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows, every_row,
                              float_logits, streams_into)
         cos = self.rope_cos.index_select(0, layout.positions)  # [T, D]

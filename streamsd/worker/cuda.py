@@ -41,15 +41,19 @@ def capture_all(worker: Worker, max_batch: int) -> int:
     return count() - before
 
 
-def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: bool) -> GraphRunner | None:
+def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: bool,
+           exact: bool = False) -> GraphRunner | None:
     """The Triton attention and fused layers for the target and a draft model, every kernel variant
     compiled, the proposer moved onto them; returns the target's graph runner (None: eager steps).
 
     `scratch_block` is a cache block the scheduler never hands out (every cache has one more block
-    than the scheduler counts): padding tokens of a graph write there.
+    than the scheduler counts): padding tokens of a graph write there. `exact`: the target runs the
+    batch-invariant GEMM and attention (kernels/exact/); a draft model keeps the fast ones.
     """
     from streamsd.kernels.attention.paged import cuda_attention
+    from streamsd.kernels.exact.attention import exact_cuda_attention
     from streamsd.kernels.warmup import warm_up
+    from streamsd.model.exact_forward import enable_exact_reference
     from streamsd.model.fast_forward import enable_fast_forward
 
     proposer = worker.proposer
@@ -57,10 +61,13 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
     kernel_models = []
     for model in (worker.target, draft.model if draft else None):
         d = model.args.head_dim if model is not None else 0
+        exact_here = exact and model is worker.target
         if d and d & (d - 1) == 0:  # the kernels tile the head dimension by powers of two
-            model.attend = cuda_attention
-            enable_fast_forward(model)
+            model.attend = exact_cuda_attention if exact_here else cuda_attention
+            enable_fast_forward(model, exact=exact_here)
             kernel_models.append(model)
+        elif exact_here:
+            enable_exact_reference(model)
     trees = worker.tree is not None  # drafts are trees: worker/tree_graphs.py verifies them
     n, seconds = warm_up(kernel_models, worker.cache.data.dtype, worker.cache.block_size, worker.vocab,
                          1 if trees else k, worker.device, trees=trees)

@@ -108,11 +108,13 @@ class Worker:
             self.proposer, self.graphs = saved
             self.stream_sink = None
 
-    def enable_cuda(self, *, scratch_block: int, max_len: int, k: int, graphs: bool, tree_max_batch: int) -> None:
-        """Move onto the CUDA kernels and, with `graphs`, CUDA graphs (worker/cuda.py), before any step."""
+    def enable_cuda(self, *, scratch_block: int, max_len: int, k: int, graphs: bool, tree_max_batch: int,
+                    exact: bool = False) -> None:
+        """Move onto the CUDA kernels and, with `graphs`, CUDA graphs (worker/cuda.py), before any step;
+        `exact`: the target's batch-invariant ones."""
         from streamsd.worker.cuda import set_up
 
-        self.graphs = set_up(self, scratch_block=scratch_block, max_len=max_len, k=k, graphs=graphs)
+        self.graphs = set_up(self, scratch_block=scratch_block, max_len=max_len, k=k, graphs=graphs, exact=exact)
         if self.tree is not None and graphs and isinstance(self.proposer, EagleProposer):
             self.tree_graphs = tree_graphs_for(self, self.proposer, scratch_block, max_len, tree_max_batch)
 

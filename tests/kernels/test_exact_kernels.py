@@ -1,0 +1,146 @@
+"""The exact mode's Triton kernels (kernels/exact/): the GEMM and the attention give a row the same bits
+whatever else shares the launch and wherever the row sits, and so does a whole model's forward through
+them. On CUDA they run natively; on a CPU under TRITON_INTERPRET=1 on tiny float32 shapes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the imports below
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from streamsd.kernels.exact.attention import exact_cuda_attention, exact_paged_attention  # noqa: E402
+from streamsd.kernels.exact.matmul import BLOCK_M, exact_linear  # noqa: E402
+from streamsd.model.attention import paged_attention_reference  # noqa: E402
+from streamsd.model.kv_cache import BatchLayout  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
+# A whole model's steps under the interpreter take about a minute on a small CPU; natively, a second.
+SLOW_ON_CPU = pytest.mark.slow if not CUDA else pytest.mark.usefixtures()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_linear_gives_a_row_the_same_bits_at_any_batch_and_place(dtype):
+    g = torch.Generator().manual_seed(0)
+    k, n = 80, 72  # neither a multiple of the tiles: the masked edges too
+    w = torch.randn(n, k, generator=g).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype)
+    row = torch.randn(1, k, generator=g).to(DEV, dtype)
+    alone = exact_linear(row, w, b)[0]
+    for m in (1, 5, 25, BLOCK_M, BLOCK_M + 3):
+        for where in sorted({0, m // 2, m - 1}):
+            x = torch.randn(m, k, generator=g).to(DEV, dtype)
+            x[where] = row[0]
+            assert torch.equal(exact_linear(x, w, b)[where], alone), (m, where)
+    x = torch.randn(BLOCK_M + 3, k, generator=g).to(DEV, dtype)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(exact_linear(x, w, b).double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def _cache(kv_heads: int, dim: int, dtype: torch.dtype, blocks: int = 40, bs: int = 16):
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=g).to(DEV, dtype)
+    v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=g).to(DEV, dtype)
+    return k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (9, 3)])
+def test_exact_attention_gives_a_token_the_same_bits_decoded_verified_or_prefilled(dtype, heads, kv_heads):
+    """The token at position 70 of one sequence (its keys in blocks 0..4) attends alone, as the last of a
+    verify window, inside a prompt chunk, and beside other sequences at several places."""
+    dim, bs = 32, 16
+    k_cache, v_cache = _cache(kv_heads, dim, dtype)
+    table = [3, 7, 1, 9, 12]
+    q_tok = torch.randn(heads, dim, generator=torch.Generator().manual_seed(2)).to(DEV, dtype)
+    others = [([20, 21], 5), ([22, 23, 24], 40), ([25], 1), ([26, 27], 20), ([28], 16)]  # (table, context)
+
+    def attend(seqs: list[tuple[list[int], int, int]], at: int) -> torch.Tensor:
+        """seqs: (block table, tokens before the query, query length); our token is query row `at`'s last."""
+        layout = BatchLayout.build([s for _, s, _ in seqs], [n for _, _, n in seqs], [t for t, _, _ in seqs], bs, DEV)
+        q = torch.randn(sum(n for _, _, n in seqs), heads, dim, generator=torch.Generator().manual_seed(3))
+        q = q.to(DEV, dtype)
+        row = layout.query_starts[at] + layout.query_lens[at] - 1
+        q[row] = q_tok
+        out = exact_cuda_attention(q, k_cache, v_cache, layout, dim**-0.5)
+        ref = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), layout, dim**-0.5)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert float((out.double() - ref).norm() / ref.norm()) < tol
+        return out[row]
+
+    ours = ([*table], 70, 1)
+    alone = attend([ours], 0)
+    cases = {
+        "verify window of 4": attend([([*table], 67, 4)], 0),
+        "prompt chunk of 71": attend([([*table], 0, 71)], 0),
+        "prompt chunk of 30": attend([([*table], 41, 30)], 0),
+    }
+    for where in range(len(others) + 1):
+        seqs = [(t, c - 1, 1) if i % 2 else (t, 0, c) for i, (t, c) in enumerate(others)]
+        seqs.insert(where, ours)
+        cases[f"decode at {where} of {len(seqs)}"] = attend(seqs, where)
+    seqs = [(t, 0, c) for t, c in others[:3]]
+    seqs.insert(1, ([*table], 66, 5))
+    cases["verify window among prompts"] = attend(seqs, 1)
+    assert [name for name, t in cases.items() if not torch.equal(t, alone)] == []
+
+
+def test_exact_attention_grid_wider_than_the_queries_writes_only_their_rows():
+    """A CUDA graph's grid is set by its width: shorter queries replay it, the tiles past them stay idle."""
+    dim, heads, kv_heads = 32, 4, 2
+    k_cache, v_cache = _cache(kv_heads, dim, torch.float32)
+    layout = BatchLayout.build([10, 0], [2, 3], [[1], [2]], 16, DEV)
+    q = torch.randn(5, heads, dim).to(DEV)
+    out = torch.full_like(q, float("nan"))
+    exact_paged_attention(q, k_cache, v_cache, layout.block_table, layout.context_lens_t, layout.query_starts_t,
+                          dim**-0.5, 200, out=out)
+    ref = paged_attention_reference(q, k_cache, v_cache, layout, dim**-0.5)
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@SLOW_ON_CPU
+def test_exact_kernel_forward_gives_a_token_the_same_logits_however_its_step_is_made_up(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from streamsd.model.arch import ModelArgs
+    from streamsd.model.fast_forward import enable_fast_forward
+    from streamsd.model.llama import Transformer
+    from tests.model.exact_cases import checked_row_logits, differing
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model = Transformer.build(ModelArgs.from_hf(hf.config), hf.state_dict(), DEV, torch.float32)
+    sizes = (5, 25, 64) if CUDA else (5, 25)
+    reference = checked_row_logits(model, DEV, torch.float32, batch_sizes=sizes)
+    model.attend = exact_cuda_attention
+    enable_fast_forward(model, exact=True)
+    exact = checked_row_logits(model, DEV, torch.float32, batch_sizes=sizes)
+    assert differing(exact) == []
+    for name, t in exact.items():
+        assert torch.allclose(t, reference[name], rtol=1e-4, atol=1e-4), name
+
+
+LLAMA_8B_LINEARS = {  # (in, out) of each linear of a Llama-3.1-8B layer, and its lm_head
+    "qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096), "lm_head": (4096, 128256),
+}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: 8B-shaped weights")
+@pytest.mark.parametrize("name", list(LLAMA_8B_LINEARS))
+def test_exact_linear_gives_8b_shaped_rows_the_same_bits_at_any_batch(name):
+    k, n = LLAMA_8B_LINEARS[name]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w = (torch.randn(n, k, generator=g, device=DEV) * k**-0.5).to(torch.bfloat16)
+    row = torch.randn(1, k, generator=g, device=DEV).to(torch.bfloat16)
+    alone = exact_linear(row, w)[0]
+    for m in (1, 5, 25, 64, 256):
+        for where in sorted({0, m // 2, m - 1}):
+            x = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
+            x[where] = row[0]
+            assert torch.equal(exact_linear(x, w)[where], alone), (m, where)
