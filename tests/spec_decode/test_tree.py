@@ -454,8 +454,9 @@ def test_tree_shapes_and_settings_are_checked():
             TreeShape.parse(bad)
     with pytest.raises(ValueError, match="EAGLE"):
         SpecConfig(method="ngram", tree=TreeShape(), num_tokens=31)
-    with pytest.raises(ValueError, match="fixed"):
-        SpecConfig(method="eagle", tree=TreeShape(), num_tokens=31, policy="adaptive")
+    assert SpecConfig(method="eagle", tree=TreeShape(), num_tokens=31, policy="adaptive").policy == "adaptive"
+    with pytest.raises(ValueError, match="fixed policy"):
+        SpecConfig(method="eagle", tree=TreeShape(), num_tokens=31, policy="adaptive", max_batch=4)
     with pytest.raises(ValueError, match="31 nodes"):
         SpecConfig(method="eagle", tree=TreeShape(), num_tokens=4)
 
