@@ -76,6 +76,7 @@ class TreeChooser:
     last_kind: tuple[int, int] = (1, 0)  # (verify width, draft steps) of the last step seen
     plain_steps: int = 0  # since the batch last took a tree step
     switches: int = 0
+    chosen: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})  # steps by kind (trees: True)
 
     def __post_init__(self) -> None:
         if self.prior_tau <= 0.0:
@@ -111,6 +112,22 @@ class TreeChooser:
         t = self.prior_tau if tau is None else tau
         return max((b for b in self.cost.tree.keys if self.break_even(b) * (1.0 + self.hysteresis) < t), default=0)
 
+    @property
+    def plain_step_share(self) -> float:
+        steps = self.chosen[False] + self.chosen[True]
+        return self.chosen[False] / steps if steps else 0.0
+
+    def summary(self) -> dict[str, object]:
+        """For benchmarks and /metrics: what the chooser decided and what it learnt."""
+        return {
+            "tree_steps": self.chosen[True], "plain_steps": self.chosen[False], "switches": self.switches,
+            "plain_step_share": round(self.plain_step_share, 4),
+            "switch_points": self.switch_points(), "prior_tau": self.prior_tau,
+            "class_tau": {name: round(t.value, 3) for name, t in self.classes.items()},
+            "cost_ratios": {f"{'tree' if tree else 'plain'}x{b}": round(statistics.median(r), 3)
+                            for (tree, b), r in sorted(self.ratios.items()) if r},
+        }
+
     # -- the step ---------------------------------------------------------------------------------
     def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision:
         b = len(decoding)
@@ -118,6 +135,7 @@ class TreeChooser:
             trees = self._trees_pay(decoding)
             self.switches += trees != self.speculating
             self.speculating = trees
+            self.chosen[trees] += 1
         return Decision({})  # every request takes default_k
 
     def _trees_pay(self, decoding: list[Request]) -> bool:

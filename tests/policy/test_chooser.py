@@ -100,6 +100,7 @@ def test_a_batch_whose_trees_are_rejected_goes_plain_and_tries_again_later():
         _step(chooser, reqs, accepted=0, tree_s=1.8e-3, plain_s=1e-3)  # τ = 1, break-even 1.8
         steps += 1
     assert not chooser.speculating and steps < 10
+    assert chooser.summary()["class_tau"]["greedy"] < 1.8
     plain = 0
     while not chooser.speculating and plain < 200:
         _step(chooser, reqs, accepted=0, tree_s=1.8e-3, plain_s=1e-3)

@@ -28,11 +28,11 @@ class _Priced(TreeChooser):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.chosen: list[tuple[int, bool]] = []
+        self.picked: list[tuple[int, bool]] = []
 
     def choose(self, decoding, prefill_tokens, backlog) -> Decision:
         decision = super().choose(decoding, prefill_tokens, backlog)
-        self.chosen.append((len(decoding), self.speculating))
+        self.picked.append((len(decoding), self.speculating))
         return decision
 
     def _learn_cost(self, shape, seconds) -> None:
@@ -73,10 +73,12 @@ def test_trees_chosen_by_cost_switch_with_plain_steps_mid_request_exactly(tiny_m
             for out in core.step():
                 got[out.request_id].extend(out.token_ids)
         assert [got[rid] for rid in ids] == want
-        runs = [trees for i, (_, trees) in enumerate(chooser.chosen) if i == 0 or trees != chooser.chosen[i - 1][1]]
-        assert runs[runs.index(True):][:3] == [True, False, True], chooser.chosen  # trees, plain, trees again
-        assert all(b <= 4 for b, trees in chooser.chosen if trees)
-        assert all(b > 4 for b, trees in chooser.chosen if not trees and b)
+        runs = [trees for i, (_, trees) in enumerate(chooser.picked) if i == 0 or trees != chooser.picked[i - 1][1]]
+        assert runs[runs.index(True):][:3] == [True, False, True], chooser.picked  # trees, plain, trees again
+        assert all(b <= 4 for b, trees in chooser.picked if trees)
+        assert all(b > 4 for b, trees in chooser.picked if not trees and b)
+        summary = chooser.summary()
+        assert summary["tree_steps"] > 0 and summary["plain_steps"] > 0 and summary["switches"] >= 2
     _assert_free(llm)
 
 
