@@ -10,8 +10,8 @@ Those break-evens are the chooser's switch points, logged at start-up (``switch_
 and device gets its own from its own profile, none is a tuned constant.
 
 Entering costs more than the step: a resuming head first catches up on the positions it skipped
-(the profile's catch-up table, by positions), and the entering step grows trees without verifying
-any. Trees are entered only where that extra time is won back over the tokens the batch may still
+(the profile's catch-up table, by positions), the entering step grows trees without verifying
+any, and the steps around each switch wait for the host (``entry_steps``). Trees are entered only where that extra time is won back over the tokens the batch may still
 emit (capped at ``horizon_steps`` plain steps), and by ``hysteresis`` at least; they are left as soon
 as plain is predicted faster.
 
@@ -66,6 +66,9 @@ class TreeChooser:
     settled_lag: int = 1  # an EAGLE head's slot of the pending token waits for its streams
     hysteresis: float = 0.02  # the gain over plain that entering trees needs
     horizon_steps: int = 64  # entering must pay back within at most this many steps' tokens
+    # Plain steps an excursion costs beyond its own steps: the steps around each switch wait for the
+    # host instead of being queued ahead (the adaptive planner's `entry_steps`).
+    entry_steps: float = 2.0
     retry_steps: int = 64  # half-life, in plain steps, of a class's drift back to its prior
     prior_weight: float = 2.0  # a request's class mean counts as this many of its own tree steps
     speculating: bool = False
@@ -152,7 +155,7 @@ class TreeChooser:
             return False
         # The excursion's extra time: the head's catch-up and an entering step that grows without verifying.
         lag = sum(max(r.num_tokens - self.settled_lag - r.draft_computed, 0) for r in decoding)
-        extra = self.catchup_seconds(lag) + max(tree_s - plain_s, 0.0)
+        extra = self.catchup_seconds(lag) + max(tree_s - plain_s, 0.0) + self.entry_steps * plain_s
         left = sorted(r.remaining_tokens for r in decoding)[b // 2]
         tokens = b * min(left, self.horizon_steps)
         return extra + tokens / tree_rate < tokens / plain_rate
