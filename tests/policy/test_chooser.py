@@ -149,3 +149,17 @@ def test_entering_trees_pays_for_the_heads_catch_up_within_the_batchs_remaining_
     # Without the catch-up's price the same batch would enter: the cost is what kept it plain.
     assert _trees(TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH), lagging(8))
     assert not _trees(TreeChooser(cost, DEPTH), _batch(4, max_tokens=3))  # nor can 3 tokens repay switching
+
+
+def test_metrics_export_the_choosers_share_of_plain_steps():
+    from types import SimpleNamespace
+
+    from streamsd.server.metrics import _AdaptiveCollector
+
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
+    for n in (16, 16, 16, 8):  # three plain steps, then a tree step
+        _trees(chooser, _batch(n))
+    assert chooser.summary()["plain_steps"] == 3 and chooser.summary()["tree_steps"] == 1
+    state = SimpleNamespace(engine=SimpleNamespace(core=SimpleNamespace(scheduler=SimpleNamespace(policy=chooser))))
+    families = list(_AdaptiveCollector(state).collect())  # type: ignore[arg-type]
+    assert [(f.name, f.samples[0].value) for f in families] == [("streamsd:spec_decode_plain_step_share", 0.75)]
