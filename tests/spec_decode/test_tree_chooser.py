@@ -4,6 +4,8 @@ decoding."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from streamsd import LLM, SamplingParams
@@ -82,9 +84,10 @@ def test_trees_chosen_by_cost_switch_with_plain_steps_mid_request_exactly(tiny_m
     _assert_free(llm)
 
 
-def test_a_tree_engine_with_the_adaptive_policy_profiles_its_tree_steps_on_the_cpu(tiny_model_dir, head):
+def test_a_tree_engine_with_the_adaptive_policy_profiles_its_tree_steps_on_the_cpu(tiny_model_dir, head, caplog):
     """`speculation_policy="adaptive"` with trees: the step chooser over the CPU's own profile, a tree step
-    timed per batch bucket; greedy answers are plain decoding's."""
+    timed per batch bucket, its switch points logged at start-up; greedy answers are plain decoding's."""
+    caplog.set_level(logging.INFO, logger="streamsd")
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in range(3)]
     want = [r.outputs[0].token_ids for r in LLM(str(tiny_model_dir)).generate(PROMPTS[:3], params)]
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree=SHAPE,
@@ -93,5 +96,8 @@ def test_a_tree_engine_with_the_adaptive_policy_profiles_its_tree_steps_on_the_c
     assert isinstance(chooser, TreeChooser)
     assert chooser.cost.tree.keys == (1, 2, 4, 8) and all(t > 0 for t in chooser.cost.tree.values)
     assert set(chooser.switch_points()) == {1, 2, 4, 8}
+    logged = [r.getMessage() for r in caplog.records if "trees pay where" in r.getMessage()]
+    assert len(logged) == 1 and str(chooser.switch_points()) in logged[0], logged
+    print(logged[0])
     assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS[:3], params)] == want
     _assert_free(llm)
