@@ -13,7 +13,6 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_K = 4  # --num-speculative-tokens
 DEFAULT_TREE = "4,6,6,24"  # the default model's shipped head on CUDA (default_tree)
-TREE_MAX_BATCH = 4  # draft trees while at most this many requests decode (SpecConfig.max_batch)
 
 
 def default_web_dir() -> Path:
@@ -33,17 +32,16 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
                         "head on CUDA, ngram on a CPU; else none")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_K, help="K, the most drafts verified per step")
     p.add_argument("--speculation-policy", choices=["adaptive", "fixed"], default=None,
-                   help="adaptive (the default for chains): k per request and step from measured costs and "
-                        "acceptance; fixed: always K")
+                   help="adaptive (the default): k per request and step (with trees: a tree or a plain step) from "
+                        "measured costs and acceptance; fixed: always K (or always the tree)")
     p.add_argument("--speculative-tree", default=None, metavar="D,M,C,N",
                    help="EAGLE only: draft a tree per step instead of a chain: depth D, the M likeliest nodes of "
                         "each level expanded into their C likeliest children, the N likeliest nodes verified "
-                        f"(e.g. 3,8,8,24); verified whole each step (the fixed policy). Default: {DEFAULT_TREE} "
+                        f"(e.g. 3,8,8,24); verified whole, or a plain step where the step chooser prices trees slower. Default: {DEFAULT_TREE} "
                         "for the embedded default model's shipped head on CUDA; 'none': chains")
     p.add_argument("--speculative-max-batch", type=int, default=None, metavar="N",
-                   help="speculate only while at most N requests decode, plain steps above (0: always); default: "
-                        f"{TREE_MAX_BATCH} with draft trees, 0 otherwise; given for a chain, the policy is fixed (the "
-                        "adaptive policy decides by itself)")
+                   help="speculate only while at most N requests decode, plain steps above (0: always); given, "
+                        "the policy is fixed (the adaptive policy and the tree chooser decide by themselves)")
     p.add_argument("--no-int8-draft-head", dest="int8_draft_head", action="store_false",
                    help="CUDA draft trees: rank drafts over the head's lm_head as it is, not an int8 copy")
     p.add_argument("--draft-greedy-threshold", type=float, default=0.75,
@@ -113,10 +111,10 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     method = a.speculative_method or default_speculation(a.model, a.draft_model, a.device)
     shape = default_tree(a, method)
     tree = TreeShape.parse(shape) if shape else None
-    max_batch = a.speculative_max_batch if a.speculative_max_batch is not None else TREE_MAX_BATCH if tree else 0
-    # A gate asked for with a chain and no policy means the fixed one (the adaptive policy gates itself).
-    gated_chain = bool(a.speculative_max_batch) and a.speculation_policy is None
-    policy = "fixed" if tree or gated_chain else a.speculation_policy or "adaptive"
+    max_batch = a.speculative_max_batch or 0
+    # A gate asked for with no policy means the fixed one (the adaptive policy and the chooser gate themselves).
+    gated = bool(max_batch) and a.speculation_policy is None
+    policy = "fixed" if gated else a.speculation_policy or "adaptive"
     spec = SpecConfig(method=None if method == "none" else method,
                       num_tokens=tree.nodes if tree else a.num_speculative_tokens, draft_model=a.draft_model,
                       draft_greedy_threshold=a.draft_greedy_threshold, policy=policy, tree=tree,

@@ -61,9 +61,8 @@ class SpecConfig:
     # On CUDA a tree's drafts are ranked over an int8 copy of the head's lm_head (kernels/tree/head_topk.py):
     # half the bytes a level; the target still verifies, so the output is the same either way.
     int8_draft_head: bool = True
-    # Speculate only while at most this many requests decode; larger batches take plain steps (0: always
-    # speculate). A tree verifies N + 1 tokens a request: on the H200 a 4,6,6,24 tree read 2.2-2.6x plain
-    # at batch 1 and 0.7x at 16, where the target's forward is no longer nearly free (tree_batch.py).
+    # The fixed policy speculates only while at most this many requests decode; larger batches take
+    # plain steps (0: always speculate). The adaptive one (with trees: policy/chooser.py) decides by itself.
     max_batch: int = 0
 
     def __post_init__(self) -> None:
@@ -74,8 +73,6 @@ class SpecConfig:
                              "fixed policy")
         if self.tree is not None and self.method != "eagle":
             raise ValueError("draft trees are grown by an EAGLE head: use speculative_method='eagle'")
-        if self.tree is not None and self.policy != "fixed":
-            raise ValueError("draft trees are verified whole each step: use speculation_policy='fixed'")
         if self.method is not None and not 1 <= self.num_tokens <= 16 and self.tree is None:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if self.tree is not None and self.num_tokens != self.tree.nodes:

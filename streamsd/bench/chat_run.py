@@ -15,6 +15,7 @@ from streamsd.bench.stats import summarize
 from streamsd.config import EngineConfig, SpecConfig, TreeShape
 from streamsd.engine.builder import build_runtime
 from streamsd.engine.core import EngineCore
+from streamsd.policy.chooser import TreeChooser
 from streamsd.policy.policy import AdaptivePolicy
 from streamsd.request import SamplingParams
 from streamsd.worker.profile import sync
@@ -158,7 +159,7 @@ def hf_answer(model: Any, core: EngineCore, prompt_ids: list[int], params: Sampl
 def policy_summary(core: EngineCore) -> dict[str, object] | None:
     """What the adaptive policy decided and learnt so far (its counts run on across temperatures)."""
     policy = core.rt.policy
-    return policy.summary() if isinstance(policy, AdaptivePolicy) else None
+    return policy.summary() if isinstance(policy, AdaptivePolicy | TreeChooser) else None
 
 
 def _compiled(device: torch.device) -> int:

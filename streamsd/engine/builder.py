@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig
+from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig, TreeShape
 from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.model.arch import ModelArgs
 from streamsd.model.exact_forward import enable_exact_reference
@@ -29,6 +29,7 @@ from streamsd.model.loader import (
 )
 from streamsd.model.stream_store import StreamStore
 from streamsd.policy.adaptive import CostTable
+from streamsd.policy.chooser import TreeChooser
 from streamsd.policy.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
 from streamsd.sample.grammar import Grammars
 from streamsd.spec_decode.draft_model import DraftModelProposer
@@ -284,7 +285,20 @@ def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig,
              shape.widths if shape else (),
              {b: [round(t * 1e3, 2) for t in row] for b, row in zip(shape.batches, shape.values, strict=True)}
              if shape else {})
+    if cfg.spec.tree is not None:
+        return tree_chooser(cost, cfg.spec.tree)
     return adaptive_policy(cfg.spec.num_tokens, cost, worker)
+
+
+def tree_chooser(cost: CostTable, tree: TreeShape) -> TreeChooser:
+    """The step chooser of a tree engine (policy/chooser.py), its switch points logged: the τ (tokens
+    per tree step) above which trees beat plain steps, per batch bucket."""
+    chooser = TreeChooser(cost, tree.depth)
+    log.info("draft trees %s chosen per step: tree step ms by batch %s; trees pay where tokens per tree step "
+             "exceed, by batch, %s; at the prior %.2f, up to batch %d", tree,
+             {b: round(t * 1e3, 2) for b, t in zip(cost.tree.keys, cost.tree.values, strict=True)},
+             chooser.switch_points(), chooser.prior_tau, chooser.largest_tree_batch())
+    return chooser
 
 
 def adaptive_policy(max_k: int, cost: CostTable, worker: Worker) -> AdaptivePolicy:

@@ -106,7 +106,7 @@ def table_to_json(t: CostTable) -> dict[str, Any]:
     step = lambda s: {"keys": list(s.keys), "values": list(s.values)}  # noqa: E731
     shape = t.shape
     return {
-        "verify": step(t.verify), "draft": step(t.draft), "catchup": step(t.catchup),
+        "verify": step(t.verify), "draft": step(t.draft), "catchup": step(t.catchup), "tree": step(t.tree),
         "kv_per_request_s": t.kv_per_request_s, "spec_overhead_s": t.spec_overhead_s,
         "shape": None if shape is None else {"batches": list(shape.batches), "widths": list(shape.widths),
                                              "values": [list(r) for r in shape.values], "padded": shape.padded,
@@ -130,4 +130,4 @@ def table_from_json(d: Mapping[str, Any]) -> CostTable:
             raise ValueError("the shape table's rows do not match its batches and widths")
         shape = ShapeTable(batches, widths, values, bool(s["padded"]), int(s["timed"]))
     return CostTable(step(d["verify"]), step(d["draft"]), float(d["kv_per_request_s"]), float(d["spec_overhead_s"]),
-                     shape=shape, catchup=step(d["catchup"]))
+                     shape=shape, catchup=step(d["catchup"]), tree=step(d["tree"]) if "tree" in d else StepTable())

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from streamsd.engine.core import EngineCore, RequestMetrics, RequestOutput
+from streamsd.policy.chooser import TreeChooser
 from streamsd.policy.policy import AdaptivePolicy
 from streamsd.sched.plan import StepPlan
 from streamsd.server.state import ServerState, finish_reason
@@ -174,6 +175,10 @@ class _AdaptiveCollector:
     def collect(self) -> Iterator[Metric]:
         engine = self.state.engine
         policy = engine.core.scheduler.policy if engine else None
+        if isinstance(policy, TreeChooser):
+            yield GaugeMetricFamily("streamsd:spec_decode_plain_step_share", "Share of steps in which nobody drafted",
+                                    value=policy.plain_step_share)
+            return
         if not isinstance(policy, AdaptivePolicy):
             return
         rec = policy.record

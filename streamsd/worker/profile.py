@@ -10,6 +10,8 @@ few rows costs far more than its share of a longer one's (SmolLM2 on 2 cores: 31
 for 1, 2, 3 and 5 rows), so a line from width 1 to 1 + K prices a small verify too low and the policy
 speculates where plain decoding is faster. Past that the table interpolates. Draft-model steps: B
 requests × 1 token the same way. Prefill chunks: one sequence of n tokens (the shape a chunk has).
+Draft trees: a whole tree step of the configured shape per batch bucket (``time_tree_steps``), which
+the step chooser (policy/chooser.py) weighs against the plain step of the same batch.
 
 Runs before any request exists (or, in the benchmark, between passes), so every KV block is free
 scratch space. Bounded in time (graph captures excluded): cells are timed cheapest first, and once
@@ -34,6 +36,7 @@ from streamsd.policy.adaptive import CostTable
 from streamsd.policy.adaptive.cost import StepTable
 from streamsd.policy.adaptive.shape import ShapeTable
 from streamsd.policy.profile_cache import files_fingerprint
+from streamsd.spec_decode.eagle.proposer import EagleProposer
 from streamsd.spec_decode.proposer import Proposer
 from streamsd.worker.cuda import capture_all
 
@@ -155,7 +158,30 @@ def profile_worker(worker: Worker, max_batch: int, max_tokens: int, max_k: int, 
                           draft_graphs=draft.graphs if draft else None, store=worker.store)
     if proposer is not None and proposer.store is not None:  # a head that catches up from the store
         table.catchup = StepTable.from_samples(time_catch_up(proposer, worker.cache, max_tokens, repeats=3))
+    if worker.tree is not None and isinstance(proposer, EagleProposer):
+        table.tree = StepTable.from_samples(time_tree_steps(worker, proposer, max_batch, repeats=3))
     return table
+
+
+def time_tree_steps(worker: Worker, proposer: EagleProposer, max_batch: int, repeats: int,
+                    budget_s: float | None = None) -> dict[int, float]:
+    """Seconds of a whole tree step (verify, walk, catch-up, growth) of the worker's tree shape by batch,
+    at the tree graphs' buckets: their replays on CUDA, the same work run eagerly on a CPU. Cheapest
+    first; past ``budget_s`` the rest are left to StepTable's proportional extrapolation."""
+    from streamsd.worker.tree_graphs import tree_graphs_for
+
+    dev = worker.device
+    graphs = worker.tree_graphs or tree_graphs_for(worker, proposer, worker.cache.num_blocks - 1,
+                                                   worker.target.args.max_position)
+    if budget_s is None:
+        budget_s = 4.0 if dev.type == "cuda" else 10.0
+    t_start = time.perf_counter()
+    out: dict[int, float] = {}
+    for b in buckets_up_to(graphs.buckets, max_batch):
+        if out and time.perf_counter() - t_start > budget_s:
+            break
+        out[b] = _best_time(lambda b=b: graphs.replay_padding(b), dev, repeats)
+    return out
 
 
 def time_catch_up(proposer: Proposer, cache: PagedKVCache, max_tokens: int, repeats: int) -> dict[int, float]:
@@ -183,6 +209,7 @@ def profile_key(worker: Worker, max_batch: int, max_tokens: int, max_k: int, mod
         "proposer": type(proposer).__name__ if proposer is not None else None,
         "graphs": None if graphs is None else [list(graphs.cfg.buckets), list(graphs.cfg.query_widths)],
         "max_batch": max_batch, "max_tokens": max_tokens, "max_k": max_k, "context": context,
+        "tree": None if worker.tree is None else str(worker.tree),
     }
 
 

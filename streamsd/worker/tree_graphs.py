@@ -160,6 +160,22 @@ class TreeGraphs:
         assert g.result is not None
         return g.result
 
+    def replay_padding(self, bucket: int) -> None:
+        """One greedy step of `bucket` padding rows, its inputs put back after: what a tree step over
+        that many requests costs, for the start-up profile (worker/profile.py). Its writes land in the
+        scratch block; no request's state is read or changed."""
+        key = (bucket, GREEDY)
+        g = self.graphs.get(key) or self._capture(*key)
+        saved = [x.clone() for x in (g.packed, g.bits, g.roots, g.tree)]
+        g.block_table.fill_(self.scratch)
+        g.tables = None  # the next real step writes its own table
+        if g.graph is None:
+            self._step(g)
+        else:
+            g.graph.replay()
+        for x, y in zip((g.packed, g.bits, g.roots, g.tree), saved, strict=True):
+            x.copy_(y)
+
     def capture_up_to(self, batch: int) -> None:
         for bucket in buckets_up_to(self.buckets, batch):
             for mode in (GREEDY, SAMPLED):

@@ -31,20 +31,21 @@ def test_default_speculation_follows_the_model_and_the_device():
     assert default_speculation("some/other-model", None, "cuda") == "none"
 
 
-def test_default_model_on_cuda_drafts_trees_while_the_batch_is_small():
-    """`streamsd serve` with nothing said: on CUDA the default model's head drafts DEFAULT_TREE while at most
-    TREE_MAX_BATCH requests decode; a chain setting asked for (policy, K), a tree given or 'none', another
+def test_default_model_on_cuda_drafts_trees_chosen_step_by_step():
+    """`streamsd serve` with nothing said: on CUDA the default model's head drafts DEFAULT_TREE, each step a
+    tree or a plain one as the step chooser prices them (the adaptive policy, no batch gate); a gate given
+    makes it the fixed policy's; a chain setting asked for (policy, K), a tree given or 'none', another
     model or a CPU keep their own speculation."""
-    from streamsd.cli import DEFAULT_MODEL, DEFAULT_TREE, TREE_MAX_BATCH, _engine_config, build_parser
+    from streamsd.cli import DEFAULT_MODEL, DEFAULT_TREE, _engine_config, build_parser
 
     def spec(*argv: str):
         return _engine_config(build_parser().parse_args(["serve", *argv])).spec
 
     cuda = spec("--device", "cuda")
-    assert (cuda.method, str(cuda.tree), cuda.policy, cuda.max_batch) == ("eagle", DEFAULT_TREE, "fixed",
-                                                                          TREE_MAX_BATCH)
+    assert (cuda.method, str(cuda.tree), cuda.policy, cuda.max_batch) == ("eagle", DEFAULT_TREE, "adaptive", 0)
     assert cuda.num_tokens == 24 and DEFAULT_TREE.endswith(",24")
-    assert spec("--device", "cuda", "--speculative-max-batch", "0").max_batch == 0
+    gated_tree = spec("--device", "cuda", "--speculative-max-batch", "4")
+    assert (str(gated_tree.tree), gated_tree.policy, gated_tree.max_batch) == (DEFAULT_TREE, "fixed", 4)
     for chain in (spec("--device", "cuda", "--speculation-policy", "adaptive"),
                   spec("--device", "cuda", "--speculative-tree", "none"),
                   spec("--device", "cuda", "--num-speculative-tokens", "3")):
@@ -54,7 +55,9 @@ def test_default_model_on_cuda_drafts_trees_while_the_batch_is_small():
     assert (gated_chain.tree, gated_chain.policy, gated_chain.max_batch) == (None, "fixed", 8)
     assert spec("--device", "cuda", "--speculative-tree", "none", "--speculative-max-batch", "0").policy == "adaptive"
     given = spec("--device", "cuda", "--speculative-tree", "3,8,8,24")
-    assert (str(given.tree), given.policy, given.max_batch) == ("3,8,8,24", "fixed", TREE_MAX_BATCH)
+    assert (str(given.tree), given.policy, given.max_batch) == ("3,8,8,24", "adaptive", 0)
+    fixed = spec("--device", "cuda", "--speculative-tree", "3,8,8,24", "--speculation-policy", "fixed")
+    assert (str(fixed.tree), fixed.policy, fixed.max_batch) == ("3,8,8,24", "fixed", 0)
     cpu = spec("--device", "cpu")
     assert (cpu.method, cpu.tree, cpu.policy, cpu.max_batch) == ("ngram", None, "adaptive", 0)
     assert spec("--device", "cuda", "--model", "other/model").method is None

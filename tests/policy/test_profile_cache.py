@@ -10,6 +10,7 @@ import pytest
 from streamsd.config import EngineConfig, SpecConfig
 from streamsd.engine.builder import build_runtime
 from streamsd.policy.adaptive import CostTable
+from streamsd.policy.adaptive.cost import StepTable
 from streamsd.policy.adaptive.shape import ShapeTable
 from streamsd.policy.profile_cache import cache_mode, load_or_profile, table_from_json, table_to_json
 
@@ -21,6 +22,7 @@ def _table(scale: float = 1.0) -> CostTable:
                                     padded=False, batches=(1, 4), widths=(1, 2, 5))
     table = CostTable.from_samples({1: 0.01 * scale, 64: 0.05 * scale}, {1: 0.002 * scale}, shape=shape)
     table.catchup = table.draft
+    table.tree = StepTable.from_samples({1: 0.015 * scale, 4: 0.04 * scale})
     return table
 
 
@@ -39,7 +41,8 @@ def _same(a: CostTable, b: CostTable) -> bool:
 
 def test_a_profile_round_trips_through_json():
     table = _table()
-    assert _same(table_from_json(json.loads(json.dumps(table_to_json(table)))), table)
+    back = table_from_json(json.loads(json.dumps(table_to_json(table))))
+    assert _same(back, table) and back.tree.keys == (1, 4)  # a tree engine's whole tree steps too
 
 
 def test_the_second_start_reads_the_profile_the_first_one_measured(tmp_path):

@@ -454,8 +454,9 @@ def test_tree_shapes_and_settings_are_checked():
             TreeShape.parse(bad)
     with pytest.raises(ValueError, match="EAGLE"):
         SpecConfig(method="ngram", tree=TreeShape(), num_tokens=31)
-    with pytest.raises(ValueError, match="fixed"):
-        SpecConfig(method="eagle", tree=TreeShape(), num_tokens=31, policy="adaptive")
+    assert SpecConfig(method="eagle", tree=TreeShape(), num_tokens=31, policy="adaptive").policy == "adaptive"
+    with pytest.raises(ValueError, match="fixed policy"):
+        SpecConfig(method="eagle", tree=TreeShape(), num_tokens=31, policy="adaptive", max_batch=4)
     with pytest.raises(ValueError, match="31 nodes"):
         SpecConfig(method="eagle", tree=TreeShape(), num_tokens=4)
 
@@ -561,13 +562,17 @@ def test_cli_generates_with_a_tree_and_refuses_a_bad_one(tiny_model_dir, head, r
 
     args = ["generate", "--model", str(tiny_model_dir), "--draft-model", str(head), "--speculative-method", "eagle",
             "--max-tokens", str(MAX_TOKENS[0]), "--prompt", PROMPTS[0]]
-    assert main([*args, "--speculative-tree", "4,3,3,10"]) == 0
+    # The fixed policy: a tree every step. (The default, the step chooser, decides by this CPU's costs.)
+    assert main([*args, "--speculative-tree", "4,3,3,10", "--speculation-policy", "fixed"]) == 0
     tree = capsys.readouterr().out
+    assert main([*args, "--speculative-tree", "4,3,3,10"]) == 0
+    chosen = capsys.readouterr().out
     assert main(["generate", "--model", str(tiny_model_dir), "--max-tokens", str(MAX_TOKENS[0]),
                  "--prompt", PROMPTS[0]]) == 0
     plain = capsys.readouterr().out
     assert "(eagle)" in tree and "mean accepted length" in tree
-    assert tree.splitlines()[0] == plain.splitlines()[0]  # greedy: the same text as plain decoding
+    # greedy: the same text as plain decoding, whichever steps the chooser took
+    assert tree.splitlines()[0] == chosen.splitlines()[0] == plain.splitlines()[0]
     assert main([*args, "--speculative-tree", "4,3,3,70"]) == 2
     assert "nodes" in capsys.readouterr().err
     assert main([*args[:6], "ngram", *args[7:], "--speculative-tree", "4,3,3,10"]) == 2

@@ -123,6 +123,9 @@ class CostTable:
     # Seconds to catch a head up on n positions it skipped (an EAGLE head resuming after plain steps:
     # its own pass, not a draft forward), by n; empty where catch-up rides on the draft forward.
     catchup: StepTable = field(default_factory=StepTable)
+    # Seconds of a whole draft-tree step of the engine's tree shape, by batch (worker/profile.py's
+    # time_tree_steps); empty where the engine drafts chains. The step chooser reads it (policy/chooser.py).
+    tree: StepTable = field(default_factory=StepTable)
     # The last three samples per key (``_GLOBAL`` for the global ratio): see the module doc.
     recent: dict[CorrectionKey, list[float]] = field(default_factory=dict)
     tails: dict[CorrectionKey, list[float]] = field(default_factory=dict)  # the last TAIL_WINDOW samples per key

@@ -1,0 +1,232 @@
+"""The step chooser of an engine whose drafts are trees: each step, a whole tree step or a plain one,
+from the measured cost of both at this batch and what the batch's requests accept.
+
+A tree step over B requests costs t_tree(B) (a whole step of the configured tree shape, timed per
+batch bucket at start-up: worker/profile.py's ``time_tree_steps``) and emits Σ τ_i tokens, τ_i the
+tokens request i is expected to take per tree step (its accepted nodes and the bonus token). A plain
+step costs t_plain(B) and emits B. Trees pay where Σ τ_i / t_tree(B) beats B / t_plain(B); for a
+batch whose requests accept alike, where τ exceeds the break-even τ*(B) = t_tree(B) / t_plain(B).
+Those break-evens are the chooser's switch points, logged at start-up (``switch_points``): every model
+and device gets its own from its own profile, none is a tuned constant.
+
+Entering costs more than the step: a resuming head first catches up on the positions it skipped
+(the profile's catch-up table, by positions), the entering step grows trees without verifying
+any, and the steps around each switch wait for the host (``entry_steps``). Trees are entered only where that extra time is won back over the tokens the batch may still
+emit (capped at ``horizon_steps`` plain steps), and by ``hysteresis`` at least; they are left as soon
+as plain is predicted faster.
+
+Learning. τ per request and per acceptance class (greedy or sampled) from each tree step's own
+accepted count: a request starts at its class's running mean, which starts at ``prior_tau``. Costs:
+each steady step (of the same kind as the step before, no prompt chunk) corrects its (kind, batch)
+cell by the median of its last measured/predicted ratios; an unseen tree cell borrows the plain
+cell's ratio of its batch (drift shared by both). While the batch decodes plain, a class's mean drifts
+back toward ``prior_tau`` (half-way per ``retry_steps`` steps), so a batch that went plain on a run of
+rejections tries trees again, once they would pay at the prior; at a batch where trees cannot pay
+even if every node were accepted, the chooser stays plain at the cost of one comparison.
+
+Torch-free, like the other policies; the scheduler calls it once per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from streamsd.policy.policy import Decision, StepShape, acceptance_class, cap_k
+from streamsd.request import Request
+
+if TYPE_CHECKING:
+    from streamsd.policy.adaptive.cost import CostTable
+    from streamsd.sched.plan import StepPlan
+
+RATIO_SAMPLES = 5  # a cost cell follows the median of its last few measured/predicted ratios
+REQUEST_WINDOW = 16  # a request's τ follows its last ~16 tree steps
+
+
+@dataclass(slots=True)
+class _Tau:
+    """A running mean of tokens per tree step: the first samples averaged with a prior's weight, then
+    an exponential mean over ``window``."""
+
+    value: float
+    n: int = 0
+
+    def add(self, x: float, prior_weight: float, window: int) -> None:
+        self.n += 1
+        self.value += (x - self.value) / min(self.n + prior_weight, window)
+
+
+@dataclass(slots=True)
+class TreeChooser:
+    cost: CostTable  # with its `tree` table: the profile's whole tree steps by batch
+    depth: int  # the tree's depth D: a tree step emits at most D + 1 tokens a request
+    prior_tau: float = 0.0  # tokens per tree step before any is seen (0: 1 + D / 2)
+    settled_lag: int = 1  # an EAGLE head's slot of the pending token waits for its streams
+    hysteresis: float = 0.02  # the gain over plain that entering trees needs
+    horizon_steps: int = 64  # entering must pay back within at most this many steps' tokens
+    # Plain steps an excursion costs beyond its own steps: the steps around each switch wait for the
+    # host instead of being queued ahead (the adaptive planner's `entry_steps`).
+    entry_steps: float = 2.0
+    retry_steps: int = 64  # half-life, in plain steps, of a class's drift back to its prior
+    prior_weight: float = 2.0  # a request's class mean counts as this many of its own tree steps
+    speculating: bool = False
+    plans_ahead: bool = False  # a comparison per step: nothing to hide behind the device
+    classes: dict[str, _Tau] = field(default_factory=dict)
+    requests: dict[object, _Tau] = field(default_factory=dict)
+    ratios: dict[tuple[bool, int], deque[float]] = field(default_factory=dict)  # by (tree step, batch bucket)
+    last_kind: tuple[int, int] = (1, 0)  # (verify width, draft steps) of the last step seen
+    plain_steps: int = 0  # since the batch last took a tree step
+    switches: int = 0
+    chosen: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})  # steps by kind (trees: True)
+
+    def __post_init__(self) -> None:
+        if self.prior_tau <= 0.0:
+            self.prior_tau = 1.0 + self.depth / 2
+
+    # -- prices ----------------------------------------------------------------------------------
+    def _ratio(self, tree: bool, batch: int) -> float:
+        key = (tree, _bucket(batch))
+        samples = self.ratios.get(key) or (self.ratios.get((False, key[1])) if tree else None)
+        return statistics.median(samples) if samples else 1.0
+
+    def plain_seconds(self, batch: int, raw: bool = False) -> float:
+        t = self.cost.predict_raw(batch, batch, 0)
+        return t if raw else t * self._ratio(False, batch)
+
+    def tree_seconds(self, batch: int, raw: bool = False) -> float:
+        t = self.cost.tree(batch) if self.cost.tree.keys else float("inf")
+        return t if raw else t * self._ratio(True, batch)
+
+    def catchup_seconds(self, positions: int) -> float:
+        return self.cost.catchup(positions) if positions > 0 and self.cost.catchup.keys else 0.0
+
+    def break_even(self, batch: int) -> float:
+        """The τ above which a tree step out-emits a plain one at this batch (per unit of time)."""
+        return self.tree_seconds(batch) / self.plain_seconds(batch)
+
+    def switch_points(self) -> dict[int, float]:
+        """Break-even τ per tree-table batch bucket: trees pay where the batch's τ is above it."""
+        return {b: round(self.break_even(b), 2) for b in self.cost.tree.keys}
+
+    def largest_tree_batch(self, tau: float | None = None) -> int:
+        """The largest bucket where trees pay at τ (default: the prior); 0 where none does."""
+        t = self.prior_tau if tau is None else tau
+        return max((b for b in self.cost.tree.keys if self.break_even(b) * (1.0 + self.hysteresis) < t), default=0)
+
+    @property
+    def plain_step_share(self) -> float:
+        steps = self.chosen[False] + self.chosen[True]
+        return self.chosen[False] / steps if steps else 0.0
+
+    def summary(self) -> dict[str, object]:
+        """For benchmarks and /metrics: what the chooser decided and what it learnt."""
+        return {
+            "tree_steps": self.chosen[True], "plain_steps": self.chosen[False], "switches": self.switches,
+            "plain_step_share": round(self.plain_step_share, 4),
+            "switch_points": self.switch_points(), "prior_tau": self.prior_tau,
+            "class_tau": {name: round(t.value, 3) for name, t in self.classes.items()},
+            "cost_ratios": {f"{'tree' if tree else 'plain'}x{b}": round(statistics.median(r), 3)
+                            for (tree, b), r in sorted(self.ratios.items()) if r},
+        }
+
+    # -- the step ---------------------------------------------------------------------------------
+    def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision:
+        b = len(decoding)
+        if b:
+            trees = self._trees_pay(decoding)
+            self.switches += trees != self.speculating
+            self.speculating = trees
+            self.chosen[trees] += 1
+        return Decision({})  # every request takes default_k
+
+    def _trees_pay(self, decoding: list[Request]) -> bool:
+        b = len(decoding)
+        plain_s, tree_s = self.plain_seconds(b), self.tree_seconds(b)
+        if tree_s >= plain_s * (self.depth + 1):  # not even a tree accepted whole could pay
+            return False
+        self._retire(decoding)
+        taus = [self._tau(r) for r in decoding]
+        tree_rate, plain_rate = sum(taus) / tree_s, b / plain_s
+        if self.speculating:
+            return tree_rate > plain_rate
+        if tree_rate <= plain_rate * (1.0 + self.hysteresis):
+            return False
+        # The excursion's extra time: the head's catch-up and an entering step that grows without verifying.
+        lag = sum(max(r.num_tokens - self.settled_lag - r.draft_computed, 0) for r in decoding)
+        extra = self.catchup_seconds(lag) + max(tree_s - plain_s, 0.0) + self.entry_steps * plain_s
+        left = sorted(r.remaining_tokens for r in decoding)[b // 2]
+        tokens = b * min(left, self.horizon_steps)
+        return extra + tokens / tree_rate < tokens / plain_rate
+
+    def _tau(self, r: Request) -> float:
+        est = self.requests.get(r.request_id)
+        cls = self._class(acceptance_class(r))
+        if est is None:
+            est = self.requests[r.request_id] = _Tau(cls.value)
+        elif self.plain_steps:  # drifts back toward the class as the class drifts back toward the prior
+            est.value = max(est.value, cls.value)
+        return est.value
+
+    def _class(self, name: str) -> _Tau:
+        cls = self.classes.get(name)
+        if cls is None:
+            cls = self.classes[name] = _Tau(self.prior_tau)
+        return cls
+
+    def _retire(self, decoding: list[Request]) -> None:
+        """Forgets requests no longer decoding, once the table holds many more than the batch."""
+        if len(self.requests) > 2 * len(decoding) + 64:
+            live = {r.request_id for r in decoding}
+            self.requests = {k: v for k, v in self.requests.items() if k in live}
+
+    def default_k(self, r: Request) -> int:
+        return cap_k(r) if self.speculating else 0
+
+    def commit(self, decision: Decision, plan: StepPlan) -> None:
+        decision.shape = plan.shape()[0]
+
+    def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None:
+        shape = decision.shape
+        if shape is None:
+            return
+        trees = False
+        for r, drafted, accepted in verified:
+            if drafted <= 0:
+                continue
+            trees = True
+            tau = accepted + 1.0
+            self._class(acceptance_class(r)).add(tau, self.prior_weight, 4 * REQUEST_WINDOW)
+            est = self.requests.get(r.request_id)
+            if est is not None:
+                est.add(tau, self.prior_weight, REQUEST_WINDOW)
+        if trees:
+            self.plain_steps = 0
+        elif shape.batch:
+            self.plain_steps += 1
+            self._drift_to_prior()
+        self._learn_cost(shape, seconds)
+
+    def _drift_to_prior(self) -> None:
+        rate = 1.0 - 0.5 ** (1.0 / self.retry_steps)
+        for cls in self.classes.values():
+            if cls.value < self.prior_tau:
+                cls.value += (self.prior_tau - cls.value) * rate
+
+    def _learn_cost(self, shape: StepShape, seconds: float) -> None:
+        kind = (shape.verify_width, shape.draft_steps)
+        settled, self.last_kind = kind == self.last_kind, kind
+        steady = shape.verify_width == shape.draft_steps + 1
+        if not (settled and steady and shape.batch and not shape.prefill_tokens and seconds > 0):
+            return
+        tree = shape.draft_steps > 0
+        raw = self.tree_seconds(shape.batch, raw=True) if tree else self.plain_seconds(shape.batch, raw=True)
+        if raw <= 0.0 or raw == float("inf"):
+            return
+        self.ratios.setdefault((tree, _bucket(shape.batch)), deque(maxlen=RATIO_SAMPLES)).append(seconds / raw)
+
+
+def _bucket(batch: int) -> int:
+    """Batches priced alike: powers of two, as the graphs pad them."""
+    return 1 << max(batch - 1, 0).bit_length()

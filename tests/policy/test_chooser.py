@@ -1,0 +1,165 @@
+"""The tree engine's step chooser (policy/chooser.py): its switch points follow the measured cost table,
+it never takes a tree step it expects to emit slower than a plain one, and it learns both the trees'
+acceptance and their cost from the steps it observes."""
+
+from __future__ import annotations
+
+import random
+
+from streamsd.policy.adaptive import CostTable
+from streamsd.policy.adaptive.cost import StepTable
+from streamsd.policy.chooser import TreeChooser
+from streamsd.policy.policy import Decision, StepShape
+from streamsd.request import Request, SamplingParams
+
+PLAIN_MS = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.1, 16: 1.2, 32: 1.5, 64: 2.0}
+NODES, DEPTH = 24, 4
+
+
+def _cost(tree_ms: dict[int, float], plain_ms: dict[int, float] = PLAIN_MS, catchup_ms: dict[int, float] | None = None
+          ) -> CostTable:
+    cost = CostTable.from_samples({b: t * 1e-3 for b, t in plain_ms.items()})
+    cost.tree = StepTable.from_samples({b: t * 1e-3 for b, t in tree_ms.items()})
+    if catchup_ms:
+        cost.catchup = StepTable.from_samples({n: t * 1e-3 for n, t in catchup_ms.items()})
+    return cost
+
+
+def _batch(n: int, max_tokens: int = 1000, prompt: int = 8, temperature: float = 0.0) -> list[Request]:
+    reqs = []
+    for i in range(n):
+        r = Request(f"r{i}", list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens, temperature=temperature),
+                    seed=i, arrival=0.0, spec_k=NODES)
+        r.computed = r.draft_computed = prompt - 1  # one pending token, the head caught up
+        reqs.append(r)
+    return reqs
+
+
+def _trees(chooser: TreeChooser, reqs: list[Request]) -> bool:
+    chooser.choose(reqs, 0, False)
+    return chooser.default_k(reqs[0]) > 0
+
+
+def _step(chooser: TreeChooser, reqs: list[Request], accepted: int, tree_s: float, plain_s: float) -> None:
+    """Feeds the chooser the step it chose, as the engine would: the tree step's accepted nodes per
+    request, and the step's seconds (`tree_s` or `plain_s`, as it chose)."""
+    trees = _trees(chooser, reqs)
+    seconds = tree_s if trees else plain_s
+    b = len(reqs)
+    shape = StepShape(b, b * (1 + NODES), NODES, b, 0, 1 + NODES) if trees else StepShape(b, b, 0, 0, 0, 1)
+    verified = [(r, NODES if trees else 0, accepted if trees else 0) for r in reqs]
+    chooser.observe(Decision({}, shape=shape), verified, seconds)
+
+
+def test_cheap_tree_steps_are_chosen_at_batch_8_and_expensive_ones_are_not():
+    cheap = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
+    assert cheap.prior_tau == 3.0
+    assert cheap.switch_points() == {1: 1.5, 2: 1.6, 4: 1.8, 8: 2.0, 16: 3.33}  # tree ms / plain ms
+    assert _trees(cheap, _batch(8))
+    assert not _trees(TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH), _batch(16))
+    assert cheap.largest_tree_batch() == 8
+    expensive = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 4.0, 16: 8.0}), DEPTH)
+    assert not _trees(expensive, _batch(8))
+    assert _trees(expensive, _batch(4))
+    assert expensive.largest_tree_batch() == 4
+    # A tree step dearer than D + 1 plain steps can never pay, whatever the acceptance.
+    hopeless = TreeChooser(_cost({1: 6.0}), DEPTH, prior_tau=DEPTH + 1.0)
+    assert not _trees(hopeless, _batch(1)) and hopeless.largest_tree_batch(DEPTH + 1.0) == 0
+
+
+def test_the_switch_point_moves_with_the_acceptance():
+    cost = {1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}
+    assert not _trees(TreeChooser(_cost(cost), DEPTH, prior_tau=1.8), _batch(8))  # τ 1.8 < break-even 2.0
+    assert _trees(TreeChooser(_cost(cost), DEPTH, prior_tau=2.2), _batch(8))
+    assert _trees(TreeChooser(_cost(cost), DEPTH, prior_tau=4.0), _batch(16))  # 4.0 > 3.33
+
+
+def test_trees_are_never_chosen_where_their_expected_rate_is_below_plain():
+    rng = random.Random(0)
+    chosen = 0
+    for _ in range(400):
+        plain = {b: rng.uniform(0.5, 2.0) * (1 + b / 64) for b in (1, 2, 4, 8, 16, 32)}
+        tree = {b: plain[b] * rng.uniform(0.8, 6.0) for b in (1, 2, 4, 8, 16)}
+        chooser = TreeChooser(_cost(tree, plain), DEPTH, prior_tau=rng.uniform(1.0, DEPTH + 1.0))
+        reqs = _batch(rng.choice([1, 2, 3, 4, 6, 8, 12, 16]), max_tokens=rng.choice([4, 40, 1000]))
+        b = len(reqs)
+        for _ in range(3):
+            if _trees(chooser, reqs):
+                chosen += 1
+                tree_rate = b * chooser.prior_tau / chooser.tree_seconds(b)
+                assert tree_rate > b / chooser.plain_seconds(b)
+    assert chosen > 50  # the sweep did exercise both answers
+
+
+def test_a_batch_whose_trees_are_rejected_goes_plain_and_tries_again_later():
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH, retry_steps=16)
+    reqs = _batch(4)
+    assert _trees(chooser, reqs)
+    steps = 0
+    while chooser.speculating and steps < 50:
+        _step(chooser, reqs, accepted=0, tree_s=1.8e-3, plain_s=1e-3)  # τ = 1, break-even 1.8
+        steps += 1
+    assert not chooser.speculating and steps < 10
+    assert chooser.summary()["class_tau"]["greedy"] < 1.8
+    plain = 0
+    while not chooser.speculating and plain < 200:
+        _step(chooser, reqs, accepted=0, tree_s=1.8e-3, plain_s=1e-3)
+        plain += 1
+    assert 5 < plain < 200  # the class's τ drifted back toward its prior: trees are tried again
+
+
+def test_well_accepted_trees_keep_being_chosen_where_the_prior_alone_would_not():
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
+    assert not _trees(chooser, _batch(16))
+    reqs = _batch(8)
+    for _ in range(20):
+        _step(chooser, reqs, accepted=DEPTH, tree_s=2.2e-3, plain_s=1.1e-3)  # every tree accepted to its depth: τ = 5
+    assert chooser.speculating
+    big = _batch(16)  # new requests start from their class's mean, now near 5: above 16's 3.33
+    assert _trees(chooser, big)
+
+
+def test_measured_step_costs_move_the_switch_points():
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
+    reqs = _batch(8)
+    assert chooser.break_even(8) == 2.2 / 1.1
+    for _ in range(8):  # tree steps take twice their profile
+        _step(chooser, reqs, accepted=1, tree_s=2 * 2.2e-3, plain_s=1.1e-3)
+    assert abs(chooser.break_even(8) - 4.0) < 1e-9
+    assert not chooser.speculating  # τ 2 against a break-even of 4 now
+    for _ in range(8):  # and plain steps too: drift, which both share
+        _step(chooser, reqs, accepted=1, tree_s=2 * 2.2e-3, plain_s=2 * 1.1e-3)
+    assert abs(chooser.break_even(8) - 2.0) < 1e-9
+    assert chooser.break_even(4) == 1.8  # other batches keep their own cells
+
+
+def test_entering_trees_pays_for_the_heads_catch_up_within_the_batchs_remaining_tokens():
+    cost = _cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}, catchup_ms={64: 2.0, 128: 4.0, 256: 8.0, 512: 16.0})
+
+    def lagging(max_tokens: int) -> list[Request]:
+        reqs = _batch(4, max_tokens=max_tokens, prompt=100)
+        for r in reqs:
+            r.draft_computed = 4  # 95 positions the head skipped while the batch decoded plain
+        return reqs
+
+    # 16 ms of catch-up and 2.8 ms of switching, won back within 64 steps of 4 requests: 57 ms against 64 ms.
+    assert _trees(TreeChooser(cost, DEPTH), lagging(1000))
+    assert not _trees(TreeChooser(cost, DEPTH), lagging(8))  # 8 tokens left cannot repay it
+    assert _trees(TreeChooser(cost, DEPTH), _batch(4, max_tokens=8))  # caught up: 7.6 ms against 8 ms
+    # Without the catch-up's price the same batch would enter: the cost is what kept it plain.
+    assert _trees(TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH), lagging(8))
+    assert not _trees(TreeChooser(cost, DEPTH), _batch(4, max_tokens=3))  # nor can 3 tokens repay switching
+
+
+def test_metrics_export_the_choosers_share_of_plain_steps():
+    from types import SimpleNamespace
+
+    from streamsd.server.metrics import _AdaptiveCollector
+
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
+    for n in (16, 16, 16, 8):  # three plain steps, then a tree step
+        _trees(chooser, _batch(n))
+    assert chooser.summary()["plain_steps"] == 3 and chooser.summary()["tree_steps"] == 1
+    state = SimpleNamespace(engine=SimpleNamespace(core=SimpleNamespace(scheduler=SimpleNamespace(policy=chooser))))
+    families = list(_AdaptiveCollector(state).collect())  # type: ignore[arg-type]
+    assert [(f.name, f.samples[0].value) for f in families] == [("streamsd:spec_decode_plain_step_share", 0.75)]
