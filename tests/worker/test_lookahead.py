@@ -163,6 +163,7 @@ def test_switches_take_the_step_queued_ahead(tiny_model_dir):
     from streamsd.engine.builder import build_runtime
     from streamsd.engine.core import EngineCore
     from streamsd.spec_decode.synthetic import SyntheticProposer
+    from streamsd.worker.lookahead import kv_margin
 
     prompts = [[3 + i, 40 + 7 * i, 11, 90 - i, 5] for i in range(4)]
     rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method=None, num_tokens=4),
@@ -174,8 +175,10 @@ def test_switches_take_the_step_queued_ahead(tiny_model_dir):
     la.chained = True
     script = [0, 0, 0, 4, 4, 4, 0, 0, 0, 3, 3, 3, 1, 1, 1, 0, 0, 0, 2, 2, 2, 4, 4, 4, 0, 0, 0] * 3
     policy = ScriptedPolicy(script)
+    margin = kv_margin(4)
     rt = dataclasses.replace(rt, policy=policy,
-                             scheduler_config=dataclasses.replace(rt.scheduler_config, lookahead=5))
+                             scheduler_config=dataclasses.replace(rt.scheduler_config, drafting_reserve=margin.reserve,
+                                                                  drafting_keep=margin.keep))
     core = EngineCore(rt, SpecConfig(method="synthetic", num_tokens=4, policy="fixed"))
     for i, p in enumerate(prompts):
         core.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, seed=i + 1))
