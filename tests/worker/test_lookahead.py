@@ -238,3 +238,30 @@ def test_near_max_tokens_a_request_keeps_the_chains_k_where_drafts_run_past_it(p
     assert [(e.request.request_id, drafted) for e, _, _, drafted in out] == [("near", 1), ("far", 4)]
     assert (near.stats.drafted, near.stats.accepted, near.stats.emitted) == (4 + 1, 2 + 1, 1 + 3 + 2)
     assert near.blocks == []  # freed at its end, the KV past max_tokens with it
+
+
+def test_following_the_queued_step_pins_switches_and_holds_back_the_next_queue():
+    """Lookahead.follow, the scheduler's pins: a queued speculative step's requests that the k would
+    draft shallower verify its drafts and propose that k; a queued plain step's requests that the k
+    would start drafting take it plainly, and nothing is queued behind that step; finished requests,
+    and those the k leaves as they are, are not pinned."""
+    from streamsd.request import Request, Status
+    from streamsd.worker.lookahead import Lookahead, Queued
+
+    la = Lookahead(block_size=16, enabled=True)
+    a, b, gone = (Request(i, [1, 2, 3], SamplingParams(max_tokens=40), seed=0, arrival=0.0, spec_k=4,
+                          status=Status.RUNNING) for i in ("a", "b", "gone"))
+    gone.status = Status.FINISHED
+    asked: list[str] = []
+
+    def k_of(ks):
+        return lambda r: asked.append(r.request_id) or ks[r.request_id]
+
+    assert la.follow(k_of({})) == {} and asked == [] and la.take_queue_next()
+    la.queued = Queued([a, b, gone], [5, 5, 5], [0, 0, 0], [[1], [2], [3]], 3, torch.zeros(3, 4))
+    assert la.follow(k_of({"a": 1, "b": 3})) == {id(a): (3, 1)} and asked == ["a", "b"]
+    assert la.take_queue_next()
+    la.queued = Queued([a, b, gone], [5, 5, 5], [0, 0, 0], [[1], [2], [3]], 0, torch.zeros(3))
+    assert la.follow(k_of({"a": 2, "b": 0})) == {id(a): (0, 0)}
+    assert not la.take_queue_next() and la.take_queue_next()  # the one step after it only
+    assert la.follow(k_of({"a": 0, "b": 0})) == {} and la.take_queue_next()
