@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamsd.model.arch import ModelArgs, rope_tables
-from streamsd.model.attention import paged_attention_reference
+from streamsd.model.attention import paged_attention
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BatchLayout, float], torch.Tensor]
@@ -104,7 +104,7 @@ class Transformer(nn.Module):
         self.args = args
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.attend: AttentionFn = paged_attention_reference
+        self.attend: AttentionFn = paged_attention
         # The CUDA fast path (model/fast_forward.py: fused weights and Triton kernels), set on GPUs.
         self.fast: Callable[..., ForwardOutput] | None = None
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)

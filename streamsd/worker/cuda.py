@@ -48,7 +48,7 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
     `scratch_block` is a cache block the scheduler never hands out (every cache has one more block
     than the scheduler counts): padding tokens of a graph write there.
     """
-    from streamsd.kernels.attention.paged import cuda_attention
+    from streamsd.kernels.attention.paged import paged_attention
     from streamsd.kernels.warmup import warm_up
     from streamsd.model.fast_forward import enable_fast_forward
 
@@ -58,7 +58,7 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
     for model in (worker.target, draft.model if draft else None):
         d = model.args.head_dim if model is not None else 0
         if d and d & (d - 1) == 0:  # the kernels tile the head dimension by powers of two
-            model.attend = cuda_attention
+            model.attend = paged_attention
             enable_fast_forward(model)
             kernel_models.append(model)
     trees = worker.tree is not None  # drafts are trees: worker/tree_graphs.py verifies them

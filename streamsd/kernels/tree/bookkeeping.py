@@ -10,6 +10,11 @@ the next step's window were ~100 small torch kernels, a few microseconds each on
 - `next_step`: one program per request lays out the next verify from the new tree: each row's
   depth and mask (parents settle in D rounds through the output itself), ids, positions and slots,
   its root and tree, and this step's result for the host (five torch launches more, folded in).
+
+`walk` is spec_decode/tree.py's `walk` (with its `catch_up` laid out), `move_path` sample/tree_verify.py's
+`move_kv` (spec_decode/tree.py `path_moves` and `positions_to_slots`), `next_step` the window
+spec_decode/tree.py builds (`window_bits`, `positions_to_slots`); tests/kernels/test_kernels.py
+`test_tree_bookkeeping_kernels_equal_the_torch_oracles` compares them.
 """
 
 from __future__ import annotations
