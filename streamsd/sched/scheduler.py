@@ -249,8 +249,8 @@ class Scheduler:
             r.draft_parents = list(res.draft_parents)
             # A chain's drafts verified past max_tokens (SchedulerConfig.drafts_past_max_tokens) could never
             # be emitted: not counted as drafted (a tree's nodes are not positions: all count). Nor is the
-            # one at the last position max_tokens leaves: the bonus token fills it anyway, so a plan that
-            # reads each step first never drafts it (`_plan_one`), and pipelined or not, the counts agree.
+            # one at the last position max_tokens leaves: the bonus token fills it anyway, so a plan without
+            # drafts past max_tokens never drafts it (`_plan_one`), and with them or not, the counts agree.
             # Drafts accepted past a stop are not emitted either: count only what the client receives.
             usable = e.num_drafts if self.cfg.whole_drafts else min(e.num_drafts, max(r.remaining_tokens - 1, 0))
             kept = self._append(r, res.new_tokens)
