@@ -1,6 +1,6 @@
 """A step's layout written on the device: for a step queued before the host knows where its
 sequences start (streamsd/worker/lookahead.py), positions, KV slots, context lengths and ids come from the
-step before's results, still on the device. One Triton launch on CUDA (kernels/restart.py), torch
+step before's results, still on the device. One Triton launch on CUDA (kernels/model/device_layout.py), torch
 ops elsewhere.
 """
 

@@ -982,6 +982,37 @@ def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
     assert torch.equal(bits.view(b, n + 1), st.window_bits(parents, d))
 
 
+def test_tree_kv_moves_equal_the_torch_move_kv():
+    """kernels/tree/bookkeeping.move_kv moves what sample/tree_verify.move_kv's torch path moves: every
+    layer's K and V and the head's streams of the accepted nodes, from their window rows to their
+    positions (all read before any is written); nothing else changes."""
+    from streamsd.kernels.tree import bookkeeping as kernel
+    from streamsd.model.arch import ModelArgs
+    from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.model.stream_store import StreamStore
+    from streamsd.sample.tree_verify import move_kv
+
+    g = torch.Generator().manual_seed(7)
+    bs = 4
+    args = ModelArgs("llama", 10, 8, 16, 2, 2, 1, 4, 1e-5, 64, False, False, (), None)
+    table = torch.tensor([[3, 1, 4, 0], [2, 6, 5, 7], [8, 9, 10, 11]], dtype=torch.int32)
+    roots = torch.tensor([2, 5, 1])
+    path = torch.tensor([[2, 5, -1, -1], [0, 1, 2, 3], [1, -1, -1, -1]])
+    data, streams = torch.randn(2, 2, 12, bs, 1, 4, generator=g), torch.randn(12 * bs, 6, generator=g)
+    moved = []
+    for on_device in (False, True):
+        dev = DEV if on_device else torch.device("cpu")
+        cache, store = PagedKVCache(args, 12, bs, torch.float32, dev), StreamStore((0,), 6, 12 * bs, torch.float32, dev)
+        cache.data.copy_(data)
+        store.data.copy_(streams)
+        move = kernel.move_kv if on_device else move_kv  # on a CPU move_kv takes its torch path
+        move(cache, store, roots.to(dev), path.to(dev), table.to(dev), bs)
+        moved.append((cache.data.cpu(), store.data.cpu()))
+    (want_kv, want_streams), (got_kv, got_streams) = moved
+    assert not torch.equal(want_kv, data) and not torch.equal(want_streams, streams)
+    assert torch.equal(got_kv, want_kv) and torch.equal(got_streams, want_streams)
+
+
 def test_tree_step_kernels_equal_the_torch_oracles():
     """kernels/tree/select.py against spec_decode/tree.py: the selection of a grown tree's best nodes over 114
     candidates (four blocks of the kernel's ranking) with many tied scores, whose ties the stable sort
