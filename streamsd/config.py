@@ -96,9 +96,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = BLOCK_SIZE
     max_queue: int = 1024
-    # Tokens of KV held past a speculative step's own reservation, for the step the worker queues
-    # behind it before reading it (worker/lookahead.py: an EAGLE head's verify and chain); 0 when it does not.
-    lookahead: int = 0
+    # KV the worker writes past what a plan covers, in tokens, for a request that drafts (the worker
+    # reports both: worker/lookahead.py `kv_margin`); 0 where it writes nothing more. `drafting_reserve`
+    # is held past a step that proposes drafts, beyond what the step writes; `drafting_keep` past a
+    # request's known tokens is kept when its blocks are trimmed after a step.
+    drafting_reserve: int = 0
+    drafting_keep: int = 0
     # Positions past the pending token that drafting writes whatever k is (an EAGLE head's draft-tree
     # window, spec_decode/eagle/tree.py); 0 when drafting writes only the k drafts' own.
     draft_window: int = 0

@@ -37,6 +37,7 @@ from streamsd.spec_decode.eagle.checkpoint import head_dir, load_head, measured_
 from streamsd.spec_decode.eagle.proposer import EagleProposer
 from streamsd.spec_decode.ngram import NgramProposer
 from streamsd.spec_decode.proposer import Proposer
+from streamsd.worker.lookahead import KVMargin, kv_margin
 from streamsd.worker.worker import Worker
 
 GC_YOUNG_THRESHOLD = 10_000  # see build_runtime
@@ -206,13 +207,15 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)
     elif cfg.spec.method is not None:
         raise ValueError(f"speculative method {cfg.spec.method!r} is not available here")
+    margin = kv_margin(cfg.spec.num_tokens) if ahead else KVMargin(0, 0)  # what steps queued ahead write
     sched = SchedulerConfig(
         num_blocks=num_blocks,
         max_model_len=max_len,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=max(cfg.max_num_batched_tokens, 2 * (cfg.spec.num_tokens + 1)),
         max_queue=cfg.max_queue,
-        lookahead=cfg.spec.num_tokens + 1 if ahead else 0,
+        drafting_reserve=margin.reserve,
+        drafting_keep=margin.keep,
         draft_window=tree.frontier * (tree.depth - 1) if tree is not None else 0,
         whole_drafts=tree is not None,
         enable_prefix_caching=cfg.enable_prefix_caching,
@@ -262,7 +265,9 @@ def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerCon
     whole chain up to max_tokens (SchedulerConfig.drafts_past_max_tokens). Returns the scheduler's
     config for it."""
     worker.lookahead.queue_chains(sched.max_model_len)
-    return dataclasses.replace(sched, lookahead=k + 1, drafts_past_max_tokens=True)
+    margin = kv_margin(k)
+    return dataclasses.replace(sched, drafting_reserve=margin.reserve, drafting_keep=margin.keep,
+                               drafts_past_max_tokens=True)
 
 
 def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig,

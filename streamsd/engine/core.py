@@ -262,8 +262,8 @@ class EngineCore:
         return self._schedule() if self.has_work else (StepPlan(), [])
 
     def _schedule(self) -> tuple[StepPlan, list[Request]]:
-        self.scheduler.held = self.rt.worker.lookahead.held()  # the worker is idle between steps
-        return self.scheduler.schedule()
+        # Steps the worker queued ahead pin the plan where they can serve it (the worker is idle now).
+        return self.scheduler.schedule(self.rt.worker.lookahead.follow)
 
     def wait_launched(self) -> None:
         """Until the running step has queued its GPU work: its launches need the GIL that `emit`

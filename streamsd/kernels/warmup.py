@@ -32,7 +32,7 @@ from streamsd.kernels.attention.paged import (
     TREE_MAX_QUERY,
     _merge_splits_kernel,
     _paged_attn_kernel,
-    paged_attention,
+    decode_attention,
 )
 from streamsd.kernels.attention.prefill import (
     _prefill_attn_kernel,
@@ -40,22 +40,22 @@ from streamsd.kernels.attention.prefill import (
     prefill_tiles,
     tokens_per_tile,
 )
-from streamsd.kernels.restart import _restart, restart_triton
-from streamsd.kernels.sample.rejection import _rejection_kernel, rejection_sample_triton
+from streamsd.kernels.model.device_layout import _restart, restart
+from streamsd.kernels.sample import warp, warp_chunked
+from streamsd.kernels.sample.rejection import _rejection_kernel, rejection_sample
 from streamsd.kernels.sample.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
 from streamsd.kernels.sample.topk import _chunk_topk_kernel, _merge_topk_kernel
-from streamsd.kernels.sample.warp import _sample_kernel, _warp_kernel, sample_tokens, warp_probs
+from streamsd.kernels.sample.warp import _sample_kernel, _warp_kernel
 from streamsd.kernels.sample.warp_chunked import (
     _argmax_chunk_kernel,
     _chunk_kept_kernel,
     _chunk_stats_kernel,
     _merge_best_kernel,
     _warp_out_kernel,
-    argmax_rows,
-    warp_probs_chunked,
 )
 from streamsd.kernels.tree.bookkeeping import _move_kernel, _next_step_kernel, _walk_kernel
 from streamsd.kernels.tree.head_topk import _head_topk_kernel, _merge_blocks_kernel
+from streamsd.model.device_layout import DeviceStarts
 from streamsd.sample.rejection import VerifyInput
 
 _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
@@ -116,7 +116,7 @@ def _rejection_variants(max_k: int, vocab: int, device: torch.device) -> None:
         for has_p, has_q in ((False, False), (True, False), (True, True)):
             vi = _verify_input(k, vocab, has_p, has_q, device)
             # A step's sampler hashes its own uniforms and noise (Verifier.launch): those variants.
-            rejection_sample_triton(replace(vi, uniforms=None, noise=None) if has_p else vi)
+            rejection_sample(replace(vi, uniforms=None, noise=None) if has_p else vi)
 
 
 def _sampling_variants(vocab: int, cache_dtype: torch.dtype, device: torch.device) -> None:
@@ -126,10 +126,10 @@ def _sampling_variants(vocab: int, cache_dtype: torch.dtype, device: torch.devic
     for dtype in (torch.float32, cache_dtype):  # the target's logits, a draft model's or head's
         logits = torch.zeros(1, vocab, dtype=dtype, device=device)
         one = torch.ones(1, device=device)
-        warp_probs(logits, one, one * 0)
-        sample_tokens(logits, torch.zeros(3, dtype=torch.int64, device=device), one, one * 0, 1)
-        warp_probs_chunked(logits, one, one * 0)  # inside graphs (an EAGLE head's sampled chain)
-        argmax_rows(logits)
+        warp.warp(logits, one, one * 0)
+        warp.sample_keyed(logits, torch.zeros(3, dtype=torch.int64, device=device), one, one * 0, 1)
+        warp_chunked.warp(logits, one, one * 0)  # inside graphs (an EAGLE head's sampled chain)
+        warp_chunked.row_argmax(logits)
 
 
 def _paged_variants(layouts: list[tuple[int, int, int]], dtype: torch.dtype, page: int, device: torch.device,
@@ -151,9 +151,9 @@ def _paged_layout(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, page:
         root = torch.zeros(1, dtype=torch.int64, device=device)  # [S]
         for splits in _SPLITS:
             if qmax <= KERNEL_MAX_QUERY:
-                paged_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits)
+                decode_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits)
             if trees:
-                paged_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits, tree_bits=bits,
+                decode_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits, tree_bits=bits,
                                 tree_start=root)
         qmax *= 2
 
@@ -195,6 +195,5 @@ def _restart_variants(max_k: int, device: torch.device) -> None:
     for k in range(1, max_k + 1):
         tokens, drafts = torch.zeros(1, k + 1, dtype=torch.int64, device=device), torch.zeros(1, k, dtype=torch.int64,
                                                                                              device=device)
-        restart_triton(packed, 16, z.clone(), k + 1, table, 16, prev_starts=z, accepted=z, tokens=tokens,
-                       drafts=drafts)
-        restart_triton(packed, 16, z.clone(), k + 1, table, 16, base=z.clone())
+        restart(packed, 16, DeviceStarts(z.clone(), z, z, tokens, drafts), k + 1, table, 16)
+        restart(packed, 16, DeviceStarts(z.clone()), k + 1, table, 16, base=z.clone())

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from streamsd.model.kv_cache import BatchLayout
 
 
-def paged_attention_reference(
+def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout, scale: float
 ) -> torch.Tensor:
     """q [T, H, D]; caches [NB, BS, KVH, D] -> out [T, H, D]."""

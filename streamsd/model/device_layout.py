@@ -1,6 +1,6 @@
 """A step's layout written on the device: for a step queued before the host knows where its
 sequences start (streamsd/worker/lookahead.py), positions, KV slots, context lengths and ids come from the
-step before's results, still on the device. One Triton launch on CUDA (kernels/restart.py), torch
+step before's results, still on the device. One Triton launch on CUDA (kernels/model/device_layout.py), torch
 ops elsewhere.
 """
 
@@ -38,11 +38,10 @@ def restart(packed: torch.Tensor, t_all: int, src: DeviceStarts, width: int, blo
     """Positions, KV slots and context lengths (and ids, when `src` has them) of a packed step's first
     S sequences rewritten on the device, each `width` tokens from its start; `base` [S] gets start + 1.
     The block table must already be in place."""
-    if packed.is_cuda:
-        from streamsd.kernels.restart import restart_triton
+    if packed.is_cuda:  # one launch, not ~25 (kernels/model/device_layout.py)
+        from streamsd.kernels.model import device_layout as kernel
 
-        restart_triton(packed, t_all, src.starts, width, block_table, block_size, prev_starts=src.prev,
-                       accepted=src.accepted, tokens=src.tokens, drafts=src.drafts, base=base)
+        kernel.restart(packed, t_all, src, width, block_table, block_size, base)
         return
     ids = src.resolve()
     starts, n = src.starts, src.starts.shape[0]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamsd.model.arch import ModelArgs, rope_tables
-from streamsd.model.attention import paged_attention_reference
+from streamsd.model.attention import paged_attention
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BatchLayout, float], torch.Tensor]
@@ -104,7 +104,7 @@ class Transformer(nn.Module):
         self.args = args
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.attend: AttentionFn = paged_attention_reference
+        self.attend: AttentionFn = paged_attention
         # Another forward every call goes to when set: the CUDA fast path (model/fast_forward.py: fused weights
         # and Triton kernels) on GPUs, or the exact mode's batch-invariant one (model/exact_forward.py).
         self.fast: Callable[..., ForwardOutput] | None = None

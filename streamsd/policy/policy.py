@@ -27,7 +27,7 @@ REPLAN_EVERY = 8
 ENTRY_HYSTERESIS = 0.02  # the gain over plain decoding that entering speculation needs
 QUEUED_DEPTH_HYSTERESIS = 0.05  # the gain deeper drafts need where deepening drops the step queued ahead
 # ... and entering speculation where steps queue ahead. The queued step is taken across every switch
-# but a deeper one (Scheduler._follow_held), yet an excursion still runs three steps nothing was
+# but a deeper one (Lookahead.follow), yet an excursion still runs three steps nothing was
 # queued behind: the entering one, the first speculative one and the first plain one after it, each
 # waiting for the host. (While switches dropped the queued step, 10 % was needed: one excursion had
 # cost alpha 0.7 at B = 128 9 % against plain on the H200.)

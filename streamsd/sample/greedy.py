@@ -18,10 +18,10 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     SmolLM2's 49152 ids, and an EAGLE step at T = 0 has ~6 of them in its graphs)."""
     if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return x.argmax(dim=-1)  # eagerly torch's one launch: a Triton launch costs far more host time
-    from streamsd.kernels.sample.warp_chunked import MAX_ROWS, argmax_rows
+    from streamsd.kernels.sample import warp_chunked as kernel
 
     rows = x.reshape(-1, x.shape[-1])
-    return argmax_rows(rows).view(x.shape[:-1]) if rows.shape[0] <= MAX_ROWS else x.argmax(dim=-1)
+    return kernel.row_argmax(rows).view(x.shape[:-1]) if rows.shape[0] <= kernel.MAX_ROWS else x.argmax(dim=-1)
 
 
 def greedy_verify(logits: torch.Tensor, ids: torch.Tensor, query_starts: torch.Tensor, num_seqs: int,

@@ -25,9 +25,9 @@ def sample_keyed(logits: torch.Tensor, wp: WarpParams, ints: torch.Tensor) -> to
     is what the rejection sampler races for a bonus token there. ints [3, N]: greedy | seed | position.
     On CUDA without top-k/top-p, one launch (kernels/sample/warp.py) -> [N]."""
     if logits.is_cuda and not wp.needs_sort:
-        from streamsd.kernels.sample.warp import sample_tokens
+        from streamsd.kernels.sample import warp as kernel
 
-        return sample_tokens(logits, ints.reshape(-1), wp.temperature, wp.min_p, rng.TARGET)
+        return kernel.sample_keyed(logits, ints.reshape(-1), wp.temperature, wp.min_p, rng.TARGET)
     noise = rng.exponentials(ints[1], ints[2].unsqueeze(-1), rng.TARGET, logits.shape[-1])[:, 0]  # [N, V]
     return sample_rows(warp(logits, wp), logits, ints[0].bool(), noise)
 

@@ -97,11 +97,9 @@ def move_kv(cache: PagedKVCache, store: StreamStore | None, starts: torch.Tensor
             block_table: torch.Tensor, block_size: int) -> None:
     """The accepted nodes' K/V (and streams) moved from their window rows to their positions."""
     if path.is_cuda:  # one launch for both stores (kernels/tree/bookkeeping.py)
-        from streamsd.kernels.tree.bookkeeping import move_path
+        from streamsd.kernels.tree import bookkeeping as kernel
 
-        d = cache.data
-        move_path(d.view(d.shape[0] * 2, -1, d.shape[-2] * d.shape[-1]), starts, path, block_table, block_size,
-                  store.data.unsqueeze(0) if store is not None else None)
+        kernel.move_kv(cache, store, starts, path, block_table, block_size)
         return
     src, dst = path_moves(starts, path)  # [B, D] positions
     src_slots = positions_to_slots(src, block_table, block_size).view(-1)

@@ -58,9 +58,9 @@ class Verifier:
         self._warp_cache: dict[tuple, WarpParams] = {}
         self.graph_greedy = 0  # verifications read from the graph's greedy result (no sampler queued)
         if device.type == "cuda":
-            from streamsd.kernels.sample.rejection import rejection_sample_triton
+            from streamsd.kernels.sample import rejection as kernel
 
-            self.rejection = rejection_sample_triton  # same decisions as the reference, one launch
+            self.rejection = kernel.rejection_sample  # same decisions as the reference, one launch
 
     def verify(self, entries: list[Scheduled], logits: torch.Tensor, chain: Chain | None = None,
                greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> Verified:

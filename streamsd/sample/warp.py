@@ -44,9 +44,9 @@ def warp(logits: torch.Tensor, wp: WarpParams, reps: int = 1) -> torch.Tensor:
     """logits [N, V] -> probs [N, V] float32 (greedy rows are warped at temperature 1); row i takes
     the parameters of row i // reps of `wp`."""
     if logits.is_cuda and not wp.needs_sort:  # one launch, not ~10 (kernels/sample/warp.py)
-        from streamsd.kernels.sample.warp import warp_probs
+        from streamsd.kernels.sample import warp as kernel
 
-        return warp_probs(logits, wp.temperature, wp.min_p, reps)
+        return kernel.warp(logits, wp.temperature, wp.min_p, reps)
     if reps > 1:
         wp = wp.repeat(reps)
     temp = torch.where(wp.temperature > 0, wp.temperature, torch.ones_like(wp.temperature))

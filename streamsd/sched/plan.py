@@ -6,6 +6,7 @@ engine core, which applies the results.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from streamsd.policy.policy import Decision, StepShape
@@ -31,9 +32,6 @@ class StepPlan:
     entries: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     decision: Decision | None = None  # the policy's, committed to the step as built
-    # The worker may queue the next step behind this one (worker/lookahead.py). Off for a step that takes
-    # the plain step queued ahead only to let speculation start right after it.
-    queue_next: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -55,13 +53,11 @@ class StepPlan:
         return shape, ks
 
 
-@dataclass(frozen=True, slots=True)
-class HeldStep:
-    """The step the worker has queued ahead (worker/lookahead.py), as the scheduler sees it: the requests it
-    computes, in order, and the drafts each verifies (0: a plain step)."""
-
-    k: int
-    requests: list[Request]
+#: A request's drafts this step where its k does not decide them: (drafts to verify, drafts to propose).
+Pin = tuple[int, int]
+#: Given the k each running request gets this step, the requests (by id) whose drafts are pinned instead:
+#: what `Scheduler.schedule` asks its caller once per step, after aborts and before any entry is planned.
+Pinning = Callable[[Callable[[Request], int]], dict[int, Pin]]
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ What a block's KV depends on, and so what its key holds:
   depends on the first token after it: `next_tokens` such tokens join the key. The target's
   streams kept per slot (model/stream_store.py) are written with the target's KV: valid with it.
 An n-gram proposer keeps nothing but tokens. Rejected drafts never reach a registered block:
-registration stops at `computed` (accepted tokens only), past which a queued-ahead step may write.
+registration stops at `computed` (accepted tokens only), past which the worker may still write.
 
 A request that scores its prompt (`Request.scores_prompt`) takes no hits: a cached block's logits
 are gone, so its prompt is computed whole; its blocks are registered as any others.

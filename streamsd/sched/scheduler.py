@@ -6,9 +6,10 @@ target and the draft model share one block table per request: both caches are po
 block ids, so one accounting covers both (the draft cache never runs ahead of target + k).
 
 Blocks are reserved before a step for the most it can write (pending + drafts + the next
-drafts) and trimmed after it to the tokens actually kept (the pending one included: every running
-request computes it next, and a plain step queued ahead already writes it; with `lookahead`, what
-a speculative step queued ahead writes), so the cache holds accepted tokens only.
+drafts, and for a request that drafts, the worker's own margin past them: SchedulerConfig.drafting_reserve)
+and trimmed after it to the tokens actually kept (the pending one included: every running request
+computes it next; for a request that drafts, SchedulerConfig.drafting_keep tokens past them), so the
+cache holds accepted tokens only.
 When blocks run out, the newest running request is preempted by recompute; its drafts stay.
 
 With prefix caching (sched/prefix_cache.py) a request admitted with no KV first takes the cached full
@@ -25,7 +26,7 @@ from streamsd.config import SchedulerConfig
 from streamsd.policy.policy import Decision, FixedPolicy, SpeculationPolicy, cap_k
 from streamsd.request import FinishReason, Request, Status
 from streamsd.sched.block_pool import BlockPool
-from streamsd.sched.plan import EntryResult, HeldStep, Scheduled, StepPlan
+from streamsd.sched.plan import EntryResult, Pin, Pinning, Scheduled, StepPlan
 from streamsd.sched.prefix_cache import PrefixCache
 
 
@@ -50,8 +51,6 @@ class Scheduler:
         self.running: list[Request] = []
         self._aborts: set[str] = set()
         self._ahead: Decision | None = None  # the next step's k, chosen while this one runs
-        # The step the worker queued ahead, set by the engine before each `schedule` (worker/lookahead.py).
-        self.held: HeldStep | None = None
 
     # -- admission ---------------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -64,7 +63,7 @@ class Scheduler:
                 f"the context window of {self.cfg.max_model_len} tokens"
             )
         past_end = r.spec_k if self.cfg.drafts_past_max_tokens else 0  # drafts verified past max_tokens
-        if self._blocks_for(need + max(r.spec_k, self.cfg.draft_window) + 1 + self.cfg.lookahead + past_end) \
+        if self._blocks_for(need + max(r.spec_k, self.cfg.draft_window) + 1 + self.cfg.drafting_reserve + past_end) \
                 > self.blocks.total:
             raise AdmissionError(f"the request needs {need} tokens of KV cache, more than the pool holds")
         if len(self.waiting) >= self.cfg.max_queue:
@@ -80,18 +79,20 @@ class Scheduler:
         return bool(self.waiting or self.running or self._aborts)
 
     # -- planning ----------------------------------------------------------------------------
-    def schedule(self) -> tuple[StepPlan, list[Request]]:
-        """Returns the plan and the requests aborted since the last step (now finished)."""
+    def schedule(self, pin: Pinning | None = None) -> tuple[StepPlan, list[Request]]:
+        """Returns the plan and the requests aborted since the last step (now finished). `pin`, given
+        the k each running request gets this step, returns the requests whose drafts the caller
+        fixes instead (`Pinning`): they verify and propose those, within what they hold and have left."""
         aborted = self._apply_aborts()
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
         decision, self._ahead = self._ahead or self._choose_k(), None  # planned ahead, or now
         depth = self._depth(decision)
-        follow, plan.queue_next = self._follow_held(decision, depth)
+        pinned = pin(lambda r: self._k_for(r, decision, depth)) if pin is not None else {}
         for r in list(self.running):
             if r.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            entry = self._plan_one(r, budget, self._k_for(r, decision, depth), follow.get(id(r)),
+            entry = self._plan_one(r, budget, self._k_for(r, decision, depth), pinned.get(id(r)),
                                    decision.verify.get(r.request_id, 0))
             if entry is None:
                 continue
@@ -151,23 +152,6 @@ class Scheduler:
         prefill += sum(r.num_tokens - self.prefix.peek(r) for r in list(self.waiting)[:4])
         return self.policy.choose(decoding, min(prefill, self.cfg.max_num_batched_tokens), bool(self.waiting))
 
-    def _follow_held(self, decision: Decision, depth: int | None = None) -> tuple[dict[int, tuple[int, int]], bool]:
-        """Where the decision changes what the step queued ahead computes, the step is taken anyway:
-        its GPU time is spent (dropping it cost a whole step per switch on the H200). Leaving
-        speculation or drafting shallower, its requests verify the drafts it verifies and propose
-        what the decision says; entering speculation, they take the plain step and propose nothing,
-        and nothing is queued behind it, so that the next step can start drafting. Deeper drafts than
-        it verifies cannot follow it: it is dropped. Returns (drafts to verify, to propose) by
-        id(request) where they differ from the decision, and whether the worker may queue ahead."""
-        held, self.held = self.held, None
-        if held is None:
-            return {}, True
-        wants = [(r, self._k_for(r, decision, depth)) for r in held.requests if r.status is Status.RUNNING]
-        if held.k == 0:
-            entering = {id(r): (0, 0) for r, k in wants if k > 0}
-            return entering, not entering
-        return {id(r): (held.k, k) for r, k in wants if k < held.k}, True
-
     def _k_for(self, r: Request, decision: Decision, depth: int | None = None) -> int:
         """The request's k this step. Where drafts run past max_tokens (SchedulerConfig.drafts_past_max_tokens)
         a k that max_tokens cut is raised to the step's `depth` (`_depth`), or where the policy gave
@@ -186,12 +170,12 @@ class Scheduler:
         return max(decision.ks.values())
 
     def _plan_one(self, r: Request, budget: int, k: int | None,
-                  follow: tuple[int, int] | None = None, verify_at_least: int = 0) -> Scheduled | None:
+                  pinned: Pin | None = None, verify_at_least: int = 0) -> Scheduled | None:
         """k: drafts to verify now and to propose next (None: the policy's default for this request);
-        follow: (to verify, to propose) instead, to take the step queued ahead (`_follow_held`);
+        pinned: (to verify, to propose) instead, as the caller fixed them (`schedule`'s pin);
         verify_at_least: drafts to verify where k says fewer (a probe's, proposed in the step before)."""
         k = self.policy.default_k(r) if k is None else k
-        verify_k, k = (max(k, verify_at_least), k) if follow is None else follow
+        verify_k, k = (max(k, verify_at_least), k) if pinned is None else pinned
         pending = r.num_tokens - r.computed
         # What max_tokens leaves, unless drafts run past it (their tokens are cut when appended).
         left = self.cfg.max_model_len - r.num_tokens + 1 if self.cfg.drafts_past_max_tokens else r.remaining_tokens
@@ -221,7 +205,7 @@ class Scheduler:
             grows = e.k_next or (self.cfg.whole_drafts and e.num_drafts)  # a tree step always grows the next
             end += 1 + (max(e.k_next, self.cfg.draft_window) if grows else 0)
             if e.k_next:
-                end += self.cfg.lookahead  # and the step queued behind this one writes further
+                end += self.cfg.drafting_reserve  # and the worker writes further
         need = self._blocks_for(min(end, self.cfg.max_model_len + 1)) - len(r.blocks)
         if need <= 0:
             return True
@@ -268,8 +252,8 @@ class Scheduler:
             r.draft_parents = list(res.draft_parents)
             # A chain's drafts verified past max_tokens (SchedulerConfig.drafts_past_max_tokens) could never
             # be emitted: not counted as drafted (a tree's nodes are not positions: all count). Nor is the
-            # one at the last position max_tokens leaves: the bonus token fills it anyway, so a plan that
-            # reads each step first never drafts it (`_plan_one`), and pipelined or not, the counts agree.
+            # one at the last position max_tokens leaves: the bonus token fills it anyway, so a plan without
+            # drafts past max_tokens never drafts it (`_plan_one`), and with them or not, the counts agree.
             # Drafts accepted past a stop are not emitted either: count only what the client receives.
             usable = e.num_drafts if self.cfg.whole_drafts else min(e.num_drafts, max(r.remaining_tokens - 1, 0))
             kept = self._append(r, res.new_tokens)
@@ -299,12 +283,8 @@ class Scheduler:
         return kept
 
     def _trim(self, r: Request) -> None:
-        # What a step queued ahead may write, as the worker recorded it: 3 (k + 1) past the last step's
-        # start (lookahead.chained_reach), num_tokens being 2 past it or more. A step whose blocks
-        # changed is dropped; with 2 (k + 1) the trim freed the last of them when nothing was accepted
-        # at k >= 2 (on the H200 at B = 64, k = 2 dropped 10 of 21 queued steps, k = 1 none).
-        ahead = 3 * self.cfg.lookahead if r.draft_ids else 0
-        keep = self._blocks_for(max(r.num_tokens + ahead, r.draft_computed))
+        margin = self.cfg.drafting_keep if r.draft_ids else 0  # KV the worker may still write for it
+        keep = self._blocks_for(max(r.num_tokens + margin, r.draft_computed))
         if len(r.blocks) > keep:
             self.blocks.give(r.blocks[keep:])
             del r.blocks[keep:]

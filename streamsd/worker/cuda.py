@@ -50,7 +50,7 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
     than the scheduler counts): padding tokens of a graph write there. `exact`: the target runs the
     batch-invariant GEMM and attention (kernels/exact/); a draft model keeps the fast ones.
     """
-    from streamsd.kernels.attention.paged import cuda_attention
+    from streamsd.kernels.attention.paged import paged_attention
     from streamsd.kernels.exact.attention import exact_cuda_attention
     from streamsd.kernels.warmup import warm_up
     from streamsd.model.exact_forward import enable_exact_reference
@@ -63,7 +63,7 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
         d = model.args.head_dim if model is not None else 0
         exact_here = exact and model is worker.target
         if d and d & (d - 1) == 0:  # the kernels tile the head dimension by powers of two
-            model.attend = exact_cuda_attention if exact_here else cuda_attention
+            model.attend = exact_cuda_attention if exact_here else paged_attention
             enable_fast_forward(model, exact=exact_here)
             kernel_models.append(model)
         elif exact_here:

@@ -10,9 +10,11 @@ host work between two steps (applying N, detokenising, scheduling N+1) hides beh
 The next plan takes the queued step when its entries are the queued ones, or a subset in the same
 order (requests that finished at step N drop out; their rows were computed for nothing), at the same
 positions and blocks. A queued speculative step also serves a plan that proposes fewer drafts after
-it, or none (its own drafts are cut): the scheduler builds such a plan (`HeldStep`) when the policy
-leaves speculation or drafts shallower, since the queued step is GPU time already spent — dropping it
-had cost a whole step per switch. Any other plan (a request joins, a prompt chunk) drops it. A dropped
+it, or none (its own drafts are cut): `Lookahead.follow` pins the scheduler's next plan to it when the
+policy leaves speculation or drafts shallower, since the queued step is GPU time already spent —
+dropping it had cost a whole step per switch. Any other plan (a request joins, a prompt chunk) drops it.
+The scheduler knows none of this: it plans in tokens, takes the pins, and holds the KV margin the
+queued steps write (`kv_margin`) as a token count the builder gives it. A dropped
 step's KV writes are harmless: each wrote a request's pending token at its position, in a block the
 request held, which the replacing step writes again; or the block was freed meanwhile, and its next
 owner writes a position before it reads it, in queued order (one stream).
@@ -20,13 +22,14 @@ owner writes a position before it reads it, in queued order (one stream).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from streamsd.request import Request
+from streamsd.request import Request, Status
 from streamsd.sample.verify import below_min_tokens
-from streamsd.sched.plan import HeldStep, Scheduled
+from streamsd.sched.plan import Pin, Scheduled
 
 
 @dataclass(slots=True)
@@ -57,6 +60,8 @@ class Lookahead:
         self.past_max_tokens_within: int | None = None
         self.taken = 0  # steps served by a queued step
         self.dropped = 0  # queued steps thrown away
+        # The next step may queue one behind it (`follow` decides, the worker's next step reads it).
+        self.queue_next = True
 
     def queue_chains(self, max_model_len: int) -> None:
         """Queue speculative steps ahead too, for a proposer that drafts on the device (the q pool
@@ -116,10 +121,29 @@ class Lookahead:
         return (q.starts[j] == e.start and e.num_drafts == q.k and e.k_next <= q.k
                 and e.request.blocks[first : first + len(blocks)] == blocks)
 
-    def held(self) -> HeldStep | None:
-        """The queued step, for the scheduler's next plan."""
-        q = self.queued
-        return None if q is None else HeldStep(q.k, list(q.requests))
+    def follow(self, k_of: Callable[[Request], int]) -> dict[int, Pin]:
+        """The scheduler's pins for its next plan (`Scheduler.schedule`), given the k it gives each
+        request: where that k changes what the queued step computes, the step is taken anyway: its
+        GPU time is spent (dropping it cost a whole step per switch on the H200). Leaving
+        speculation or drafting shallower, its requests verify the drafts it verifies and propose
+        what the k says; entering speculation, they take the plain step and propose nothing, and
+        nothing is queued behind it (`queue_next`), so that the next step can start drafting.
+        Deeper drafts than it verifies cannot follow it: it is dropped. Returns (drafts to verify,
+        to propose) by id(request) where they differ from the k. Called while the worker is idle."""
+        q, self.queue_next = self.queued, True
+        if q is None:
+            return {}
+        wants = [(r, k_of(r)) for r in q.requests if r.status is Status.RUNNING]
+        if q.k == 0:
+            entering = {id(r): (0, 0) for r, k in wants if k > 0}
+            self.queue_next = not entering
+            return entering
+        return {id(r): (q.k, k) for r, k in wants if k < q.k}
+
+    def take_queue_next(self) -> bool:
+        """Whether the step about to run may queue one behind it (once: the next plan decides anew)."""
+        allowed, self.queue_next = self.queue_next, True
+        return allowed
 
     def follows(self, entries: list[Scheduled]) -> bool:
         """A speculative step is queued and these entries verify its drafts, proposing fewer after
@@ -161,7 +185,7 @@ class Lookahead:
         drafts run past max_tokens, from the end of the context (a row that ends meanwhile is left
         out of the next plan, which still takes the rest); past
         min_tokens (no stops to suppress), with the blocks it writes already held (the scheduler
-        reserves them: SchedulerConfig.lookahead); else none."""
+        reserves them: `kv_margin`); else none."""
         k = entries[0].k_next
         if not self.queues_speculative or k == 0 or any(e.k_next != k for e in entries):
             return []
@@ -208,8 +232,27 @@ class Lookahead:
 def chained_reach(k: int) -> int:
     """Positions past a chained step's start that the step queued behind it may write: its verify
     (start + 1 + accepted <= start + k + 1, then k drafts) and its head's chain (k - 1 slots more),
-    with room to spare; the scheduler holds them (SchedulerConfig.lookahead = K + 1)."""
+    with room to spare; the scheduler holds them (`kv_margin`)."""
     return 3 * k + 3
+
+
+@dataclass(frozen=True, slots=True)
+class KVMargin:
+    """Tokens of KV a request that drafts needs beyond what the scheduler's plan writes, while
+    speculative steps of up to k drafts are queued ahead (SchedulerConfig.drafting_reserve and
+    drafting_keep)."""
+
+    reserve: int  # past a step that proposes drafts: the verify queued behind it writes k + 1 more
+    # Past the request's known tokens after each step: what a step queued ahead may write, 3 (k + 1)
+    # past the last step's start (`chained_reach`), num_tokens being 2 past it or more. A step whose
+    # blocks changed is dropped; with 2 (k + 1) the trim freed the last of them when nothing was
+    # accepted at k >= 2 (on the H200 at B = 64, k = 2 dropped 10 of 21 queued steps, k = 1 none).
+    keep: int
+
+
+def kv_margin(k: int) -> KVMargin:
+    """The KV margin speculative steps of up to k drafts queued ahead write (KVMargin)."""
+    return KVMargin(k + 1, chained_reach(k))
 
 
 class Readback:

@@ -134,7 +134,7 @@ class Worker:
 
     def step(self, plan: StepPlan) -> list[EntryResult]:
         try:
-            return self._runner_for(plan.entries).run(plan.entries, plan.queue_next)
+            return self._runner_for(plan.entries).run(plan.entries, self.lookahead.take_queue_next())
         except BaseException:
             self.lookahead.drop()
             raise

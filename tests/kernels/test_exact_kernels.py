@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from streamsd.kernels.exact.attention import exact_cuda_attention, exact_paged_attention  # noqa: E402
 from streamsd.kernels.exact.matmul import BLOCK_M, exact_linear  # noqa: E402
-from streamsd.model.attention import paged_attention_reference  # noqa: E402
+from streamsd.model.attention import paged_attention  # noqa: E402
 from streamsd.model.kv_cache import BatchLayout  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -70,7 +70,7 @@ def test_exact_attention_gives_a_token_the_same_bits_decoded_verified_or_prefill
         row = layout.query_starts[at] + layout.query_lens[at] - 1
         q[row] = q_tok
         out = exact_cuda_attention(q, k_cache, v_cache, layout, dim**-0.5)
-        ref = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), layout, dim**-0.5)
+        ref = paged_attention(q.double(), k_cache.double(), v_cache.double(), layout, dim**-0.5)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         assert float((out.double() - ref).norm() / ref.norm()) < tol
         return out[row]
@@ -101,7 +101,7 @@ def test_exact_attention_grid_wider_than_the_queries_writes_only_their_rows():
     out = torch.full_like(q, float("nan"))
     exact_paged_attention(q, k_cache, v_cache, layout.block_table, layout.context_lens_t, layout.query_starts_t,
                           dim**-0.5, 200, out=out)
-    ref = paged_attention_reference(q, k_cache, v_cache, layout, dim**-0.5)
+    ref = paged_attention(q, k_cache, v_cache, layout, dim**-0.5)
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
 
 

@@ -44,8 +44,8 @@ if not CUDA:
 # Nothing on the CPU path imports the kernels, so this is their first import, under the interpreter.
 import streamsd.kernels.attention.paged as pa  # noqa: E402
 import streamsd.kernels.sample.rejection as rj  # noqa: E402
+import streamsd.model.attention as ta  # noqa: E402
 from streamsd.kernels.attention.prefill import prefill_attention, prefill_tiles, tokens_per_tile  # noqa: E402
-from streamsd.model.attention import paged_attention_reference  # noqa: E402
 from streamsd.model.kv_cache import BatchLayout  # noqa: E402
 from streamsd.sample import rng  # noqa: E402
 from streamsd.sample.rejection import VerifyInput, rejection_sample  # noqa: E402
@@ -102,9 +102,9 @@ def test_paged_attention_matches_reference(dtype, case, splits):
     counts, extra, kvh, heads, dim = CASES[case]
     for seed in range(2 if CUDA else 1):  # fresh inputs per check
         q, kc, vc, layout = _random_batch(counts, extra, kvh, heads, dim, dtype, seed + 10 * case)
-        ref = paged_attention_reference(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
+        ref = ta.paged_attention(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
         out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
-        pa.paged_attention(q, kc, vc, layout.block_table, layout.context_lens_t, layout.query_starts_t,
+        pa.decode_attention(q, kc, vc, layout.block_table, layout.context_lens_t, layout.query_starts_t,
                            dim**-0.5, max(counts), out=out, splits=splits)
         assert _rel(out, ref) < TOL[dtype]
 
@@ -122,8 +122,8 @@ def test_attention_reads_blocks_past_int32_offsets(counts, extra):
     big_v = torch.zeros_like(big_k)
     big_k[offset:], big_v[offset:] = kc, vc
     moved = BatchLayout.build(extra, counts, [[b + offset for b in t] for t in layout.block_tables], bs, DEV)
-    ref = pa.cuda_attention(q, kc, vc, layout, dim**-0.5)
-    assert torch.equal(pa.cuda_attention(q, big_k, big_v, moved, dim**-0.5), ref)
+    ref = pa.paged_attention(q, kc, vc, layout, dim**-0.5)
+    assert torch.equal(pa.paged_attention(q, big_k, big_v, moved, dim**-0.5), ref)
 
 
 PREFILL_CASES = [  # (query lens, cached tokens before them, kv heads, heads, head dim)
@@ -137,12 +137,12 @@ PREFILL_CASES = [  # (query lens, cached tokens before them, kv heads, heads, he
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
 def test_prompt_chunks_and_verify_windows_in_one_step_match_reference(dtype, case):
-    """cuda_attention: queries of up to 16 tokens through the decode kernel, longer ones (prompt
+    """paged_attention: queries of up to 16 tokens through the decode kernel, longer ones (prompt
     chunks, whole or after a cached prefix) through the prefill kernel, in the same step."""
     counts, extra, kvh, heads, dim = PREFILL_CASES[case]
     q, kc, vc, layout = _random_batch(counts, extra, kvh, heads, dim, dtype, 3 + case)
-    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
-    assert _rel(pa.cuda_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
+    ref = ta.paged_attention(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
+    assert _rel(pa.paged_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
 
 
 TREE_CASES = [  # per sequence: (tokens before the window, cached before them, tree parents or None), kv, heads, dim
@@ -156,7 +156,7 @@ TREE_CASES = [  # per sequence: (tokens before the window, cached before them, t
 @pytest.mark.parametrize("case", range(len(TREE_CASES)))
 @pytest.mark.parametrize(("splits", "per"), [(1, None), (4, None), (1, 16), (4, 16)])
 def test_tree_windows_match_reference(dtype, case, splits, per):
-    """Draft-tree windows (spec_decode/tree.py) beside causal queries in one step, through cuda_attention: each
+    """Draft-tree windows (spec_decode/tree.py) beside causal queries in one step, through paged_attention: each
     window row sees the context and its own path, rows before a window attend causally. per: rows of the
     query tile a program takes (None: all), so a window's rows are split among programs."""
     from streamsd.sample.tree_verify import host_tree
@@ -166,13 +166,13 @@ def test_tree_windows_match_reference(dtype, case, splits, per):
     q, kc, vc, base = _random_batch(counts, [c for _, c, _ in seqs], kvh, heads, dim, dtype, 40 + case)
     trees = [host_tree(p) if p is not None else None for _, _, p in seqs]
     layout = BatchLayout.build([c for _, c, _ in seqs], counts, base.block_tables, 16, DEV, trees)
-    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
+    ref = ta.paged_attention(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
     out = torch.full_like(q, float("nan"))
-    pa.paged_attention(q, kc, vc, layout.block_table, layout.context_lens_t, layout.query_starts_t, dim**-0.5,
+    pa.decode_attention(q, kc, vc, layout.block_table, layout.context_lens_t, layout.query_starts_t, dim**-0.5,
                        max(counts), out=out, splits=splits, tree_bits=layout.tree_bits, tree_start=layout.tree_start,
                        rows_per_program=per)
     assert _rel(out, ref) < TOL[dtype]
-    assert _rel(pa.cuda_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
+    assert _rel(pa.paged_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
 
 
 def test_prefill_tiles_cover_each_long_query_once():
@@ -207,15 +207,15 @@ def test_warp_kernel_matches_the_torch_warp(vocab, chunked):
     from streamsd.kernels.sample import warp_chunked
     from streamsd.sample.warp import WarpParams, warp
 
-    warp_probs = warp_chunked.warp_probs_chunked if chunked else single.warp_probs
+    kernel = warp_chunked if chunked else single
 
     logits, temperature, min_p = _warp_case(8, vocab, vocab)
     wp = WarpParams(temperature, torch.zeros(8, dtype=torch.int64), torch.ones(8), min_p, False)
     want = warp(logits, wp)  # the CPU path: torch ops
-    got = warp_probs(logits.to(DEV), temperature.to(DEV), min_p.to(DEV)).cpu()
+    got = kernel.warp(logits.to(DEV), temperature.to(DEV), min_p.to(DEV)).cpu()
     assert torch.equal(got == 0, want == 0) and (want == 0).any()
     assert _rel(got, want) < 1e-5
-    reps = warp_probs(logits.to(DEV), temperature[::2].to(DEV), min_p[::2].to(DEV), reps=2).cpu()
+    reps = kernel.warp(logits.to(DEV), temperature[::2].to(DEV), min_p[::2].to(DEV), reps=2).cpu()
     pairs = warp(logits, WarpParams(temperature[::2], wp.top_k[::2], wp.top_p[::2], min_p[::2], False), reps=2)
     assert _rel(reps, pairs) < 1e-5
 
@@ -224,7 +224,7 @@ def test_sample_kernel_keeps_a_row_of_nan_inside_the_vocabulary():
     """A graph's padding row holds garbage logits, NaN included. Raced, greedy or at temperature 0, its
     token must still be an id of the vocabulary: the next step embeds it (a NaN row's race once named
     the id one past the vocabulary, and the embedding's gather faulted on the H200)."""
-    from streamsd.kernels.sample.warp import sample_tokens
+    from streamsd.kernels.sample.warp import sample_keyed
 
     vocab = 384  # less than the kernel's block: the block's tail lies past the vocabulary
     logits = torch.randn(4, vocab)
@@ -234,8 +234,8 @@ def test_sample_kernel_keeps_a_row_of_nan_inside_the_vocabulary():
     temperature = torch.tensor([1.0, 0.0, 0.0, 1.0])
     ints = torch.cat([greedy, torch.tensor([3, 4, 5, 6]), torch.tensor([10, 11, 12, 13])]).to(DEV)
     for dtype in DTYPES:
-        got = sample_tokens(logits.to(DEV, dtype), ints, temperature.to(DEV), torch.zeros(4, device=DEV),
-                            rng.TARGET).cpu()
+        got = sample_keyed(logits.to(DEV, dtype), ints, temperature.to(DEV), torch.zeros(4, device=DEV),
+                           rng.TARGET).cpu()
         assert ((got >= 0) & (got < vocab)).all() and got[3] != 7, got
 
 
@@ -246,7 +246,7 @@ def test_rejection_kernel_keeps_a_row_of_nan_inside_the_vocabulary():
     probs = torch.softmax(torch.randn(n, 2, vocab, generator=torch.Generator().manual_seed(3)), -1).to(DEV)
     probs[0] = float("nan")  # [B, K + 1, V]: a row of NaN, and one NaN among real probabilities
     probs[1, :, 5] = float("nan")
-    tokens, accepted = rj.rejection_sample_triton(VerifyInput(
+    tokens, accepted = rj.rejection_sample(VerifyInput(
         target_probs=probs, target_argmax=torch.zeros(n, 2, dtype=torch.int64, device=DEV),
         draft_ids=torch.tensor([[9], [9]], device=DEV), draft_probs=None,
         dense_q=torch.zeros(n, dtype=torch.bool, device=DEV), num_drafts=torch.tensor([0, 1], device=DEV),
@@ -257,11 +257,11 @@ def test_rejection_kernel_keeps_a_row_of_nan_inside_the_vocabulary():
 
 
 def test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path():
-    """A plain sampled step's one launch (kernels/warp.sample_tokens) picks the token the rejection
-    kernel emits for a row with no drafts, given the kernels' own probabilities and noise (so a seeded
-    request's sample does not depend on the step's path), and the torch path's token; greedy rows
-    take the raw argmax."""
-    from streamsd.kernels.sample.warp import sample_tokens, warp_probs
+    """A plain sampled step's one launch (kernels/sample/warp.sample_keyed, sample/sampler.sample_keyed on
+    CUDA) picks the token the rejection kernel emits for a row with no drafts, given the kernels' own
+    probabilities and noise (so a seeded request's sample does not depend on the step's path), and the
+    torch path's token; greedy rows take the raw argmax."""
+    from streamsd.kernels.sample import warp as kernel
     from streamsd.sample.sampler import sample_rows
     from streamsd.sample.warp import WarpParams, warp
 
@@ -274,11 +274,11 @@ def test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path():
         pos = torch.randint(0, 5000, (n,), generator=g)
         greedy = temperature == 0
         ints = torch.cat([greedy.long(), seeds, pos]).to(DEV)
-        got = sample_tokens(logits.to(DEV), ints, temperature.to(DEV), min_p.to(DEV), rng.TARGET).cpu()
+        got = kernel.sample_keyed(logits.to(DEV), ints, temperature.to(DEV), min_p.to(DEV), rng.TARGET).cpu()
         # the rejection kernel's bonus race over the warp kernel's probabilities and the noise kernel
-        probs = warp_probs(logits.to(DEV), temperature.to(DEV), min_p.to(DEV))  # [N, V]
+        probs = kernel.warp(logits.to(DEV), temperature.to(DEV), min_p.to(DEV))  # [N, V]
         noise = rng.exponentials(seeds.to(DEV), pos.to(DEV).unsqueeze(1), rng.TARGET, vocab)  # [N, 1, V]
-        tokens, accepted = rj.rejection_sample_triton(VerifyInput(
+        tokens, accepted = rj.rejection_sample(VerifyInput(
             target_probs=probs.unsqueeze(1), target_argmax=logits.argmax(-1, keepdim=True).to(DEV),
             draft_ids=torch.zeros(n, 0, dtype=torch.int64, device=DEV), draft_probs=None,
             dense_q=torch.zeros(n, dtype=torch.bool, device=DEV), num_drafts=torch.zeros(n, dtype=torch.int64,
@@ -291,10 +291,10 @@ def test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path():
         assert torch.equal(got[greedy], logits[greedy].argmax(-1))
 
 
-def test_argmax_rows_finds_the_first_maximum_as_torch_does():
-    """kernels/warp_chunked.argmax_rows searches a row's chunks in parallel: the same index as torch.argmax,
+def test_row_argmax_finds_the_first_maximum_as_torch_does():
+    """kernels/warp_chunked.row_argmax searches a row's chunks in parallel: the same index as torch.argmax,
     ties within and across chunks to the lowest, rows of -inf to 0, strided views and bf16 rows."""
-    from streamsd.kernels.sample.warp_chunked import CHUNK, argmax_rows
+    from streamsd.kernels.sample.warp_chunked import CHUNK, row_argmax
 
     g = torch.Generator().manual_seed(3)
     vocab = 2 * CHUNK + 123  # three chunks, the last one partial
@@ -305,11 +305,11 @@ def test_argmax_rows_finds_the_first_maximum_as_torch_does():
     x[4, :CHUNK] = float("-inf")  # a chunk with nothing in it
     x[5, -1] = 50.0  # the partial chunk's last id
     for rows in (x, x.to(torch.bfloat16), torch.cat([x, x], dim=1)[:, :vocab]):
-        assert torch.equal(argmax_rows(rows.to(DEV)).cpu(), rows.float().argmax(-1))
+        assert torch.equal(row_argmax(rows.to(DEV)).cpu(), rows.float().argmax(-1))
     # A CUDA graph's padding row can be NaN: its id is garbage nobody reads, but an embedding looks it up.
     nan = torch.full((2, vocab), float("nan"))
     nan[1, 7] = 3.0  # NaN beside a number: the number wins
-    got = argmax_rows(nan.to(DEV)).cpu()
+    got = row_argmax(nan.to(DEV)).cpu()
     assert 0 <= got[0] < vocab and got[1] == 7, got
 
 
@@ -355,7 +355,7 @@ def test_rejection_kernel_matches_reference(case):
     for seed in range(3):
         vi = _verify_input(b, k, v, greedy, dense, seed + 100 * case, **opts)
         tokens_ref, acc_ref = rejection_sample(vi)
-        tokens, acc = rj.rejection_sample_triton(vi)
+        tokens, acc = rj.rejection_sample(vi)
         assert torch.equal(acc, acc_ref)
         assert torch.equal(tokens, tokens_ref)
 
@@ -372,7 +372,7 @@ def test_rejection_kernel_draws_its_own_keyed_numbers(case):
     for seed in range(3):
         vi = _verify_input(b, k, v, greedy, dense, seed + 100 * case, **opts)
         tokens_ref, acc_ref = rejection_sample(vi)
-        tokens, acc = rj.rejection_sample_triton(replace(vi, uniforms=None, noise=None))
+        tokens, acc = rj.rejection_sample(replace(vi, uniforms=None, noise=None))
         assert torch.equal(acc.cpu(), acc_ref.cpu()) and torch.equal(tokens.cpu(), tokens_ref.cpu())
         assert torch.equal(rejection_sample(replace(vi, uniforms=None, noise=None))[0].cpu(), tokens_ref.cpu())
 
@@ -399,7 +399,7 @@ def test_rejection_kernel_reads_strided_inputs_by_their_strides():
         "target_probs", "target_argmax", "draft_ids", "draft_probs", "dense_q", "num_drafts", "greedy", "uniforms",
         "noise")))
     tokens_ref, acc_ref = rejection_sample(vi)
-    tokens, acc = rj.rejection_sample_triton(sv)
+    tokens, acc = rj.rejection_sample(sv)
     assert torch.equal(acc, acc_ref) and torch.equal(tokens, tokens_ref)
 
 
@@ -430,7 +430,7 @@ def test_padded_graph_step_matches_eager_forward(tiny_model_dir):
                 torch.tensor(rows, device=DEV)).logits  # [T, V]
     written = cache.data.clone()
     cache.data.copy_(before)
-    model.attend = pa.cuda_attention
+    model.attend = pa.paged_attention
     if CUDA:
         runner = GraphRunner(model, cache, scratch, GraphConfig(max_blocks=8, query_widths=(1, 4)), DEV)
         key = runner.key_for(counts, tables)
@@ -461,7 +461,7 @@ def test_prompt_graph_matches_eager_prefill(tiny_model_dir, start, count):
     from streamsd.model.kv_cache import PagedKVCache
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
-    model.attend = pa.cuda_attention
+    model.attend = pa.paged_attention
     scratch, bs, table = 12, 16, [3, 0, 7, 5]
     cache = PagedKVCache(model.args, scratch + 1, bs, torch.float32, DEV)
     g = torch.Generator().manual_seed(2)
@@ -548,7 +548,7 @@ def test_fast_forward_matches_reference_forward(tiny_model_dir):
     for fast in (False, True):
         cache = PagedKVCache(model.args, 5, bs, dtype, DEV)
         if fast:
-            model.attend = pa.cuda_attention
+            model.attend = pa.paged_attention
             enable_fast_forward(model)
         outs = []
         for (s, c), i in zip(steps, ids, strict=True):
@@ -586,7 +586,7 @@ def test_graph_replay_returns_the_eager_hidden_streams(tiny_model_dir):
     from streamsd.model.kv_cache import PagedKVCache
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
-    model.attend = pa.cuda_attention
+    model.attend = pa.paged_attention
     enable_fast_forward(model)
     scratch, bs, layers = 12, 16, (0, 1, 2)
     cache = PagedKVCache(model.args, scratch + 1, bs, torch.float32, DEV)
@@ -622,7 +622,6 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
     width compile nothing (a compile inside a step stalled it for a few hundred ms on the H200)."""
     import streamsd.kernels.sample.rng as krng
     from streamsd.engine.builder import load_model
-    from streamsd.kernels.sample.rejection import rejection_sample_triton
     from streamsd.kernels.warmup import compiled_variants, warm_up
     from streamsd.sample.rejection import VerifyInput
 
@@ -643,7 +642,7 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
                 p = torch.softmax(torch.randn(b, k + 1, vocab, generator=g), -1).to(DEV) if sampled else None
                 q = torch.softmax(torch.randn(b, k, vocab, generator=g), -1).to(DEV) if dense else None
                 # the sampler hashes its own uniforms and noise from (seed, position)
-                rejection_sample_triton(VerifyInput(
+                rj.rejection_sample(VerifyInput(
                     target_probs=p, target_argmax=torch.zeros(b, k + 1, dtype=torch.int64, device=DEV),
                     draft_ids=drafts, draft_probs=q, dense_q=ints[2 * b : 3 * b].bool(),
                     num_drafts=ints[2 * b : 3 * b], greedy=greedy if sampled else torch.ones_like(greedy),
@@ -654,14 +653,15 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
         table = torch.randint(0, 64, (seqs, width), dtype=torch.int32, device=DEV)
         ctx = torch.full((seqs,), width * bs - 1, dtype=torch.int32, device=DEV)
         starts = torch.arange(0, seqs * qlen + 1, qlen, dtype=torch.int32, device=DEV)
-        pa.paged_attention(q, cache, cache, table, ctx, starts, 0.1, qlen)
+        pa.decode_attention(q, cache, cache, table, ctx, starts, 0.1, qlen)
     for lens, width in [([17], 2), ([300, 40], 20), ([64, 5, 100], 7)]:  # prompt chunks of eager steps
         q = torch.randn(sum(lens), a.num_heads, a.head_dim, dtype=torch.bfloat16, device=DEV)
         table = torch.randint(0, 64, (len(lens), width), dtype=torch.int32, device=DEV)
         starts = [sum(lens[:i]) for i in range(len(lens))]
         tiles = prefill_tiles(starts, lens, lens, pa.KERNEL_MAX_QUERY, tokens_per_tile(a.num_heads, a.num_kv_heads))
         prefill_attention(q, cache, cache, table, tiles, 0.1, torch.empty_like(q))
-    from streamsd.kernels.restart import restart_triton
+    from streamsd.kernels.model.device_layout import restart
+    from streamsd.model.device_layout import DeviceStarts
 
     for b in (1, 3, 4, 7, 16):  # a verify queued ahead, into a graph's packed buffer (bucket x width)
         for k in range(1, max_k + 1):
@@ -672,9 +672,9 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
             prev, acc = rows[1 : 1 + b], rows[1 + b : 1 + 2 * b]
             tokens = torch.zeros(b, max_k + 1, dtype=torch.int64, device=DEV)
             drafts = torch.zeros(b, max_k, dtype=torch.int64, device=DEV)[:, :k]  # the chain's first k
-            restart_triton(packed, t_all, torch.empty(b, dtype=torch.int64, device=DEV), width, table, bs,
-                           prev_starts=prev, accepted=acc, tokens=tokens, drafts=drafts)
-            restart_triton(packed, t_all, rows[1 + 2 * b : 1 + 3 * b], width, table, bs, base=rows[1 + 3 * b :])
+            restart(packed, t_all, DeviceStarts(torch.empty(b, dtype=torch.int64, device=DEV), prev, acc, tokens,
+                                                drafts), width, table, bs)
+            restart(packed, t_all, DeviceStarts(rows[1 + 2 * b : 1 + 3 * b]), width, table, bs, base=rows[1 + 3 * b :])
     torch.cuda.synchronize()
     assert compiled_variants() == before
 
@@ -710,7 +710,7 @@ def test_fast_eagle_head_matches_its_reference_layer(tiny_model_dir, kind, norm_
         for fast in (False, True):
             cache = PagedKVCache(head.spec.args, 5, bs, dtype, DEV)
             kv = cache.layer(0)
-            runner = fast_head(head, pa.cuda_attention) if fast else None
+            runner = fast_head(head, pa.paged_attention) if fast else None
             outs = []
             for (s, c), (ids, streams) in zip(steps, inputs, strict=True):
                 layout = BatchLayout.build(s, c, tables, bs, DEV)
@@ -723,7 +723,7 @@ def test_fast_eagle_head_matches_its_reference_layer(tiny_model_dir, kind, norm_
                 else:
                     def attend(q, k, v, layout=layout, kv=kv):
                         PagedKVCache.write(kv[0], kv[1], k, v, layout.slot_mapping)
-                        return paged_attention_reference(q, kv[0], kv[1], layout, scale)
+                        return ta.paged_attention(q, kv[0], kv[1], layout, scale)
 
                     out = head.run_layer(ids, feats, layout.positions, attend)
                 outs.extend([out, head.draft_logits(out[-2:])])
@@ -755,10 +755,11 @@ def test_rng_kernels_give_the_torch_oracles_bits():
 
 @pytest.mark.parametrize("mode", ["ids", "starts", "base"])
 def test_restart_kernel_equals_the_torch_layout(mode):
-    """kernels/restart.py writes what model/graphs.restart's torch path writes: positions, slots and
-    context lengths of each row from its start (given, or the previous start + 1 + accepted), the
-    ids (bonus token at the accepted column, then the drafts), the base; nothing past the rows."""
-    from streamsd.kernels.restart import restart_triton
+    """kernels/model/device_layout.restart writes what model/device_layout.restart's torch path writes:
+    positions, slots and context lengths of each row from its start (given, or the previous start + 1
+    + accepted), the ids (bonus token at the accepted column, then the drafts), the base; nothing past
+    the rows."""
+    from streamsd.kernels.model import device_layout as kernel
     from streamsd.model.device_layout import DeviceStarts, restart
 
     g = torch.Generator().manual_seed(1)
@@ -769,17 +770,15 @@ def test_restart_kernel_equals_the_torch_layout(mode):
     tokens = torch.randint(0, 99, (n, k1), generator=g)
     drafts = torch.randint(0, 99, (n, 6), generator=g)[:, : width - 1]  # a strided view, as the chain's
     outs = []
-    for kernel in (False, True):
-        dev = DEV if kernel else torch.device("cpu")
+    for on_device in (False, True):
+        dev = DEV if on_device else torch.device("cpu")
         packed = torch.full((3 * t_all + 9,), -7, dtype=torch.int64, device=dev)
         base = torch.full((4,), -7, dtype=torch.int64, device=dev)
         starts = torch.tensor([5, 11, 2], device=dev) if mode == "base" else torch.empty(n, dtype=torch.int64, device=dev)
         src = DeviceStarts(starts, None if mode == "base" else prev.to(dev), None if mode == "base" else accepted.to(dev),
                            tokens.to(dev) if mode == "ids" else None, drafts.to(dev) if mode == "ids" else None)
-        if kernel:
-            restart_triton(packed, t_all, starts, width, table.to(dev), bs, prev_starts=src.prev,
-                           accepted=src.accepted, tokens=src.tokens, drafts=src.drafts,
-                           base=base if mode == "base" else None)
+        if on_device:
+            kernel.restart(packed, t_all, src, width, table.to(dev), bs, base=base if mode == "base" else None)
         else:
             restart(packed, t_all, src, width, table, bs, base=base if mode == "base" else None)
         outs.append((packed.cpu(), base.cpu(), starts.cpu()))
@@ -795,32 +794,33 @@ def test_restart_kernel_equals_the_torch_layout(mode):
 
 @pytest.mark.parametrize("vocab,k", [(1000, 3), (49152, 6), (5000, 8)])
 def test_topk_logprobs_equal_torchs_log_softmax_and_topk(vocab, k):
-    from streamsd.kernels.sample.topk import topk_logprobs
+    from streamsd.kernels.sample import topk as kernel
+    from streamsd.spec_decode.eagle.tree import topk_logprobs
 
     g = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(5, vocab, generator=g) * 3).to(DEV)
     logits[1, 7] = float("-inf")  # impossible ids (outside a head's draft vocabulary)
     logits[2, 100:] = float("-inf")
-    ref_v, ref_i = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-    v, i = topk_logprobs(logits, k)
+    ref_v, ref_i = topk_logprobs(logits, k)
+    v, i = kernel.topk_logprobs(logits, k)
     assert torch.equal(i, ref_i)
     assert torch.allclose(v, ref_v, atol=1e-5)
     # bf16 logits (a head's lm_head output, not upcast first) give what their float32 values give
     half = logits.to(torch.bfloat16)
-    ref_v = torch.log_softmax(half.float(), dim=-1).topk(k, dim=-1).values
-    v, i = topk_logprobs(half, k)
+    ref_v = topk_logprobs(half.float(), k)[0]
+    v, i = kernel.topk_logprobs(half, k)
     assert torch.allclose(v, ref_v, atol=1e-5)  # ties are many in bf16: the ids, by the logits they pick
     assert torch.equal(half.float().gather(1, i), half.float().topk(k, dim=-1).values)
 
 
 def test_raced_topk_equals_the_torch_race_and_its_noise_is_the_targets():
     """With a race, the first launch ranks sampled rows by their tempered logits plus the Gumbel noise of
-    the target's race at each request's key (spec/eagle_tree.race_logits, bit for bit the same noise);
+    the target's race at each request's key (spec_decode/eagle/tree.topk_logprobs and race_logits, bit for bit the same noise);
     a greedy request's rows stay as they are, and so do a graph's padding rows (temperature 0). Two rows
     a request, four requests."""
-    from streamsd.kernels.sample.topk import topk_logprobs
+    from streamsd.kernels.sample import topk as kernel
     from streamsd.model.tree_layout import Race
-    from streamsd.spec_decode.eagle.tree import race_logits
+    from streamsd.spec_decode.eagle.tree import topk_logprobs
 
     g = torch.Generator().manual_seed(3)
     vocab, k, reps = 5000, 4, 2
@@ -828,11 +828,11 @@ def test_raced_topk_equals_the_torch_race_and_its_noise_is_the_targets():
     race = Race(torch.tensor([0, 1, 0, 0]).to(DEV), torch.tensor([7, 8, 2**40 + 9, 0]).to(DEV),
                 torch.tensor([1.0, 0.0, 0.6, 0.0]).to(DEV))
     keys = torch.tensor([31, 5, 1000, 3]).to(DEV)
-    ref_v, ref_i = torch.log_softmax(race_logits(logits.cpu(), _cpu(race), keys.cpu()), -1).topk(k, -1)
-    v, i = topk_logprobs(logits, k, race, keys)
+    ref_v, ref_i = topk_logprobs(logits.cpu(), k, _cpu(race), keys.cpu())
+    v, i = kernel.topk_logprobs(logits, k, race, keys)
     assert torch.equal(i.cpu(), ref_i)
     assert torch.allclose(v.cpu(), ref_v, atol=1e-4)
-    plain_v, plain_i = topk_logprobs(logits, k)
+    plain_v, plain_i = kernel.topk_logprobs(logits, k)
     assert torch.equal(i[2:4], plain_i[2:4]) and torch.equal(i[6:], plain_i[6:])
     assert not torch.equal(i[:2], plain_i[:2]) and not torch.equal(i[4:6], plain_i[4:6])
 
@@ -980,6 +980,37 @@ def test_tree_bookkeeping_kernels_equal_the_torch_oracles():
             st.positions_to_slots(pos.unsqueeze(0), big[row : row + 1], bs)[0].tolist()
         assert packed[3 * t + row] == pending[row] + n + 1
     assert torch.equal(bits.view(b, n + 1), st.window_bits(parents, d))
+
+
+def test_tree_kv_moves_equal_the_torch_move_kv():
+    """kernels/tree/bookkeeping.move_kv moves what sample/tree_verify.move_kv's torch path moves: every
+    layer's K and V and the head's streams of the accepted nodes, from their window rows to their
+    positions (all read before any is written); nothing else changes."""
+    from streamsd.kernels.tree import bookkeeping as kernel
+    from streamsd.model.arch import ModelArgs
+    from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.model.stream_store import StreamStore
+    from streamsd.sample.tree_verify import move_kv
+
+    g = torch.Generator().manual_seed(7)
+    bs = 4
+    args = ModelArgs("llama", 10, 8, 16, 2, 2, 1, 4, 1e-5, 64, False, False, (), None)
+    table = torch.tensor([[3, 1, 4, 0], [2, 6, 5, 7], [8, 9, 10, 11]], dtype=torch.int32)
+    roots = torch.tensor([2, 5, 1])
+    path = torch.tensor([[2, 5, -1, -1], [0, 1, 2, 3], [1, -1, -1, -1]])
+    data, streams = torch.randn(2, 2, 12, bs, 1, 4, generator=g), torch.randn(12 * bs, 6, generator=g)
+    moved = []
+    for on_device in (False, True):
+        dev = DEV if on_device else torch.device("cpu")
+        cache, store = PagedKVCache(args, 12, bs, torch.float32, dev), StreamStore((0,), 6, 12 * bs, torch.float32, dev)
+        cache.data.copy_(data)
+        store.data.copy_(streams)
+        move = kernel.move_kv if on_device else move_kv  # on a CPU move_kv takes its torch path
+        move(cache, store, roots.to(dev), path.to(dev), table.to(dev), bs)
+        moved.append((cache.data.cpu(), store.data.cpu()))
+    (want_kv, want_streams), (got_kv, got_streams) = moved
+    assert not torch.equal(want_kv, data) and not torch.equal(want_streams, streams)
+    assert torch.equal(got_kv, want_kv) and torch.equal(got_streams, want_streams)
 
 
 def test_tree_step_kernels_equal_the_torch_oracles():

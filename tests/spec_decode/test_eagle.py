@@ -671,7 +671,8 @@ def test_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads, refere
     per-request drafted / accepted counts as the engine that reads each step first; queued steps
     were really taken; nothing leaked."""
     ahead = _chained_engine(tiny_model_dir, heads[kind], pipeline=True)
-    assert ahead.core.scheduler.cfg.lookahead == 5
+    cfg = ahead.core.scheduler.cfg
+    assert (cfg.drafting_reserve, cfg.drafting_keep) == (5, 15)  # k = 4: the verify queued behind, its reach
     la = ahead.core.rt.worker.lookahead
     assert [r.outputs[0].token_ids for r in ahead.generate(PROMPTS[:1], greedy_params()[:1])] == reference[:1]
     assert la.taken >= 1, (la.taken, la.dropped)

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 from streamsd import LLM, SamplingParams
 from streamsd.config import SpecConfig, TreeShape
 from streamsd.engine.builder import load_model
-from streamsd.model.attention import paged_attention_reference
+from streamsd.model.attention import paged_attention
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
 from streamsd.model.tree_layout import NONE, ROOT, Race
 from streamsd.sample import rng
@@ -186,7 +186,7 @@ def test_tree_masks_attend_to_the_context_and_each_nodes_own_path():
     layout = BatchLayout.build([start], [6], [table], bs, CPU, trees=[(depth, bits)])
     assert layout.positions.tolist() == [start + d for d in depth]
     assert layout.slot_mapping.tolist() == [table[p // bs] * bs + p % bs for p in range(start, start + 6)]
-    out = paged_attention_reference(q, cache_k, cache_v, layout, 0.5)
+    out = paged_attention(q, cache_k, cache_v, layout, 0.5)
     keys = cache_k[table].reshape(-1, kvh, dim)
     vals = cache_v[table].reshape(-1, kvh, dim)
     for r in range(6):

@@ -163,6 +163,7 @@ def test_switches_take_the_step_queued_ahead(tiny_model_dir):
     from streamsd.engine.builder import build_runtime
     from streamsd.engine.core import EngineCore
     from streamsd.spec_decode.synthetic import SyntheticProposer
+    from streamsd.worker.lookahead import kv_margin
 
     prompts = [[3 + i, 40 + 7 * i, 11, 90 - i, 5] for i in range(4)]
     rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method=None, num_tokens=4),
@@ -174,8 +175,10 @@ def test_switches_take_the_step_queued_ahead(tiny_model_dir):
     la.chained = True
     script = [0, 0, 0, 4, 4, 4, 0, 0, 0, 3, 3, 3, 1, 1, 1, 0, 0, 0, 2, 2, 2, 4, 4, 4, 0, 0, 0] * 3
     policy = ScriptedPolicy(script)
+    margin = kv_margin(4)
     rt = dataclasses.replace(rt, policy=policy,
-                             scheduler_config=dataclasses.replace(rt.scheduler_config, lookahead=5))
+                             scheduler_config=dataclasses.replace(rt.scheduler_config, drafting_reserve=margin.reserve,
+                                                                  drafting_keep=margin.keep))
     core = EngineCore(rt, SpecConfig(method="synthetic", num_tokens=4, policy="fixed"))
     for i, p in enumerate(prompts):
         core.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, seed=i + 1))
@@ -235,3 +238,30 @@ def test_near_max_tokens_a_request_keeps_the_chains_k_where_drafts_run_past_it(p
     assert [(e.request.request_id, drafted) for e, _, _, drafted in out] == [("near", 1), ("far", 4)]
     assert (near.stats.drafted, near.stats.accepted, near.stats.emitted) == (4 + 1, 2 + 1, 1 + 3 + 2)
     assert near.blocks == []  # freed at its end, the KV past max_tokens with it
+
+
+def test_following_the_queued_step_pins_switches_and_holds_back_the_next_queue():
+    """Lookahead.follow, the scheduler's pins: a queued speculative step's requests that the k would
+    draft shallower verify its drafts and propose that k; a queued plain step's requests that the k
+    would start drafting take it plainly, and nothing is queued behind that step; finished requests,
+    and those the k leaves as they are, are not pinned."""
+    from streamsd.request import Request, Status
+    from streamsd.worker.lookahead import Lookahead, Queued
+
+    la = Lookahead(block_size=16, enabled=True)
+    a, b, gone = (Request(i, [1, 2, 3], SamplingParams(max_tokens=40), seed=0, arrival=0.0, spec_k=4,
+                          status=Status.RUNNING) for i in ("a", "b", "gone"))
+    gone.status = Status.FINISHED
+    asked: list[str] = []
+
+    def k_of(ks):
+        return lambda r: asked.append(r.request_id) or ks[r.request_id]
+
+    assert la.follow(k_of({})) == {} and asked == [] and la.take_queue_next()
+    la.queued = Queued([a, b, gone], [5, 5, 5], [0, 0, 0], [[1], [2], [3]], 3, torch.zeros(3, 4))
+    assert la.follow(k_of({"a": 1, "b": 3})) == {id(a): (3, 1)} and asked == ["a", "b"]
+    assert la.take_queue_next()
+    la.queued = Queued([a, b, gone], [5, 5, 5], [0, 0, 0], [[1], [2], [3]], 0, torch.zeros(3))
+    assert la.follow(k_of({"a": 2, "b": 0})) == {id(a): (0, 0)}
+    assert not la.take_queue_next() and la.take_queue_next()  # the one step after it only
+    assert la.follow(k_of({"a": 0, "b": 0})) == {} and la.take_queue_next()

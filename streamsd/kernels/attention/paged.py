@@ -1,4 +1,4 @@
-"""Paged attention for the decode / verify shape, in Triton, plus the CUDA `AttentionFn`.
+"""Paged attention for the decode / verify shape, in Triton, plus `paged_attention`, the CUDA `AttentionFn`.
 
 One program per (sequence, kv head, split): the program holds the 1..QMAX query tokens of its
 sequence times the GROUP query heads that share the kv head as one [BLOCK_M, D] tile, so each K/V
@@ -15,6 +15,11 @@ Everything the kernel reads is a device tensor of the BatchLayout, so it can be 
 CUDA graph; the only static bound is the block table's width. Sequences whose query is longer than
 QMAX (prompt chunks) are skipped by the kernel and go through prefill_attention.py's, all in one
 launch.
+
+`paged_attention` is model/attention.py's `paged_attention` (the reference, the CPU path), with the
+same arguments; tests/kernels/test_kernels.py `test_paged_attention_matches_reference`,
+`test_prompt_chunks_and_verify_windows_in_one_step_match_reference` and `test_tree_windows_match_reference`
+compare them (`decode_attention` is its decode/verify launch).
 """
 
 from __future__ import annotations
@@ -133,7 +138,7 @@ def pick_splits(num_seqs: int, kv_heads: int, max_blocks: int, page: int, sm_cou
     return splits
 
 
-def paged_attention(
+def decode_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [NB, BS, KVH, D]
     v_cache: torch.Tensor,  # [NB, BS, KVH, D]
@@ -198,7 +203,7 @@ def paged_attention(
     return out
 
 
-def cuda_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout,
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout,
                    scale: float) -> torch.Tensor:
     """The GPU `AttentionFn`: short queries through this kernel, prompt chunks through the prefill
     kernel, one launch each.
@@ -207,7 +212,7 @@ def cuda_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     it is worked out by the step's first layer and kept in the layout for the others.
     """
     out = torch.empty_like(q)  # [T, H, D]
-    key = ("cuda_attention", q.shape[1], k_cache.shape[2])  # the tiles depend on the GQA group
+    key = ("paged_attention", q.shape[1], k_cache.shape[2])  # the tiles depend on the GQA group
     route = layout.derived.get(key)
     limit = TREE_MAX_QUERY if layout.has_trees else KERNEL_MAX_QUERY
     if route is None and layout.prompt_tiles is not None:
@@ -222,7 +227,7 @@ def cuda_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         route = layout.derived[key] = (max(short, default=0), tiles)
     longest_short, tiles = route
     if longest_short:
-        paged_attention(q, k_cache, v_cache, layout.block_table, layout.context_lens_t, layout.query_starts_t,
+        decode_attention(q, k_cache, v_cache, layout.block_table, layout.context_lens_t, layout.query_starts_t,
                         scale, longest_short, out=out, tree_bits=layout.tree_bits, tree_start=layout.tree_start)
     if tiles is not None:
         prefill_attention(q, k_cache, v_cache, layout.block_table, tiles, scale, out)

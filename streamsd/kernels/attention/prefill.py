@@ -1,6 +1,6 @@
 """Paged attention for prompt chunks, in Triton: every long query of a step in one launch.
 
-The decode/verify kernel (paged_attention.py) holds a whole query of 1..16 tokens per program.
+The decode/verify kernel (paged.py's `decode_attention`) holds a whole query of 1..16 tokens per program.
 Prompt chunks are longer, so their queries are cut into tiles of BLOCK_M // GROUP tokens; one
 program takes one tile times the GROUP query heads that share a kv head (each K/V tile is read
 once for the group, as in the decode kernel) and walks the keys up to its last token's position
@@ -11,6 +11,9 @@ fresh prompts.
 It replaces one gather + SDPA per chunk and layer (~10 launches and their Python each, so a step
 that admitted 32 prompts spent ~0.4 s on the 8B shape in attention bookkeeping alone). The tile
 list is built on the host from the step's layout: prefill steps run eagerly, never in a graph.
+
+Its reference is model/attention.py's `paged_attention` for the same chunks; tests/kernels/test_kernels.py
+`test_prompt_chunks_and_verify_windows_in_one_step_match_reference` compares them.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ query rows and which key tiles they visit. Keys past `end` or after a row's own 
 with TREE, a row in the draft-tree window of its sequence (which starts at `win` >= 0) sees every key
 before the window and the window keys its `bits` set (bit c: position win + c), see spec_decode/tree.py;
 rows before the window attend causally.
+
+No public op: both kernels' tests (kernels/attention/paged.py, prefill.py) cover it.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ norm(max(p - q, 0))) or the bonus position (from p). The reference builds the re
 K + 1 positions; the kernel's single pass computes the residual race and the plain-p race together
 and picks the second only when the residual is empty, the reference's fallback. Divisions are
 round-to-nearest (div_rn) and ties go to the lowest index, as torch's argmax does.
+
+`rejection_sample` here and in sample/rejection.py: tests/kernels/test_kernels.py
+`test_rejection_kernel_matches_reference` and `test_rejection_kernel_draws_its_own_keyed_numbers`
+compare them.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ def _rejection_kernel(
                     e = tl.load(noise_ptr + row * vocab + idx, mask=m, other=1.0)
                 q = tl.where((idx == d_n) & tested, 1.0, 0.0)
                 if HAS_Q:
-                    # the scalar condition folded into the bound (see paged_attention._merge_splits_kernel)
+                    # the scalar condition folded into the bound (see kernels/attention/paged.py's _merge_splits_kernel)
                     qd = tl.load(q_ptr + (b * K + n) * vocab + idx, mask=idx < tl.where(tested & dense, vocab, 0),
                                  other=0.0)
                     q = tl.where(dense, qd, q)
@@ -118,7 +122,7 @@ def _rejection_kernel(
     tl.store(accepted_ptr + b, n.to(tl.int64))
 
 
-def rejection_sample_triton(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_sample(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as the reference: (tokens [B, K+1] with -1 after the last emitted, accepted [B])."""
     batch, k1 = v.target_argmax.shape
     k = k1 - 1

@@ -6,6 +6,9 @@ per element: ~70 launches, each a few microseconds of GPU and ~10 us of host tim
 verify step drew its noise and acceptance uniforms that way, and a sampled EAGLE draft chain put
 ~70 graph nodes per draft. Here the hash runs in native uint32 arithmetic (products wrap mod 2**32,
 shifts are logical), which is the same function, so the bits equal the torch oracle's.
+
+`uniforms` and `exponentials` here and in sample/rng.py: tests/kernels/test_kernels.py
+`test_rng_kernels_give_the_torch_oracles_bits` compares them.
 """
 
 from __future__ import annotations

@@ -8,12 +8,17 @@ small model's whole decode step. Here one program walks one row in four passes o
 the max of the scaled logits, the softmax denominator, the mass min-p keeps, then the output.
 
 Both kernels share `_row_stats` and `_prob`, so a plain step's race sees bit for bit the
-probabilities a verify's rejection sampler gets from `warp_probs`, and its in-kernel noise is
+probabilities a verify's rejection sampler gets from `warp`, and its in-kernel noise is
 kernels/sample/rng.py's: a seeded request samples the same token whichever path a step takes.
 
 Inside a CUDA graph (an EAGLE head's sampled draft chain), up to MAX_ROWS rows are cut into chunks
 instead (kernels/sample/warp_chunked.py): the same distribution, rounded differently, so the target's own
 sampling — always eager, after its graph — never takes that path.
+
+`warp` is sample/warp.py's `warp` for rows without top-k/top-p (given their temperature and min-p),
+`sample_keyed` sample/sampler.py's `sample_keyed`; tests/kernels/test_kernels.py
+`test_warp_kernel_matches_the_torch_warp` and `test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path`
+compare them.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from streamsd.kernels.sample import warp_chunked
 from streamsd.kernels.sample.rng import _mix, _row_key, _to_unit, _u32
-from streamsd.kernels.sample.warp_chunked import MAX_ROWS, _param, warp_probs_chunked
+from streamsd.kernels.sample.warp_chunked import MAX_ROWS, _param
 
 BLOCK_V = 2048
 # One binary per logits dtype: rows arrive as views at any offset (see kernels/warmup.py).
@@ -110,13 +116,13 @@ def _sample_kernel(x_ptr, stride, ints_ptr, n, temp_ptr, min_p_ptr, out_ptr, voc
     tl.store(out_ptr + row, best_i.to(tl.int64))
 
 
-def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, reps: int = 1) -> torch.Tensor:
+def warp(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, reps: int = 1) -> torch.Tensor:
     """logits [N, V] -> probs [N, V] float32; row i uses parameters i // reps (temperature [N / reps],
     0 = greedy, warped at 1; min_p [N / reps])."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     n, vocab = logits.shape
     if 0 < n <= MAX_ROWS and logits.is_cuda and torch.cuda.is_current_stream_capturing():  # launches free, SMs idle
-        return warp_probs_chunked(logits, temperature, min_p, reps)
+        return warp_chunked.warp(logits, temperature, min_p, reps)
     out = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
     if n:
         _warp_kernel[(n,)](logits, logits.stride(0), temperature.contiguous(), min_p.contiguous(), out, vocab, reps,
@@ -124,7 +130,7 @@ def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Ten
     return out
 
 
-def sample_tokens(logits: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
+def sample_keyed(logits: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
                   stream: int) -> torch.Tensor:
     """logits [N, V], ints [3 * N] int64 (greedy | seed | position), temperature and min_p [N]
     float32 -> tokens [N] int64."""

@@ -10,6 +10,10 @@ maximum, then the lowest id at the best of them (``_merge_best_kernel``), torch.
 Three launches instead of one: eagerly, at ~40 us of host time a launch, that cost more than it
 saved on the H200 (a plain step sampling this way took 49 us longer at T = 1), so eager steps keep
 one program a row. The chunking depends on the vocabulary only, never on the batch.
+
+`warp` is sample/warp.py's `warp` (as kernels/sample/warp.py's), `row_argmax` sample/greedy.py's
+`row_argmax`; tests/kernels/test_kernels.py `test_warp_kernel_matches_the_torch_warp` (chunked) and
+`test_row_argmax_finds_the_first_maximum_as_torch_does` compare them.
 """
 
 from __future__ import annotations
@@ -150,7 +154,7 @@ def _stats(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
     return stats, kept
 
 
-def warp_probs_chunked(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, reps: int = 1) -> torch.Tensor:
+def warp(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, reps: int = 1) -> torch.Tensor:
     """logits [N, V] -> probs [N, V] float32; row i uses parameters i // reps (temperature [N / reps],
     0 = greedy, warped at 1; min_p [N / reps])."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -165,7 +169,7 @@ def warp_probs_chunked(logits: torch.Tensor, temperature: torch.Tensor, min_p: t
     return out
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> [N] int64, the first maximum of each row (torch.argmax's answer)."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     n, chunks, cp = _grid(logits)

@@ -10,13 +10,25 @@ the next step's window were ~100 small torch kernels, a few microseconds each on
 - `next_step`: one program per request lays out the next verify from the new tree: each row's
   depth and mask (parents settle in D rounds through the output itself), ids, positions and slots,
   its root and tree, and this step's result for the host (five torch launches more, folded in).
+
+`walk` is spec_decode/tree.py's `walk` (with its `catch_up` laid out), `move_kv` sample/tree_verify.py's
+`move_kv` (the same arguments; `move_path` moves one store and a second beside it), `next_step` the
+window spec_decode/tree.py builds (`window_bits`, `positions_to_slots`); tests/kernels/test_kernels.py
+`test_tree_bookkeeping_kernels_equal_the_torch_oracles` and `test_tree_kv_moves_equal_the_torch_move_kv`
+compare them.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.model.stream_store import StreamStore
 
 
 @triton.jit
@@ -126,6 +138,15 @@ def _move_kernel(data_ptr, plane_stride, elems, planes, more_ptr, more_stride, m
         _move_plane(data_ptr + plane * plane_stride, src, dst, moving, e, elems)
     else:  # the second store's planes
         _move_plane(more_ptr + (plane - planes) * more_stride, src, dst, moving, e, more_elems)
+
+
+def move_kv(cache: PagedKVCache, store: StreamStore | None, starts: torch.Tensor, path: torch.Tensor,
+            block_table: torch.Tensor, block_size: int) -> None:
+    """sample/tree_verify.move_kv in one launch: the accepted nodes' K/V of every layer, and the head's
+    streams in `store`, from their window rows to their positions (`move_path`)."""
+    d = cache.data  # [L, 2, NB, BS, KVH, D]: a plane per layer and K or V, a slot's elements contiguous
+    move_path(d.view(d.shape[0] * 2, -1, d.shape[-2] * d.shape[-1]), starts, path, block_table, block_size,
+              store.data.unsqueeze(0) if store is not None else None)
 
 
 def move_path(data: torch.Tensor, roots: torch.Tensor, path: torch.Tensor, block_table: torch.Tensor,

@@ -6,6 +6,9 @@ each a few microseconds of a batch-1 tree step on the H200 plus the gap before t
 program per request writes the level's candidates into the tree's buffers (path score, token,
 parent), picks its `M` likeliest (the lowest index first among equal scores) and writes each
 one's token, score, candidate index, feature row, mask, RoPE position and window slot.
+
+`expand_level` here and in spec_decode/eagle/tree.py: tests/kernels/test_kernels.py
+`test_tree_growth_levels_equal_the_torch_oracle` compares them.
 """
 
 from __future__ import annotations

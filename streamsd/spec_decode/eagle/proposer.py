@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamsd.config import TreeShape
-from streamsd.model.attention import paged_attention_reference
+from streamsd.model.attention import paged_attention
 from streamsd.model.graph_layout import PROMPT_WIDTHS
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
@@ -117,7 +117,7 @@ class EagleProposer(Proposer):
         kc, vc = self.cache.layer(0)
         # The target's attention (the Triton kernel once CUDA is set up) fits a head of its shape.
         same = self.head.spec.args.head_dim == self.target.args.head_dim
-        paged = self.target.attend if same else paged_attention_reference
+        paged = self.target.attend if same else paged_attention
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             PagedKVCache.write(kc, vc, k, v, layout.slot_mapping)

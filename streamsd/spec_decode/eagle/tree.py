@@ -154,11 +154,18 @@ def _children(head: EagleHead, out: torch.Tensor, c: int, race: Race | None, key
     # On CUDA the top-k kernel reads the lm_head's bf16 as float32 itself: no [B * R, V] copy to make it so.
     logits = head.target_logits(out, upcast=not out.is_cuda)  # [B * R, V]
     if logits.is_cuda:  # two launches, the race's noise inside, not a softmax and a radix top-k (kernels/sample/topk.py)
-        from streamsd.kernels.sample.topk import topk_logprobs
+        from streamsd.kernels.sample import topk as kernel
 
-        return topk_logprobs(logits, c, race, at)
+        return kernel.topk_logprobs(logits, c, race, at)
+    return topk_logprobs(logits, c, race, at)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int, race: Race | None = None, keys: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> the k best log-probabilities of each row and their ids [N, k], best first; with a
+    race, sampled requests' rows ranked by their raced logits at keys [B] (`race_logits`)."""
     if race is not None:
-        assert at is not None
-        logits = race_logits(logits, race, at)
-    values, ids = torch.log_softmax(logits, dim=-1).topk(c, dim=-1)
+        assert keys is not None
+        logits = race_logits(logits, race, keys)
+    values, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
     return values, ids

@@ -1,5 +1,8 @@
 """A queued verify's layout in one launch: ids, positions, KV slots and context lengths from the
-previous verify's results, on the device (worker/lookahead.py, model/graphs.restart).
+previous verify's results, on the device (worker/lookahead.py, model/graphs.py).
+
+`restart` is model/device_layout.py's `restart` (its torch path is the reference), with the same
+arguments; tests/kernels/test_kernels.py `test_restart_kernel_equals_the_torch_layout` compares them.
 
 In torch this is ~25 small ops (gather the bonus token, concatenate the drafts, add the accepted
 count, positions, the block-table lookup, four slice copies), ~0.5 ms of host time a step: more than
@@ -8,9 +11,14 @@ a queued step hides at batch 1 on a small model. One program per sequence here.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from streamsd.model.device_layout import DeviceStarts
 
 
 # Every plain argument varies with the batch bucket, the width and the buffer a call packs into (an
@@ -45,13 +53,13 @@ def _restart(packed, starts, prev_starts, accepted, tokens, drafts, base, table,
         tl.store(base + i, s + 1)
 
 
-def restart_triton(packed: torch.Tensor, t_all: int, starts: torch.Tensor, width: int, block_table: torch.Tensor,
-                   block_size: int, *, prev_starts: torch.Tensor | None = None, accepted: torch.Tensor | None = None,
-                   tokens: torch.Tensor | None = None, drafts: torch.Tensor | None = None,
-                   base: torch.Tensor | None = None) -> None:
-    """model/graphs.restart in one launch. With `prev_starts` and `accepted` the starts [S] are
-    computed (prev + 1 + accepted) and written to `starts`; with `tokens` [S, K+1] and `drafts`
-    [S, width-1] the ids too (each row's bonus token, then its drafts); `base` [S] gets start + 1."""
+def restart(packed: torch.Tensor, t_all: int, src: DeviceStarts, width: int, block_table: torch.Tensor,
+            block_size: int, base: torch.Tensor | None = None) -> None:
+    """model/device_layout.restart in one launch. With the previous starts and accepted counts the
+    starts [S] are computed (prev + 1 + accepted) and written to `src.starts`; with its tokens [S, K+1]
+    and drafts [S, width-1] the ids too (each row's bonus token, then its drafts); `base` [S] gets
+    start + 1."""
+    starts, prev_starts, accepted, tokens, drafts = src.starts, src.prev, src.accepted, src.tokens, src.drafts
     n = starts.shape[0]
     from_prev = prev_starts is not None
     has_ids = tokens is not None
