@@ -150,3 +150,13 @@ class EngineConfig:
     generation_config: str = "auto"
     # Requests sharing leading tokens (a chat's earlier turns, a system prompt) reuse their KV blocks.
     enable_prefix_caching: bool = True
+    # Ranks the target is split over (Megatron-style, worker/tp.py): rank 0 in this process, the others
+    # follower processes, one GPU each on CUDA.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_size > 1 and self.spec.method in ("eagle", "synthetic"):
+            raise ValueError(f"speculative_method={self.spec.method!r} drafts from the target's own weights, "
+                             "which tensor parallelism splits; use a draft model or n-gram speculation")

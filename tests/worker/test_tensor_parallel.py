@@ -1,0 +1,151 @@
+"""Tensor parallelism on the CPU: two ranks (rank 0 here, one gloo follower process) compute what
+one rank computes, through the forward and through the whole engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from streamsd.engine.builder import load_model
+from streamsd.engine.llm import LLM
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.loader import ModelLoadError
+from streamsd.model.parallel import RankLost
+from streamsd.request import SamplingParams
+from streamsd.worker.tp import TensorGroup
+
+CPU = torch.device("cpu")
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time there was", "1 2 3 4 5"]
+MAX_TOKENS = [12, 9, 14, 10]
+
+
+def greedy() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+
+
+def outputs(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
+    res = llm.generate(PROMPTS, params)
+    assert all(r.error is None for r in res)
+    return [r.outputs[0].token_ids for r in res]
+
+
+def assert_free(llm: LLM) -> None:
+    s = llm.core.scheduler
+    assert s.blocks.num_free == s.blocks.total, "KV blocks leaked"
+    assert not s.running and not s.waiting and not llm.core.trackers
+
+
+def test_two_ranks_compute_the_logits_of_one_in_prefill_and_decode(tiny_model_dir):
+    full, _ = load_model(str(tiny_model_dir), CPU, torch.float32)
+    group, shard = TensorGroup.start(tiny_model_dir, 2, CPU, torch.float32, threads=1)
+    try:
+        blocks = 8
+        group.share_blocks(blocks)
+        whole, split = (PagedKVCache(m.layer_args, blocks, 16, torch.float32, CPU) for m in (full, shard))
+        assert split.data.shape[-2] == whole.data.shape[-2] // 2  # each rank caches its kv heads only
+        gen = torch.Generator().manual_seed(0)
+        tables = [[1, 2], [5]]
+        ids = torch.randint(0, full.args.vocab_size, (27,), generator=gen)
+        prefill = BatchLayout.build([0, 0], [20, 7], tables, 16, CPU)
+        rows = torch.arange(27)
+        a, b = full(ids, prefill, whole, rows).logits, shard(ids, prefill, split, rows).logits
+        assert b.shape == (27, full.args.vocab_size)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        step = torch.randint(0, full.args.vocab_size, (2,), generator=gen)
+        decode = BatchLayout.build([20, 7], [1, 1], tables, 16, CPU)
+        rows = torch.arange(2)
+        torch.testing.assert_close(shard(step, decode, split, rows).logits, full(step, decode, whole, rows).logits,
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        group.close()
+    assert all(not p.is_alive() for p in group.procs)
+
+
+def test_a_rank_count_that_does_not_divide_the_kv_heads_is_refused_at_start(tiny_model_dir):
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size 4 must divide.*kv heads \\(2\\)"):
+        LLM(str(tiny_model_dir), device="cpu", dtype="float32", tensor_parallel_size=4)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir, close_draft_dir):
+    llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3, device="cpu",
+              dtype="float32", kv_cache_tokens=1024, max_num_seqs=4)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir, close_draft_dir):
+    llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3, device="cpu",
+              dtype="float32", kv_cache_tokens=1024, max_num_seqs=4, tensor_parallel_size=2)
+    yield llm
+    llm.close()
+
+
+def test_greedy_output_at_two_ranks_is_that_of_one_without_speculation(single, pair):
+    plain = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=False) for n in MAX_TOKENS]
+    assert outputs(pair, plain) == outputs(single, plain)
+    assert_free(pair)
+
+
+def test_greedy_output_at_two_ranks_is_that_of_one_with_a_draft_model(single, pair):
+    expected = outputs(single, greedy())
+    assert outputs(pair, greedy()) == expected
+    assert pair.core.totals.drafted > 0
+    assert_free(pair)
+
+
+def test_greedy_output_at_two_ranks_is_that_of_one_with_ngram_speculation(tiny_model_dir, single):
+    expected = outputs(single, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=False)
+                                for n in MAX_TOKENS])
+    with LLM(str(tiny_model_dir), speculative_method="ngram", device="cpu", dtype="float32", kv_cache_tokens=1024,
+             tensor_parallel_size=2) as llm:
+        assert outputs(llm, greedy()) == expected
+        assert_free(llm)
+
+
+def test_preemption_and_abort_at_two_ranks_free_every_block(tiny_model_dir, single):
+    expected = outputs(single, greedy())
+    # 3 blocks of 16 tokens cannot hold four requests at once: preemption by recompute.
+    with LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_tokens=48, tensor_parallel_size=2) as llm:
+        preempted = []
+        ids = [llm.core.encode_prompt(p) for p in PROMPTS]
+        for i, (prompt, p) in enumerate(zip(ids, greedy(), strict=True)):
+            llm.core.add_request(f"r{i}", prompt, p)
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ids))}
+        for turn in llm.core.run():
+            preempted += turn.plan.preempted
+            for out in turn.outputs:
+                got[out.request_id] += out.token_ids
+        assert preempted, "the pool was large enough not to preempt"
+        assert list(got.values()) == expected
+        assert_free(llm)
+        llm.core.add_request("gone", ids[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        for _ in range(3):
+            llm.core.step()
+        assert llm.core.scheduler.blocks.num_free < llm.core.scheduler.blocks.total
+        llm.core.abort("gone")
+        while llm.core.has_work:
+            llm.core.step()
+        assert_free(llm)
+
+
+def test_a_follower_killed_mid_generation_ends_the_engine_with_an_error_naming_it(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2)
+    try:
+        follower = llm.core.rt.group.procs[0]
+        llm.core.add_request("r", llm.core.encode_prompt(PROMPTS[0]),
+                             SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        llm.core.step()
+        os.kill(follower.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match="rank 1 exited"):
+            while llm.core.has_work:
+                llm.core.step()
+        assert time.monotonic() - t0 < 30, "the engine waited on the lost rank"
+    finally:
+        llm.close()
