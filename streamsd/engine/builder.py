@@ -34,7 +34,7 @@ from streamsd.spec_decode.eagle.checkpoint import head_dir, load_head, measured_
 from streamsd.spec_decode.eagle.proposer import EagleProposer
 from streamsd.spec_decode.ngram import NgramProposer
 from streamsd.spec_decode.proposer import Proposer
-from streamsd.worker.tp import TensorGroup, default_threads
+from streamsd.worker.tp import TensorGroup, default_threads, use_kernels
 from streamsd.worker.worker import Worker
 
 GC_YOUNG_THRESHOLD = 10_000  # see build_runtime
@@ -260,7 +260,9 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree)
     if queues_ahead:
         sched = queue_chains(worker, sched, cfg.spec.num_tokens)
-    if device.type == "cuda" and group is None:  # under tensor parallelism: the kernels, no graphs (worker/tp.py)
+    if device.type == "cuda" and group is not None and draft is not None:
+        use_kernels(draft, device)  # the target has them already (worker/tp.py); no graphs under tensor parallelism
+    if device.type == "cuda" and group is None:
         worker.enable_cuda(scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs,
                            tree_max_batch=cfg.spec.max_batch)
         if cfg.cuda_graphs:
