@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from streamsd.model.loader import ModelLoadError
 from streamsd.model.parallel import RankLost
 from streamsd.request import SamplingParams
 from streamsd.worker.tp import TensorGroup
+from tests.tiny import build_model, build_tokenizer
 
 CPU = torch.device("cpu")
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time there was", "1 2 3 4 5"]
@@ -39,9 +41,18 @@ def assert_free(llm: LLM) -> None:
     assert not s.running and not s.waiting and not llm.core.trackers
 
 
-def test_two_ranks_compute_the_logits_of_one_in_prefill_and_decode(tiny_model_dir):
-    full, _ = load_model(str(tiny_model_dir), CPU, torch.float32)
-    group, shard = TensorGroup.start(tiny_model_dir, 2, CPU, torch.float32, threads=1)
+@pytest.fixture(scope="module")
+def qwen_odd_vocab_dir(tmp_path_factory) -> Path:
+    """Tied embeddings, q/k/v biases, and a vocabulary two ranks split unevenly (383 rows)."""
+    return build_model(tmp_path_factory.mktemp("qwen-odd"), family="qwen2", seed=4, tokenizer=build_tokenizer(383),
+                       tied=True, weight_scale=4.0)
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "qwen_odd_vocab_dir"])
+def test_two_ranks_compute_the_logits_of_one_in_prefill_and_decode(model, request):
+    model_dir = request.getfixturevalue(model)
+    full, _ = load_model(str(model_dir), CPU, torch.float32)
+    group, shard = TensorGroup.start(model_dir, 2, CPU, torch.float32, threads=1)
     try:
         blocks = 8
         group.share_blocks(blocks)
@@ -108,6 +119,17 @@ def test_greedy_output_at_two_ranks_is_that_of_one_with_ngram_speculation(tiny_m
         assert_free(llm)
 
 
+def test_a_gguf_model_at_two_ranks_answers_as_at_one(tiny_model_dir, tmp_path, monkeypatch):
+    from tests.model.test_gguf import write_gguf
+
+    monkeypatch.setenv("STREAMSD_HOME", str(tmp_path / "home"))
+    gguf = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    with LLM(str(gguf), device="cpu", dtype="float32", kv_cache_tokens=1024) as one:
+        expected = outputs(one, greedy())
+    with LLM(str(gguf), device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2) as two:
+        assert outputs(two, greedy()) == expected
+
+
 def test_preemption_and_abort_at_two_ranks_free_every_block(tiny_model_dir, single):
     expected = outputs(single, greedy())
     # 3 blocks of 16 tokens cannot hold four requests at once: preemption by recompute.
@@ -149,3 +171,19 @@ def test_a_follower_killed_mid_generation_ends_the_engine_with_an_error_naming_i
         assert time.monotonic() - t0 < 30, "the engine waited on the lost rank"
     finally:
         llm.close()
+
+
+def test_a_proposer_that_reads_the_targets_weights_is_refused_with_tensor_parallelism():
+    from streamsd.config import EngineConfig, SpecConfig
+
+    with pytest.raises(ValueError, match="eagle.*tensor parallelism splits"):
+        EngineConfig(model="m", spec=SpecConfig(method="eagle", draft_model="head"), tensor_parallel_size=2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpus_decode_greedily_as_one(tiny_model_dir):
+    with LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=1024) as one:
+        expected = outputs(one, greedy())
+    with LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2) as two:
+        assert outputs(two, greedy()) == expected
+        assert_free(two)
