@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,9 +63,22 @@ class Comm:
         self.pg = pg
 
     @staticmethod
-    def connect(backend: str, port: int, rank: int, world: int, timeout: timedelta) -> Comm:
-        """Joins the group whose rank 0 listens on 127.0.0.1:`port`; `timeout` bounds every collective."""
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout)
+    def connect(backend: str, port: int, rank: int, world: int, timeout: timedelta,
+                check: Callable[[], None] | None = None) -> Comm:
+        """Joins the group whose rank 0 listens on 127.0.0.1:`port`; `timeout` bounds every collective.
+        Rank 0 calls `check` while it waits for the others to arrive: it raises for one that never will
+        (a process that died first), where the store's own wait would last the whole timeout."""
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout, wait_for_workers=False)
+        if rank > 0:
+            store.add("joined", 1)
+        else:
+            deadline = time.monotonic() + timeout.total_seconds()
+            while store.add("joined", 0) < world - 1:
+                if check is not None:
+                    check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the other ranks did not join within {timeout.total_seconds():.0f}s")
+                time.sleep(0.05)
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout

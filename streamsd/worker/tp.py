@@ -145,6 +145,9 @@ class TensorGroup:
         """Spawns ranks 1..world-1, joins the group as rank 0 and loads rank 0's shard."""
         args = ModelArgs.from_hf(load_hf_config(model_dir))
         shard_args(args, world)  # before any process starts
+        gpus = torch.cuda.device_count() if device.type == "cuda" else world
+        if gpus < world:
+            raise ValueError(f"tensor_parallel_size {world} runs one rank a GPU; this host has {gpus}")
         group = TensorGroup(world, device, timeout_s)
         port = _free_port()
         ctx = mp.get_context("spawn")
@@ -156,7 +159,8 @@ class TensorGroup:
             group.procs.append(proc)
         threading.Thread(target=group._monitor, name="streamsd-tp-monitor", daemon=True).start()
         try:
-            group.comm = Comm.connect(backend_for(device), port, 0, world, timedelta(seconds=timeout_s))
+            group.comm = Comm.connect(backend_for(device), port, 0, world, timedelta(seconds=timeout_s),
+                                      group.raise_if_lost)
             model = build_shard(model_dir, group.comm, 0, world, device, dtype, group.announce, group.diagnose)
         except BaseException:
             group.close()
@@ -185,6 +189,10 @@ class TensorGroup:
             multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=5.0)
             self._note_exits()
         return RankLost(str(self.lost)) if self.lost is not None else None
+
+    def raise_if_lost(self) -> None:
+        if self._note_exits():
+            raise RankLost(str(self.lost))
 
     def close(self) -> None:
         """Stops every follower (an orderly stop when the group is whole) and joins it."""

@@ -187,3 +187,17 @@ def test_two_gpus_decode_greedily_as_one(tiny_model_dir):
     with LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2) as two:
         assert outputs(two, greedy()) == expected
         assert_free(two)
+
+
+def test_a_follower_that_dies_before_joining_the_group_fails_the_start_naming_it(tiny_model_dir):
+    # torch refuses 0 threads: the follower dies at its first line, before it joins the group.
+    t0 = time.monotonic()
+    with pytest.raises(RankLost, match="rank 1 exited"):
+        TensorGroup.start(tiny_model_dir, 2, CPU, torch.float32, threads=0, timeout_s=60)
+    assert time.monotonic() - t0 < 40, "the start waited for the group's timeout"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="the host has the GPUs")
+def test_more_ranks_than_gpus_is_refused_at_start(tiny_model_dir):
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size 2 runs one rank a GPU; this host has"):
+        LLM(str(tiny_model_dir), device="cuda", tensor_parallel_size=2)
