@@ -59,31 +59,49 @@ class Comm:
     """The collectives of one group of ranks over a process group of its own, not torch.distributed's
     global default group: a process may hold several engines' groups, one after another or at once."""
 
-    def __init__(self, pg: Any):
+    def __init__(self, pg: Any, store: Any, rank: int, world: int, join_timeout: timedelta):
         self.pg = pg
+        self.store = store
+        self.rank = rank
+        self.world = world
+        self.join_timeout = join_timeout
 
     @staticmethod
     def connect(backend: str, port: int, rank: int, world: int, timeout: timedelta,
-                check: Callable[[], None] | None = None) -> Comm:
-        """Joins the group whose rank 0 listens on 127.0.0.1:`port`; `timeout` bounds every collective.
-        Rank 0 calls `check` while it waits for the others to arrive: it raises for one that never will
-        (a process that died first), where the store's own wait would last the whole timeout."""
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout, wait_for_workers=False)
-        if rank > 0:
-            store.add("joined", 1)
-        else:
-            deadline = time.monotonic() + timeout.total_seconds()
-            while store.add("joined", 0) < world - 1:
-                if check is not None:
-                    check()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the other ranks did not join within {timeout.total_seconds():.0f}s")
-                time.sleep(0.05)
+                check: Callable[[], None] | None = None, join_timeout: timedelta = timedelta(minutes=10)) -> Comm:
+        """Joins the group whose rank 0 listens on 127.0.0.1:`port`; `timeout` bounds every collective,
+        `join_timeout` the wait for the other ranks to start (a loaded host imports slowly). Rank 0
+        calls `check` while it waits for them: it raises for one that never will (a process that died
+        first), where the store's own wait would last the whole timeout."""
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, join_timeout, wait_for_workers=False)
+        Comm.meet(store, "joined", rank, world, join_timeout, check)
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            return Comm(dist.ProcessGroupNCCL(store, rank, world, opts))
-        return Comm(dist.ProcessGroupGloo(store, rank, world, timeout))
+            pg: Any = dist.ProcessGroupNCCL(store, rank, world, opts)
+        else:
+            pg = dist.ProcessGroupGloo(store, rank, world, timeout)
+        return Comm(pg, store, rank, world, join_timeout)
+
+    def ready(self, check: Callable[[], None] | None = None) -> None:
+        """Every rank has loaded its shard: rank 0 waits for the others (watching them with `check`)
+        up to the join timeout, not the collectives' (loading a shard takes as long as it takes)."""
+        Comm.meet(self.store, "loaded", self.rank, self.world, self.join_timeout, check)
+
+    @staticmethod
+    def meet(store: Any, key: str, rank: int, world: int, timeout: timedelta,
+             check: Callable[[], None] | None) -> None:
+        """Ranks > 0 check in under `key`; rank 0 waits until all have, calling `check` meanwhile."""
+        if rank > 0:
+            store.add(key, 1)
+            return
+        deadline = time.monotonic() + timeout.total_seconds()
+        while store.add(key, 0) < world - 1:
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the other ranks did not reach {key!r} within {timeout.total_seconds():.0f}s")
+            time.sleep(0.05)
 
     def all_reduce(self, x: torch.Tensor) -> None:
         self.pg.allreduce([x]).wait()

@@ -5,8 +5,10 @@ ranks 1..N-1 are follower processes (torch.multiprocessing, spawn) that each hol
 Per target forward rank 0 broadcasts the forward's inputs before it runs: a fixed header (what
 follows and its sizes) and one int64 payload (token ids, positions, KV slots, the block table,
 context lengths, query starts, the logits rows): two broadcasts a forward, then the forward's own
-collectives (two all_reduces a layer, one for the embedding, one all_gather of the logits). The
-scheduler, the proposers, sampling and verification stay on rank 0, which alone reads the logits.
+collectives (two all_reduces a layer, one for the embedding, one all_gather of the logits). An
+engine step runs one target forward, so it costs two broadcasts; a draft model's forwards run on
+rank 0 alone and cost none. The scheduler, the proposers, sampling and verification stay on rank 0,
+which alone reads the logits.
 
 Supervision: a monitor thread waits on the followers' sentinels; a follower that exits ends the
 group (`RankLost`, naming the rank) instead of leaving rank 0 blocked in a collective, and the
@@ -32,7 +34,7 @@ import torch.multiprocessing as mp
 
 from streamsd.config import BLOCK_SIZE
 from streamsd.model.arch import ModelArgs
-from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
 from streamsd.model.loader import load_hf_config, weight_files
 from streamsd.model.parallel import Comm, RankLost, TensorShard, load_shard, shard_args
@@ -101,6 +103,7 @@ def follower_main(spec: FollowerSpec) -> None:
     comm = Comm.connect(backend_for(device), spec.port, spec.rank, spec.world, timedelta(seconds=spec.timeout_s))
     dtype = getattr(torch, spec.dtype)
     model = build_shard(Path(spec.model_dir), comm, spec.rank, spec.world, device, dtype)
+    comm.ready()
     blocks = torch.zeros(1, dtype=torch.int64, device=device)
     comm.broadcast(blocks)
     cache = PagedKVCache(model.layer_args, int(blocks.item()), BLOCK_SIZE, dtype, device)
@@ -138,10 +141,11 @@ class TensorGroup:
         self.lost: RankLost | None = None
         self.on_lost: list[Callable[[str], None]] = []  # told once, from the monitor thread
         self._closing = threading.Event()
+        self._lock = threading.Lock()
 
     @staticmethod
     def start(model_dir: Path, world: int, device: torch.device, dtype: torch.dtype, threads: int,
-              timeout_s: float = 120.0) -> tuple[TensorGroup, Transformer]:
+              timeout_s: float = 300.0) -> tuple[TensorGroup, Transformer]:
         """Spawns ranks 1..world-1, joins the group as rank 0 and loads rank 0's shard."""
         args = ModelArgs.from_hf(load_hf_config(model_dir))
         shard_args(args, world)  # before any process starts
@@ -162,6 +166,7 @@ class TensorGroup:
             group.comm = Comm.connect(backend_for(device), port, 0, world, timedelta(seconds=timeout_s),
                                       group.raise_if_lost)
             model = build_shard(model_dir, group.comm, 0, world, device, dtype, group.announce, group.diagnose)
+            group.comm.ready(group.raise_if_lost)
         except BaseException:
             group.close()
             raise
@@ -177,17 +182,21 @@ class TensorGroup:
             raise RankLost(str(self.lost))
         s, w = layout.block_table.shape
         t, n = input_ids.numel(), logits_rows.numel()
-        self._broadcast(torch.tensor([_FORWARD, t, s, w, n], dtype=torch.int64, device=self.device))
+        # Non-blocking from the host, the payload from the device: a step queued ahead (worker/lookahead.py)
+        # announces its sampled ids without waiting for them.
+        self._broadcast(h2d([_FORWARD, t, s, w, n], torch.int64, self.device))
         parts = [input_ids, layout.positions, layout.slot_mapping, layout.block_table.flatten(), layout.context_lens_t,
                  layout.query_starts_t, logits_rows]
         self._broadcast(torch.cat([p.to(device=self.device, dtype=torch.int64) for p in parts]))
 
     def diagnose(self, exc: BaseException) -> RankLost | None:
         """The RankLost behind a failed collective: a follower that exited (waited for briefly, as
-        the collective can fail before the monitor sees the exit)."""
+        the collective can fail before the monitor sees the exit), else the failure itself (a rank
+        that stopped answering: the timeout). Either way the ranks are out of step for good."""
         if self.lost is None and not self._closing.is_set():
             multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=5.0)
-            self._note_exits()
+            if not self._note_exits():
+                self._lose(f"a tensor-parallel collective failed ({exc}); the engine cannot continue")
         return RankLost(str(self.lost)) if self.lost is not None else None
 
     def raise_if_lost(self) -> None:
@@ -226,23 +235,32 @@ class TensorGroup:
         while pending and not self._closing.is_set():
             for sentinel in multiprocessing.connection.wait(list(pending), timeout=1.0):
                 pending.pop(sentinel)  # type: ignore[call-overload]
-            if self._closing.is_set():
-                return
-            if self._note_exits():
-                for tell in self.on_lost:
-                    tell(str(self.lost))
+            if self._closing.is_set() or self._note_exits():
                 return
 
     def _note_exits(self) -> bool:
         """Records the first follower found exited; True when the group is (newly or already) lost."""
-        if self.lost is None:
-            for rank, proc in enumerate(self.procs, start=1):
-                if proc.exitcode is not None:
-                    self.lost = RankLost(f"tensor-parallel rank {rank} exited (exit code {proc.exitcode}); "
-                                         "the engine cannot continue")
-                    log.error("%s", self.lost)
-                    break
+        ended = set(multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=0))
+        for proc in self.procs:
+            if proc.sentinel in ended:
+                # The sentinel closes as the process exits, a moment before its exit status exists:
+                # join (waitpid) reads it, where exitcode alone may still say None.
+                proc.join(timeout=5.0)
+        for rank, proc in enumerate(self.procs, start=1):
+            if self.lost is None and proc.exitcode is not None:
+                self._lose(f"tensor-parallel rank {rank} exited (exit code {proc.exitcode}); the engine cannot "
+                           "continue")
         return self.lost is not None
+
+    def _lose(self, message: str) -> None:
+        """The group is lost: said once, to the log and to every `on_lost` listener."""
+        with self._lock:
+            if self.lost is not None:
+                return
+            self.lost = RankLost(message)
+        log.error("%s", message)
+        for tell in self.on_lost:
+            tell(message)
 
 
 def _free_port() -> int:

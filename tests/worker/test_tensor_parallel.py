@@ -201,3 +201,23 @@ def test_a_follower_that_dies_before_joining_the_group_fails_the_start_naming_it
 def test_more_ranks_than_gpus_is_refused_at_start(tiny_model_dir):
     with pytest.raises(ModelLoadError, match="tensor_parallel_size 2 runs one rank a GPU; this host has"):
         LLM(str(tiny_model_dir), device="cuda", tensor_parallel_size=2)
+
+
+def test_a_follower_that_stops_answering_fails_the_step_after_the_groups_timeout(tiny_model_dir):
+    group, shard = TensorGroup.start(tiny_model_dir, 2, CPU, torch.float32, threads=1, timeout_s=4)
+    follower = group.procs[0]
+    try:
+        group.share_blocks(4)
+        cache = PagedKVCache(shard.layer_args, 4, 16, torch.float32, CPU)
+        layout = BatchLayout.build([0], [5], [[1]], 16, CPU)
+        os.kill(follower.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match="collective failed"):
+            shard(torch.arange(5), layout, cache, torch.arange(5))
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(RankLost):  # the group stays lost: no step waits for the timeout again
+            shard(torch.arange(5), layout, cache, torch.arange(5))
+    finally:
+        os.kill(follower.pid, signal.SIGKILL)
+        group.close()
+    assert not follower.is_alive()
