@@ -95,7 +95,11 @@ def use_kernels(model: Transformer, device: torch.device) -> None:
 def follower_main(spec: FollowerSpec) -> None:
     """A follower's life: join the group, load its shard, size its cache as rank 0 says, then run
     every forward rank 0 announces until it says stop (or the group breaks)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops the group
+    # Ctrl-C, or a SIGTERM sent to every process of the server (systemd's control group), is rank 0's
+    # to act on: it drains, then stops the followers. A follower whose rank 0 is gone exits when its
+    # next collective fails.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)
     device = rank_device(spec.device_type, spec.rank)
     if device.type == "cuda":
@@ -216,7 +220,7 @@ class TensorGroup:
         for proc in self.procs:
             proc.join(timeout=10.0)
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()  # a follower ignores SIGTERM (follower_main)
                 proc.join(timeout=5.0)
         self.comm = None
 

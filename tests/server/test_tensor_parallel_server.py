@@ -52,6 +52,13 @@ def test_a_two_rank_server_answers_a_chat_request_and_stops_its_follower_on_sigt
                                            max_tokens=8, temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage is not None and reply.usage.completion_tokens > 0
+    # A SIGTERM that reaches every process of the server (systemd's control group, a process-group kill)
+    # is rank 0's to act on: the follower keeps serving until rank 0 has drained and stops it.
+    os.kill(ranks[0], signal.SIGTERM)
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Again"}],
+                                           max_tokens=4, temperature=0)
+    assert reply.choices[0].message.content is not None
+    assert alive(ranks[0])
     assert server.stop(signal.SIGTERM) == 0
     assert not any(alive(p) for p in ranks), "a follower rank outlived the server"
 
