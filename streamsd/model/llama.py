@@ -144,7 +144,7 @@ class Transformer(nn.Module):
         streams_into: torch.Tensor | None = None,
     ) -> ForwardOutput:
         if self.tp is not None:  # rank 0 hands the inputs to the other ranks first
-            self.tp.begin(input_ids, layout, logits_rows, hidden_layers, streams_into)
+            self.tp.begin(input_ids, layout, logits_rows, streams_into, every_row)
         if self.fast is not None:  # the CUDA path: fused weights and Triton kernels, streams included
             return self.fast(input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows, every_row,
                              float_logits, streams_into)

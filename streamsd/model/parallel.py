@@ -131,9 +131,12 @@ class TensorShard:
         return -(-self.vocab_size // self.world)
 
     def begin(self, input_ids: torch.Tensor, layout: BatchLayout, logits_rows: torch.Tensor,
-              hidden_layers: tuple[int, ...], streams_into: torch.Tensor | None) -> None:
-        if layout.has_trees or streams_into is not None:
-            raise ValueError("draft trees and stream stores are not supported with tensor parallelism")
+              streams_into: torch.Tensor | None, every_row: bool) -> None:
+        """Before a forward: rank 0 announces it. The other ranks run it with the rows it names, so
+        only forwards they can repeat from that are allowed."""
+        if layout.has_trees or streams_into is not None or every_row:
+            raise ValueError("draft trees, stream stores and every-row forwards are not supported with tensor "
+                             "parallelism")
         if self.announce is not None:
             self._guard(lambda: self.announce(input_ids, layout, logits_rows))  # type: ignore[misc]
 

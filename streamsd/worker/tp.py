@@ -174,6 +174,8 @@ class TensorGroup:
         except BaseException:
             group.close()
             raise
+        log.info("tensor parallel: %d ranks over %s (%s), this process rank 0", world,
+                 f"cuda:0..{world - 1}" if device.type == "cuda" else "the CPU", backend_for(device))
         return group, model
 
     def share_blocks(self, num_blocks: int) -> None:

@@ -221,3 +221,19 @@ def test_a_follower_that_stops_answering_fails_the_step_after_the_groups_timeout
         os.kill(follower.pid, signal.SIGKILL)
         group.close()
     assert not follower.is_alive()
+
+
+def test_a_forward_the_other_ranks_cannot_repeat_is_refused_before_it_is_announced():
+    from datetime import timedelta
+
+    from streamsd.model.parallel import Comm, TensorShard
+
+    announced = []
+    shard = TensorShard(0, 2, 384, Comm(None, None, 0, 2, timedelta(seconds=1)),
+                        announce=lambda *step: announced.append(step))
+    layout = BatchLayout.build([0], [3], [[1]], 16, CPU)
+    with pytest.raises(ValueError, match="every-row forwards are not supported"):
+        shard.begin(torch.arange(3), layout, torch.arange(3), None, every_row=True)
+    assert not announced
+    shard.begin(torch.arange(3), layout, torch.arange(3), None, every_row=False)
+    assert len(announced) == 1
