@@ -9,6 +9,11 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamsd.config import EngineConfig
+    from streamsd.engine.core import EngineCore
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_K = 4  # --num-speculative-tokens
@@ -69,6 +74,9 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto: sampling fields a request leaves out (temperature, top_p, top_k, min_p) take the "
                         "model's generation_config.json values; none: ignore them (API defaults)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the target over N ranks (Megatron-style; one GPU each on CUDA); N must divide the "
+                        "model's attention and kv heads. Speculation: a draft model or n-gram")
     p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
                    help="queue the next step (plain decode, EAGLE verify) on the device before reading this "
                         "one; auto: on CUDA, where the GPU runs ahead of the host")
@@ -109,6 +117,8 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     from streamsd.config import EngineConfig, SpecConfig, TreeShape
 
     method = a.speculative_method or default_speculation(a.model, a.draft_model, a.device)
+    if method == "eagle" and not a.speculative_method and a.tensor_parallel_size > 1:
+        method = "ngram"  # an EAGLE head reads the target's weights, which the ranks split
     shape = default_tree(a, method)
     tree = TreeShape.parse(shape) if shape else None
     max_batch = a.speculative_max_batch or 0
@@ -123,7 +133,8 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline),
                         profile_cache=a.profile_cache, generation_config=a.generation_config,
-                        enable_prefix_caching=a.enable_prefix_caching, exact=a.exact)
+                        enable_prefix_caching=a.enable_prefix_caching, exact=a.exact,
+                        tensor_parallel_size=a.tensor_parallel_size)
 
 
 def _security(a: argparse.Namespace):
@@ -166,6 +177,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     cfg = _engine_config(a)
     core = EngineCore(build_runtime(cfg), cfg.spec)
+    try:
+        return _generate(core, a, cfg)
+    finally:
+        core.close()
+
+
+def _generate(core: EngineCore, a: argparse.Namespace, cfg: EngineConfig) -> int:
     # Unset sampling flags take the model's defaults, else greedy decoding.
     params = core.rt.generation_defaults.sampling_params(temperature=a.temperature, top_p=a.top_p,
                                                         fallback_temperature=0.0, max_tokens=a.max_tokens,

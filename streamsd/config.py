@@ -153,8 +153,19 @@ class EngineConfig:
     # Batch-invariant target forward (kernels/exact/, model/exact_forward.py): a row's logits are the same
     # bits whatever else its step holds, so greedy speculative output equals plain decoding token for token.
     exact: bool = False
+    # Ranks the target is split over (Megatron-style, worker/tp.py): rank 0 in this process, the others
+    # follower processes, one GPU each on CUDA.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.exact and self.spec.tree is not None:
             raise ValueError("exact mode verifies chains: a draft tree's rows see scattered keys, which no "
                              "batch-invariant attention sums in a chain's order (use --speculative-tree none)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_size > 1 and self.exact:
+            raise ValueError("exact mode runs on one device: the all-reduces of tensor parallelism sum the ranks' "
+                             "partial results in an order of their own (use tensor_parallel_size=1 with --exact)")
+        if self.tensor_parallel_size > 1 and self.spec.method in ("eagle", "synthetic"):
+            raise ValueError(f"speculative_method={self.spec.method!r} drafts from the target's own weights, "
+                             "which tensor parallelism splits; use a draft model or n-gram speculation")

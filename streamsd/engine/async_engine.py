@@ -43,6 +43,7 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._executor.shutdown(wait=True)
+        self.core.close()
 
     @property
     def num_streams(self) -> int:

@@ -38,6 +38,7 @@ from streamsd.spec_decode.eagle.proposer import EagleProposer
 from streamsd.spec_decode.ngram import NgramProposer
 from streamsd.spec_decode.proposer import Proposer
 from streamsd.worker.lookahead import KVMargin, kv_margin
+from streamsd.worker.tp import TensorGroup, default_threads, use_kernels
 from streamsd.worker.worker import Worker
 
 GC_YOUNG_THRESHOLD = 10_000  # see build_runtime
@@ -58,6 +59,12 @@ class Runtime:
     policy: SpeculationPolicy
     grammars: Grammars
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    group: TensorGroup | None = None  # the follower ranks under tensor parallelism (worker/tp.py)
+
+    def close(self) -> None:
+        """Stops and joins the follower ranks, if any."""
+        if self.group is not None:
+            self.group.close()
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -104,6 +111,22 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Tra
         raise ModelLoadError(f"the weights in {path} do not fit its config.json: {exc}") from exc
 
 
+def load_parallel(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
+                  threads: int) -> tuple[Transformer, Path, TensorGroup]:
+    """Rank 0's shard of the target, its followers started and holding theirs (worker/tp.py)."""
+    from streamsd.model.presets import is_preset
+
+    if is_preset(cfg.model):
+        raise ModelLoadError("tensor parallelism loads a model directory or a .gguf file, not a preset")
+    path = resolve_model(cfg.model)
+    check_architecture(load_hf_config(path))
+    try:
+        group, target = TensorGroup.start(path, cfg.tensor_parallel_size, device, dtype, threads)
+    except ValueError as exc:  # the head counts do not divide
+        raise ModelLoadError(str(exc)) from exc
+    return target, path, group
+
+
 def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -148,13 +171,29 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     t0 = time.perf_counter()
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
+    world = cfg.tensor_parallel_size
     if device.type == "cuda":
         use_triton_cache()
+        if world > 1:
+            device = torch.device("cuda:0")  # rank r runs on cuda:r
+    threads = cfg.cpu_threads or (max(1, (os.cpu_count() or 2) - 1) if world == 1 else default_threads(world))
     if device.type == "cpu":
         # OpenMP threads spin while they wait: on a busy machine (the event loop, HTTP clients, a
         # load generator on the same box) one spinning thread too many makes every matmul crawl.
-        torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
-    target, path = load_model(cfg.model, device, dtype)
+        torch.set_num_threads(threads)
+    if world == 1:
+        target, path = load_model(cfg.model, device, dtype)
+        return _build(cfg, t0, device, dtype, target, path, None)
+    target, path, group = load_parallel(cfg, device, dtype, threads)
+    try:
+        return _build(cfg, t0, device, dtype, target, path, group)
+    except BaseException:
+        group.close()
+        raise
+
+
+def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtype, target: Transformer, path: Path,
+           group: TensorGroup | None) -> Runtime:
     tokenizer = load_tokenizer(path)
     defaults = GenerationDefaults.read(path, cfg.generation_config)
     defaults.log_at_load(path / "generation_config.json")
@@ -172,12 +211,15 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         head, depth_steps = load_head(hdir, target, device, dtype), measured_depth_steps(hdir)
         model_dirs.append(Path(hdir))
     extra = draft.args if draft else head.spec.args if head else None
-    per_token = args.kv_bytes_per_token(dtype) + (extra.kv_bytes_per_token(dtype) if extra else 0)
+    # Under tensor parallelism each rank's cache holds its own kv heads: this rank's bytes a token.
+    per_token = target.layer_args.kv_bytes_per_token(dtype) + (extra.kv_bytes_per_token(dtype) if extra else 0)
     if head is not None:  # the head's streams per KV slot (model/stream_store.py)
         per_token += StreamStore.bytes_per_token(head.input_layers, args.hidden_size, dtype)
     num_blocks = kv_blocks(cfg, per_token, device)
     # One block more than the scheduler counts: the scratch block CUDA-graph padding writes to.
-    cache = PagedKVCache(args, num_blocks + 1, BLOCK_SIZE, dtype, device)
+    cache = PagedKVCache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype, device)
+    if group is not None:
+        group.share_blocks(num_blocks + 1)
     max_len = min(cfg.max_model_len or args.max_position, args.max_position, num_blocks * BLOCK_SIZE)
     if draft is not None:
         max_len = min(max_len, draft.args.max_position)
@@ -227,7 +269,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         enable_exact_reference(target)
     if queues_ahead:
         sched = queue_chains(worker, sched, cfg.spec.num_tokens)
-    if device.type == "cuda":
+    if device.type == "cuda" and group is not None and draft is not None:
+        use_kernels(draft, device)  # the target has them already (worker/tp.py); no graphs under tensor parallelism
+    if device.type == "cuda" and group is None:
         worker.enable_cuda(scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs,
                            tree_max_batch=cfg.spec.max_batch, exact=cfg.exact)
         if cfg.cuda_graphs:
@@ -256,7 +300,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy,
-                   Grammars(tokenizer, args.vocab_size), defaults)
+                   Grammars(tokenizer, args.vocab_size), defaults, group)
 
 
 def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerConfig:

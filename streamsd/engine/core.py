@@ -17,6 +17,7 @@ from typing import Any
 from streamsd.config import SpecConfig
 from streamsd.engine.builder import Runtime
 from streamsd.engine.detokenizer import Detokenizer, TokenInfo
+from streamsd.model.parallel import RankLost
 from streamsd.request import FinishReason, ParamError, Request, SamplingParams, SpecStats, Status
 from streamsd.sched.plan import EntryResult, StepPlan
 from streamsd.sched.scheduler import Scheduler
@@ -146,6 +147,10 @@ class EngineCore:
         if request_id in self.trackers:
             self.scheduler.abort(request_id)
 
+    def close(self) -> None:
+        """Releases what outlives the engine object: the follower ranks under tensor parallelism."""
+        self.rt.close()
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -171,6 +176,8 @@ class EngineCore:
             since = self.last_step_end if t0 - self.last_step_end < IDLE_GAP_S else t0
             self.last_step_seconds, self.last_step_end = end - since, end
             return results
+        except RankLost:  # a tensor-parallel rank is gone: no step can run again
+            raise
         except Exception as exc:  # the engine must outlive any one step
             log.exception("step failed; failing its %d requests", len(plan.entries))
             return exc

@@ -61,6 +61,7 @@ class LLM:
         generation_config: str = "auto",
         enable_prefix_caching: bool = True,
         exact: bool = False,
+        tensor_parallel_size: int = 1,
     ):
         if speculative_method is None and draft_model is not None:
             speculative_method = "draft"
@@ -75,10 +76,20 @@ class LLM:
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_queue=1 << 40, pipeline=pipeline,  # offline: every prompt waits its turn
                            generation_config=generation_config, enable_prefix_caching=enable_prefix_caching,
-                           exact=exact)
+                           exact=exact, tensor_parallel_size=tensor_parallel_size)
         self.core = EngineCore(build_runtime(cfg), spec)
         self.tokenizer = self.core.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the follower ranks of a tensor-parallel engine (nothing to do on one rank)."""
+        self.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """The model's sampling defaults (generation_config.json, unless built with generation_config="none";

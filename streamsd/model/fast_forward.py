@@ -93,9 +93,9 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
     [slots, len(hidden_layers) * hidden], where every row's streams go at its KV slot (hidden_layers
     ascending; none returned). Streams of inner layers go there from the add+RMSNorm that makes them,
     with no copy or cat after. linear: every GEMM's; exact: the final norm one program a row too."""
-    a = model.args
+    a = model.layer_args  # this rank's heads under tensor parallelism (model/parallel.py)
     t = input_ids.shape[0]
-    h = model.model.embed_tokens(input_ids)  # [T, hidden] the residual stream
+    h = model.embed(input_ids)  # [T, hidden] the residual stream
     layers = model.model.layers
     captured: list[torch.Tensor] = []  # [M, hidden] per requested layer, ascending like the reference
     hidden_rows = logits_rows if hidden_rows is None else hidden_rows
@@ -115,9 +115,9 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
         q = rope_and_cache(qkv, model.rope_cos, model.rope_sin, layout.positions, layout.slot_mapping,
                            k_cache, v_cache, a.num_heads, a.num_kv_heads, a.head_dim)  # [T, H, D]
         attn = model.attend(q, k_cache, v_cache, layout, layer.self_attn.scale)  # [T, H, D]
-        attn = linear(attn.reshape(t, -1), layer.self_attn.o_proj.weight, None)  # [T, hidden]
+        attn = model.reduce(linear(attn.reshape(t, -1), layer.self_attn.o_proj.weight, None))  # [T, hidden]
         x, h = add_rmsnorm(attn, h, layer.post_attention_layernorm.weight, a.rms_norm_eps)
-        mlp = linear(silu_mul(linear(x, f.gate_up_weight, None)), layer.mlp.down_proj.weight, None)  # [T, hidden]
+        mlp = model.reduce(linear(silu_mul(linear(x, f.gate_up_weight, None)), layer.mlp.down_proj.weight, None))  # [T, hidden]
         if i + 1 < len(layers):
             x, h = add_rmsnorm(mlp, h, layers[i + 1].input_layernorm.weight, a.rms_norm_eps, keep(i + 1))
         else:
@@ -132,5 +132,5 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
         h, _ = add_rmsnorm(h, None, model.model.norm.weight, a.rms_norm_eps)  # [N, hidden]
     else:
         h = model.model.norm(h)  # [N, hidden]
-    logits = linear(h, model.lm_head.weight, None)  # [N, V]
+    logits = model.logits(linear(h, model.lm_head.weight, None))  # [N, V]
     return ForwardOutput(logits=logits.float() if float_logits else logits, hidden=captured or None)

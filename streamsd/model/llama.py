@@ -17,6 +17,7 @@ from torch import nn
 from streamsd.model.arch import ModelArgs, rope_tables
 from streamsd.model.attention import paged_attention
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.parallel import TensorShard, shard_args
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BatchLayout, float], torch.Tensor]
 
@@ -99,11 +100,15 @@ class ForwardOutput:
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, tp: TensorShard | None = None, layer_args: ModelArgs | None = None):
         super().__init__()
         self.args = args
-        self.model = Backbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # Under tensor parallelism (model/parallel.py) this rank's share of the heads, the intermediate
+        # width and the vocabulary rows; `args` stays the whole model's.
+        self.layer_args = layer_args or args
+        self.tp = tp
+        self.model = Backbone(self.layer_args)
+        self.lm_head = nn.Linear(args.hidden_size, self.layer_args.vocab_size, bias=False)
         self.attend: AttentionFn = paged_attention
         # Another forward every call goes to when set: the CUDA fast path (model/fast_forward.py: fused weights
         # and Triton kernels) on GPUs, or the exact mode's batch-invariant one (model/exact_forward.py).
@@ -113,9 +118,10 @@ class Transformer(nn.Module):
 
     @staticmethod
     def build(args: ModelArgs, state_dict: dict[str, torch.Tensor], device: torch.device,
-              dtype: torch.dtype) -> Transformer:
+              dtype: torch.dtype, tp: TensorShard | None = None) -> Transformer:
+        """`state_dict`: this rank's shard (model/parallel.py: load_shard) where `tp` is given."""
         with torch.device("meta"):
-            model = Transformer(args)
+            model = Transformer(args, tp, shard_args(args, tp.world) if tp is not None else None)
         if args.tie_embeddings or "lm_head.weight" not in state_dict:
             state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
         state_dict = {k: v for k, v in state_dict.items() if "rotary_emb" not in k}
@@ -138,25 +144,40 @@ class Transformer(nn.Module):
         # a stream store's rows: every row's streams there at its KV slot (hidden_rows: all rows), none returned
         streams_into: torch.Tensor | None = None,
     ) -> ForwardOutput:
+        if self.tp is not None:  # rank 0 hands the inputs to the other ranks first
+            self.tp.begin(input_ids, layout, logits_rows, streams_into, every_row)
         if self.fast is not None:  # the CUDA path or the exact one, streams included
             return self.fast(input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows, every_row,
                              float_logits, streams_into)
         cos = self.rope_cos.index_select(0, layout.positions)  # [T, D]
         sin = self.rope_sin.index_select(0, layout.positions)  # [T, D]
-        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        h = self.embed(input_ids)  # [T, hidden]
         captured: list[torch.Tensor] = []
         hidden_rows = logits_rows if hidden_rows is None else hidden_rows
         for i, layer in enumerate(self.model.layers):
             if i in hidden_layers:
                 captured.append(h.index_select(0, hidden_rows))
             attn = layer.self_attn(layer.input_layernorm(h), cos, sin, cache.layer(i), layout, self.attend)
-            h = h + attn
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self.reduce(attn)
+            h = h + self.reduce(layer.mlp(layer.post_attention_layernorm(h)))
         if self.args.num_layers in hidden_layers:
             captured.append(h.index_select(0, hidden_rows))
         if streams_into is not None and captured:
             streams_into.index_copy_(0, layout.slot_mapping, torch.cat(captured, dim=-1).to(streams_into.dtype))
             captured = []
         h = self.model.norm(h.index_select(0, logits_rows))  # [N, hidden]
-        logits = self.lm_head(h).float()  # [N, V]
+        logits = self.logits(self.lm_head(h).float())  # [N, V]
         return ForwardOutput(logits=logits, hidden=captured or None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden], from every rank's vocabulary rows under tensor parallelism."""
+        table = self.model.embed_tokens
+        return table(input_ids) if self.tp is None else self.tp.embed(table.weight, input_ids)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output summed over the ranks (itself on one rank)."""
+        return x if self.tp is None else self.tp.reduce(x)
+
+    def logits(self, local: torch.Tensor) -> torch.Tensor:
+        """The lm_head's output over the whole vocabulary (every rank's columns)."""
+        return local if self.tp is None else self.tp.gather_logits(local)

@@ -69,7 +69,7 @@ def validate_model_dir(model_dir: Path) -> Path:
     """`model_dir` if it has a config.json and safetensors weights, else a ModelLoadError."""
     if not (model_dir / "config.json").is_file():
         raise ModelLoadError(f"{model_dir} has no config.json; pass a Hugging Face model directory or a .gguf file")
-    if not _weight_files(model_dir):
+    if not weight_files(model_dir):
         raise ModelLoadError(
             f"{model_dir} has no *.safetensors weights (streamsd does not read .bin checkpoints); "
             "convert them with transformers' save_pretrained"
@@ -114,7 +114,7 @@ def load_state_dict(
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
-    files = _weight_files(model_dir)
+    files = weight_files(model_dir)
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weights; pass a Hugging Face model directory")
     target = torch.device(device)
@@ -160,7 +160,7 @@ def check_readable(file: Path) -> None:
         raise ModelLoadError(f"weights file {file} is missing; re-download or re-convert the model") from exc
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
+def weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
