@@ -205,6 +205,7 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     first_scheduled: float | None = None
     acceptance: Any = None  # the adaptive policy's per-request estimator state
+    draft_state: Any = None  # the proposer's per-request state (an n-gram proposer's index)
 
     @property
     def num_tokens(self) -> int:
