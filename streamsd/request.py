@@ -239,6 +239,7 @@ class Request:
     # With params.prompt_logprobs: prompt token i + 1's (logprob, top alternatives), i from 0, as scored.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     matcher: Any = None  # a constrained request's grammar state (sample/grammar.py's Matcher)
+    draft_state: Any = None  # the proposer's per-request state (an n-gram proposer's index)
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import streamsd
 from streamsd.bench import serve, soak
 from streamsd.bench.client import (
     RequestResult,
@@ -46,6 +47,14 @@ def test_mt_bench_first_turns(tmp_path: Path) -> None:
         prompts = load_dataset(str(MT_BENCH), 100)
         assert len(prompts) == 100 and prompts[0].text.startswith("Compose an engaging travel blog")
         assert prompts[80].text == prompts[0].text  # 80 questions, cycled
+
+
+def test_shipped_chat_prompts_load_as_mt_bench_questions_with_follow_ups() -> None:
+    path = Path(streamsd.__file__).parent / "assets" / "bench" / "chat-prompts.jsonl"
+    prompts = load_mt_bench(path)
+    assert len(prompts) == 42 and len({p.text for p in prompts}) == 42
+    assert all(p.follow_up for p in prompts)
+    assert [p.text for p in load_dataset(str(path), 44)][42:] == [prompts[0].text, prompts[1].text]
 
 
 def test_sharegpt_human_turn_and_output_len(tmp_path: Path) -> None:
