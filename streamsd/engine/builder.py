@@ -37,6 +37,7 @@ from streamsd.spec_decode.eagle.checkpoint import head_dir, load_head, measured_
 from streamsd.spec_decode.eagle.proposer import EagleProposer
 from streamsd.spec_decode.ngram import NgramProposer
 from streamsd.spec_decode.proposer import Proposer
+from streamsd.worker.first_passes import first_passes
 from streamsd.worker.lookahead import KVMargin, kv_margin
 from streamsd.worker.tp import TensorGroup, default_threads, use_kernels
 from streamsd.worker.worker import Worker
@@ -281,6 +282,9 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
             log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
                      time.perf_counter() - t1)
     policy = build_policy(cfg, worker, sched, tuple(model_dirs))
+    if device.type != "cuda":  # the GPU's warm-up and graph capture ran every step shape already
+        drafting = proposer.draft_model() if proposer is not None else None
+        first_passes(target, cache, (drafting.model, drafting.cache) if drafting is not None else None)
     seconds = time.perf_counter() - t0
     q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0
     log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB; "
