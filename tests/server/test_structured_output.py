@@ -144,7 +144,9 @@ def test_refused_and_finished_constrained_requests_leave_nothing_behind(server):
 
 
 def test_ngram_speculation_keeps_structured_answers_exact(tiny_model_dir, tmp_path):
-    s = start_server(tiny_model_dir, tmp_path, "--speculative-method", "ngram", "--num-speculative-tokens", "3")
+    # fixed k: whether it drafts must not hang on the cost profile that the adaptive policy times at start
+    s = start_server(tiny_model_dir, tmp_path, "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                     "--speculation-policy", "fixed")
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
         spec = _create(client, 1, temperature=0.0, max_tokens=300, response_format=PET)
