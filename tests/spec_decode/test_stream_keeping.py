@@ -38,10 +38,10 @@ class _Stretches(FixedPolicy):
         return decision
 
 
-def _engine(model_dir, head_dir, tree: bool, pipeline: bool, keep: int | None) -> LLM:
+def _engine(model_dir, head_dir, tree: bool, pipeline: bool, keep: int | None, **kw) -> LLM:
     spec = dict(speculative_tree=SHAPE) if tree else dict(num_speculative_tokens=4)
     llm = LLM(str(model_dir), speculative_method="eagle", draft_model=str(head_dir), pipeline=pipeline,
-              dtype="float32", kv_cache_tokens=4096, **spec)
+              dtype="float32", kv_cache_tokens=4096, **spec, **kw)
     llm.core.scheduler.policy = _Stretches(spec=3, plain=7, keep=keep)
     return llm
 
@@ -55,8 +55,8 @@ def _slots(r, lo: int, hi: int, block_size: int) -> torch.Tensor:
 def test_streams_skipped_by_plain_steps_are_recomputed_exactly_when_the_head_resumes(tiny_model_dir, head, tree,
                                                                                      pipeline):
     """Two engines in lockstep, speculating (chains or trees), then decoding plain, then speculating again;
-    one keeps the head's streams all along, the other writes none after two plain steps and, a request
-    joining meanwhile, none of its prompt. After every step the second one's store holds, wherever its
+    one keeps the head's streams all along, the other writes none after two plain steps (a request
+    joining meanwhile: but those of the steps with its prompt). After every step the second one's store holds, wherever its
     head may read, the first one's streams (recomputed ones to a few float32 ulps), and the target's KV
     cache is the first one's byte for byte; each
     catch-up leaves the target's cache as it found it. Greedy answers are plain decoding's, seeded sampled
@@ -151,3 +151,22 @@ def test_recomputed_streams_are_the_kept_ones_and_leave_the_target_cache_alone(t
     while core.has_work:
         core.step()
     _assert_free(llm)
+
+
+def test_prompts_reach_the_prefix_cache_while_plain_steps_keep_no_streams(tiny_model_dir, head):
+    """Steps with a prompt chunk write the head's streams even when plain steps keep none, and the head
+    catches up on a long prompt's chunks there: their blocks reach the prefix cache (which takes a block
+    once the head has it too) as in an engine that keeps every stream; the same prompt again finds them."""
+    prompt = " ".join(PROMPTS)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cached, answers = [], []
+    for keep in (None, 0):
+        llm = _engine(tiny_model_dir, head, tree=False, pipeline=False, keep=keep, max_num_batched_tokens=32)
+        llm.core.scheduler.policy = _Stretches(spec=0, plain=1, keep=keep)  # plain steps only
+        first = llm.generate([prompt], params)[0]
+        again = llm.generate([prompt], params)[0]
+        cached.append(again.num_cached_tokens)
+        answers.append([first.outputs[0].token_ids, again.outputs[0].token_ids])
+        _assert_free(llm)
+    assert cached[0] > 16 and cached[1] == cached[0]
+    assert answers[0] == answers[1]

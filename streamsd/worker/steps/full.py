@@ -149,8 +149,8 @@ class FullStep:
         for res, prompt in zip(results, scored or (), strict=False):
             res.prompt_logprobs = prompt
         if self.w.proposer is None or not self.w.streams_written:
-            # A step that kept no streams drafts nothing (StepPlan.wants_streams), and its head catches
-            # up, prompt chunks included, once it drafts again: from the streams recomputed then.
+            # A step that kept no streams (plain decoding only: StepPlan.wants_streams) drafts nothing;
+            # its head catches up once it drafts again, from the streams recomputed then.
             return _within_grammar(entries, results)
         self.w.restore_streams([(entries[o], it) for o, it in zip(owners, items, strict=True)])
         if not self.w.proposer.keeps_cache:
