@@ -220,6 +220,10 @@ class Request:
     status: Status = Status.WAITING
     computed: int = 0
     draft_computed: int = 0
+    # The first position whose target streams a forward left out of an EAGLE head's stream store (a
+    # plain stretch that kept none: StepPlan.wants_streams); None while none is missing. The head's
+    # next catch-up recomputes them first (worker/stream_catchup.py).
+    streams_missing_from: int | None = None
     blocks: list[int] = field(default_factory=list)
     # The prefix cache (sched/prefix_cache.py): leading blocks already registered (or taken from it) and the
     # cache entry of the last of them; prompt tokens found cached at admission (OpenAI's cached_tokens).

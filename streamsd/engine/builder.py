@@ -265,7 +265,7 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
         prefix_draft_kv=proposer is not None and proposer.keeps_cache,
         prefix_next_tokens=proposer.kv_next_tokens if proposer is not None else 0,
     )
-    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree)
+    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree, scratch_block=num_blocks)
     if cfg.exact and device.type != "cuda":
         enable_exact_reference(target)
     if queues_ahead:

@@ -22,7 +22,9 @@ Graphs of one runner share a memory pool: they never run concurrently, and each 
 A runner made with `hidden_layers` (the streams an EAGLE head reads) captures them too: each
 graph's static output then also holds the residual streams entering those layers at every token
 slot, [T, layers * hidden], concatenated inside the graph exactly as the eager worker does, and
-writes them into the engine's stream store at the tokens' KV slots (model/stream_store.py).
+writes them into the engine's stream store at the tokens' KV slots (model/stream_store.py). Such a
+runner also keeps graphs without them, for the plain steps of a batch whose plan wants no streams
+(StepPlan.wants_streams): each graph is held by (bucket, Q) in the dict of its variant.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class GraphRunner:
         self.cfg = cfg
         self.device = device
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        # A runner with hidden_layers: its graphs that capture no streams (plain steps keeping none).
+        self.streamless: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
         self.last: _Graph | None = None  # the graph replayed last
@@ -108,10 +112,14 @@ class GraphRunner:
         return bucket, width
 
     def run(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
-            tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None) -> torch.Tensor:
+            tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None,
+            streams: bool = True) -> torch.Tensor:
         """Logits [len(rows), V] of the rows asked for; a view valid until this graph replays again.
-        `device_starts`: as in `run_hidden`."""
-        return self._rows(self._replay(key, ids, starts, counts, tables, device_starts, rows), rows)
+        `device_starts`: as in `run_hidden`; `streams` False: the graph that writes no streams."""
+        return self._rows(self._replay(key, ids, starts, counts, tables, device_starts, rows, streams), rows)
+
+    def _variant(self, streams: bool) -> dict[tuple[int, int], _Graph]:
+        return self.graphs if streams or not self.hidden_layers else self.streamless
 
     def run_hidden(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
                    tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None,
@@ -125,8 +133,8 @@ class GraphRunner:
 
     def _replay(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
                 tables: list[list[int]], device_starts: DeviceStarts | None = None,
-                rows: list[int] | None = None) -> _Graph:
-        g = self.graphs.get(key) or self._capture(*key)
+                rows: list[int] | None = None, streams: bool = True) -> _Graph:
+        g = self._variant(streams).get(key) or self._capture(*key, streams=streams)
         host, table = pack_step(ids if not isinstance(ids, torch.Tensor) else None, starts, counts, tables,
                                 g.bucket, g.width, self.scratch, self.cache.block_size)
         if g.tiles is not None:  # a prompt graph: its one logits row and its tiles follow the packed values
@@ -170,8 +178,15 @@ class GraphRunner:
         for width in () if widths else self.cfg.prompt_widths:
             if (1, width) not in self.graphs:
                 self._capture(1, width)
+        if self.hidden_layers and not widths:  # plain steps that keep no streams: one token, or a lone prompt chunk
+            for bucket in buckets_up_to(self.cfg.buckets, batch):
+                if (bucket, 1) not in self.streamless:
+                    self._capture(bucket, 1, streams=False)
+            for width in self.cfg.prompt_widths:
+                if (1, width) not in self.streamless:
+                    self._capture(1, width, streams=False)
 
-    def _capture(self, bucket: int, width: int) -> _Graph:
+    def _capture(self, bucket: int, width: int, streams: bool = True) -> _Graph:
         dev, t_all = self.device, bucket * width
         packed = torch.from_numpy(pack_step([], [], [], [], bucket, width, self.scratch,
                                             self.cache.block_size)[0]).to(dev)  # all padding: safe to run
@@ -189,7 +204,8 @@ class GraphRunner:
             layout = replace(layout, prompt_tiles=tiles)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        layers = self.hidden_layers
+        layers = self.hidden_layers if streams else ()
+        store = self.store if streams else None
         qs = layout.query_starts_t
         verifies = width > 1 and self.verifies and not prompt
 
@@ -198,7 +214,7 @@ class GraphRunner:
                 tiles.copy_(packed[-tiles.numel() :])  # inside the graph: the host writes them as int64
             out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=hidden_rows)
             # [T, layers * hidden] | None, into the store too (padding tokens: the scratch block's rows)
-            return out.logits, keep_streams(out.hidden, layout.slot_mapping, self.store)
+            return out.logits, keep_streams(out.hidden, layout.slot_mapping, store)
 
         with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels, outside capture
             logits, _ = forward()
@@ -213,7 +229,7 @@ class GraphRunner:
         # caching allocator hands its memory to eager work and the next replay reads garbage.
         g = _Graph(graph, bucket, width, packed, block_table, hidden_rows if prompt else rows, logits, hidden, greedy,
                    tiles)
-        self.graphs[(bucket, width)] = g
+        self._variant(streams)[(bucket, width)] = g
         return g
 
 
@@ -229,7 +245,7 @@ def forward_logits(model: Transformer, graphs: GraphRunner | None, cache: PagedK
     the target's stream store (an EAGLE engine), written by this forward too (a graph's does it)."""
     key = graphs.key_for(counts, tables, len(rows)) if graphs is not None else None
     if graphs is not None and key is not None:
-        return graphs.run(key, ids, starts, counts, tables, rows)
+        return graphs.run(key, ids, starts, counts, tables, rows, streams=store is not None)
     layout = BatchLayout.build(starts, counts, tables, cache.block_size, device)
     ids_t = ids if isinstance(ids, torch.Tensor) else h2d(ids, torch.int64, device)
     if store is None:

@@ -10,7 +10,9 @@ Those break-evens are the chooser's switch points, logged at start-up (``switch_
 and device gets its own from its own profile, none is a tuned constant.
 
 Entering costs more than the step: a resuming head first catches up on the positions it skipped
-(the profile's catch-up table, by positions), the entering step grows trees without verifying
+(the profile's catch-up table, by positions), after the target has recomputed the streams of those
+a plain stretch kept none of (a target pass over them: the verify table, by tokens; after
+``keep_streams_steps`` plain steps a batch stops writing streams, StepPlan.wants_streams), the entering step grows trees without verifying
 any, and the steps around each switch wait for the host (``entry_steps``). Trees are entered only where that extra time is won back over the tokens the batch may still
 emit (capped at ``horizon_steps`` plain steps), and by ``hysteresis`` at least; they are left as soon
 as plain is predicted faster.
@@ -70,6 +72,10 @@ class TreeChooser:
     # host instead of being queued ahead (the adaptive planner's `entry_steps`).
     entry_steps: float = 2.0
     retry_steps: int = 64  # half-life, in plain steps, of a class's drift back to its prior
+    # Plain steps after the last tree step that still write the head's streams: a batch that goes back
+    # to trees soon finds them kept; one that stays plain stops paying for them (10-13 % of a plain
+    # step at batch 64 on a GPU) and recomputes the positions it skipped when it resumes.
+    keep_streams_steps: int = 16
     prior_weight: float = 2.0  # a request's class mean counts as this many of its own tree steps
     speculating: bool = False
     plans_ahead: bool = False  # a comparison per step: nothing to hide behind the device
@@ -101,6 +107,10 @@ class TreeChooser:
 
     def catchup_seconds(self, positions: int) -> float:
         return self.cost.catchup(positions) if positions > 0 and self.cost.catchup.keys else 0.0
+
+    def recompute_seconds(self, positions: int) -> float:
+        """The target's pass over `positions` whose streams plain steps did not keep (worker/stream_catchup.py)."""
+        return self.cost.verify(positions) if positions > 0 else 0.0
 
     def break_even(self, batch: int) -> float:
         """The τ above which a tree step out-emits a plain one at this batch (per unit of time)."""
@@ -139,7 +149,8 @@ class TreeChooser:
             self.switches += trees != self.speculating
             self.speculating = trees
             self.chosen[trees] += 1
-        return Decision({})  # every request takes default_k
+        # every request takes default_k
+        return Decision({}, streams=self.speculating or self.plain_steps < self.keep_streams_steps)
 
     def _trees_pay(self, decoding: list[Request]) -> bool:
         b = len(decoding)
@@ -153,9 +164,11 @@ class TreeChooser:
             return tree_rate > plain_rate
         if tree_rate <= plain_rate * (1.0 + self.hysteresis):
             return False
-        # The excursion's extra time: the head's catch-up and an entering step that grows without verifying.
+        # The excursion's extra time: the target's recompute of the streams the plain steps kept none
+        # of, the head's catch-up and an entering step that grows without verifying.
         lag = sum(max(r.num_tokens - self.settled_lag - r.draft_computed, 0) for r in decoding)
-        extra = self.catchup_seconds(lag) + max(tree_s - plain_s, 0.0) + self.entry_steps * plain_s
+        extra = (self.recompute_seconds(sum(map(_streams_missing, decoding))) + self.catchup_seconds(lag)
+                 + max(tree_s - plain_s, 0.0) + self.entry_steps * plain_s)
         left = sorted(r.remaining_tokens for r in decoding)[b // 2]
         tokens = b * min(left, self.horizon_steps)
         return extra + tokens / tree_rate < tokens / plain_rate
@@ -225,6 +238,14 @@ class TreeChooser:
         if raw <= 0.0 or raw == float("inf"):
             return
         self.ratios.setdefault((tree, _bucket(shape.batch)), deque(maxlen=RATIO_SAMPLES)).append(seconds / raw)
+
+
+def _streams_missing(r: Request) -> int:
+    """Positions of a decoding request (its pending token's excluded) whose streams its head needs
+    and the store lacks."""
+    if r.streams_missing_from is None:
+        return 0
+    return max(r.num_tokens - 1 - max(r.streams_missing_from, r.draft_computed), 0)
 
 
 def _bucket(batch: int) -> int:

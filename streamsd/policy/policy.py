@@ -60,6 +60,9 @@ class Decision:
     # Drafts to verify where `ks` says fewer: a probe's, proposed in the step before (policy/probes.py).
     verify: dict[str, int] = field(default_factory=dict)
     probing: bool = False  # carries a probe in a batch that is not speculating: its extra time is the probe's
+    # The target's forwards write an EAGLE head's streams (model/stream_store.py). A batch that has
+    # decoded plain for a while stops: the head recomputes what it missed once it drafts again.
+    streams: bool = True
 
 
 class SpeculationPolicy(Protocol):
@@ -150,6 +153,9 @@ class AdaptivePolicy:
     # The proposer's measured depth steps per acceptance class (AcceptanceConfig.depth_steps).
     depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = ()
     plan_budget: float = 0.01  # share of a plain batch's time its periodic re-plans may take
+    # Plain steps after the batch last speculated that still write an EAGLE head's streams
+    # (Decision.streams); later ones keep none, and a resuming head has them recomputed.
+    keep_streams_steps: int = 16
     plan_seconds: float = 0.0  # host time of the last plan
     estimator: AcceptanceEstimator = field(init=False)
     planner: PlannerState = field(default_factory=PlannerState)
@@ -228,14 +234,22 @@ class AdaptivePolicy:
                                           st.predicted_raw_s))
 
     def _lag(self, r: Request) -> int:
-        """Draft catch-up owed beyond the settled lag: what a resuming proposer cache must replay."""
-        return max(r.num_tokens - self.settled_lag - r.draft_computed, 0) if self.draft_has_cache else 0
+        """Draft catch-up owed beyond the settled lag: what a resuming proposer cache must replay, with
+        the positions whose streams the target recomputes first counted again (the planner prices a
+        resumption's replay by its tokens alone: a target pass over them is priced like the head's)."""
+        if not self.draft_has_cache:
+            return 0
+        lag = max(r.num_tokens - self.settled_lag - r.draft_computed, 0)
+        if r.streams_missing_from is not None:
+            lag += max(r.num_tokens - 1 - max(r.streams_missing_from, r.draft_computed), 0)
+        return lag
 
     def _with_probes(self, decision: Decision) -> Decision:
         """The decision with the probes in flight; one that changes k is priced as built."""
         if self.probes and self.probes.apply(decision.ks, decision.verify):
             decision.planned_shape = None
         decision.probing = bool(self.probes) and not self.planner.speculating
+        decision.streams = self.planner.speculating or self.idle_steps < self.keep_streams_steps
         return decision
 
     def _idle_plan_due(self) -> bool:

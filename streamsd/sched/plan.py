@@ -37,6 +37,16 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(e.num_tokens + e.num_drafts for e in self.entries)
 
+    @property
+    def wants_streams(self) -> bool:
+        """Whether this step's forwards write an EAGLE head's streams: as the policy decided, and
+        always where a request verifies drafts or proposes some (its head reads them at once) or
+        computes a prompt chunk (the head catches up on prompts as they come, so that their blocks
+        reach the prefix cache, which takes a block once the head has it too)."""
+        if self.decision is None or self.decision.streams:
+            return True
+        return any(e.num_drafts or e.k_next or e.num_tokens != 1 or not e.verifies for e in self.entries)
+
     def shape(self) -> tuple[StepShape, list[int]]:
         """The step as the cost table prices it, and the k each decoding request (one pending token;
         prompt chunks are the rest) got. One pass: it runs between two steps."""

@@ -45,6 +45,7 @@ class Queued:
     accepted: torch.Tensor | None = None  # [B] (chained)
     drafts: torch.Tensor | None = None  # [B, k] the next drafts (chained)
     key: tuple[int, int] | None = None  # a tree step's graph (worker/tree_graphs.py): `tokens` is its whole result
+    streams: bool = True  # its forward wrote an EAGLE head's streams (a plain step's plan may want none)
 
 
 class Lookahead:
@@ -198,12 +199,13 @@ class Lookahead:
         # A row left out would most likely be in the next plan, which would then drop the queued step.
         return rows if len(rows) == len(entries) else []
 
-    def queue(self, entries: list[Scheduled], tokens: torch.Tensor) -> None:
-        """Records the plain step just queued (`entries`: each a position past this step's) and its tokens [B]."""
+    def queue(self, entries: list[Scheduled], tokens: torch.Tensor, streams: bool = True) -> None:
+        """Records the plain step just queued (`entries`: each a position past this step's) and its tokens [B];
+        `streams`: whether its forward wrote the head's streams."""
         bs = self.block_size
         self.queued = Queued([e.request for e in entries], [e.start for e in entries],
                              [e.start // bs for e in entries], [[e.request.blocks[e.start // bs]] for e in entries],
-                             0, tokens)
+                             0, tokens, streams=streams)
 
     def queue_chained(self, entries: list[Scheduled], k: int, tokens: torch.Tensor, accepted: torch.Tensor,
                       drafts: torch.Tensor) -> None:

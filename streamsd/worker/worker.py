@@ -9,8 +9,10 @@
 - full (steps/full.py): every other step: forward -> verification (sample/verify.py) -> proposer.
 
 An EAGLE engine's plain steps are the plain engine's: the target's streams go to the stream store
-(model/stream_store.py) and the head catches up from there once a request drafts again. Runs on one
-dedicated thread; never touches asyncio.
+(model/stream_store.py) and the head catches up from there once a request drafts again; once the
+batch has decoded plain for a while (StepPlan.wants_streams) they stop, and the head's catch-up
+first recomputes the streams they left out (worker/stream_catchup.py). Runs on one dedicated
+thread; never touches asyncio.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from streamsd.worker.steps.chain import ChainStep
 from streamsd.worker.steps.full import FullStep
 from streamsd.worker.steps.plain import PlainStep
 from streamsd.worker.steps.tree import TreeStep
+from streamsd.worker.stream_catchup import Span, recompute_streams
 from streamsd.worker.tree_graphs import TreeGraphs, tree_graphs_for
 
 #: Receives a step's entries and the target's streams at every token it computed.
@@ -60,8 +63,14 @@ class _StreamsOnly(Proposer):
 class Worker:
     def __init__(self, target: Transformer, cache: PagedKVCache, proposer: Proposer | None,
                  q_pool: torch.Tensor | None, device: torch.device, pipeline: bool | None = None,
-                 tree: TreeShape | None = None):
+                 tree: TreeShape | None = None, scratch_block: int | None = None):
         self.target = target
+        # The block no request owns (the cache's last): where recomputing streams writes its K/V.
+        self.scratch_block = cache.num_blocks - 1 if scratch_block is None else scratch_block
+        # The plan of the step now running wants the head's streams written (StepPlan.wants_streams),
+        # and whether its forward wrote them (a step queued ahead wrote them or not as its own plan said).
+        self.streams_wanted = True
+        self.streams_written = True
         self.tree = tree  # drafts are trees of this shape (an EAGLE head's): worker/steps/tree.py
         self.tree_graphs: TreeGraphs | None = None  # their steps as CUDA graphs (enable_cuda)
         self.cache = cache
@@ -129,10 +138,44 @@ class Worker:
         return self.proposer.hidden_layers if self.proposer is not None else ()
 
     @property
+    def forward_layers(self) -> tuple[int, ...]:
+        """The layers whose streams this step's forwards capture: the proposer's, but none where a
+        store would keep them and the plan wants none."""
+        return self.hidden_layers if self.streams_wanted or self.store is None else ()
+
+    def skipped_streams(self, entries: list[Scheduled]) -> None:
+        """This step's forward computed `entries` without writing their streams to the store."""
+        self.streams_written = False
+        for e in entries:
+            r = e.request
+            r.streams_missing_from = e.start if r.streams_missing_from is None else min(r.streams_missing_from, e.start)
+
+    def restore_streams(self, work: list[tuple[Scheduled, ProposeItem]]) -> None:
+        """Before the head catches each item up to its `upto`: the streams the store lacks there,
+        recomputed (worker/stream_catchup.py). Positions this step's forward wrote are not recomputed."""
+        store = self.store
+        if store is None:
+            return
+        spans = []
+        for e, it in work:
+            r = it.request
+            missing = r.streams_missing_from
+            if missing is None or it.upto <= it.draft_computed:
+                continue
+            end = e.start if self.streams_written else it.upto
+            start = max(missing, it.draft_computed)
+            if start < end:
+                spans.append(Span(it.tokens or r.all_ids, r.blocks, start, end))
+            r.streams_missing_from = None
+        if spans:
+            recompute_streams(self.target, self.cache, store, self.scratch_block, spans, self.device)
+
+    @property
     def chains_on_device(self) -> bool:
         return self.proposer is not None and self.proposer.chains_on_device
 
     def step(self, plan: StepPlan) -> list[EntryResult]:
+        self.streams_wanted, self.streams_written = plan.wants_streams, True
         try:
             return self._runner_for(plan.entries).run(plan.entries, self.lookahead.take_queue_next())
         except BaseException:

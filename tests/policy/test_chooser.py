@@ -163,3 +163,32 @@ def test_metrics_export_the_choosers_share_of_plain_steps():
     state = SimpleNamespace(engine=SimpleNamespace(core=SimpleNamespace(scheduler=SimpleNamespace(policy=chooser))))
     families = list(_AdaptiveCollector(state).collect())  # type: ignore[arg-type]
     assert [(f.name, f.samples[0].value) for f in families] == [("streamsd:spec_decode_plain_step_share", 0.75)]
+
+
+def test_a_plain_batch_stops_keeping_streams_and_entering_trees_pays_for_their_recompute():
+    """The head's streams are kept while trees run and for `keep_streams_steps` plain steps after; a
+    batch whose streams went unkept enters trees only where the target's pass recomputing them is won
+    back too (priced by the verify table, by tokens)."""
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH, keep_streams_steps=3)
+    big = _batch(16)  # plain at 16
+    kept = []
+    for _ in range(5):
+        kept.append(chooser.choose(big, 0, False).streams)
+        chooser.observe(Decision({}, shape=StepShape(16, 16, 0, 0, 0, 1)), [(r, 0, 0) for r in big], 1.2e-3)
+    assert kept == [True, True, True, False, False] and not chooser.speculating
+    assert chooser.choose(_batch(4), 0, False).streams and chooser.speculating
+
+    cost = _cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}, catchup_ms={64: 2.0, 128: 4.0, 256: 8.0, 512: 16.0})
+
+    def lagging(unkept: bool) -> list[Request]:
+        reqs = _batch(4, max_tokens=1000, prompt=100)
+        for r in reqs:
+            r.draft_computed = 4  # 95 positions the head skipped while the batch decoded plain
+            r.streams_missing_from = 4 if unkept else None
+        return reqs
+
+    # Kept: 16 ms of catch-up and 2.8 ms of switching against 64 steps' 64 ms (57 ms with trees).
+    assert _trees(TreeChooser(cost, DEPTH), lagging(False))
+    # Unkept: a target pass over 380 positions first, 11.9 ms on this table: 69 ms with trees.
+    assert TreeChooser(cost, DEPTH).recompute_seconds(380) == cost.verify(380) > 0.011
+    assert not _trees(TreeChooser(cost, DEPTH), lagging(True))

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from streamsd import LLM, SamplingParams
 from streamsd.engine.builder import load_model
 from streamsd.model.loader import ModelLoadError
-from streamsd.policy.policy import FixedPolicy
+from streamsd.policy.policy import AdaptivePolicy, FixedPolicy
 from streamsd.spec_decode.eagle.checkpoint import load_head, new_head, save_head
 from streamsd.train.data import Sample, attach_streams
 from streamsd.train.eval import evaluate
@@ -382,6 +382,27 @@ def test_adaptive_k_keeps_eagle_exact(tiny_model_dir, heads, reference):
               speculation_policy="adaptive")
     res = llm.generate(PROMPTS, greedy_params())
     assert [r.outputs[0].token_ids for r in res] == reference
+    _assert_free(llm)
+
+
+def test_adaptive_k_keeping_no_streams_while_plain_stays_exact(tiny_model_dir, heads, reference):
+    """The adaptive policy's plain steps write no streams at all (keep_streams_steps 0): every head
+    resuming has the target recompute what it skipped, and greedy answers stay the target's."""
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]),
+              speculation_policy="adaptive")
+    policy = llm.core.scheduler.policy
+    assert isinstance(policy, AdaptivePolicy)
+    policy.keep_streams_steps = 0
+    restore, restored = llm.core.rt.worker.restore_streams, []
+
+    def counting(work):
+        restored.extend(it.request.request_id for _, it in work if it.request.streams_missing_from is not None)
+        restore(work)
+
+    llm.core.rt.worker.restore_streams = counting
+    res = llm.generate(PROMPTS, greedy_params())
+    assert [r.outputs[0].token_ids for r in res] == reference
+    print(f"{len(restored)} catch-ups over unkept streams")
     _assert_free(llm)
 
 

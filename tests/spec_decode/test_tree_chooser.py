@@ -43,16 +43,18 @@ class _Priced(TreeChooser):
 
 def _priced() -> _Priced:
     """Plain steps 1 ms; tree steps 0.5 ms up to 4 requests, 100 ms above: trees while at most four
-    requests decode, plain steps above, whatever the head accepts."""
+    requests decode, plain steps above, whatever the head accepts. The head's streams are kept for two
+    plain steps only."""
     cost = CostTable.from_samples({b: 1e-3 for b in (1, 2, 4, 8, 16)})
     cost.tree = StepTable.from_samples({1: 0.5e-3, 2: 0.5e-3, 4: 0.5e-3, 8: 0.1, 16: 0.2})
-    return _Priced(cost, depth=4)
+    return _Priced(cost, depth=4, keep_streams_steps=2)
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_trees_chosen_by_cost_switch_with_plain_steps_mid_request_exactly(tiny_model_dir, head, pipeline):
-    """Two long requests draft trees; four short ones join (six decode: plain steps), end, and the two
-    long ones draft trees again. Greedy and seeded sampled answers are plain decoding's; nothing leaks."""
+    """Two long requests draft trees; four short ones join (six decode: plain steps, most of them keeping
+    no streams for the head), end, and the two long ones draft trees again. Greedy and seeded sampled
+    answers are plain decoding's; nothing leaks."""
     kw = dict(pipeline=pipeline, dtype="float32", kv_cache_tokens=8192)
     plain = LLM(str(tiny_model_dir), **kw)
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree=SHAPE, **kw)
@@ -64,7 +66,7 @@ def test_trees_chosen_by_cost_switch_with_plain_steps_mid_request_exactly(tiny_m
         want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS[:6], params)]
         ids = [f"{temperature}-{i}" for i in range(6)]
         got: dict[str, list[int]] = {rid: [] for rid in ids}
-        steps = 0
+        steps = unkept = 0
         for i in range(2):
             core.add_request(ids[i], core.encode_prompt(PROMPTS[i]), params[i])
         while core.has_work:
@@ -74,7 +76,9 @@ def test_trees_chosen_by_cost_switch_with_plain_steps_mid_request_exactly(tiny_m
                     core.add_request(ids[i], core.encode_prompt(PROMPTS[i]), params[i])
             for out in core.step():
                 got[out.request_id].extend(out.token_ids)
+            unkept += any(r.streams_missing_from is not None for r in core.scheduler.running)
         assert [got[rid] for rid in ids] == want
+        assert unkept > 0  # plain steps wrote no streams, and the trees after them drafted from recomputed ones
         runs = [trees for i, (_, trees) in enumerate(chooser.picked) if i == 0 or trees != chooser.picked[i - 1][1]]
         assert runs[runs.index(True):][:3] == [True, False, True], chooser.picked  # trees, plain, trees again
         assert all(b <= 4 for b, trees in chooser.picked if trees)

@@ -94,15 +94,18 @@ class FullStep:
             starts.append(e.start)
             counts.append(len(toks))
             tables.append(r.blocks)
-        # An EAGLE head reads the target's residual streams at every token this step computes.
-        layers = self.w.hidden_layers
-        # A graph serves the step only if it captures exactly these streams (none, or the head's).
-        fits = self.w.graphs is not None and self.w.graphs.hidden_layers == layers
+        # An EAGLE head reads the target's residual streams at every token this step computes (unless
+        # the plan wants none: its head recomputes them when it drafts again).
+        layers = self.w.forward_layers
+        if self.w.store is not None and not layers:
+            self.w.skipped_streams(entries)
+        # A graph serves the step only if it captures the proposer's streams (none, or the head's).
+        fits = self.w.graphs is not None and self.w.graphs.hidden_layers == self.w.hidden_layers
         key = self.w.graphs.key_for(counts, tables, len(rows)) \
             if self.w.graphs is not None and fits and trees is None and not scoring.rows else None
         if self.w.graphs is not None and key is not None:
             if not layers:
-                return self.w.graphs.run(key, ids, starts, counts, tables, rows), None, None
+                return self.w.graphs.run(key, ids, starts, counts, tables, rows, streams=False), None, None
             return *self.w.graphs.run_hidden(key, ids, starts, counts, tables, rows), None  # views: read before the next replay
         layout = BatchLayout.build(starts, counts, tables, self.w.cache.block_size, self.w.device, trees)
         # A scored prompt's rows come after the verified ones: [rows + scored rows, V].
@@ -145,8 +148,11 @@ class FullStep:
                 owners.append(i)
         for res, prompt in zip(results, scored or (), strict=False):
             res.prompt_logprobs = prompt
-        if self.w.proposer is None:
+        if self.w.proposer is None or not self.w.streams_written:
+            # A step that kept no streams (plain decoding only: StepPlan.wants_streams) drafts nothing;
+            # its head catches up once it drafts again, from the streams recomputed then.
             return _within_grammar(entries, results)
+        self.w.restore_streams([(entries[o], it) for o, it in zip(owners, items, strict=True)])
         if not self.w.proposer.keeps_cache:
             # Host-side proposers (n-gram) have no cache to catch up, only drafts to make.
             pairs = [(o, it) for o, it in zip(owners, items, strict=True) if it.k > 0]

@@ -34,6 +34,8 @@ class PlainStep:
             queued, picked = taken
             same = len(picked) == len(queued.requests)
             tokens = queued.tokens if same else queued.tokens[h2d(picked, torch.int64, w.device)]  # [B]
+            if not queued.streams:
+                w.skipped_streams(entries)
         w.readback.start(tokens)
         if queue_next:
             self._queue_plain(entries, tokens)
@@ -51,8 +53,9 @@ class PlainStep:
         nxt = [Scheduled(entries[i].request, entries[i].start + 1, 1, 0, 0) for i in keep]
         ids = tokens if len(keep) == len(entries) else tokens[h2d(keep, torch.int64, w.device)]  # [B']
         n = len(nxt)
+        store = w.store if w.forward_layers else None  # none where the plan wants no streams
         logits = forward_logits(w.target, w.graphs, w.cache, ids, [e.start for e in nxt], [1] * n,
-                                [e.request.blocks for e in nxt], list(range(n)), w.device, w.store)  # [B', V]
-        w.lookahead.queue(nxt, w.verifier.sample_plain(nxt, logits, ahead=1))
+                                [e.request.blocks for e in nxt], list(range(n)), w.device, store)  # [B', V]
+        w.lookahead.queue(nxt, w.verifier.sample_plain(nxt, logits, ahead=1), streams=store is not None or w.store is None)
 
 
