@@ -96,10 +96,11 @@ def test_a_head_of_a_split_target_holds_the_whole_embedding_and_lm_head_it_borro
     assert torch.equal(two.target_logits(out), one.target_logits(out))
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_greedy_eagle_chains_at_two_ranks_are_plain_decoding_at_one(tiny_model_dir, heads, plain, kind):
+@pytest.mark.parametrize("kind,pipeline", [("eagle3", False), ("eagle1", False), ("eagle3", True)])
+def test_greedy_eagle_chains_at_two_ranks_are_plain_decoding_at_one(tiny_model_dir, heads, plain, kind, pipeline):
+    """pipeline: the engine set up to queue its steps one ahead (worker/lookahead.py), as on CUDA."""
     with LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]), num_speculative_tokens=3,
-             tensor_parallel_size=2, **ENGINE) as llm:
+             tensor_parallel_size=2, pipeline=pipeline, **ENGINE) as llm:
         assert outputs(llm, greedy()) == plain
         assert llm.core.totals.drafted > 0 and llm.core.totals.accepted > 0
         assert_free(llm)
