@@ -221,9 +221,8 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
         per_token += StreamStore.bytes_per_token(head.input_layers, args.hidden_size, dtype)
     num_blocks = kv_blocks(cfg, per_token, device)
     # One block more than the scheduler counts: the scratch block CUDA-graph padding writes to.
-    cache = PagedKVCache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype, device)
-    if group is not None:
-        group.share_blocks(num_blocks + 1)
+    cache = group.kv_cache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype) if group is not None \
+        else PagedKVCache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype, device)
     max_len = min(cfg.max_model_len or args.max_position, args.max_position, num_blocks * BLOCK_SIZE)
     if draft is not None:
         max_len = min(max_len, draft.args.max_position)

@@ -39,13 +39,14 @@ def plain(tiny_model_dir) -> list[list[int]]:
 
 def test_two_ranks_capture_the_streams_and_verify_the_trees_of_one(tiny_model_dir):
     """Rank 0's captured streams (returned or written to a stream store) are the whole residual
-    stream, and a forward over draft-tree windows computes one rank's logits."""
+    stream, a forward over draft-tree windows computes one rank's logits, and moving the accepted
+    nodes' K/V to their positions moves every rank's."""
     full, _ = load_model(str(tiny_model_dir), CPU, torch.float32)
     group, shard = TensorGroup.start(tiny_model_dir, 2, CPU, torch.float32, threads=1)
     try:
         blocks, layers = 8, (0, 1, 2)
-        group.share_blocks(blocks)
-        whole, split = (PagedKVCache(m.layer_args, blocks, 16, torch.float32, CPU) for m in (full, shard))
+        whole = PagedKVCache(full.layer_args, blocks, 16, torch.float32, CPU)
+        split = group.kv_cache(shard.layer_args, blocks, 16, torch.float32)
         gen = torch.Generator().manual_seed(0)
         tables = [[1, 2], [5]]
         ids = torch.randint(0, full.args.vocab_size, (27,), generator=gen)
@@ -69,6 +70,14 @@ def test_two_ranks_capture_the_streams_and_verify_the_trees_of_one(tiny_model_di
         slots = verify.slot_mapping
         assert stores[1].gather(slots).abs().sum() > 0
         torch.testing.assert_close(stores[1].gather(slots), stores[0].gather(slots), rtol=1e-5, atol=1e-5)
+        # Node 2 (window row 2, slot 38) is accepted: its K/V moves to position 21's slot (37), then the
+        # sequence decodes on from position 22 over it.
+        for cache in (whole, split):
+            cache.move(torch.tensor([38]), torch.tensor([37]))
+        decode = BatchLayout.build([22, 8], [1, 1], tables, 16, CPU)
+        step = torch.randint(0, full.args.vocab_size, (2,), generator=gen)
+        torch.testing.assert_close(shard(step, decode, split, torch.arange(2)).logits,
+                                   full(step, decode, whole, torch.arange(2)).logits, rtol=1e-5, atol=1e-5)
     finally:
         group.close()
     assert all(not p.is_alive() for p in group.procs)
@@ -106,12 +115,15 @@ def test_greedy_eagle_chains_at_two_ranks_are_plain_decoding_at_one(tiny_model_d
         assert_free(llm)
 
 
-def test_greedy_eagle_trees_at_two_ranks_are_plain_decoding_at_one(tiny_model_dir, heads, plain):
-    # The adaptive chooser profiles whole tree steps first: every-row forwards writing a stream store.
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_greedy_eagle_trees_at_two_ranks_are_plain_decoding_at_one(tiny_model_dir, heads, plain, policy):
+    """fixed: a tree every step; adaptive: tree or plain steps as the chooser prices them, after it
+    has profiled whole tree steps (every-row forwards writing a stream store)."""
     with LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]),
-             speculative_tree="4,3,3,10", speculation_policy="adaptive", tensor_parallel_size=2, **ENGINE) as llm:
+             speculative_tree="4,3,3,10", speculation_policy=policy, tensor_parallel_size=2, **ENGINE) as llm:
         assert outputs(llm, greedy()) == plain
-        assert llm.core.totals.drafted > 0 and llm.core.totals.accepted > 0
+        if policy == "fixed":  # the chooser's picks follow the measured costs
+            assert llm.core.totals.drafted > 0 and llm.core.totals.accepted > 0
         assert_free(llm)
 
 
