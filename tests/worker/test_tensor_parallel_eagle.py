@@ -127,11 +127,12 @@ def test_greedy_eagle_trees_at_two_ranks_are_plain_decoding_at_one(tiny_model_di
         assert_free(llm)
 
 
-def test_seeded_eagle_sampling_at_two_ranks_draws_what_one_rank_draws(tiny_model_dir, heads):
+@pytest.mark.parametrize("tree", [None, "4,3,3,10"])
+def test_seeded_eagle_sampling_at_two_ranks_draws_what_one_rank_draws(tiny_model_dir, heads, tree):
     params = [SamplingParams(temperature=t, max_tokens=n, seed=7 + i, ignore_eos=True)
               for i, (t, n) in enumerate(zip([1.0, 0.7, 1.0, 0.4], MAX_TOKENS, strict=True))]
     kw = {"speculative_method": "eagle", "draft_model": str(heads["eagle3"]), "num_speculative_tokens": 3,
-          "speculation_policy": "fixed", **ENGINE}
+          "speculative_tree": tree, "speculation_policy": "fixed", **ENGINE}
     with LLM(str(tiny_model_dir), **kw) as one:
         expected = outputs(one, params)
     with LLM(str(tiny_model_dir), tensor_parallel_size=2, **kw) as two:
