@@ -76,7 +76,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
                         "model's generation_config.json values; none: ignore them (API defaults)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the target over N ranks (Megatron-style; one GPU each on CUDA); N must divide the "
-                        "model's attention and kv heads. Speculation: a draft model or n-gram")
+                        "model's attention and kv heads. Speculation: an EAGLE head (chains on CUDA), a draft model or n-gram")
     p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
                    help="queue the next step (plain decode, EAGLE verify) on the device before reading this "
                         "one; auto: on CUDA, where the GPU runs ahead of the host")
@@ -99,15 +99,16 @@ def default_speculation(model: str, draft_model: str | None, device: str | None)
 
 def default_tree(a: argparse.Namespace, method: str) -> str | None:
     """--speculative-tree when none is given: DEFAULT_TREE for the embedded default model's shipped head
-    on CUDA, unless a chain setting was asked for (a policy, K, another head) or exact mode, which verifies
-    chains only. On an H200 at batch 1
+    on CUDA, unless a chain setting was asked for (a policy, K, another head), exact mode, which verifies
+    chains only, or tensor parallelism, whose GPUs draft chains (engine/builder.py). On an H200 at batch 1
     (16 held-out prompts x 256 tokens) it reads 2.6x plain at T=0 and 2.1x at T=1, the adaptive chain
     ~1x (docs/benchmarks.md)."""
     from streamsd.engine.builder import pick_device
 
     if a.speculative_tree is not None:
         return None if a.speculative_tree == "none" else a.speculative_tree
-    chain_asked = a.speculation_policy is not None or a.num_speculative_tokens != DEFAULT_K or a.exact
+    chain_asked = a.speculation_policy is not None or a.num_speculative_tokens != DEFAULT_K or a.exact \
+        or a.tensor_parallel_size > 1
     if method != "eagle" or a.model != DEFAULT_MODEL or a.draft_model or chain_asked:
         return None
     return DEFAULT_TREE if pick_device(a.device).type == "cuda" else None
@@ -117,8 +118,6 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     from streamsd.config import EngineConfig, SpecConfig, TreeShape
 
     method = a.speculative_method or default_speculation(a.model, a.draft_model, a.device)
-    if method == "eagle" and not a.speculative_method and a.tensor_parallel_size > 1:
-        method = "ngram"  # an EAGLE head reads the target's weights, which the ranks split
     shape = default_tree(a, method)
     tree = TreeShape.parse(shape) if shape else None
     max_batch = a.speculative_max_batch or 0

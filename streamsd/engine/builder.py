@@ -173,6 +173,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     world = cfg.tensor_parallel_size
+    if world > 1 and device.type == "cuda" and cfg.spec.tree is not None:
+        # The start-up profile times a tree step as a CUDA graph, which the follower ranks cannot join.
+        raise ValueError("draft trees with tensor parallelism run on CPUs; on GPUs draft chains "
+                         "(--speculative-tree none)")
     if device.type == "cuda":
         use_triton_cache()
         if world > 1:
@@ -209,7 +213,7 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     head, depth_steps = None, ()
     if cfg.spec.method == "eagle":
         hdir = head_dir(cfg.spec.draft_model, cfg.model)
-        head, depth_steps = load_head(hdir, target, device, dtype), measured_depth_steps(hdir)
+        head, depth_steps = load_head(hdir, target, device, dtype, path), measured_depth_steps(hdir)
         model_dirs.append(Path(hdir))
     extra = draft.args if draft else head.spec.args if head else None
     # Under tensor parallelism each rank's cache holds its own kv heads: this rank's bytes a token.
@@ -218,9 +222,8 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
         per_token += StreamStore.bytes_per_token(head.input_layers, args.hidden_size, dtype)
     num_blocks = kv_blocks(cfg, per_token, device)
     # One block more than the scheduler counts: the scratch block CUDA-graph padding writes to.
-    cache = PagedKVCache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype, device)
-    if group is not None:
-        group.share_blocks(num_blocks + 1)
+    cache = group.kv_cache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype) if group is not None \
+        else PagedKVCache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype, device)
     max_len = min(cfg.max_model_len or args.max_position, args.max_position, num_blocks * BLOCK_SIZE)
     if draft is not None:
         max_len = min(max_len, draft.args.max_position)

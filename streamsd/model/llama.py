@@ -145,7 +145,11 @@ class Transformer(nn.Module):
         streams_into: torch.Tensor | None = None,
     ) -> ForwardOutput:
         if self.tp is not None:  # rank 0 hands the inputs to the other ranks first
-            self.tp.begin(input_ids, layout, logits_rows, streams_into, every_row)
+            # The rows whose logits the lm_head computes: every row in order on the fast path's every_row
+            # (the reference forward computes logits_rows whatever every_row says).
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device) \
+                if every_row and self.fast is not None else logits_rows
+            self.tp.begin(input_ids, layout, rows)
         if self.fast is not None:  # the CUDA path or the exact one, streams included
             return self.fast(input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows, every_row,
                              float_logits, streams_into)

@@ -4,7 +4,8 @@ Each of N ranks holds 1/N of every layer: q/k/v and gate/up column-parallel (its
 heads, its slice of the intermediate width), o_proj and down_proj row-parallel, each followed by an
 all_reduce of the residual update; the embedding and lm_head are split by vocabulary rows (the
 embedding masks ids outside its rows and all_reduces, the lm_head all_gathers to the full logits).
-The residual stream is the same on every rank, so norms and RoPE run unsplit. Each rank's paged KV
+The residual stream is the same on every rank, so norms and RoPE run unsplit, and the streams
+rank 0 captures (an EAGLE head's input) are whole. Each rank's paged KV
 cache holds only its kv heads; block tables and slots are the same on every rank.
 
 `load_shard` reads only a rank's slices from the safetensors (safe_open + get_slice, memory-mapped),
@@ -130,13 +131,10 @@ class TensorShard:
     def vocab_rows(self) -> int:
         return -(-self.vocab_size // self.world)
 
-    def begin(self, input_ids: torch.Tensor, layout: BatchLayout, logits_rows: torch.Tensor,
-              streams_into: torch.Tensor | None, every_row: bool) -> None:
-        """Before a forward: rank 0 announces it. The other ranks run it with the rows it names, so
-        only forwards they can repeat from that are allowed."""
-        if layout.has_trees or streams_into is not None or every_row:
-            raise ValueError("draft trees, stream stores and every-row forwards are not supported with tensor "
-                             "parallelism")
+    def begin(self, input_ids: torch.Tensor, layout: BatchLayout, logits_rows: torch.Tensor) -> None:
+        """Before a forward: rank 0 announces it, with the rows whose logits its lm_head computes, so
+        that every rank computes those rows of its vocabulary slice. Whatever else rank 0 does with the
+        forward (captures streams, writes a stream store) needs nothing from the others."""
         if self.announce is not None:
             self._guard(lambda: self.announce(input_ids, layout, logits_rows))  # type: ignore[misc]
 

@@ -4,11 +4,16 @@ ranks 1..N-1 are follower processes (torch.multiprocessing, spawn) that each hol
 
 Per target forward rank 0 broadcasts the forward's inputs before it runs: a fixed header (what
 follows and its sizes) and one int64 payload (token ids, positions, KV slots, the block table,
-context lengths, query starts, the logits rows): two broadcasts a forward, then the forward's own
-collectives (two all_reduces a layer, one for the embedding, one all_gather of the logits). An
+context lengths, query starts, the logits rows, and for a step that verifies draft trees their
+window masks and starts): two broadcasts a forward, then the forward's own
+collectives (two all_reduces a layer, one for the embedding, one all_gather of the logits). The
+one change to the KV cache outside a forward, a verified tree's accepted nodes moved to their
+positions, is announced the same way (`GroupKVCache`): a header, then the slots to move. An
 engine step runs one target forward, so it costs two broadcasts; a draft model's forwards run on
 rank 0 alone and cost none. The scheduler, the proposers, sampling and verification stay on rank 0,
-which alone reads the logits.
+which alone reads the logits. An EAGLE head runs on rank 0 too: the residual streams it reads are
+whole on every rank, and it holds its own full copies of the embedding and lm_head it shares with
+the target (spec_decode/eagle/borrowed.py), which the ranks split.
 
 Supervision: a monitor thread waits on the followers' sentinels; a follower that exits ends the
 group (`RankLost`, naming the rank) instead of leaving rank 0 blocked in a collective, and the
@@ -41,8 +46,9 @@ from streamsd.model.parallel import Comm, RankLost, TensorShard, load_shard, sha
 
 log = logging.getLogger("streamsd")
 
-_FORWARD, _STOP = 1, 0
-_HEADER = 5  # op, tokens, sequences, block-table width, logits rows
+_FORWARD, _STOP, _MOVE = 1, 0, 2
+# A forward's: op, tokens, sequences, block-table width, logits rows, draft trees (0/1); a move's: op, slots.
+_HEADER = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,25 +117,34 @@ def follower_main(spec: FollowerSpec) -> None:
     blocks = torch.zeros(1, dtype=torch.int64, device=device)
     comm.broadcast(blocks)
     cache = PagedKVCache(model.layer_args, int(blocks.item()), BLOCK_SIZE, dtype, device)
-    while (step := _receive(comm, device, cache.block_size)) is not None:
-        ids, layout, rows = step
+    while True:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+        comm.broadcast(header)
+        op, *sizes = header.tolist()
+        if op == _STOP:
+            return
+        if op == _MOVE:
+            moves = torch.empty(2 * sizes[0], dtype=torch.int64, device=device)
+            comm.broadcast(moves)
+            cache.move(*moves.chunk(2))
+            continue
+        ids, layout, rows = _receive(comm, device, cache.block_size, sizes)
         model(ids, layout, cache, rows)
 
 
-def _receive(comm: Comm, device: torch.device, block_size: int) -> tuple[torch.Tensor, BatchLayout, torch.Tensor] | None:
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    comm.broadcast(header)
-    op, t, s, w, n = header.tolist()
-    if op == _STOP:
-        return None
-    payload = torch.empty(3 * t + s * w + 2 * s + 1 + n, dtype=torch.int64, device=device)
+def _receive(comm: Comm, device: torch.device, block_size: int, sizes: list[int]
+             ) -> tuple[torch.Tensor, BatchLayout, torch.Tensor]:
+    """A forward's inputs, after its header's sizes."""
+    t, s, w, n, trees = sizes
+    payload = torch.empty(3 * t + s * w + 2 * s + 1 + n + trees * (t + s), dtype=torch.int64, device=device)
     comm.broadcast(payload)
-    ids, pos, slots, table, ctx, qs, rows = payload.split([t, t, t, s * w, s, s + 1, n])
+    ids, pos, slots, table, ctx, qs, rows, *tree = payload.split([t, t, t, s * w, s, s + 1, n] + [t, s] * trees)
     ctx_l, qs_l = ctx.tolist(), qs.tolist()
     table = table.view(s, w)
     tables = [row[: -(-c // block_size)] for row, c in zip(table.tolist(), ctx_l, strict=True)]
     layout = BatchLayout(pos, slots, qs_l[:-1], [b - a for a, b in zip(qs_l, qs_l[1:], strict=False)], ctx_l,
-                         tables, table.to(torch.int32), ctx.to(torch.int32), qs.to(torch.int32))
+                         tables, table.to(torch.int32), ctx.to(torch.int32), qs.to(torch.int32),
+                         *(tree or (None, None)))
     return ids, layout, rows
 
 
@@ -182,6 +197,20 @@ class TensorGroup:
         """Every follower allocates a KV cache of `num_blocks` blocks (its kv heads), as rank 0 did."""
         self._broadcast(torch.tensor([num_blocks], dtype=torch.int64, device=self.device))
 
+    def kv_cache(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype) -> GroupKVCache:
+        """Rank 0's KV cache of `num_blocks` blocks (`args`: its kv heads), each follower holding its own."""
+        self.share_blocks(num_blocks)
+        return GroupKVCache(self, args, num_blocks, block_size, dtype, self.device)
+
+    def announce_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every follower moves its KV at flat slots src [M] to dst [M] (GroupKVCache.move)."""
+        if self.lost is not None:
+            raise RankLost(str(self.lost))
+        if not src.numel():
+            return
+        self._broadcast(h2d([_MOVE, src.numel(), 0, 0, 0, 0], torch.int64, self.device))
+        self._broadcast(torch.cat([src, dst]).to(device=self.device, dtype=torch.int64))
+
     def announce(self, input_ids: torch.Tensor, layout: BatchLayout, logits_rows: torch.Tensor) -> None:
         """Hands one target forward's inputs to every follower (TensorShard.begin calls it)."""
         if self.lost is not None:
@@ -190,9 +219,13 @@ class TensorGroup:
         t, n = input_ids.numel(), logits_rows.numel()
         # Non-blocking from the host, the payload from the device: a step queued ahead (worker/lookahead.py)
         # announces its sampled ids without waiting for them.
-        self._broadcast(h2d([_FORWARD, t, s, w, n], torch.int64, self.device))
+        trees: list[torch.Tensor] = []
+        if layout.tree_bits is not None:  # a step verifying draft trees: each row's window mask, each window's start
+            assert layout.tree_start is not None
+            trees = [layout.tree_bits, layout.tree_start]
+        self._broadcast(h2d([_FORWARD, t, s, w, n, int(bool(trees))], torch.int64, self.device))
         parts = [input_ids, layout.positions, layout.slot_mapping, layout.block_table.flatten(), layout.context_lens_t,
-                 layout.query_starts_t, logits_rows]
+                 layout.query_starts_t, logits_rows, *trees]
         self._broadcast(torch.cat([p.to(device=self.device, dtype=torch.int64) for p in parts]))
 
     def diagnose(self, exc: BaseException) -> RankLost | None:
@@ -216,7 +249,7 @@ class TensorGroup:
         self._closing.set()
         if self.lost is None and self.comm is not None:
             try:
-                self._broadcast(torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.int64, device=self.device))
+                self._broadcast(torch.tensor([_STOP, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.device))
             except Exception as exc:  # a follower gone meanwhile: it is reaped below
                 log.warning("tensor parallel: stopping the followers: %s", exc)
         for proc in self.procs:
@@ -267,6 +300,21 @@ class TensorGroup:
         log.error("%s", message)
         for tell in self.on_lost:
             tell(message)
+
+
+class GroupKVCache(PagedKVCache):
+    """Rank 0's KV cache: besides the forwards, which every rank runs, the one change made to a cache
+    outside them, a verified draft tree's accepted nodes moved to their positions (sample/tree_verify.py),
+    is announced, and every follower moves its kv heads' K/V alike."""
+
+    def __init__(self, group: TensorGroup, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__(args, num_blocks, block_size, dtype, device)
+        self.group = group
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.group.announce_move(src, dst)
+        super().move(src, dst)
 
 
 def _free_port() -> int:

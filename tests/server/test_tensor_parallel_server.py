@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.server_util import Server, start_server
+from tests.server_util import Server, metric, start_server
 
 
 def followers(pid: int) -> list[int]:
@@ -72,3 +72,41 @@ def test_a_follower_rank_that_dies_ends_the_server_with_an_error_naming_it(serve
         pytest.fail("the server kept running without its follower rank")
     assert code != 0
     assert "tensor-parallel rank 1 exited" in server.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def untrained_head(tiny_model_dir, tmp_path_factory) -> Path:
+    """An EAGLE-3 head over the whole vocabulary: it drafts through the target's embedding and lm_head."""
+    import json
+
+    import torch
+
+    from streamsd.engine.builder import load_model
+    from streamsd.spec_decode.eagle.checkpoint import new_head, save_head
+
+    torch.manual_seed(0)
+    target, _ = load_model(str(tiny_model_dir), torch.device("cpu"), torch.float32)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    return save_head(new_head(target), tmp_path_factory.mktemp("head"), config, torch.float32)
+
+
+def test_a_two_rank_server_drafts_with_an_eagle_head_and_answers_as_one_rank_decodes(tiny_model_dir, untrained_head,
+                                                                                       tmp_path):
+    from streamsd import LLM, SamplingParams
+
+    prompt = "The capital of France is"
+    with LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_tokens=1024) as one:
+        expected = one.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)])[0]
+    s = start_server(tiny_model_dir, tmp_path, "--tensor-parallel-size", "2", "--speculative-method", "eagle",
+                     "--draft-model", str(untrained_head), "--num-speculative-tokens", "3",
+                     "--speculation-policy", "fixed", "--kv-cache-tokens", "1024", "--dtype", "float32")
+    try:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == expected.outputs[0].text
+        assert metric(s.url, "streamsd:spec_decode_num_draft_tokens_total") > 0
+        assert s.stop(signal.SIGTERM) == 0
+    finally:
+        s.stop(signal.SIGKILL)

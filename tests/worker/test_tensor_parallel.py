@@ -173,11 +173,12 @@ def test_a_follower_killed_mid_generation_ends_the_engine_with_an_error_naming_i
         llm.close()
 
 
-def test_a_proposer_that_reads_the_targets_weights_is_refused_with_tensor_parallelism():
+def test_the_synthetic_proposer_is_refused_with_tensor_parallelism_and_eagle_is_not():
     from streamsd.config import EngineConfig, SpecConfig
 
-    with pytest.raises(ValueError, match="eagle.*tensor parallelism splits"):
-        EngineConfig(model="m", spec=SpecConfig(method="eagle", draft_model="head"), tensor_parallel_size=2)
+    EngineConfig(model="m", spec=SpecConfig(method="eagle", draft_model="head"), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="'synthetic' is a benchmark proposer over preset models"):
+        EngineConfig(model="m", spec=SpecConfig(method="synthetic"), tensor_parallel_size=2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -223,17 +224,36 @@ def test_a_follower_that_stops_answering_fails_the_step_after_the_groups_timeout
     assert not follower.is_alive()
 
 
-def test_a_forward_the_other_ranks_cannot_repeat_is_refused_before_it_is_announced():
+def test_a_forward_announces_the_rows_its_lm_head_computes(tiny_model_dir):
+    """The fast path's every-row forward computes the logits of every row, in order: the other ranks
+    are told all of them; the reference forward computes the rows asked for, whatever every_row says."""
     from datetime import timedelta
 
-    from streamsd.model.parallel import Comm, TensorShard
+    from streamsd.model.arch import ModelArgs
+    from streamsd.model.llama import ForwardOutput, Transformer
+    from streamsd.model.loader import load_hf_config, weight_files
+    from streamsd.model.parallel import Comm, TensorShard, load_shard
+
+    class Announced(Exception):
+        pass
 
     announced = []
-    shard = TensorShard(0, 2, 384, Comm(None, None, 0, 2, timedelta(seconds=1)),
-                        announce=lambda *step: announced.append(step))
+
+    def announce(ids, layout, rows):
+        announced.append(rows.tolist())
+        raise Announced  # the collectives that follow need the other rank
+
+    args = ModelArgs.from_hf(load_hf_config(tiny_model_dir))
+    shard = TensorShard(0, 2, args.vocab_size, Comm(None, None, 0, 2, timedelta(seconds=1)), announce=announce)
+    model = Transformer.build(args, load_shard(weight_files(tiny_model_dir), args, 0, 2, torch.float32, CPU), CPU,
+                              torch.float32, tp=shard)
+    cache = PagedKVCache(model.layer_args, 2, 16, torch.float32, CPU)
     layout = BatchLayout.build([0], [3], [[1]], 16, CPU)
-    with pytest.raises(ValueError, match="every-row forwards are not supported"):
-        shard.begin(torch.arange(3), layout, torch.arange(3), None, every_row=True)
-    assert not announced
-    shard.begin(torch.arange(3), layout, torch.arange(3), None, every_row=False)
-    assert len(announced) == 1
+    for every_row in (True, False):
+        with pytest.raises(Announced):
+            model(torch.arange(3), layout, cache, torch.tensor([2]), every_row=every_row)
+    model.fast = lambda *step: ForwardOutput(torch.zeros(3, args.vocab_size), None)
+    for every_row in (True, False):
+        with pytest.raises(Announced):
+            model(torch.arange(3), layout, cache, torch.tensor([2]), every_row=every_row)
+    assert announced == [[2], [2], [0, 1, 2], [2]]

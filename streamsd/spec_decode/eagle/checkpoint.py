@@ -18,6 +18,7 @@ import torch
 from streamsd.model.arch import ModelArgs
 from streamsd.model.llama import Transformer
 from streamsd.model.loader import ModelLoadError, load_state_dict
+from streamsd.spec_decode.eagle.borrowed import whole_vocab
 from streamsd.spec_decode.eagle.head import (
     EAGLE1,
     EAGLE3,
@@ -104,7 +105,11 @@ def measured_depth_steps(path: Path) -> tuple[tuple[str, tuple[float, ...]], ...
     return tuple((name, depth_steps_of(found)) for name, found in classes if found)
 
 
-def load_head(path: Path, target: Transformer, device: torch.device, dtype: torch.dtype) -> EagleHead:
+def load_head(path: Path, target: Transformer, device: torch.device, dtype: torch.dtype,
+              target_dir: Path | None = None) -> EagleHead:
+    """The head in `path`, attached to `target`. Where `target` holds a tensor-parallel shard, the head
+    reads whole copies of the target's embedding and lm_head it uses from `target_dir`, the target's
+    weights (spec_decode/eagle/borrowed.py)."""
     from transformers import LlamaConfig
 
     path = Path(path)
@@ -135,7 +140,12 @@ def load_head(path: Path, target: Transformer, device: torch.device, dtype: torc
     except RuntimeError as exc:
         raise ModelLoadError(f"the weights of the EAGLE head in {path} do not fit its config.json: {exc}") from exc
     head.requires_grad_(False)
-    return head.to(device).attach(target).eval()
+    shared = None
+    if target.tp is not None:
+        if target_dir is None:
+            raise ValueError("an EAGLE head of a tensor-parallel target needs the target's weights (target_dir)")
+        shared = whole_vocab(target_dir, target, embed=not head.own_embed, lm_head=not head.own_lm_head)
+    return head.to(device).attach(target, shared).eval()
 
 
 def _fit(path: Path, raw: dict[str, Any], args: ModelArgs, t: ModelArgs, state: dict[str, torch.Tensor],

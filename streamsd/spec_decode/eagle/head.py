@@ -60,10 +60,11 @@ class HeadSpec:
 
 @dataclass(frozen=True, slots=True)
 class Shared:
-    """The target's modules a head borrows (not saved with it)."""
+    """The target's modules a head borrows (not saved with it): the target's own, or whole copies of
+    those a tensor-parallel target splits (spec_decode/eagle/borrowed.py), None where the head has its own."""
 
-    embed: nn.Embedding
-    lm_head: nn.Linear
+    embed: nn.Embedding | None
+    lm_head: nn.Linear | None
     norm: RMSNorm
 
 
@@ -72,6 +73,9 @@ class EagleHead(nn.Module):
         super().__init__()
         a, h = spec.args, spec.args.hidden_size
         self.spec = spec
+        #: what it does not borrow from the target (EAGLE-1 drafts through the target's lm_head)
+        self.own_embed = own_embed
+        self.own_lm_head = own_lm_head and spec.kind == EAGLE3
         layer = DecoderLayer(a)
         if spec.kind == EAGLE3:
             self.fc = nn.Linear(len(spec.aux_layers) * spec.target_hidden_size, h, bias=spec.fc_bias)
@@ -104,9 +108,11 @@ class EagleHead(nn.Module):
         self.input_layers = tuple(sorted(set(spec.aux_layers)))
         self._order = [self.input_layers.index(i) for i in spec.aux_layers]
 
-    def attach(self, target: Transformer) -> EagleHead:
-        """Borrow the target's embedding, head and final norm; RoPE tables to its context length."""
-        self.shared = Shared(target.model.embed_tokens, target.lm_head, target.model.norm)
+    def attach(self, target: Transformer, shared: Shared | None = None) -> EagleHead:
+        """Borrow the target's embedding, head and final norm (or `shared`, where the target holds a
+        tensor-parallel shard of them); RoPE tables to its context length."""
+        self.shared = shared if shared is not None else Shared(target.model.embed_tokens, target.lm_head,
+                                                               target.model.norm)
         args = dataclasses.replace(self.spec.args, max_position=max(self.spec.args.max_position,
                                                                      target.args.max_position))
         self.rope_cos, self.rope_sin = rope_tables(args, target.rope_cos.device)
