@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
-from streamsd.model.llama import ForwardOutput, Transformer, apply_rope
+from streamsd.model.llama import ForwardOutput, Transformer, apply_rope, store_streams
 
 # Rows per GEMM call. SmolLM2's lm_head (49152 x 576, float32, one thread of a 2-core EPYC): a lone row took
 # 30 ms through F.linear, 64 ms as a call of 8 rows, 114 ms of 16; 64 rows took 213, 500 and 341 ms. A CPU
@@ -102,9 +102,7 @@ def exact_reference_forward(model: Transformer, input_ids: torch.Tensor, layout:
         h = h + blocked_linear(gated, mlp.down_proj.weight)
     if model.args.num_layers in hidden_layers:
         captured.append(h.index_select(0, hidden_rows))
-    if streams_into is not None and captured:
-        streams_into.index_copy_(0, layout.slot_mapping, torch.cat(captured, dim=-1).to(streams_into.dtype))
-        captured = []
+    captured = store_streams(captured, streams_into, layout.slot_mapping)
     h = model.model.norm(h.index_select(0, logits_rows))  # [N, hidden]
     logits = blocked_linear(h, model.lm_head.weight).float()  # [N, V]
     return ForwardOutput(logits=logits, hidden=captured or None)

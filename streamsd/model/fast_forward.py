@@ -25,7 +25,7 @@ from torch import nn
 
 from streamsd.kernels.fused import add_rmsnorm, rope_and_cache, silu_mul
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
-from streamsd.model.llama import ForwardOutput, Transformer
+from streamsd.model.llama import ForwardOutput, Transformer, store_streams
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +124,7 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
             h = h + mlp
     if a.num_layers in hidden_layers:  # the final pre-norm stream
         captured.append(h if every_row or streams_into is not None else h.index_select(0, hidden_rows))
-    if streams_into is not None and captured:
-        streams_into.index_copy_(0, layout.slot_mapping, torch.cat(captured, dim=-1).to(streams_into.dtype))
-        captured = []
+    captured = store_streams(captured, streams_into, layout.slot_mapping)
     h = h if every_row else h.index_select(0, logits_rows)
     if exact:  # torch's row reduction splits a row differently for another number of rows
         h, _ = add_rmsnorm(h, None, model.model.norm.weight, a.rms_norm_eps)  # [N, hidden]

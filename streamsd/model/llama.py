@@ -99,6 +99,16 @@ class ForwardOutput:
     hidden: list[torch.Tensor] | None  # residual streams at the requested layers, [N, hidden] each
 
 
+def store_streams(captured: list[torch.Tensor], streams_into: torch.Tensor | None,
+                  slot_mapping: torch.Tensor) -> list[torch.Tensor]:
+    """The captured streams (each [T, hidden]) written into `streams_into` [slots, layers * hidden] at
+    each row's KV slot, layers side by side; returns what is left to hand back (nothing once stored)."""
+    if streams_into is None or not captured:
+        return captured
+    streams_into.index_copy_(0, slot_mapping, torch.cat(captured, dim=-1).to(streams_into.dtype))
+    return []
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, tp: TensorShard | None = None, layer_args: ModelArgs | None = None):
         super().__init__()
@@ -166,9 +176,7 @@ class Transformer(nn.Module):
             h = h + self.reduce(layer.mlp(layer.post_attention_layernorm(h)))
         if self.args.num_layers in hidden_layers:
             captured.append(h.index_select(0, hidden_rows))
-        if streams_into is not None and captured:
-            streams_into.index_copy_(0, layout.slot_mapping, torch.cat(captured, dim=-1).to(streams_into.dtype))
-            captured = []
+        captured = store_streams(captured, streams_into, layout.slot_mapping)
         h = self.model.norm(h.index_select(0, logits_rows))  # [N, hidden]
         logits = self.logits(self.lm_head(h).float())  # [N, V]
         return ForwardOutput(logits=logits, hidden=captured or None)

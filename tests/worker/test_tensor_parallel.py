@@ -130,30 +130,36 @@ def test_a_gguf_model_at_two_ranks_answers_as_at_one(tiny_model_dir, tmp_path, m
         assert outputs(two, greedy()) == expected
 
 
+def preempt_then_abort(llm: LLM, expected: list[list[int]]) -> None:
+    """Four greedy requests through a pool too small for them all (preemption by recompute) decode
+    `expected`, then a request aborted mid-answer: every rank's blocks are free after each."""
+    preempted = []
+    ids = [llm.core.encode_prompt(p) for p in PROMPTS]
+    for i, (prompt, p) in enumerate(zip(ids, greedy(), strict=True)):
+        llm.core.add_request(f"r{i}", prompt, p)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ids))}
+    for turn in llm.core.run():
+        preempted += turn.plan.preempted
+        for out in turn.outputs:
+            got[out.request_id] += out.token_ids
+    assert preempted, "the pool was large enough not to preempt"
+    assert list(got.values()) == expected
+    assert_free(llm)
+    llm.core.add_request("gone", ids[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        llm.core.step()
+    assert llm.core.scheduler.blocks.num_free < llm.core.scheduler.blocks.total
+    llm.core.abort("gone")
+    while llm.core.has_work:
+        llm.core.step()
+    assert_free(llm)
+
+
 def test_preemption_and_abort_at_two_ranks_free_every_block(tiny_model_dir, single):
     expected = outputs(single, greedy())
     # 3 blocks of 16 tokens cannot hold four requests at once: preemption by recompute.
     with LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_tokens=48, tensor_parallel_size=2) as llm:
-        preempted = []
-        ids = [llm.core.encode_prompt(p) for p in PROMPTS]
-        for i, (prompt, p) in enumerate(zip(ids, greedy(), strict=True)):
-            llm.core.add_request(f"r{i}", prompt, p)
-        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ids))}
-        for turn in llm.core.run():
-            preempted += turn.plan.preempted
-            for out in turn.outputs:
-                got[out.request_id] += out.token_ids
-        assert preempted, "the pool was large enough not to preempt"
-        assert list(got.values()) == expected
-        assert_free(llm)
-        llm.core.add_request("gone", ids[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-        for _ in range(3):
-            llm.core.step()
-        assert llm.core.scheduler.blocks.num_free < llm.core.scheduler.blocks.total
-        llm.core.abort("gone")
-        while llm.core.has_work:
-            llm.core.step()
-        assert_free(llm)
+        preempt_then_abort(llm, expected)
 
 
 def test_a_follower_killed_mid_generation_ends_the_engine_with_an_error_naming_it(tiny_model_dir):

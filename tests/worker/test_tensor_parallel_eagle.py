@@ -15,7 +15,13 @@ from streamsd.request import SamplingParams
 from streamsd.spec_decode.eagle.checkpoint import load_head
 from streamsd.worker.tp import TensorGroup
 from tests.spec_decode.test_eagle import _train_head
-from tests.worker.test_tensor_parallel import MAX_TOKENS, PROMPTS, assert_free, greedy, outputs
+from tests.worker.test_tensor_parallel import (
+    MAX_TOKENS,
+    assert_free,
+    greedy,
+    outputs,
+    preempt_then_abort,
+)
 
 CPU = torch.device("cpu")
 ENGINE = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 1024, "max_num_seqs": 4}
@@ -146,26 +152,7 @@ def test_preemption_and_abort_with_eagle_at_two_ranks_free_every_block(tiny_mode
     with LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]),
              num_speculative_tokens=3, device="cpu", dtype="float32", kv_cache_tokens=48,
              tensor_parallel_size=2) as llm:
-        preempted = []
-        ids = [llm.core.encode_prompt(p) for p in PROMPTS]
-        for i, (prompt, p) in enumerate(zip(ids, greedy(), strict=True)):
-            llm.core.add_request(f"r{i}", prompt, p)
-        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ids))}
-        for turn in llm.core.run():
-            preempted += turn.plan.preempted
-            for out in turn.outputs:
-                got[out.request_id] += out.token_ids
-        assert preempted, "the pool was large enough not to preempt"
-        assert list(got.values()) == plain
-        assert_free(llm)
-        llm.core.add_request("gone", ids[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-        for _ in range(3):
-            llm.core.step()
-        assert llm.core.scheduler.blocks.num_free < llm.core.scheduler.blocks.total
-        llm.core.abort("gone")
-        while llm.core.has_work:
-            llm.core.step()
-        assert_free(llm)
+        preempt_then_abort(llm, plain)
 
 
 def test_the_default_model_on_cuda_keeps_its_eagle_head_at_two_ranks_drafting_chains():
