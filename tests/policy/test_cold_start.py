@@ -1,0 +1,61 @@
+"""A batch whose proposer's running prior holds no evidence: it probes before it speculates.
+
+The configured default prior is a guess, not evidence. On this CPU's SmolLM2 at a batch of 32 (the
+eager step of the start-up profile below: width 2 costs 1.25 plain steps, width 5 twice one) a fresh
+batch entered speculation on that guess alone, at the depth the guess chose, and n-gram drafts of
+everyday chat were accepted a quarter of the time: every speculative step was slower than a plain one.
+"""
+
+from __future__ import annotations
+
+from streamsd.policy.adaptive import CostTable, PlannerState, RequestView, plan
+from streamsd.policy.adaptive.shape import ShapeTable
+
+# ms per step of this CPU's start-up profile, by batch: widths 1..5.
+CPU_MS = {1: (53.47, 57.22, 62.87, 62.87, 78.28), 8: (87.85, 120.01, 132.28, 144.54, 156.81),
+          32: (228.32, 284.54, 340.75, 396.97, 453.19), 64: (357.08, 498.45, 639.82, 781.19, 922.56)}
+
+
+def cpu_cost() -> CostTable:
+    samples = {(b, w + 1): ms * 1e-3 for b, row in CPU_MS.items() for w, ms in enumerate(row)}
+    return CostTable.from_samples({1: CPU_MS[1][0] * 1e-3}, shape=ShapeTable.from_samples(samples, padded=False))
+
+
+def fresh(batch: int, remaining: int = 64) -> list[RequestView]:
+    """Requests with no evidence of their own, read against the configured default prior (0.6): its
+    lower quarter with the pseudo-count a request borrows."""
+    return [RequestView(i, 4, [0.52, 0.45, 0.4, 0.36], mean_alphas=[0.6] * 4, remaining=remaining)
+            for i in range(batch)]
+
+
+def test_a_cold_large_batch_probes_at_k_one_instead_of_speculating_on_the_default_prior() -> None:
+    cost, st = cpu_cost(), PlannerState()
+    ks = plan(fresh(32), cost, 4, state=st, cold=True, guessing=True)
+    assert not st.speculating  # no excursion on a guess
+    assert max(ks) == 1 and st.probed  # the probe step: one draft each, the cheapest step that teaches
+    # Until the probe's evidence arrives the batch stays plain: one probe step, not one per plan.
+    assert plan(fresh(32), cost, 4, state=st, cold=True, guessing=True) == [0] * 32
+    assert not st.speculating
+
+
+def test_evidence_from_a_cold_probe_decides_entry_on_the_pessimistic_bound() -> None:
+    cost = cpu_cost()
+    # Drafts accepted a quarter of the time: k = 1 yields 1.25 tokens for 1.25 plain steps: plain.
+    poor = [RequestView(i, 4, [0.2] * 4, mean_alphas=[0.27] * 4) for i in range(32)]
+    st = PlannerState()
+    assert plan(poor, cost, 4, state=st) == [0] * 32 and not st.speculating
+    # Drafts accepted 90 % of the time pay at once.
+    good = [RequestView(i, 4, [0.85] * 4, mean_alphas=[0.9] * 4) for i in range(32)]
+    st = PlannerState()
+    assert max(plan(good, cost, 4, state=st)) > 0 and st.speculating
+
+
+def test_a_cold_small_batch_speculates_on_a_forgotten_prior_but_not_on_a_guess() -> None:
+    """Up to 16 requests gate on their means once the prior ever held evidence (it forgets within ~60
+    steps at batch 1, see the planner's Small batches); never on the configured default alone."""
+    cost = cpu_cost()
+    good = [RequestView(0, 4, [0.8] * 4, mean_alphas=[0.85] * 4)]
+    st = PlannerState()
+    assert max(plan(good, cost, 4, state=st, cold=True)) > 0 and st.speculating
+    st = PlannerState()
+    assert plan(good, cost, 4, state=st, cold=True, guessing=True) == [1] and not st.speculating
