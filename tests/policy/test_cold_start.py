@@ -59,3 +59,19 @@ def test_a_cold_small_batch_speculates_on_a_forgotten_prior_but_not_on_a_guess()
     assert max(plan(good, cost, 4, state=st, cold=True)) > 0 and st.speculating
     st = PlannerState()
     assert plan(good, cost, 4, state=st, cold=True, guessing=True) == [1] and not st.speculating
+
+
+def test_a_request_read_against_a_cold_prior_rereads_it_as_soon_as_evidence_arrives() -> None:
+    """Requests that only borrowed the configured default (read while the prior held no evidence) must
+    see the probe's evidence at the next plan, not after the refresh interval: at α 0.25 on the CPU
+    table, requests still reading the default 0.6 entered speculation at k = 2 right after the probe."""
+    from streamsd.policy.adaptive import AcceptanceConfig, AcceptanceEstimator
+
+    est = AcceptanceEstimator(AcceptanceConfig(max_k=4))
+    waiting = est.new_request()
+    assert est.mean(waiting)[0] == 0.6  # the default, read while the prior is cold
+    for _ in range(32):  # a probe step: every draft rejected
+        est.observe(est.new_request(), 1, 0)
+    est.tick()
+    assert est.mean(waiting)[0] < 0.3
+    assert est.estimate(waiting)[0] < 0.25
