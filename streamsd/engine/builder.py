@@ -363,7 +363,8 @@ def adaptive_policy(max_k: int, cost: CostTable, worker: Worker) -> AdaptivePoli
     return AdaptivePolicy(max_k, cost, draft_has_cache=proposer is not None and proposer.keeps_cache,
                           settled_lag=1 if worker.hidden_layers else 0,
                           queues_ahead=worker.lookahead.queues_speculative,
-                          depth_steps=proposer.depth_steps if proposer is not None else ())
+                          depth_steps=proposer.depth_steps if proposer is not None else (),
+                          short_drafts_fail=proposer is not None and proposer.may_propose_fewer)
 
 
 def check_vocab(target_tok: Any, draft_tok: Any, target: ModelArgs, draft: ModelArgs) -> None:

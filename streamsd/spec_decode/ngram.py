@@ -70,6 +70,7 @@ class NgramIndex:
 
 
 class NgramProposer(Proposer):
+    may_propose_fewer = True  # no earlier occurrence of the suffix: no draft
 
     def __init__(self, n_max: int = 4, n_min: int = 1):
         self.n_max, self.n_min = n_max, n_min

@@ -72,6 +72,9 @@ class Proposer:
     hidden_layers: tuple[int, ...] = ()
     #: Drafts its next chain on the device behind a verify, with no host read in between (`chain`).
     chains_on_device: bool = False
+    #: May propose fewer drafts than asked (a lookup that finds no match): a draft it did not propose
+    #: yields no token, so the adaptive policy counts the shortfall as a rejection where the drafts ran out.
+    may_propose_fewer: bool = False
     #: How conditional acceptance rises with draft depth, per acceptance class (measured for a head).
     depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = ()
     #: The target's streams per KV slot, kept for the proposer to catch up from (model/stream_store.py).

@@ -132,6 +132,9 @@ class RequestAcceptance:
     mean: tuple[float, ...] = ()
     stale: bool = True
     prior_version: int = -1
+    # The last read borrowed a prior without evidence (the configured default): re-read at its next
+    # change, so that a cold batch's probe informs the requests it did not probe at the next plan.
+    read_cold: bool = False
 
 
 @dataclass(slots=True)
@@ -234,7 +237,7 @@ class AcceptanceEstimator:
                 for st in group:
                     self._refresh(st)
                 continue
-            cfg, prior = self.config, self.prior(proposer)
+            cfg, prior, cold = self.config, self.prior(proposer), self.cold(proposer)
             for st in group:
                 self._apply_idle(st)
             s = np.array([st.successes for st in group])  # [n, K]
@@ -253,11 +256,12 @@ class AcceptanceEstimator:
                 safe[:, j] = np.where(reach >= 0.01, beta_quantile_approx_many(a, b, self.z), 0.0)
             for st, sa, me in zip(group, safe.tolist(), mean.tolist(), strict=True):
                 st.safe, st.mean = tuple(sa), tuple(me)
-                st.stale, st.prior_version = False, prior.version
+                st.stale, st.prior_version, st.read_cold = False, prior.version, cold
 
     def _due(self, state: RequestAcceptance) -> bool:
         prior = self.prior(state.proposer)
-        return state.stale or prior.version - state.prior_version >= self.config.refresh_every
+        return (state.stale or prior.version - state.prior_version >= self.config.refresh_every
+                or (state.read_cold and prior.version != state.prior_version))
 
     def _apply_idle(self, state: RequestAcceptance) -> None:
         if state.pending_idle:
@@ -288,7 +292,7 @@ class AcceptanceEstimator:
             # Positions the planner will never draft (survival below 1%) skip the quantile.
             safe.append(beta_quantile_approx(a, b, z) if reach >= 0.01 else 0.0)
         state.safe, state.mean = tuple(safe), tuple(mean)
-        state.stale, state.prior_version = False, prior.version
+        state.stale, state.prior_version, state.read_cold = False, prior.version, self.cold(state.proposer)
 
     def wants_probe(self, state: RequestAcceptance) -> bool:
         return state.idle_steps >= self.config.probe_after

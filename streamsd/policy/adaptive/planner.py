@@ -58,7 +58,13 @@ unseen speculative shape priced them at a fraction of their cost, and they took 
 running prior is ``cold`` (no evidence yet, or forgotten) every request may probe, at once: a CUDA
 graph pads the batch to its widest request, so at B = 128 four probes cost the step of 128 and one
 step of them all is what teaches the prior; without it a large batch that the default prior keeps
-plain never learnt that its drafts were good (B = 128 at alpha 0.9 on the H200).
+plain never learnt that its drafts were good (B = 128 at alpha 0.9 on the H200). Such a batch does not
+enter speculation before that probe's evidence is in: the default prior is a guess, and on a CPU at
+B = 32 (a width-2 step 1.25 plain ones, width 5 two) a fresh batch entered at k = 2 on it while n-gram
+drafts of chat were accepted a quarter of the time. The probe is the cheapest step that teaches (one
+draft each); the entry is then the strict gate's, on the lower quantiles the evidence gives. A small
+batch may still enter on the strict gate: its excursion is a few requests' steps, and in the simulator
+at batch 2 waiting for a probe's evidence first cost n-gram drafts 2 % of their gain.
 
 Small batches.  Up to ``small_batch`` requests, a plan passes when its *expected* rate clears the
 floor and its pessimistic rate loses at most ``small_batch_loss`` against plain (unless the
@@ -223,7 +229,9 @@ def plan(
              for group in ((everyone, fresh) if len(fresh) < b else (everyone,))]
     best = max((p for p in plans if p is not None), key=lambda p: p.rate, default=None)
     if best is not None and not st.speculating:
-        if best.rate / plain_rate - 1.0 < _payback_margin(left, cfg.entry_steps):
+        if cold and b > cfg.small_batch:
+            best = None  # no entry on the configured default: the cold probe below gathers evidence first
+        elif best.rate / plain_rate - 1.0 < _payback_margin(left, cfg.entry_steps):
             best = None  # too close to the batch's end to pay for the switch
     speculate = best is not None
     st.switches += speculate != st.speculating
