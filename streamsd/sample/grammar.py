@@ -141,12 +141,10 @@ def apply_masks(entries: list[Scheduled], rows: torch.Tensor, pick: list[int]) -
     width, vocab = rows.shape[1], rows.shape[2]
     packed = np.stack([_entry_masks(entries[b], width) for b in pick])  # [P, W, words]
     bits = h2d(torch.from_numpy(packed.reshape(len(pick) * width, -1)), torch.int32, rows.device)  # [P * W, words]
-    index = h2d(torch.tensor(pick, dtype=torch.int64), torch.int64, rows.device)
+    index = h2d(pick, torch.int64, rows.device)  # [P]
     sub = rows.index_select(0, index).reshape(len(pick) * width, vocab).float()  # [P * W, V], a copy
     xgr.apply_token_bitmask_inplace(sub, bits, vocab_size=vocab)
-    out = rows.clone()
-    out.index_copy_(0, index, sub.view(len(pick), width, vocab).to(rows.dtype))
-    return out
+    return rows.index_copy(0, index, sub.view(len(pick), width, vocab).to(rows.dtype))  # [B, W, V], a new tensor
 
 
 def _entry_masks(e: Scheduled, width: int) -> np.ndarray:
