@@ -15,6 +15,7 @@ import torch
 
 from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig, TreeShape
 from streamsd.engine.generation_defaults import GenerationDefaults
+from streamsd.engine.warm_up import warm_up
 from streamsd.model.arch import ModelArgs
 from streamsd.model.exact_forward import enable_exact_reference
 from streamsd.model.kv_cache import PagedKVCache
@@ -37,7 +38,6 @@ from streamsd.spec_decode.eagle.checkpoint import head_dir, load_head, measured_
 from streamsd.spec_decode.eagle.proposer import EagleProposer
 from streamsd.spec_decode.ngram import NgramProposer
 from streamsd.spec_decode.proposer import Proposer
-from streamsd.worker.first_passes import first_passes
 from streamsd.worker.lookahead import KVMargin, kv_margin
 from streamsd.worker.tp import TensorGroup, default_threads, use_kernels
 from streamsd.worker.worker import Worker
@@ -285,9 +285,9 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
             log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
                      time.perf_counter() - t1)
     policy = build_policy(cfg, worker, sched, tuple(model_dirs))
-    if device.type != "cuda":  # the GPU's warm-up and graph capture ran every step shape already
-        drafting = proposer.draft_model() if proposer is not None else None
-        first_passes(target, cache, (drafting.model, drafting.cache) if drafting is not None else None)
+    eos_ids = eos_ids_of(path, tokenizer, args)
+    warm = warm_up(worker, sched, cfg.spec, eos_ids, q_slots)
+    log.info("warmed up in %.2fs: %d steps, %d drafts", warm.seconds, warm.steps, warm.drafted)
     seconds = time.perf_counter() - t0
     q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0
     log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB; "
@@ -306,7 +306,7 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     # was collected ~130 times per 64-token pass at B = 256, 20-37 ms per pass on the H200's host
     # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    return Runtime(worker, tokenizer, args, sched, path, eos_ids_of(path, tokenizer, args), q_slots, seconds, policy,
+    return Runtime(worker, tokenizer, args, sched, path, eos_ids, q_slots, seconds, policy,
                    Grammars(tokenizer, args.vocab_size), defaults, group)
 
 

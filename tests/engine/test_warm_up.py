@@ -1,0 +1,57 @@
+"""The start-up's warm-up requests (engine/warm_up.py) run every model's steps and leave nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamsd import LLM, SamplingParams
+from streamsd.engine.warm_up import NEW_TOKENS, warm_up, warm_up_prompt
+from tests.engine.test_engine import hf_greedy
+
+PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12 13"]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_an_engine_starts_warmed_up_and_untouched(tiny_model_dir, close_draft_dir, pipeline):
+    llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3, pipeline=pipeline)
+    rt, sched = llm.core.rt, llm.core.scheduler
+    worker = rt.worker
+    draft = worker.proposer.draft_model()
+    # The warm-up ran the target and the draft model: both caches hold what it wrote.
+    assert worker.cache.data.abs().sum() > 0 and draft.cache.data.abs().sum() > 0
+    # ... under a scheduler of its own: the engine's has seen nothing.
+    assert sched.blocks.num_free == sched.blocks.total and sched.blocks.num_cached == 0
+    assert (sched.blocks.queries, sched.blocks.hits) == (0, 0) and not sched.has_work
+    assert llm.core.totals.drafted == 0 and worker.lookahead.queued is None
+    # A first request reads none of it: the target's own greedy answer.
+    got = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 2)
+    assert [r.outputs[0].token_ids for r in got] == hf_greedy(str(tiny_model_dir), PROMPTS, [12, 12])
+    assert sum(r.spec_stats.drafted for r in got) > 0
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_the_warm_up_drafts_and_frees_every_block(tiny_model_dir, close_draft_dir, method):
+    """Run again on a built engine's worker: its two requests reach their ends in a few steps, a draft
+    model drafts for them (n-gram drafts only where the tiny model's answer repeats its prompt), and
+    every block comes back (warm_up asserts that)."""
+    draft = str(close_draft_dir) if method == "draft" else None
+    llm = LLM(str(tiny_model_dir), speculative_method=method, draft_model=draft, num_speculative_tokens=3)
+    rt = llm.core.rt
+    warm = warm_up(rt.worker, rt.scheduler_config, llm.core.spec, rt.eos_ids, rt.q_slots)
+    assert 2 <= warm.steps <= 2 * NEW_TOKENS and warm.seconds > 0
+    assert warm.drafted > 0 or method == "ngram"
+    assert len(warm_up_prompt(rt.args.vocab_size)) > 16  # a prompt over two KV blocks
+
+
+def test_an_engine_without_speculation_warms_up_plain(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir))
+    rt = llm.core.rt
+    warm = warm_up(rt.worker, rt.scheduler_config, llm.core.spec, rt.eos_ids, rt.q_slots)
+    assert warm.drafted == 0 and warm.steps == NEW_TOKENS  # a prefill, then one token a step
+
+
+def test_an_engine_with_a_small_pool_warms_up(tiny_model_dir):
+    """The warm-up fits the smallest pool an engine accepts (its two requests take turns there)."""
+    llm = LLM(str(tiny_model_dir), speculative_method="ngram", num_speculative_tokens=2, kv_cache_tokens=64)
+    got = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert got[0].outputs[0].token_ids == hf_greedy(str(tiny_model_dir), PROMPTS[:1], [8])[0]
