@@ -17,6 +17,7 @@ they wrote is overwritten by whichever request is given those blocks next.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -47,7 +48,9 @@ def warm_up(worker: Worker, cfg: SchedulerConfig, spec: SpecConfig, eos_ids: fro
     """Runs the two requests to their end on `worker`. Leaves no step queued and no KV block held."""
     t0 = time.perf_counter()
     k = spec.tree.nodes if spec.tree is not None else spec.num_tokens
-    sched = Scheduler(cfg, dense_q_slots=q_slots, policy=FixedPolicy(spec.max_batch))
+    # Its own queue bound: a server may admit fewer waiting requests than the two.
+    sched = Scheduler(dataclasses.replace(cfg, max_queue=max(cfg.max_queue, 2)), dense_q_slots=q_slots,
+                      policy=FixedPolicy(spec.max_batch))
     prompt = warm_up_prompt(worker.vocab)
     for i, temperature in enumerate((0.0, 1.0)):
         params = SamplingParams(temperature=temperature, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)

@@ -55,3 +55,13 @@ def test_an_engine_with_a_small_pool_warms_up(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), speculative_method="ngram", num_speculative_tokens=2, kv_cache_tokens=64)
     got = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert got[0].outputs[0].token_ids == hf_greedy(str(tiny_model_dir), PROMPTS[:1], [8])[0]
+
+
+def test_a_server_admitting_one_waiting_request_warms_up(tiny_model_dir):
+    """The warm-up's two requests are not held to the engine's queue bound (`--max-queue 1`)."""
+    from streamsd.config import EngineConfig, SpecConfig
+    from streamsd.engine.builder import build_runtime
+
+    rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method="ngram"), device="cpu",
+                                    max_queue=1))
+    assert rt.scheduler_config.max_queue == 1
