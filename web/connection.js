@@ -5,7 +5,7 @@
 import { authHeaders, getKey, setKey } from "./auth.js";
 import { announce, hideBanner, showBanner, ui } from "./dom.js";
 import { failTurn, handleFrame } from "./generation.js";
-import { proposerName, renderLegend } from "./speculation.js";
+import { proposerName, renderClaim, renderLegend } from "./speculation.js";
 import { conn, lastTurn, state } from "./state.js";
 import { renderFooter, updateControls } from "./view.js";
 
@@ -102,6 +102,7 @@ async function loadServerInfo() {
     if (Number.isInteger(model.max_model_len)) ui.settings.elements.max_tokens.max = String(model.max_model_len);
     if (model.speculation) {
       renderLegend(ui.legend, model.speculation);
+      renderClaim(ui.claim, model.speculation);
       ui.specProposer.textContent = proposerName(model.speculation) || "none (speculation is off)";
     }
     // null while the model loads: ask again until it is known.

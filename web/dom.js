@@ -22,6 +22,7 @@ export const ui = {
   settings: $("settings-form"),
   modelName: $("model-name"),
   legend: $("legend"),
+  claim: $("claim"),
   announce: $("announce"),
   statsNote: $("stats-note"),
   keyDialog: $("key-dialog"),

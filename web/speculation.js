@@ -49,3 +49,12 @@ export function renderLegend(legend, spec) {
     " sampled by the target",
   );
 }
+
+/** What speculation guarantees on this server, for the empty chat's first line. */
+export function renderClaim(claim, spec) {
+  claim.textContent = spec.exact
+    ? "Every token you see was checked by the target model, and this server runs in exact mode: " +
+      "replies are token for token what it says without speculation, whatever else it serves."
+    : "Every token you see was checked by the target model: speculation changes how fast replies " +
+      "come, not what the model may say.";
+}

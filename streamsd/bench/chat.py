@@ -15,7 +15,8 @@ time of the requests (prefill included), summed over the prompts; τ = tokens pe
 Every row carries its answers. At T=0 `same_as_plain` counts the speculative answers that equal
 plain's token for token (speculation is lossless; in bfloat16 a verify's wider passes can round
 differently from plain's one-row step: --dtype float32 takes that out). Sampled answers are
-seeded per prompt, so plain-seq matches plain at every temperature.
+seeded per prompt, so plain-seq matches plain at every temperature; with --exact (every engine in
+the exact mode) so does every speculative method.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 tallies[m].answers.append(answer(core, f"{m}-{t:g}-{i}", ids, params))
             if hf is not None:
                 tallies[HF].answers.append(hf_answer(hf, plain, ids, params))
-        rows += [tally.row(m, t, tallies["plain"]) for m, tally in tallies.items()]
+        rows += [tally.row(m, t, tallies["plain"], args.exact) for m, tally in tallies.items()]
         policies |= {f"{m} T={t:g}": s for m, core in engines.items() if (s := policy_summary(core)) is not None}
         doc = _doc(args, plain, source, len(prompts), rows, policies)
         if args.output_json:  # after every temperature: a run cut short keeps its figures
@@ -110,16 +111,18 @@ def _doc(args: argparse.Namespace, plain: EngineCore, source: str, prompts: int,
         "command": "streamsd bench chat", "model": args.model, "head": args.head, "prompts_from": source,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": str(worker.target.model.embed_tokens.weight.dtype).removeprefix("torch."),
-        "cuda_graphs": worker.graphs is not None, "k": args.k, "prompts": prompts, "max_tokens": args.max_tokens,
+        "cuda_graphs": worker.graphs is not None, "exact": args.exact, "k": args.k, "prompts": prompts,
+        "max_tokens": args.max_tokens,
         "rows": rows, "policy": policies,
     }
 
 
 def print_table(doc: dict[str, Any]) -> None:
-    title = (f"streamsd bench chat — {Path(doc['model']).name} on {doc['device']} ({doc['dtype']}), batch 1, "
+    mode = ", exact mode" if doc.get("exact") else ""
+    title = (f"streamsd bench chat — {Path(doc['model']).name} on {doc['device']} ({doc['dtype']}{mode}), batch 1, "
              f"{doc['prompts']} prompts, up to {doc['max_tokens']} tokens, k={doc['k']}")
     caption = (f"prompts from {doc['prompts_from']}; tok/s: generated tokens / wall time (prefill included); "
-               "τ: tokens per verify step; = plain: answers identical to plain's (T=0, and plain-seq)")
+               "τ: tokens per verify step; = plain: answers identical to plain's (T=0, plain-seq; every T exact)")
     headers = ("method", "T", "tokens", "tok/s", "× plain", "τ", "= plain")
     print_grid(title, headers, [
         (r["method"], f"{r['temperature']:g}", str(r["tokens"]), f"{r['tokens_per_s']:.1f}",

@@ -30,4 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trees", default=None,
                    help="draft-tree shapes 'D,M,C,N' separated by ';', one engine each (a '/native' suffix ranks "
                         "drafts over the head's lm_head as it is, not an int8 copy)")
+    p.add_argument("--exact", action="store_true",
+                   help="every engine in the exact mode: speculative answers must equal plain's at every temperature")
     p.add_argument("--output-json", default=None, help="write the figures and every answer here")

@@ -44,11 +44,12 @@ class Tally:
 
     answers: list[Answer] = field(default_factory=list)
 
-    def row(self, method: str, temperature: float, plain: Tally) -> dict[str, Any]:
+    def row(self, method: str, temperature: float, plain: Tally, exact_mode: bool = False) -> dict[str, Any]:
         """The figures of `method` against plain's at `temperature`. Its answers are counted against
-        plain's where they must be equal token for token: greedy speculation, and plain-seq (seeded)."""
+        plain's where they must be equal token for token: greedy speculation, plain-seq (seeded), and in
+        the exact mode seeded speculation too."""
         speculative = is_speculative(method)
-        exact = method == "plain-seq" or (temperature == 0 and speculative)
+        exact = method == "plain-seq" or (speculative and (temperature == 0 or exact_mode))
         tokens = sum(len(a.token_ids) for a in self.answers)
         seconds = sum(a.seconds for a in self.answers)
         steps, emitted = sum(a.steps for a in self.answers), sum(a.emitted for a in self.answers)
@@ -108,7 +109,7 @@ def build_engine(args: argparse.Namespace, method: str) -> EngineCore:
                       int8_draft_head=not method.endswith("/native"))
     cfg = EngineConfig(model=args.model, spec=spec, device=args.device, dtype=args.dtype, max_num_seqs=4,
                        kv_cache_tokens=KV_CACHE_TOKENS + args.max_tokens, cpu_threads=args.threads,
-                       pipeline=False if method == "plain-seq" else None)
+                       pipeline=False if method == "plain-seq" else None, exact=args.exact)
     return EngineCore(build_runtime(cfg), spec)
 
 

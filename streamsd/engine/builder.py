@@ -61,6 +61,7 @@ class Runtime:
     grammars: Grammars
     generation_defaults: GenerationDefaults = GenerationDefaults()
     group: TensorGroup | None = None  # the follower ranks under tensor parallelism (worker/tp.py)
+    exact: bool = False  # the exact mode: batch-invariant target logits, drafts verified against plain sampling
 
     def close(self) -> None:
         """Stops and joins the follower ranks, if any."""
@@ -268,7 +269,8 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
         prefix_draft_kv=proposer is not None and proposer.keeps_cache,
         prefix_next_tokens=proposer.kv_next_tokens if proposer is not None else 0,
     )
-    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree, scratch_block=num_blocks)
+    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree, scratch_block=num_blocks,
+                    exact=cfg.exact)
     if cfg.exact and device.type != "cuda":
         enable_exact_reference(target)
     if queues_ahead:
@@ -307,7 +309,7 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     return Runtime(worker, tokenizer, args, sched, path, eos_ids, q_slots, seconds, policy,
-                   Grammars(tokenizer, args.vocab_size), defaults, group)
+                   Grammars(tokenizer, args.vocab_size), defaults, group, cfg.exact)
 
 
 def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerConfig:

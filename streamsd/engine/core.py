@@ -123,9 +123,7 @@ class EngineCore:
             arrival=time.monotonic(),
             eos_ids=self.rt.eos_ids,
             spec_k=self._spec_k(params),
-            greedy_draft=params.temperature < (params.draft_greedy_threshold
-                                               if params.draft_greedy_threshold is not None
-                                               else self.spec.draft_greedy_threshold),
+            greedy_draft=self._greedy_draft(params),
         )
         if params.constraint is not None:
             r.matcher = self.rt.grammars.matcher(params.constraint, self.rt.eos_ids)  # compiles on first use
@@ -133,6 +131,16 @@ class EngineCore:
         self.trackers[request_id] = _Tracker(r, Detokenizer.for_prompt(self.tokenizer, r.prompt_ids,
                                                                         params.stop_strings))
         return r
+
+    def _greedy_draft(self, p: SamplingParams) -> bool:
+        """Whether the proposer drafts its argmax (one-hot q) rather than a sample of its q. In the exact
+        mode a draft passes when it is plain sampling's token, with probability p(draft): the argmax of q
+        passes with p(argmax q), a sample of q with sum(q * p) on average, which is lower wherever q is
+        close to p; so there every request drafts argmaxes unless it asks otherwise."""
+        if self.rt.exact and p.draft_greedy_threshold is None:
+            return True
+        threshold = p.draft_greedy_threshold if p.draft_greedy_threshold is not None else self.spec.draft_greedy_threshold
+        return p.temperature < threshold
 
     def _spec_k(self, p: SamplingParams) -> int:
         if not self.spec.enabled or p.speculative is False:

@@ -49,8 +49,12 @@ class Launched:
 
 
 class Verifier:
-    def __init__(self, q_pool: torch.Tensor | None, vocab: int, device: torch.device, launched: threading.Event):
+    def __init__(self, q_pool: torch.Tensor | None, vocab: int, device: torch.device, launched: threading.Event,
+                 coupled: bool = False):
         self.q_pool = q_pool  # [slots, K, V] dense draft distributions, or None
+        # The exact mode's rule for sampled rows (`_plain_tokens`): every verified position's token is
+        # the one plain decoding samples there, and a draft is accepted while it equals that token.
+        self.coupled = coupled
         self.vocab = vocab
         self.device = device
         self.launched = launched  # set once a step's GPU work is queued, just before its host read
@@ -139,7 +143,10 @@ class Verifier:
         if draft_ids is None:
             draft_ids = ints[at:].view(b, k)  # [B, K]
         probs = None
-        if rows is not None and not all(r.params.greedy for r in reqs):
+        if self.coupled and rows is not None and not all(r.params.greedy for r in reqs):
+            target_argmax = self._plain_tokens(reqs, rows, ints[:b], seeds, positions)  # [B, K+1]
+            greedy = torch.ones_like(greedy)  # accept while the draft is that token: the greedy rule
+        elif rows is not None and not all(r.params.greedy for r in reqs):
             probs = warp(rows.view(-1, self.vocab), self.warp_params(reqs), reps=k + 1).view(b, k + 1, -1)  # [B, K+1, V]
         q = None
         if any(dense) and self.q_pool is not None:
@@ -160,6 +167,18 @@ class Verifier:
         drafts = chain(tokens, accepted) if chain is not None else None  # [B, k'] queued behind the sampler
         logprobs = self._logprobs(reqs, rows, tokens) if rows is not None else [None] * len(reqs)
         return Launched(tokens, accepted, drafts, logprobs)
+
+    def _plain_tokens(self, reqs: list[Request], rows: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+        """rows [B, K+1, V], greedy and seeds [B] int64, positions [B, K+1] -> [B, K+1]: at every verified
+        position the token a plain step samples there (`_race`: the argmax of a greedy row, else the race
+        of its warped p against the noise keyed by its seed and position). Accepting drafts while they equal these tokens emits exactly plain
+        decoding's tokens, so it is lossless whatever the drafts' q; a draft d passes with probability
+        p(d), as rejection sampling passes a one-hot q's. With the exact mode's batch-invariant logits a
+        seeded request then samples the same text with and without speculation."""
+        b, w, vocab = rows.shape
+        ints = torch.stack([greedy.repeat_interleave(w), seeds.repeat_interleave(w), positions.reshape(-1)])  # [3, B*W]
+        return sample_keyed(rows.reshape(b * w, vocab), self.warp_params(reqs).repeat(w), ints).view(b, w)
 
     def read(self, v: Launched) -> Verified:
         """The step's one host read: tokens, accepted counts, and the chained drafts with them."""

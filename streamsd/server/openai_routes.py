@@ -281,7 +281,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     engine = state.engine
     max_len = engine.core.scheduler.cfg.max_model_len if engine else None
     return {"id": state.served_model_name, "object": "model", "created": int(state.started), "owned_by": "streamsd",
-            "max_model_len": max_len, "speculation": speculation(engine.core.spec) if engine else None}
+            "max_model_len": max_len, "speculation": speculation(engine.core.spec, engine.core.rt.exact) if engine else None}
 
 
 async def models(request: Request) -> Response:

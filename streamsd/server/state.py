@@ -175,12 +175,13 @@ def token_entries(out: RequestOutput) -> list[dict[str, Any]]:
     return [{"id": t.id, "text": t.text, "draft": t.draft} for t in out.tokens]
 
 
-def speculation(spec: SpecConfig) -> dict[str, Any]:
-    """How the server speculates, for clients that name the proposer (the web UI's legend)."""
+def speculation(spec: SpecConfig, exact: bool) -> dict[str, Any]:
+    """How the server speculates, for clients that name the proposer (the web UI's legend) and say
+    what speculation guarantees (`exact`: the exact mode, where answers equal plain decoding's)."""
     if not spec.enabled:
-        return {"method": "none", "num_tokens": 0, "draft_model": None, "tree": None}
+        return {"method": "none", "num_tokens": 0, "draft_model": None, "tree": None, "exact": exact}
     draft = None
     if spec.method == "draft" and spec.draft_model:  # named like the served model: a directory by its last part
         draft = Path(spec.draft_model).name or spec.draft_model
     return {"method": spec.method, "num_tokens": spec.num_tokens, "draft_model": draft,
-            "tree": str(spec.tree) if spec.tree else None}
+            "tree": str(spec.tree) if spec.tree else None, "exact": exact}

@@ -63,7 +63,7 @@ class _StreamsOnly(Proposer):
 class Worker:
     def __init__(self, target: Transformer, cache: PagedKVCache, proposer: Proposer | None,
                  q_pool: torch.Tensor | None, device: torch.device, pipeline: bool | None = None,
-                 tree: TreeShape | None = None, scratch_block: int | None = None):
+                 tree: TreeShape | None = None, scratch_block: int | None = None, exact: bool = False):
         self.target = target
         # The block no request owns (the cache's last): where recomputing streams writes its K/V.
         self.scratch_block = cache.num_blocks - 1 if scratch_block is None else scratch_block
@@ -83,7 +83,8 @@ class Worker:
         # previous step's text work while the GPU runs (see EngineCore.run).
         self.launched = threading.Event()
         self.stream_sink: StreamSink | None = None  # recording_streams
-        self.verifier = Verifier(q_pool, self.vocab, device, self.launched)  # q_pool: [slots, K, V] or None
+        # q_pool: [slots, K, V] or None; the exact mode verifies sampled drafts against plain sampling's tokens.
+        self.verifier = Verifier(q_pool, self.vocab, device, self.launched, coupled=exact)
         # Pipelined plain steps: on by default where the device runs ahead of the host (CUDA).
         self.lookahead = Lookahead(cache.block_size, device.type == "cuda" if pipeline is None else pipeline)
         self.readback = Readback(device)

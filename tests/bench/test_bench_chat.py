@@ -72,6 +72,19 @@ def test_every_method_gets_a_row_per_temperature_and_greedy_speculation_answers_
     assert "streamsd bench chat" in table and "tree-2,2,2,4" in table and "τ" in table
 
 
+def test_in_the_exact_mode_seeded_speculative_answers_are_counted_and_equal_plain(
+        tmp_path, tiny_model_dir, head_with_held_out, capsys):
+    doc = _bench(tmp_path / "exact.json", "--model", str(tiny_model_dir), "--head", str(head_with_held_out),
+                 "--methods", "plain,ngram,eagle", "--temperatures", "0,1", "--exact")
+    rows = {(r["method"], r["temperature"]): r for r in doc["rows"]}
+    assert doc["exact"] and len(rows) == 6
+    for m in ("ngram", "eagle"):
+        for t in (0.0, 1.0):
+            assert rows[(m, t)]["same_as_plain"] == 2 and rows[(m, t)]["answers"] == rows[("plain", t)]["answers"]
+    assert rows[("eagle", 0.0)]["tau"] > 1.0  # drafts were accepted (tests/model/test_exact_forward.py: sampled too)
+    assert "exact mode" in capsys.readouterr().out
+
+
 def test_a_dataset_replaces_the_held_out_prompts(tmp_path, tiny_model_dir):
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in ("Tell me a story.", "Count to ten.")))

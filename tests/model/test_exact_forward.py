@@ -86,7 +86,7 @@ def test_exact_cuda_forward_gives_a_token_the_same_logits_however_its_step_is_ma
     assert differing(checked_row_logits(model, torch.device("cuda"), dtype)) == []
 
 
-def test_exact_greedy_eagle_chains_equal_plain_decoding(tiny_model_dir, tmp_path):
+def test_exact_eagle_chains_equal_plain_decoding_greedy_and_seeded(tiny_model_dir, tmp_path):
     """An EAGLE head reads the target's residual streams, which the exact forward captures too."""
     import json
 
@@ -105,3 +105,35 @@ def test_exact_greedy_eagle_chains_equal_plain_decoding(tiny_model_dir, tmp_path
     res = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == plain
     assert sum(r.spec_stats.drafted for r in res) > 0
+    # Seeded sampling too (the head's chains drafted from its argmax).
+    plain_sampled, _ = _sampled(LLM(str(tiny_model_dir), exact=True, device=str(device)), PROMPTS)
+    assert _sampled(llm, PROMPTS)[0] == plain_sampled
+
+
+SAMPLED = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.2, min_p=0.05),
+           dict(temperature=0.9, top_p=0.8), dict(temperature=1.0, draft_greedy_threshold=2.0),  # sampled drafts
+           dict(temperature=0.0)]
+
+
+def _sampled(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], int]:
+    params = [SamplingParams(max_tokens=32, ignore_eos=True, seed=100 + i, **SAMPLED[i % len(SAMPLED)])
+              for i in range(len(prompts))]
+    res = llm.generate(prompts, params)
+    return [r.outputs[0].token_ids for r in res], sum(r.spec_stats.accepted for r in res)
+
+
+def test_exact_seeded_sampling_with_speculation_and_at_any_batch_is_plain_sampling(tiny_model_dir, close_draft_dir):
+    """In the exact mode every verified position's token is the one plain decoding samples there and
+    drafts pass while they equal it: seeded answers are plain decoding's token for token, with a draft
+    model (argmax drafts, and sampled ones where a request asks for them), n-gram drafts, alone or
+    batched. Without the mode, rejection sampling draws other (equally distributed) tokens."""
+    device = "cuda" if CUDA else "cpu"
+    prompts = PROMPTS * 2
+    plain, _ = _sampled(LLM(str(tiny_model_dir), exact=True, device=device), prompts)
+    assert _sampled(LLM(str(tiny_model_dir), exact=True, device=device, max_num_seqs=1), prompts)[0] == plain
+    draft = {"draft_model": str(close_draft_dir), "num_speculative_tokens": 4}
+    for kw in (draft, {"speculative_method": "ngram"}):
+        got, accepted = _sampled(LLM(str(tiny_model_dir), exact=True, device=device, **kw), prompts)
+        assert got == plain and accepted > 0, kw
+    rejection, accepted = _sampled(LLM(str(tiny_model_dir), device=device, **draft), prompts)
+    assert rejection != _sampled(LLM(str(tiny_model_dir), device=device), prompts)[0] and accepted > 0

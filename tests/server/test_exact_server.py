@@ -1,5 +1,6 @@
-"""`streamsd serve --exact`: greedy answers are the same tokens whether a request speculates or not and
-whatever else its steps hold (here: the same prompts at once, half of them with speculation off)."""
+"""`streamsd serve --exact`: greedy and seeded sampled answers are the same tokens whether a request
+speculates or not and whatever else its steps hold (here: the same prompts at once, half of them with
+speculation off)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ def server(tiny_model_dir, close_draft_dir, tmp_path_factory):
     s.stop()
 
 
-def test_exact_server_answers_greedy_requests_alike_with_and_without_speculation(server):
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}])
+def test_exact_server_answers_alike_with_and_without_speculation(server, sampling):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
 
     def ask(job: tuple[str, bool]) -> tuple[str, int]:
         prompt, speculate = job
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.0,
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=24, **sampling,
                                       extra_body={"ignore_eos": True, "speculative": {"enabled": speculate}})
         return r.choices[0].text, r.usage.completion_tokens
 

@@ -396,12 +396,25 @@ def _models(base: str) -> dict:
 
 def test_legend_names_the_draft_model_the_server_runs(new_page, live_server, close_draft_dir):
     assert _models(live_server)["speculation"] == {
-        "method": "draft", "num_tokens": 4, "draft_model": close_draft_dir.name, "tree": None,
+        "method": "draft", "num_tokens": 4, "draft_model": close_draft_dir.name, "tree": None, "exact": False,
     }
     page = new_page()
     page.goto(live_server)
     legend = page.get_by_test_id("legend")
     expect(legend).to_contain_text(f"proposed by draft model {close_draft_dir.name}, accepted by the target")
+    expect(page.get_by_test_id("claim")).to_contain_text("not what the model may say")
+
+
+def test_the_empty_chat_says_what_the_exact_mode_guarantees(new_page, tiny_model_dir, close_draft_dir, tmp_path):
+    args = ["--model", str(tiny_model_dir), "--device", "cpu", "--draft-model", str(close_draft_dir), "--exact"]
+    with _serve(args, tmp_path / "serve.log") as base:
+        assert _models(base)["speculation"]["exact"] is True
+        page = new_page()
+        page.goto(base)
+        claim = page.get_by_test_id("claim")
+        expect(claim).to_contain_text("runs in exact mode: replies are token for token what it says without speculation")
+        expect(page.get_by_test_id("legend")).to_contain_text(f"proposed by draft model {close_draft_dir.name}")
+        page.close()  # before the server stops, or its reconnect attempts log errors
 
 
 @pytest.mark.parametrize("kind", PROPOSERS)
