@@ -59,6 +59,7 @@ from streamsd.model.device_layout import DeviceStarts
 from streamsd.sample.rejection import VerifyInput
 
 _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
+MAX_THREADS = 16  # compile threads at most
 
 
 def compiled_variants() -> int:
@@ -84,39 +85,45 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
     variants too), the rejection sampler for every k ≤ ``max_k`` and the sampling noise; returns
     (variants compiled, seconds).
 
-    The groups below compile on a thread pool, side by side: Triton's compiler runs in worker
-    threads by design (its own AsyncCompileMode does so), and each group launches kernels no other
-    group launches, so no two threads ever touch one kernel's variant cache (whose first use per
-    device is not thread-safe). The sampling group compiles first, alone, so that Triton's lazily made
-    state (its driver, its backend) exists before the threads start. The device is set in each thread:
-    a new thread starts on device 0."""
+    Each variant is a task of its own, and the tasks compile on a thread pool as wide as the machine:
+    Triton's compiler runs in worker threads by design (its own AsyncCompileMode does so), most of a
+    compile releases the GIL (12 variants of a small kernel compiled 1.7x faster on 2 threads than on
+    one, on 2 CPU cores), and a first start compiles about a hundred variants. What is not thread-safe
+    is a kernel's first launch on a device, which creates its variant cache: the sampling kernels and
+    one variant of every other kernel launch first, on this thread, so that the threads only ever add
+    variants to caches that exist. The device is set in each thread: a new thread starts on device 0."""
     t0, before = time.perf_counter(), compiled_variants()
     layouts = sorted({(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in models})
     _sampling_variants(vocab, cache_dtype, device)
-    groups: list[Callable[[], None]] = [
-        partial(_paged_variants, layouts, cache_dtype, block_size, device, trees),
-        partial(_prefill_variants, layouts, cache_dtype, block_size, device),
-        partial(_rejection_variants, max_k, vocab, device),
-        partial(_restart_variants, max_k, device),
+    firsts: list[Callable[[], None]] = [
+        partial(_paged_variant, layouts[0], cache_dtype, block_size, device, 1, 2, False),  # the split-merge kernel too
+        partial(_prefill_variant, layouts[0], cache_dtype, block_size, device),
+        partial(_rejection_variant, 1, False, False, vocab, device),
+        partial(_restart_variant, 1, device),
     ]
+    for first in firsts:
+        first()
+    tasks = [*_paged_tasks(layouts, cache_dtype, block_size, device, trees),
+             *[partial(_prefill_variant, layout, cache_dtype, block_size, device) for layout in layouts[1:]],
+             *[partial(_rejection_variant, k, has_p, has_q, vocab, device) for k in range(1, max_k + 1)
+               for has_p, has_q in ((False, False), (True, False), (True, True))],
+             *[partial(_restart_variant, k, device) for k in range(2, max_k + 1)]]
 
-    def run(group: Callable[[], None]) -> None:
+    def run(task: Callable[[], None]) -> None:
         with torch.cuda.device(device):
-            group()
+            task()
 
-    with ThreadPoolExecutor(max_workers=min(len(groups), os.cpu_count() or 1)) as pool:
-        for future in [pool.submit(run, g) for g in groups]:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(tasks), os.cpu_count() or 1, MAX_THREADS))) as pool:
+        for future in [pool.submit(run, t) for t in tasks]:
             future.result()  # a compile error surfaces here, as it would have inline
     torch.cuda.synchronize(device)
     return compiled_variants() - before, time.perf_counter() - t0
 
 
-def _rejection_variants(max_k: int, vocab: int, device: torch.device) -> None:
-    for k in range(1, max_k + 1):
-        for has_p, has_q in ((False, False), (True, False), (True, True)):
-            vi = _verify_input(k, vocab, has_p, has_q, device)
-            # A step's sampler hashes its own uniforms and noise (Verifier.launch): those variants.
-            rejection_sample(replace(vi, uniforms=None, noise=None) if has_p else vi)
+def _rejection_variant(k: int, has_p: bool, has_q: bool, vocab: int, device: torch.device) -> None:
+    vi = _verify_input(k, vocab, has_p, has_q, device)
+    # A step's sampler hashes its own uniforms and noise (Verifier.launch): those variants.
+    rejection_sample(replace(vi, uniforms=None, noise=None) if has_p else vi)
 
 
 def _sampling_variants(vocab: int, cache_dtype: torch.dtype, device: torch.device) -> None:
@@ -132,41 +139,44 @@ def _sampling_variants(vocab: int, cache_dtype: torch.dtype, device: torch.devic
         warp_chunked.row_argmax(logits)
 
 
-def _paged_variants(layouts: list[tuple[int, int, int]], dtype: torch.dtype, page: int, device: torch.device,
-                    trees: bool) -> None:
-    for heads, kv_heads, dim in layouts:
-        _paged_layout(heads, kv_heads, dim, dtype, page, device, trees)
+def _paged_tasks(layouts: list[tuple[int, int, int]], dtype: torch.dtype, page: int, device: torch.device,
+                 trees: bool) -> list[Callable[[], None]]:
+    """One task per decode/verify attention variant: head layout, query width, split count, tree or not."""
+    tasks = []
+    for layout in layouts:
+        qmax = 1
+        while qmax <= (TREE_MAX_QUERY if trees else KERNEL_MAX_QUERY):
+            for splits in _SPLITS:
+                tasks += [partial(_paged_variant, layout, dtype, page, device, qmax, splits, tree)
+                          for tree in (False, True) if (tree and trees) or (not tree and qmax <= KERNEL_MAX_QUERY)]
+            qmax *= 2
+    return tasks
 
 
-def _paged_layout(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, page: int, device: torch.device,
-                  trees: bool) -> None:
+def _paged_variant(layout: tuple[int, int, int], dtype: torch.dtype, page: int, device: torch.device, qmax: int,
+                   splits: int, tree: bool) -> None:
+    heads, kv_heads, dim = layout
     cache = torch.zeros(4, page, kv_heads, dim, dtype=dtype, device=device)  # [NB, BS, KVH, D]
     table = torch.zeros(1, 4, dtype=torch.int32, device=device)  # [S, max_blocks]
-    qmax = 1
-    while qmax <= (TREE_MAX_QUERY if trees else KERNEL_MAX_QUERY):
-        q = torch.zeros(qmax, heads, dim, dtype=dtype, device=device)  # [T, H, D]
-        ctx = torch.tensor([qmax], dtype=torch.int32, device=device)  # [S]
-        starts = torch.tensor([0, qmax], dtype=torch.int32, device=device)  # [S + 1]
-        bits = torch.ones(qmax, dtype=torch.int64, device=device)  # [T]
-        root = torch.zeros(1, dtype=torch.int64, device=device)  # [S]
-        for splits in _SPLITS:
-            if qmax <= KERNEL_MAX_QUERY:
-                decode_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits)
-            if trees:
-                decode_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits, tree_bits=bits,
-                                tree_start=root)
-        qmax *= 2
+    q = torch.zeros(qmax, heads, dim, dtype=dtype, device=device)  # [T, H, D]
+    ctx = torch.tensor([qmax], dtype=torch.int32, device=device)  # [S]
+    starts = torch.tensor([0, qmax], dtype=torch.int32, device=device)  # [S + 1]
+    if not tree:
+        decode_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits)
+        return
+    bits = torch.ones(qmax, dtype=torch.int64, device=device)  # [T]
+    root = torch.zeros(1, dtype=torch.int64, device=device)  # [S]
+    decode_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits, tree_bits=bits, tree_start=root)
 
 
-def _prefill_variants(layouts: list[tuple[int, int, int]], dtype: torch.dtype, page: int,
-                      device: torch.device) -> None:
-    for heads, kv_heads, dim in layouts:
-        cache = torch.zeros(4, page, kv_heads, dim, dtype=dtype, device=device)  # [NB, BS, KVH, D]
-        table = torch.zeros(1, 4, dtype=torch.int32, device=device)  # [S, max_blocks]
-        chunk = KERNEL_MAX_QUERY + 1
-        q = torch.zeros(chunk, heads, dim, dtype=dtype, device=device)  # [T, H, D]
-        tiles = prefill_tiles([0], [chunk], [chunk], KERNEL_MAX_QUERY, tokens_per_tile(heads, kv_heads))
-        prefill_attention(q, cache, cache, table, tiles, 1.0, torch.empty_like(q))
+def _prefill_variant(layout: tuple[int, int, int], dtype: torch.dtype, page: int, device: torch.device) -> None:
+    heads, kv_heads, dim = layout
+    cache = torch.zeros(4, page, kv_heads, dim, dtype=dtype, device=device)  # [NB, BS, KVH, D]
+    table = torch.zeros(1, 4, dtype=torch.int32, device=device)  # [S, max_blocks]
+    chunk = KERNEL_MAX_QUERY + 1
+    q = torch.zeros(chunk, heads, dim, dtype=dtype, device=device)  # [T, H, D]
+    tiles = prefill_tiles([0], [chunk], [chunk], KERNEL_MAX_QUERY, tokens_per_tile(heads, kv_heads))
+    prefill_attention(q, cache, cache, table, tiles, 1.0, torch.empty_like(q))
 
 
 def _verify_input(k: int, vocab: int, has_p: bool, has_q: bool, device: torch.device) -> VerifyInput:
@@ -186,14 +196,13 @@ def _verify_input(k: int, vocab: int, has_p: bool, has_q: bool, device: torch.de
     )
 
 
-def _restart_variants(max_k: int, device: torch.device) -> None:
+def _restart_variant(k: int, device: torch.device) -> None:
     """A verify queued ahead (target: starts and ids from the verify before; EAGLE head: given starts
-    and its base) at every width 1 + k a uniform step can have."""
+    and its base) at width 1 + k, which a uniform step can have for every k."""
     z = torch.zeros(1, dtype=torch.int64, device=device)
     packed = torch.zeros(64, dtype=torch.int64, device=device)
     table = torch.zeros(1, 4, dtype=torch.int32, device=device)
-    for k in range(1, max_k + 1):
-        tokens, drafts = torch.zeros(1, k + 1, dtype=torch.int64, device=device), torch.zeros(1, k, dtype=torch.int64,
-                                                                                             device=device)
-        restart(packed, 16, DeviceStarts(z.clone(), z, z, tokens, drafts), k + 1, table, 16)
-        restart(packed, 16, DeviceStarts(z.clone()), k + 1, table, 16, base=z.clone())
+    tokens, drafts = torch.zeros(1, k + 1, dtype=torch.int64, device=device), torch.zeros(1, k, dtype=torch.int64,
+                                                                                         device=device)
+    restart(packed, 16, DeviceStarts(z.clone(), z, z, tokens, drafts), k + 1, table, 16)
+    restart(packed, 16, DeviceStarts(z.clone()), k + 1, table, 16, base=z.clone())
