@@ -69,7 +69,8 @@ class SamplingParams:
         _check(math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 = off)")
         _check(math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        # 0: the prompt is computed and nothing generated (scored with prompt_logprobs, or cached for later)
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 0, "max_tokens", "must be an integer >= 0")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", "must be an integer in [0, max_tokens]")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),

@@ -143,7 +143,7 @@ class EngineCore:
         return p.temperature < threshold
 
     def _spec_k(self, p: SamplingParams) -> int:
-        if not self.spec.enabled or p.speculative is False:
+        if not self.spec.enabled or p.speculative is False or p.max_tokens == 0:
             return 0
         if p.constraint is not None and self.spec.tree is not None:
             return 0  # a tree's rows would each need its own path's grammar state: plain steps instead

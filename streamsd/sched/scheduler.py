@@ -259,6 +259,8 @@ class Scheduler:
             kept = self._append(r, res.new_tokens)
             r.stats.record(usable, min(res.num_accepted, len(kept), usable), len(kept))
             if r.finished:
+                if r.params.max_tokens == 0:  # a prompt-only request's prompt is cached for others, as a chunk's is
+                    self.prefix.register(r)
                 self.finish(r, r.finish_reason or FinishReason.STOP)
             else:
                 self._trim(r)
@@ -268,6 +270,9 @@ class Scheduler:
 
     def _append(self, r: Request, tokens: list[int]) -> list[int]:
         p = r.params
+        if p.max_tokens == 0:  # the prompt alone was asked for: its last chunk's token is not output
+            r.finish_reason, r.status = FinishReason.LENGTH, Status.FINISHED
+            return []
         kept = []
         for t in tokens:
             r.output_ids.append(t)

@@ -233,6 +233,9 @@ async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncode
         prompt_ids = [await prompts.text(p, params.max_tokens) if isinstance(p, str) else p for p in listed]
         if body.echo:  # a token-id prompt echoes as its decoded text
             echoes = [p if isinstance(p, str) else engine.core.tokenizer.decode(p) for p in listed]
+        if params.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens 0 generates nothing: it is only accepted with echo (the prompt, and with "
+                                "logprobs its scores)", param="max_tokens")
         if body.echo and params.logprobs is not None:  # the prompt's tokens are scored too
             scored = prompt_ids
             params = dataclasses.replace(params, prompt_logprobs=params.logprobs)

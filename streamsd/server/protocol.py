@@ -21,6 +21,8 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 # OpenAI's: token ids (JSON object keys, so strings on the wire) -> a bias in [-100, 100].
 LogitBias = dict[Annotated[int, msgspec.Meta(ge=0)], Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]]
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
+# /v1/completions also takes 0 with `echo`: the prompt scored, nothing generated (lm-eval's loglikelihood).
+PromptMaxTokens = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
 StopList = str | Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]], msgspec.Meta(max_length=16)]
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 
@@ -99,6 +101,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     # A string, token ids, or a list of prompts (strings or token-id lists), each answered n times.
     prompt: str | Annotated[list[int | str | Annotated[list[int], msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
+    max_tokens: PromptMaxTokens | None = None
+    max_completion_tokens: PromptMaxTokens | None = None
     n: N = 1
     echo: bool = False
     best_of: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None

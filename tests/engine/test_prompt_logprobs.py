@@ -76,3 +76,22 @@ def test_prompt_logprobs_survive_preemption_by_recompute(tiny_model_dir, close_d
     assert sum(r.num_preemptions for r in requests) >= 2
     for ids, r in zip(prompts, requests, strict=True):
         _check(scored[r.request_id], ids, reference(ids), 1)
+
+
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(tiny_model_dir, close_draft_dir, reference):
+    """A prompt-only request beside generating ones, with speculation on: its scores as a plain forward's,
+    no token, finished by length, its blocks released. Where the drafter keeps no KV of its own (n-gram),
+    they are cached for later requests too."""
+    llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3)
+    ids = llm.core.encode_prompt(PROMPT)
+    only, other = llm.generate([PROMPT, "Once upon a time"],
+                               [SamplingParams(max_tokens=0, prompt_logprobs=2, temperature=0),
+                                SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])
+    assert only.outputs[0].token_ids == [] and only.outputs[0].text == "" and only.outputs[0].finish_reason == "length"
+    assert only.spec_stats.drafted == 0 and len(other.outputs[0].token_ids) == 12
+    _check(only.prompt_logprobs, ids, reference(ids), 2)
+    sched = llm.core.scheduler
+    assert sched.blocks.num_free == sched.blocks.total
+    ngram = LLM(str(tiny_model_dir), speculative_method="ngram")
+    ngram.generate([PROMPT], SamplingParams(max_tokens=0))
+    assert ngram.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0))[0].num_cached_tokens > 0

@@ -108,3 +108,42 @@ def test_echo_with_logprobs_of_a_one_token_prompt_has_its_null_entry(client, mod
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == 3 and lp.tokens[0] == tok.decode(ids)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(client, model, tok, reference, stream):
+    """lm-evaluation-harness's loglikelihood request: the prompt (context + continuation) scored, no
+    token generated, a list of prompts in one request."""
+    prompts = [PROMPT, " ".join(CORPUS[:2])]
+    kw = dict(model=model, prompt=prompts, echo=True, logprobs=1, max_tokens=0, temperature=0)
+    if stream:
+        chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+        choices = {}
+        for c in chunks:
+            for ch in c.choices:
+                choices.setdefault(ch.index, []).append(ch)
+        got = [(("".join(x.text for x in parts)), [t for x in parts if x.logprobs for t in x.logprobs.token_logprobs],
+                parts[-1].finish_reason) for _, parts in sorted(choices.items())]
+    else:
+        done = client.completions.create(**kw)
+        assert done.usage.completion_tokens == 0
+        assert done.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+        got = [(c.text, c.logprobs.token_logprobs, c.finish_reason) for c in done.choices]
+        for c, p in zip(done.choices, prompts, strict=True):
+            _check_prompt_part(c.logprobs, tok.encode(p), tok, reference(tok.encode(p)), 1)
+    for (text, scores, finish), p in zip(got, prompts, strict=True):
+        ids = tok.encode(p)
+        assert text == p and finish == "length" and len(scores) == len(ids)
+        want = reference(ids)
+        assert scores[0] is None
+        assert scores[1:] == pytest.approx([want[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=1e-3)
+
+
+def test_max_tokens_0_without_echo_and_on_chat_is_refused(server, model):
+    import httpx
+
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in (r.json()["error"]["param"] or r.json()["error"]["message"])
