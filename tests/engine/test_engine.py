@@ -226,7 +226,7 @@ def test_out_of_range_params_are_clear_errors():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=5)
     with pytest.raises(ValueError, match="logprobs"):
