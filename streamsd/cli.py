@@ -59,6 +59,12 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the most tokens one step runs (prefill chunks plus decode and verify tokens)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="as vLLM's: the share of the GPU's memory the server may use (weights, KV cache, working "
+                        "memory); default: all that is free once the weights are loaded. GPUs only; not with --kv-cache-tokens")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="the longest prompt + completion a request may have (default: the model's context length, "
+                        "or what the KV cache holds if less); refused if the model or the cache cannot hold it")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of full blocks a request shares with earlier ones (a chat's earlier turns, "
                         "a common system prompt); --no-enable-prefix-caching computes every prompt whole")
@@ -133,7 +139,8 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
                         max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline),
                         profile_cache=a.profile_cache, generation_config=a.generation_config,
                         enable_prefix_caching=a.enable_prefix_caching, exact=a.exact,
-                        tensor_parallel_size=a.tensor_parallel_size)
+                        tensor_parallel_size=a.tensor_parallel_size, max_model_len=a.max_model_len,
+                        gpu_memory_utilization=a.gpu_memory_utilization)
 
 
 def _security(a: argparse.Namespace):

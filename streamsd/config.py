@@ -134,7 +134,10 @@ class EngineConfig:
     device: str | None = None
     dtype: str = "auto"
     kv_cache_tokens: int | None = None
-    kv_cache_memory_fraction: float = 0.85  # of free CUDA memory, when kv_cache_tokens is None
+    kv_cache_memory_fraction: float = 0.85  # of the CUDA memory left to the server, when kv_cache_tokens is None
+    # vLLM's: the share of the GPU's whole memory the server may use (weights, caches, working memory);
+    # None: all of it that is free once the weights are loaded.
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -163,6 +166,12 @@ class EngineConfig:
                              "batch-invariant attention sums in a chain's order (use --speculative-tree none)")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_utilization is not None and self.kv_cache_tokens:
+            raise ValueError("give gpu_memory_utilization or kv_cache_tokens, not both: each sizes the KV cache")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size > 1 and self.exact:
             raise ValueError("exact mode runs on one device: the all-reduces of tensor parallelism sum the ranks' "
                              "partial results in an order of their own (use tensor_parallel_size=1 with --exact)")

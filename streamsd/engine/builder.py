@@ -155,11 +155,25 @@ def kv_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device) -> 
     if cfg.kv_cache_tokens:
         tokens = cfg.kv_cache_tokens
     elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        tokens = int(free * cfg.kv_cache_memory_fraction) // bytes_per_token
+        free, total = torch.cuda.mem_get_info(device)
+        tokens = kv_cache_bytes(free, total, cfg.gpu_memory_utilization, cfg.kv_cache_memory_fraction) // bytes_per_token
+    elif cfg.gpu_memory_utilization is not None:
+        raise ValueError("--gpu-memory-utilization sizes a GPU's KV cache; on a CPU give --kv-cache-tokens")
     else:
         tokens = CPU_DEFAULT_KV_TOKENS
     return max(tokens // BLOCK_SIZE, 1)
+
+
+def kv_cache_bytes(free: int, total: int, utilization: float | None, fraction: float) -> int:
+    """The KV cache's bytes on a GPU with `free` of `total` bytes free once the weights are loaded: a
+    `fraction` of what the server may still use, which is everything free, or with vLLM's
+    `--gpu-memory-utilization` that share of the whole memory less what is in use already (the rest
+    of the fraction is the steps' working memory and the CUDA graphs)."""
+    budget = free if utilization is None else min(free, int(utilization * total) - (total - free))
+    if budget <= 0:
+        raise ValueError(f"--gpu-memory-utilization {utilization} leaves no memory for the KV cache: "
+                         f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use already")
+    return int(budget * fraction)
 
 
 def use_triton_cache() -> None:
@@ -225,9 +239,12 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     # One block more than the scheduler counts: the scratch block CUDA-graph padding writes to.
     cache = group.kv_cache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype) if group is not None \
         else PagedKVCache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype, device)
-    max_len = min(cfg.max_model_len or args.max_position, args.max_position, num_blocks * BLOCK_SIZE)
-    if draft is not None:
-        max_len = min(max_len, draft.args.max_position)
+    max_len = min(args.max_position, num_blocks * BLOCK_SIZE, draft.args.max_position if draft else args.max_position)
+    if cfg.max_model_len is not None:
+        if cfg.max_model_len > max_len:
+            raise ValueError(f"--max-model-len {cfg.max_model_len} is more than this engine can hold: {max_len} tokens "
+                             f"(the model's context {args.max_position}, the KV cache {num_blocks * BLOCK_SIZE})")
+        max_len = cfg.max_model_len
     tree = cfg.spec.tree
     # A tree's drafts are one-hot whatever the temperature (sample/tree_verify.py): no dense q to keep.
     q_slots = cfg.max_num_seqs if (draft is not None or head is not None) and tree is None else 0

@@ -260,7 +260,7 @@ def test_websocket_oversized_frame_closes_with_1009(server):
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir, tmp_path_factory):
     s = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs2"), "--api-key", "sekret", "--max-queue", "1",
-                     "--max-num-seqs", "1", "--drain-timeout", "2")
+                     "--max-num-seqs", "1", "--drain-timeout", "2", "--max-model-len", "400")
     yield s
     s.stop()
 
@@ -290,6 +290,14 @@ def test_api_key_and_queue_limit(guarded):
                 pass
 
     asyncio.run(ws_auth())
+
+
+def test_max_model_len_is_the_context_window_clients_see(guarded):
+    auth = {"authorization": "Bearer sekret"}
+    models = httpx.get(f"{guarded.url}/v1/models", headers=auth, timeout=30).json()
+    assert models["data"][0]["max_model_len"] == 400
+    r = _post(guarded, "/v1/completions", {"prompt": "hi", "max_tokens": 400}, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_sigterm_drains_streams_and_exits_zero(tiny_model_dir, tmp_path):
