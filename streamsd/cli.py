@@ -62,6 +62,12 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="as vLLM's: the share of the GPU's memory the server may use (weights, KV cache, working "
                         "memory); default: all that is free once the weights are loaded. GPUs only; not with --kv-cache-tokens")
+    p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="as vLLM's: a Jinja chat template, or the file holding one, used instead of the tokenizer's "
+                        "own (checked at start)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="as vLLM's: requests without a seed draw theirs from a generator seeded with this, so a "
+                        "restarted server answers the same sequence of requests alike (default: seeds from the OS)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="the longest prompt + completion a request may have (default: the model's context length, "
                         "or what the KV cache holds if less); refused if the model or the cache cannot hold it")
@@ -140,7 +146,7 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
                         profile_cache=a.profile_cache, generation_config=a.generation_config,
                         enable_prefix_caching=a.enable_prefix_caching, exact=a.exact,
                         tensor_parallel_size=a.tensor_parallel_size, max_model_len=a.max_model_len,
-                        gpu_memory_utilization=a.gpu_memory_utilization)
+                        gpu_memory_utilization=a.gpu_memory_utilization, chat_template=a.chat_template, seed=a.seed)
 
 
 def _security(a: argparse.Namespace):
@@ -284,7 +290,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature (0: greedy); default: the model's, else 0")
     g.add_argument("--top-p", type=float, default=None,
                    help="nucleus sampling: keep the likeliest tokens up to this mass; default: the model's, else 1")
-    g.add_argument("--seed", type=int, default=None, help="seed for a reproducible sample")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("pull", help="fetch and convert a model; prints its directory last")

@@ -138,6 +138,12 @@ class EngineConfig:
     # vLLM's: the share of the GPU's whole memory the server may use (weights, caches, working memory);
     # None: all of it that is free once the weights are loaded.
     gpu_memory_utilization: float | None = None
+    # vLLM's --chat-template: a Jinja template, or the path of a file holding one, used instead of the
+    # tokenizer's own (a model without one can then serve chat completions).
+    chat_template: str | None = None
+    # vLLM's --seed: requests that give no seed draw theirs from a generator seeded with it, so that a
+    # restarted server answers the same sequence of requests alike. None: drawn from the OS.
+    seed: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

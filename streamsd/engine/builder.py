@@ -62,6 +62,8 @@ class Runtime:
     generation_defaults: GenerationDefaults = GenerationDefaults()
     group: TensorGroup | None = None  # the follower ranks under tensor parallelism (worker/tp.py)
     exact: bool = False  # the exact mode: batch-invariant target logits, drafts verified against plain sampling
+    chat_template: str | None = None  # used instead of the tokenizer's own (EngineConfig.chat_template)
+    seed: int | None = None  # of the generator unseeded requests draw their seeds from (EngineConfig.seed)
 
     def close(self) -> None:
         """Stops and joins the follower ranks, if any."""
@@ -174,6 +176,21 @@ def kv_cache_bytes(free: int, total: int, utilization: float | None, fraction: f
         raise ValueError(f"--gpu-memory-utilization {utilization} leaves no memory for the KV cache: "
                          f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use already")
     return int(budget * fraction)
+
+
+def chat_template_of(given: str | None, tokenizer: Any) -> str | None:
+    """--chat-template as the template's text (read from the file it names, if it names one), checked by
+    rendering a short conversation with it."""
+    if given is None:
+        return None
+    path = Path(given)
+    template = path.read_text(encoding="utf-8") if len(given) < 4096 and "\n" not in given and path.is_file() else given
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+    except Exception as exc:  # jinja's and transformers' own errors
+        raise ValueError(f"--chat-template does not render a conversation: {exc}") from exc
+    return template
 
 
 def use_triton_cache() -> None:
@@ -326,7 +343,8 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     return Runtime(worker, tokenizer, args, sched, path, eos_ids, q_slots, seconds, policy,
-                   Grammars(tokenizer, args.vocab_size), defaults, group, cfg.exact)
+                   Grammars(tokenizer, args.vocab_size), defaults, group, cfg.exact,
+                   chat_template_of(cfg.chat_template, tokenizer), cfg.seed)
 
 
 def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerConfig:

@@ -101,7 +101,7 @@ class EngineCore:
         self.last_step_end = -1.0  # perf_counter at the end of the last step
         self.trackers: dict[str, _Tracker] = {}
         self.totals = SpecStats()
-        self._rand = random.SystemRandom()
+        self._rand = random.Random(runtime.seed) if runtime.seed is not None else random.SystemRandom()
         self._stopped: list[tuple[Request, RequestOutput]] = []  # stop strings found under a running step
 
     # -- requests ---------------------------------------------------------------------------
@@ -348,10 +348,12 @@ class EngineCore:
         return self.encode_rendered_chat(self.render_chat(messages))
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.rt.chat_template is not None:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.rt.chat_template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ParamError("messages", "this model has no chat template; use the completions API")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+            raise ParamError("messages", "this model has no chat template; use the completions API or --chat-template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def encode_rendered_chat(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

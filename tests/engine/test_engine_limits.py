@@ -1,5 +1,5 @@
 """The engine's size limits as a vLLM user sets them: `max_model_len` honoured or refused, and the KV
-cache sized by `gpu_memory_utilization` (vLLM's share of the GPU's whole memory)."""
+cache sized by `gpu_memory_utilization` (vLLM's share of the GPU's whole memory), `chat_template` and `seed`."""
 
 from __future__ import annotations
 
@@ -46,3 +46,34 @@ def test_gpu_memory_utilization_is_checked_and_refused_where_it_means_nothing(ti
         EngineConfig(model="m", gpu_memory_utilization=0.9, kv_cache_tokens=4096)
     with pytest.raises(ValueError, match="on a CPU give --kv-cache-tokens"):
         LLM(str(tiny_model_dir), device="cpu", gpu_memory_utilization=0.9)
+
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+
+
+def test_a_chat_template_given_replaces_the_tokenizers_inline_or_from_a_file(tiny_model_dir, tmp_path):
+    convo = [{"role": "user", "content": "Hello"}]
+    inline = LLM(str(tiny_model_dir), chat_template=TEMPLATE)
+    assert inline.core.render_chat(convo) == "[user] Hello\n[assistant]"
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    from_file = LLM(str(tiny_model_dir), chat_template=str(path))
+    assert from_file.core.render_chat(convo) == "[user] Hello\n[assistant]"
+    out = from_file.chat([convo], SamplingParams(max_tokens=3, temperature=0))
+    assert out[0].prompt_token_ids == from_file.core.encode_rendered_chat("[user] Hello\n[assistant]")
+    with pytest.raises(ValueError, match="--chat-template does not render a conversation"):
+        LLM(str(tiny_model_dir), chat_template="{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}")
+
+
+def test_a_seeded_engine_answers_unseeded_requests_alike_after_a_restart(tiny_model_dir):
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    prompts = ["The capital of France is", "Once upon a time"]
+
+    def answers(seed: int | None) -> list[list[int]]:
+        llm = LLM(str(tiny_model_dir), seed=seed)
+        return [r.outputs[0].token_ids for r in llm.generate(prompts, params) + llm.generate(prompts, params)]
+
+    first = answers(7)
+    assert answers(7) == first  # a restart with the same seed
+    assert answers(8) != first and answers(None) != first
+    assert first[:2] != first[2:]  # each request draws a seed of its own
