@@ -1,5 +1,6 @@
-"""The engine's size limits as a vLLM user sets them: `max_model_len` honoured or refused, and the KV
-cache sized by `gpu_memory_utilization` (vLLM's share of the GPU's whole memory), `chat_template` and `seed`."""
+"""Engine options as a vLLM user sets them: `max_model_len` honoured or refused, the KV cache sized by
+`gpu_memory_utilization` (vLLM's share of the GPU's whole memory), a `chat_template` of one's own, and
+`seed` for requests that give none."""
 
 from __future__ import annotations
 
