@@ -39,6 +39,10 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--speculation-policy", choices=["adaptive", "fixed"], default=None,
                    help="adaptive (the default): k per request and step (with trees: a tree or a plain step) from "
                         "measured costs and acceptance; fixed: always K (or always the tree)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="as vLLM's: the speculation in one JSON object, e.g. '{\"method\": \"eagle3\", \"model\": "
+                        "\"HEAD\", \"num_speculative_tokens\": 4}' (method ngram, eagle, eagle3 or draft_model; model; "
+                        "num_speculative_tokens; prompt_lookup_max/min; disable_by_batch_size); instead of the flags above")
     p.add_argument("--speculative-tree", default=None, metavar="D,M,C,N",
                    help="EAGLE only: draft a tree per step instead of a chain: depth D, the M likeliest nodes of "
                         "each level expanded into their C likeliest children, the N likeliest nodes verified "
@@ -126,9 +130,33 @@ def default_tree(a: argparse.Namespace, method: str) -> str | None:
     return DEFAULT_TREE if pick_device(a.device).type == "cuda" else None
 
 
+def _with_speculative_config(a: argparse.Namespace) -> tuple[argparse.Namespace, dict[str, int]]:
+    """The flags with vLLM's --speculative-config read into them (refused beside the flags it sets), and
+    the n-gram window it asks for (SpecConfig's ngram_max / ngram_min)."""
+    from streamsd import speculative_config
+
+    if a.speculative_config is None:
+        return a, {}
+    opts = speculative_config.parse(a.speculative_config)
+    given = [flag for flag, set_ in (("--speculative-method", a.speculative_method is not None),
+                                     ("--draft-model", a.draft_model is not None),
+                                     ("--num-speculative-tokens", a.num_speculative_tokens != DEFAULT_K),
+                                     ("--speculative-max-batch", a.speculative_max_batch is not None)) if set_]
+    if given:
+        raise ValueError(f"--speculative-config sets the speculation: leave out {', '.join(given)}")
+    flags = argparse.Namespace(**{**vars(a), "speculative_method": opts.method, "draft_model": opts.draft_model,
+                                  "num_speculative_tokens": opts.num_tokens or DEFAULT_K,
+                                  "speculative_max_batch": opts.max_batch,
+                                  # vLLM's EAGLE drafts chains of num_speculative_tokens: no default tree
+                                  "speculative_tree": a.speculative_tree or "none"})
+    window = {k: v for k, v in (("ngram_max", opts.ngram_max), ("ngram_min", opts.ngram_min)) if v is not None}
+    return flags, window
+
+
 def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     from streamsd.config import EngineConfig, SpecConfig, TreeShape
 
+    a, window = _with_speculative_config(a)
     method = a.speculative_method or default_speculation(a.model, a.draft_model, a.device)
     shape = default_tree(a, method)
     tree = TreeShape.parse(shape) if shape else None
@@ -139,7 +167,7 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     spec = SpecConfig(method=None if method == "none" else method,
                       num_tokens=tree.nodes if tree else a.num_speculative_tokens, draft_model=a.draft_model,
                       draft_greedy_threshold=a.draft_greedy_threshold, policy=policy, tree=tree,
-                      int8_draft_head=a.int8_draft_head, max_batch=max_batch)
+                      int8_draft_head=a.int8_draft_head, max_batch=max_batch, **window)
     return EngineConfig(model=a.model, spec=spec, device=a.device, dtype=a.dtype, kv_cache_tokens=a.kv_cache_tokens,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_queue=max_queue, cpu_threads=a.cpu_threads, pipeline={"on": True, "off": False}.get(a.pipeline),

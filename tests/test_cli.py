@@ -60,3 +60,39 @@ def test_exact_mode_on_cuda_keeps_the_default_models_head_on_chains():
     with pytest.raises(ValueError, match="exact mode verifies chains"):
         _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact", "--speculative-tree",
                                                   "4,6,6,24"]))
+
+
+def _config(*argv: str):
+    from streamsd.cli import _engine_config
+
+    return _engine_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_vllms_speculative_config_maps_onto_the_speculation_flags():
+    cfg = _config("--device", "cuda", "--speculative-config",
+                  '{"method": "eagle3", "model": "heads/h", "num_speculative_tokens": 3}')
+    assert (cfg.spec.method, cfg.spec.draft_model, cfg.spec.num_tokens, cfg.spec.tree) == ("eagle", "heads/h", 3, None)
+    cfg = _config("--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 2}')
+    assert (cfg.spec.method, cfg.spec.num_tokens, cfg.spec.ngram_max, cfg.spec.ngram_min) == ("ngram", 5, 3, 2)
+    cfg = _config("--speculative-config", '{"model": "drafts/small", "disable_by_batch_size": 8}')
+    assert (cfg.spec.method, cfg.spec.draft_model, cfg.spec.max_batch) == ("draft", "drafts/small", 8)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("{", "is not JSON"),
+    ("[1]", "must be a JSON object"),
+    ('{"method": "medusa", "model": "m"}', "method 'medusa' not supported here"),
+    ('{"method": "eagle"}', "needs a model"),
+    ('{"method": "ngram", "quantization": "fp8"}', "quantization not supported here"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
+    ('{"method": "eagle", "model": "h", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size must be 1"),
+])
+def test_a_speculative_config_streamsd_cannot_honour_is_refused_by_name(value, message):
+    with pytest.raises(ValueError, match=message):
+        _config("--speculative-config", value)
+
+
+def test_a_speculative_config_beside_the_flags_it_sets_is_refused():
+    with pytest.raises(ValueError, match="leave out --num-speculative-tokens"):
+        _config("--num-speculative-tokens", "3", "--speculative-config", '{"method": "ngram"}')
