@@ -15,6 +15,7 @@ import torch
 
 from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig, TreeShape
 from streamsd.engine.generation_defaults import GenerationDefaults
+from streamsd.engine.kv_sizing import kv_blocks
 from streamsd.engine.warm_up import warm_up
 from streamsd.model.arch import ModelArgs
 from streamsd.model.exact_forward import enable_exact_reference
@@ -44,7 +45,6 @@ from streamsd.worker.worker import Worker
 
 GC_YOUNG_THRESHOLD = 10_000  # see build_runtime
 log = logging.getLogger("streamsd")
-CPU_DEFAULT_KV_TOKENS = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,31 +151,6 @@ def eos_ids_of(path: Path, tokenizer: Any, args: ModelArgs) -> frozenset[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return frozenset(ids)
-
-
-def kv_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device) -> int:
-    if cfg.kv_cache_tokens:
-        tokens = cfg.kv_cache_tokens
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        tokens = kv_cache_bytes(free, total, cfg.gpu_memory_utilization, cfg.kv_cache_memory_fraction) // bytes_per_token
-    elif cfg.gpu_memory_utilization is not None:
-        raise ValueError("--gpu-memory-utilization sizes a GPU's KV cache; on a CPU give --kv-cache-tokens")
-    else:
-        tokens = CPU_DEFAULT_KV_TOKENS
-    return max(tokens // BLOCK_SIZE, 1)
-
-
-def kv_cache_bytes(free: int, total: int, utilization: float | None, fraction: float) -> int:
-    """The KV cache's bytes on a GPU with `free` of `total` bytes free once the weights are loaded: a
-    `fraction` of what the server may still use, which is everything free, or with vLLM's
-    `--gpu-memory-utilization` that share of the whole memory less what is in use already (the rest
-    of the fraction is the steps' working memory and the CUDA graphs)."""
-    budget = free if utilization is None else min(free, int(utilization * total) - (total - free))
-    if budget <= 0:
-        raise ValueError(f"--gpu-memory-utilization {utilization} leaves no memory for the KV cache: "
-                         f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use already")
-    return int(budget * fraction)
 
 
 def chat_template_of(given: str | None, tokenizer: Any) -> str | None:

@@ -8,7 +8,7 @@ import pytest
 
 from streamsd import LLM, SamplingParams
 from streamsd.config import EngineConfig
-from streamsd.engine.builder import kv_cache_bytes
+from streamsd.engine.kv_sizing import kv_cache_bytes
 
 GIB = 2**30
 
