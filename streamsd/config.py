@@ -146,7 +146,10 @@ class EngineConfig:
     seed: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # as asked for (--max-model-len): honoured, or refused at start
+    # At most this context, and less where the models or the KV cache hold less (benchmarks size their
+    # engines by it); max_model_len is the user's, which is refused rather than cut.
+    context_cap: int | None = None
     max_queue: int = 1024
     cuda_graphs: bool = True
     pipeline: bool | None = None  # plain decode steps queued one ahead (worker/lookahead.py); None: on CUDA

@@ -140,7 +140,7 @@ def _build(args: argparse.Namespace, batches: list[int], k: int) -> tuple[Runtim
     cfg = EngineConfig(
         model=args.model,
         spec=SpecConfig(method=build_method, num_tokens=k, draft_model=args.draft_model),  # type: ignore[arg-type]
-        device=args.device, dtype=args.dtype, max_num_seqs=max(batches), max_model_len=max_len,
+        device=args.device, dtype=args.dtype, max_num_seqs=max(batches), context_cap=max_len,
         kv_cache_tokens=max(batches) * max_len + 256, max_num_batched_tokens=max(2048, max(batches) * (k + 1)),
         cuda_graphs=not args.no_cuda_graphs, exact=args.exact,
     )

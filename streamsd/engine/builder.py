@@ -231,11 +231,14 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     # One block more than the scheduler counts: the scratch block CUDA-graph padding writes to.
     cache = group.kv_cache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype) if group is not None \
         else PagedKVCache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype, device)
-    max_len = min(args.max_position, num_blocks * BLOCK_SIZE, draft.args.max_position if draft else args.max_position)
+    limits = {"the model's context": args.max_position, "the KV cache": num_blocks * BLOCK_SIZE}
+    if draft is not None:
+        limits["the draft model's context"] = draft.args.max_position
+    max_len = min(*limits.values(), cfg.context_cap or args.max_position)
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:
-            raise ValueError(f"--max-model-len {cfg.max_model_len} is more than this engine can hold: {max_len} tokens "
-                             f"(the model's context {args.max_position}, the KV cache {num_blocks * BLOCK_SIZE})")
+            raise ValueError(f"--max-model-len {cfg.max_model_len} is more than this engine can hold: {max_len} tokens ("
+                             + ", ".join(f"{name} {n}" for name, n in limits.items()) + ")")
         max_len = cfg.max_model_len
     tree = cfg.spec.tree
     # A tree's drafts are one-hot whatever the temperature (sample/tree_verify.py): no dense q to keep.
