@@ -196,7 +196,17 @@ def _security(a: argparse.Namespace):
     return keys, origins, tls
 
 
+def _model_tag(a: argparse.Namespace) -> argparse.Namespace:
+    """`streamsd serve MODEL` as `--model MODEL`; both, naming different models, are refused."""
+    if a.model_tag is None:
+        return a
+    if a.model != DEFAULT_MODEL and a.model != a.model_tag:
+        raise ValueError(f"serve got two models: {a.model_tag} and --model {a.model}")
+    return argparse.Namespace(**{**vars(a), "model": a.model_tag})
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
+    a = _model_tag(a)
     keys, origins, tls = _security(a)
     from streamsd.engine.builder import build_runtime
     from streamsd.engine.core import EngineCore
@@ -279,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the OpenAI API, the WebSocket protocol and the web UI")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     _add_engine_args(s, model_default=DEFAULT_MODEL)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")

@@ -96,3 +96,13 @@ def test_a_speculative_config_streamsd_cannot_honour_is_refused_by_name(value, m
 def test_a_speculative_config_beside_the_flags_it_sets_is_refused():
     with pytest.raises(ValueError, match="leave out --num-speculative-tokens"):
         _config("--num-speculative-tokens", "3", "--speculative-config", '{"method": "ngram"}')
+
+
+def test_serve_takes_the_model_as_vllm_serve_does():
+    from streamsd.cli import _model_tag
+
+    a = _model_tag(build_parser().parse_args(["serve", "models/m", "--port", "9000"]))
+    assert a.model == "models/m" and a.port == 9000
+    assert _model_tag(build_parser().parse_args(["serve", "--model", "models/m", "models/m"])).model == "models/m"
+    with pytest.raises(ValueError, match="two models"):
+        _model_tag(build_parser().parse_args(["serve", "models/a", "--model", "models/b"]))
