@@ -172,10 +172,11 @@ class Verifier:
                       positions: torch.Tensor) -> torch.Tensor:
         """rows [B, K+1, V], greedy and seeds [B] int64, positions [B, K+1] -> [B, K+1]: at every verified
         position the token a plain step samples there (`_race`: the argmax of a greedy row, else the race
-        of its warped p against the noise keyed by its seed and position). Accepting drafts while they equal these tokens emits exactly plain
-        decoding's tokens, so it is lossless whatever the drafts' q; a draft d passes with probability
-        p(d), as rejection sampling passes a one-hot q's. With the exact mode's batch-invariant logits a
-        seeded request then samples the same text with and without speculation."""
+        of its warped p against the noise keyed by its seed and position). Accepting drafts while they
+        equal these tokens emits exactly plain decoding's tokens, so it is lossless whatever the drafts'
+        q; a draft d passes with probability p(d), as rejection sampling passes a one-hot q's. With the
+        exact mode's batch-invariant logits a seeded request then samples the same text with and without
+        speculation."""
         b, w, vocab = rows.shape
         ints = torch.stack([greedy.repeat_interleave(w), seeds.repeat_interleave(w), positions.reshape(-1)])  # [3, B*W]
         return sample_keyed(rows.reshape(b * w, vocab), self.warp_params(reqs).repeat(w), ints).view(b, w)
