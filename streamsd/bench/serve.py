@@ -81,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "against each other measure the run's noise (bench/compare.py)",
     )
     parser.add_argument(
+        "--num-warmups", type=int, default=0, metavar="N",
+        help="run the first cell's requests N times, unmeasured, before the measured cells: a server's first "
+             "batch pays one-off costs (its prompts' first prefill, a cold prefix cache) that would otherwise "
+             "land in whichever setting runs first",
+    )
+    parser.add_argument(
         "--multi-turn", action="store_true",
         help="chat only: every request is a conversation of two turns, the second (MT-bench's, else "
              f"{FOLLOW_UP!r}) sent with the first's answer as soon as it is back; each turn gets its cells, "
@@ -112,6 +118,8 @@ def plan_cells(args: argparse.Namespace) -> list[CellPlan]:
         raise ValueError("--sweep-concurrency and --max-concurrency are alternatives")
     if args.repeats < 1:
         raise ValueError(f"--repeats needs a positive integer, got {args.repeats}")
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups needs a count >= 0, got {args.num_warmups}")
     if args.multi_turn and args.endpoint != "chat":
         raise ValueError("--multi-turn sends conversations: it needs --endpoint chat")
     if args.shared_prefix_tokens < 0:
@@ -225,6 +233,11 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
         )
         await probe(client, args.base_url, headers, request_specs(args, model, prompts[:1], plans[-1].speculative)[0])
         follow_ups = [p.follow_up or FOLLOW_UP for p in prompts] if args.multi_turn else None
+        for w in range(args.num_warmups):
+            _, duration, _ = await run_cell(client, args.base_url, headers,
+                                            request_specs(args, model, prompts, plans[0].speculative), plans[0],
+                                            seed=args.seed - 1 - w, progress=False, follow_ups=follow_ups)
+            print(f"warm-up {w + 1}: {len(prompts)} requests in {duration:.1f} s (not measured)", file=sys.stderr)
         cells = []
         for i, plan in enumerate(plans):
             before = await scrape(client, args.base_url, headers)
@@ -248,7 +261,8 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
         "max_concurrency": args.max_concurrency, "sweep_concurrency": args.sweep_concurrency,
         "compare_speculation": args.compare_speculation, "multi_turn": args.multi_turn,
-        "shared_prefix_tokens": args.shared_prefix_tokens or None, "repeats": args.repeats, "ignore_eos": args.ignore_eos, "seed": args.seed,
+        "shared_prefix_tokens": args.shared_prefix_tokens or None, "repeats": args.repeats,
+        "num_warmups": args.num_warmups, "ignore_eos": args.ignore_eos, "seed": args.seed,
         "response_format": args.response_format,
     }
     return config, cells

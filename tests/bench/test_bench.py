@@ -334,6 +334,24 @@ def test_serve_json_has_every_figure_group(server_url: str, tmp_path: Path) -> N
         on["throughput"]["output_tokens_per_s"] / off["throughput"]["output_tokens_per_s"])
 
 
+def test_serve_warm_ups_run_the_first_cells_requests_unmeasured(server_url: str, tmp_path: Path) -> None:
+    def finished() -> float:  # over every finish reason
+        text = httpx.get(f"{server_url}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("streamsd:request_success_total{"))
+
+    out = tmp_path / "warm.json"
+    before = finished()
+    rc = serve.main(["--base-url", server_url, "--dataset", "random:10", "--num-prompts", "3", "--max-concurrency", "3",
+                     "--max-tokens", "4", "--num-warmups", "2", "--output-json", str(out), "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    (cell,) = doc["cells"]
+    assert doc["config"]["num_warmups"] == 2 and cell["requests"]["completed"] == 3
+    # the probe, two warm-ups of three and the measured three
+    assert finished() == before + 1 + 2 * 3 + 3
+
+
 def test_serve_multi_turn_sends_each_second_turn_with_the_first_answer(server_url: str, tmp_path: Path) -> None:
     data = tmp_path / "q.jsonl"
     data.write_text('{"turns": ["Tell me about Paris.", "And about Rome?"]}\n{"turns": ["Count to five."]}\n')
