@@ -158,8 +158,11 @@ def chat_template_of(given: str | None, tokenizer: Any) -> str | None:
     rendering a short conversation with it."""
     if given is None:
         return None
-    path = Path(given)
-    template = path.read_text(encoding="utf-8") if len(given) < 4096 and "\n" not in given and path.is_file() else given
+    try:
+        is_file = Path(given).is_file()
+    except OSError:  # a one-line template longer than a file name may be
+        is_file = False
+    template = Path(given).read_text(encoding="utf-8") if is_file else given
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], chat_template=template, tokenize=False,
                                       add_generation_prompt=True)

@@ -62,6 +62,9 @@ def test_a_chat_template_given_replaces_the_tokenizers_inline_or_from_a_file(tin
     assert from_file.core.render_chat(convo) == "[user] Hello\n[assistant]"
     out = from_file.chat([convo], SamplingParams(max_tokens=3, temperature=0))
     assert out[0].prompt_token_ids == from_file.core.encode_rendered_chat("[user] Hello\n[assistant]")
+    # a one-line template longer than any file name is taken as the template, not refused as a path
+    long_line = TEMPLATE.replace("\n", " ").replace("[assistant]", "[assistant]" + "{# " + "x" * 300 + " #}")
+    assert LLM(str(tiny_model_dir), chat_template=long_line).core.render_chat(convo) == "[user] Hello [assistant]"
     with pytest.raises(ValueError, match="--chat-template does not render a conversation"):
         LLM(str(tiny_model_dir), chat_template="{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}")
 
