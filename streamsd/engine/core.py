@@ -348,12 +348,11 @@ class EngineCore:
         return self.encode_rendered_chat(self.render_chat(messages))
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        if self.rt.chat_template is not None:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.rt.chat_template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = self.rt.chat_template  # None: the tokenizer's own
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ParamError("messages", "this model has no chat template; use the completions API or --chat-template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def encode_rendered_chat(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -47,7 +47,6 @@ class WarmUp:
 def warm_up(worker: Worker, cfg: SchedulerConfig, spec: SpecConfig, eos_ids: frozenset[int], q_slots: int) -> WarmUp:
     """Runs the two requests to their end on `worker`. Leaves no step queued and no KV block held."""
     t0 = time.perf_counter()
-    k = spec.tree.nodes if spec.tree is not None else spec.num_tokens
     # Its own queue bound: a server may admit fewer waiting requests than the two.
     sched = Scheduler(dataclasses.replace(cfg, max_queue=max(cfg.max_queue, 2)), dense_q_slots=q_slots,
                       policy=FixedPolicy(spec.max_batch))
@@ -55,7 +54,7 @@ def warm_up(worker: Worker, cfg: SchedulerConfig, spec: SpecConfig, eos_ids: fro
     for i, temperature in enumerate((0.0, 1.0)):
         params = SamplingParams(temperature=temperature, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
         sched.add(Request(request_id=f"warm-up-{i}", prompt_ids=list(prompt), params=params, seed=i,
-                          arrival=time.monotonic(), eos_ids=eos_ids, spec_k=k if spec.enabled else 0,
+                          arrival=time.monotonic(), eos_ids=eos_ids, spec_k=spec.num_tokens if spec.enabled else 0,
                           greedy_draft=temperature < spec.draft_greedy_threshold))
     steps = drafted = 0
     while sched.has_work:
