@@ -6,6 +6,7 @@ Target and draft are built with different seeds so the rejection paths are exerc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -118,3 +119,14 @@ def build_perturbed(src: Path, out_dir: Path, *, noise: float, seed: int = 7) ->
     model.save_pretrained(out_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(src).save_pretrained(out_dir)
     return out_dir
+
+
+def hf_logprobs(model_dir: Path) -> Callable[[list[int]], torch.Tensor]:
+    """The reference for prompt scoring: ids -> transformers' log_softmax at every position, [T, V]."""
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, V]
+
+    return logprobs

@@ -6,23 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 
 from streamsd import LLM, SamplingParams
-from tests.tiny import CORPUS
+from tests.tiny import CORPUS, hf_logprobs
 
 PROMPT = " ".join(CORPUS[:4])
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
-
-    def logprobs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, V]
-
-    return logprobs
+    return hf_logprobs(tiny_model_dir)
 
 
 def _check(scored, ids: list[int], expected: torch.Tensor, top: int) -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoTokenizer
 
-from tests.tiny import CORPUS
+from tests.tiny import CORPUS, hf_logprobs
 
 PROMPT = "Once upon a time there was a tiny model"
 
@@ -26,13 +26,7 @@ def tok(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    hf = LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
-
-    def logprobs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, V]
-
-    return logprobs
+    return hf_logprobs(tiny_model_dir)
 
 
 def _check_prompt_part(lp, ids: list[int], tok, expected: torch.Tensor, top: int) -> None:
