@@ -15,7 +15,7 @@ if not CUDA:
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from streamsd.kernels.exact.attention import exact_cuda_attention, exact_paged_attention  # noqa: E402
-from streamsd.kernels.exact.matmul import BLOCK_M, exact_linear  # noqa: E402
+from streamsd.kernels.exact.matmul import BLOCK_M, N_TILES, block_n, exact_linear  # noqa: E402
 from streamsd.model.attention import paged_attention  # noqa: E402
 from streamsd.model.kv_cache import BatchLayout  # noqa: E402
 
@@ -26,22 +26,35 @@ SLOW_ON_CPU = pytest.mark.slow if not CUDA else pytest.mark.usefixtures()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_exact_linear_gives_a_row_the_same_bits_at_any_batch_and_place(dtype):
+@pytest.mark.parametrize("tile_n", N_TILES)
+def test_exact_linear_gives_a_row_the_same_bits_at_any_batch_and_place(dtype, tile_n):
     g = torch.Generator().manual_seed(0)
     k, n = 80, 72  # neither a multiple of the tiles: the masked edges too
     w = torch.randn(n, k, generator=g).to(DEV, dtype)
     b = torch.randn(n, generator=g).to(DEV, dtype)
     row = torch.randn(1, k, generator=g).to(DEV, dtype)
-    alone = exact_linear(row, w, b)[0]
+    alone = exact_linear(row, w, b, tile_n)[0]
     for m in (1, 5, 25, BLOCK_M, BLOCK_M + 3):
         for where in sorted({0, m // 2, m - 1}):
             x = torch.randn(m, k, generator=g).to(DEV, dtype)
             x[where] = row[0]
-            assert torch.equal(exact_linear(x, w, b)[where], alone), (m, where)
+            assert torch.equal(exact_linear(x, w, b, tile_n)[where], alone), (m, where)
     x = torch.randn(BLOCK_M + 3, k, generator=g).to(DEV, dtype)
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(exact_linear(x, w, b).double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert torch.allclose(exact_linear(x, w, b, tile_n).double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_exact_linear_tiles_n_by_the_weight_and_the_device_alone():
+    """The N tile fills the SMs once where it can (an 8B layer's 4096 outputs on 132 SMs: 16-wide, 256
+    programs), keeps 64 where that already does, and never looks at M."""
+    cpu = torch.device("cpu")  # taken as 4 SMs
+    assert block_n(4096, cpu) == 64 and block_n(72, cpu) == 16 and block_n(100, cpu) == 32
+    if CUDA:
+        sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+        for n in (576, 4096, 6144, 28672, 128256):
+            tile = block_n(n, DEV)
+            assert tile in N_TILES and (-(-n // tile) >= sms or tile == N_TILES[-1]), (n, tile)
 
 
 def _cache(kv_heads: int, dim: int, dtype: torch.dtype, blocks: int = 40, bs: int = 16):
