@@ -27,6 +27,7 @@ import triton.language as tl
 
 BLOCK_M = 64
 BLOCK_K = 64
+NUM_STAGES = 3
 N_TILES = (64, 32, 16)  # widest first; tl.dot takes 16 columns or more
 
 
@@ -86,6 +87,6 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     _exact_matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=tile, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+        BLOCK_M=BLOCK_M, BLOCK_N=tile, BLOCK_K=BLOCK_K, num_warps=4, num_stages=NUM_STAGES,
     )
     return y
