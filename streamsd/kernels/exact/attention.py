@@ -90,7 +90,7 @@ def _exact_attn_kernel(
             hit = (is_set[None, :] != 0) & (rank[None, :] == r[:, None])  # [TILE_N, 64]
             slot = tl.sum(tl.where(hit, c[None, :], 0), 1)  # [TILE_N] the rank-r row's window index
             phys = tl.where(in_win & (lpos >= win), win + slot, lpos)  # [TILE_N]
-            kpos = tl.where(lpos < lend, phys, dead)
+            kpos = tl.where(lpos < lend, phys, dead)  # [TILE_N] past its own position: dead, as in a chain
             m, l_sum, acc = attend_tile(q, sees, m, l_sum, acc, kpos, dead, bt_ptr + seq * s_bt, k_ptr, v_ptr, kvh,
                                         sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, d, scale_log2, PAGE, IEEE, sees, -1,
                                         False)
