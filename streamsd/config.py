@@ -163,16 +163,14 @@ class EngineConfig:
     # Requests sharing leading tokens (a chat's earlier turns, a system prompt) reuse their KV blocks.
     enable_prefix_caching: bool = True
     # Batch-invariant target forward (kernels/exact/, model/exact_forward.py): a row's logits are the same
-    # bits whatever else its step holds, so greedy speculative output equals plain decoding token for token.
+    # bits whatever else its step holds (a draft tree's rows included), so greedy speculative output equals
+    # plain decoding token for token.
     exact: bool = False
     # Ranks the target is split over (Megatron-style, worker/tp.py): rank 0 in this process, the others
     # follower processes, one GPU each on CUDA.
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.exact and self.spec.tree is not None:
-            raise ValueError("exact mode verifies chains: a draft tree's rows see scattered keys, which no "
-                             "batch-invariant attention sums in a chain's order (use --speculative-tree none)")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -50,16 +50,17 @@ def test_help_does_not_import_torch(argv):
     assert out.stdout.strip().endswith("torch loaded: False"), out.stdout[-300:]
 
 
-def test_exact_mode_on_cuda_keeps_the_default_models_head_on_chains():
-    """`--exact` verifies chains only: the default model's head on CUDA drafts a chain instead of its default
-    tree, and a tree asked for by name is refused."""
-    from streamsd.cli import DEFAULT_MODEL, _engine_config, build_parser
+def test_exact_mode_on_cuda_keeps_the_default_models_tree():
+    """`--exact` verifies draft trees as it does chains: the default model's head on CUDA keeps its default
+    tree, and a tree asked for by name is taken."""
+    from streamsd.cli import DEFAULT_MODEL, DEFAULT_TREE, _engine_config, build_parser
 
     cfg = _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact"]))
-    assert cfg.exact and cfg.model == DEFAULT_MODEL and cfg.spec.method == "eagle" and cfg.spec.tree is None
-    with pytest.raises(ValueError, match="exact mode verifies chains"):
-        _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact", "--speculative-tree",
-                                                  "4,6,6,24"]))
+    assert cfg.exact and cfg.model == DEFAULT_MODEL and cfg.spec.method == "eagle"
+    assert str(cfg.spec.tree) == DEFAULT_TREE
+    cfg = _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact", "--speculative-tree",
+                                                    "3,4,4,12"]))
+    assert cfg.exact and str(cfg.spec.tree) == "3,4,4,12"
 
 
 def _config(*argv: str):

@@ -40,6 +40,7 @@ from streamsd.kernels.attention.prefill import (
     prefill_tiles,
     tokens_per_tile,
 )
+from streamsd.kernels.exact.attention import _exact_attn_kernel, exact_paged_attention
 from streamsd.kernels.model.device_layout import _restart, restart
 from streamsd.kernels.sample import warp, warp_chunked
 from streamsd.kernels.sample.rejection import _rejection_kernel, rejection_sample
@@ -70,7 +71,7 @@ def compiled_variants() -> int:
 def compiled_by_kernel() -> dict[str, int]:
     """compiled_variants by kernel name (which one compiled inside a step)."""
     counts = {}
-    for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel,
+    for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel, _exact_attn_kernel,
                _exponentials_kernel, _uniforms_kernel, _restart, _warp_kernel, _sample_kernel,
                _chunk_stats_kernel, _chunk_kept_kernel, _warp_out_kernel, _merge_best_kernel, _argmax_chunk_kernel,
                _walk_kernel, _move_kernel, _next_step_kernel, _chunk_topk_kernel, _merge_topk_kernel,
@@ -80,10 +81,10 @@ def compiled_by_kernel() -> dict[str, int]:
 
 
 def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab: int, max_k: int,
-            device: torch.device, trees: bool = False) -> tuple[int, float]:
+            device: torch.device, trees: bool = False, exact: tuple[Any, ...] = ()) -> tuple[int, float]:
     """Compiles the attention kernel of each model (head layout; with `trees` its draft-tree
-    variants too), the rejection sampler for every k ≤ ``max_k`` and the sampling noise; returns
-    (variants compiled, seconds).
+    variants too), the exact attention of the `exact` ones (its tree variant with `trees`), the
+    rejection sampler for every k ≤ ``max_k`` and the sampling noise; returns (variants compiled, seconds).
 
     Each variant is a task of its own, and the tasks compile on a thread pool as wide as the machine:
     Triton's compiler runs in worker threads by design (its own AsyncCompileMode does so), most of a
@@ -101,9 +102,13 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
         partial(_rejection_variant, 1, False, False, vocab, device),
         partial(_restart_variant, 1, device),
     ]
+    exact_layouts = sorted({(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in exact})
+    firsts += [partial(_exact_variant, layout, cache_dtype, block_size, device, False) for layout in exact_layouts[:1]]
     for first in firsts:
         first()
     tasks = [*_paged_tasks(layouts, cache_dtype, block_size, device, trees),
+             *[partial(_exact_variant, layout, cache_dtype, block_size, device, tree) for layout in exact_layouts
+               for tree in (False, True) if (tree and trees) or (not tree and layout != exact_layouts[0])],
              *[partial(_prefill_variant, layout, cache_dtype, block_size, device) for layout in layouts[1:]],
              *[partial(_rejection_variant, k, has_p, has_q, vocab, device) for k in range(1, max_k + 1)
                for has_p, has_q in ((False, False), (True, False), (True, True))],
@@ -167,6 +172,20 @@ def _paged_variant(layout: tuple[int, int, int], dtype: torch.dtype, page: int, 
     bits = torch.ones(qmax, dtype=torch.int64, device=device)  # [T]
     root = torch.zeros(1, dtype=torch.int64, device=device)  # [S]
     decode_attention(q, cache, cache, table, ctx, starts, 1.0, qmax, splits=splits, tree_bits=bits, tree_start=root)
+
+
+def _exact_variant(layout: tuple[int, int, int], dtype: torch.dtype, page: int, device: torch.device,
+                   tree: bool) -> None:
+    """The exact attention (one variant per head layout), or its draft-tree variant."""
+    heads, kv_heads, dim = layout
+    cache = torch.zeros(4, page, kv_heads, dim, dtype=dtype, device=device)  # [NB, BS, KVH, D]
+    table = torch.zeros(1, 4, dtype=torch.int32, device=device)  # [S, max_blocks]
+    q = torch.zeros(2, heads, dim, dtype=dtype, device=device)  # [T, H, D]
+    ctx = torch.tensor([2], dtype=torch.int32, device=device)  # [S]
+    starts = torch.tensor([0, 2], dtype=torch.int32, device=device)  # [S + 1]
+    bits = torch.tensor([1, 3], dtype=torch.int64, device=device) if tree else None  # [T] a root and its child
+    root = torch.zeros(1, dtype=torch.int64, device=device) if tree else None  # [S]
+    exact_paged_attention(q, cache, cache, table, ctx, starts, 1.0, 2, tree_bits=bits, tree_start=root)
 
 
 def _prefill_variant(layout: tuple[int, int, int], dtype: torch.dtype, page: int, device: torch.device) -> None:

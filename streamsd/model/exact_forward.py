@@ -10,7 +10,9 @@ up to its own position, so a decode token, a verify window's token and a prompt 
 same call. RMSNorm and softmax reduce each row alone at these widths (one row per reduction, under
 torch's grain size), and the rest is elementwise.
 
-Draft trees are not taken (kernels/exact/attention.py says why).
+A draft tree's window row sees the keys before the window and its ancestors' rows, scattered over the
+window; its call gathers them, in order, into the contiguous keys the same token has decoded in a chain
+(kernels/exact/attention.py walks them the same way), so the call and its inputs are the chain's.
 """
 
 from __future__ import annotations
@@ -39,23 +41,30 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def exact_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout,
                               scale: float) -> torch.Tensor:
     """q [T, H, D]; caches [NB, BS, KVH, D] -> [T, H, D], one SDPA call per query token."""
-    if layout.tree_bits is not None:
-        raise ValueError("exact attention does not take draft trees")
     out = torch.empty_like(q)
     heads, dim = q.shape[1], q.shape[2]
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    for start, qlen, ctx, table in zip(layout.query_starts, layout.query_lens, layout.context_lens,
-                                       layout.block_tables, strict=True):
+    bits = layout.tree_bits.tolist() if layout.tree_bits is not None else None
+    wins = layout.tree_start.tolist() if layout.tree_start is not None else None
+    for s, (start, qlen, ctx, table) in enumerate(zip(layout.query_starts, layout.query_lens, layout.context_lens,
+                                                      layout.block_tables, strict=True)):
         if qlen == 0:
             continue
         blocks = torch.tensor(table[: -(-ctx // bs)], dtype=torch.int64, device=q.device)
         k = k_cache.index_select(0, blocks).reshape(-1, kvh, dim)[:ctx].transpose(0, 1).to(q.dtype)  # [KVH, ctx, D]
         v = v_cache.index_select(0, blocks).reshape(-1, kvh, dim)[:ctx].transpose(0, 1).to(q.dtype)
+        win = wins[s] if wins is not None else -1
         for i in range(qlen):
-            seen = ctx - qlen + i + 1  # keys up to the token's own position
+            pos = ctx - qlen + i
             qi = q[start + i].reshape(kvh, heads // kvh, dim)  # [KVH, G, D]: the G heads of each kv head
-            o = F.scaled_dot_product_attention(qi, k[:, :seen].contiguous(), v[:, :seen].contiguous(), scale=scale)
-            out[start + i] = o.reshape(heads, dim)
+            if 0 <= win <= pos:  # a window row: the keys before the window, then its rows in order
+                assert bits is not None
+                seen = torch.tensor([*range(win), *(win + c for c in range(64) if bits[start + i] >> c & 1)],
+                                    device=q.device)  # [n] its keys' positions, in the chain's order
+                ks, vs = k.index_select(1, seen), v.index_select(1, seen)  # [KVH, n, D], contiguous
+            else:  # keys up to the token's own position
+                ks, vs = k[:, : pos + 1].contiguous(), v[:, : pos + 1].contiguous()
+            out[start + i] = F.scaled_dot_product_attention(qi, ks, vs, scale=scale).reshape(heads, dim)
     return out
 
 

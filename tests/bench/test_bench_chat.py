@@ -75,10 +75,10 @@ def test_every_method_gets_a_row_per_temperature_and_greedy_speculation_answers_
 def test_in_the_exact_mode_seeded_speculative_answers_are_counted_and_equal_plain(
         tmp_path, tiny_model_dir, head_with_held_out, capsys):
     doc = _bench(tmp_path / "exact.json", "--model", str(tiny_model_dir), "--head", str(head_with_held_out),
-                 "--methods", "plain,ngram,eagle", "--temperatures", "0,1", "--exact")
+                 "--methods", "plain,ngram,eagle", "--trees", "2,2,2,4", "--temperatures", "0,1", "--exact")
     rows = {(r["method"], r["temperature"]): r for r in doc["rows"]}
-    assert doc["exact"] and len(rows) == 6
-    for m in ("ngram", "eagle"):
+    assert doc["exact"] and len(rows) == 8
+    for m in ("ngram", "eagle", "tree-2,2,2,4"):
         for t in (0.0, 1.0):
             assert rows[(m, t)]["same_as_plain"] == 2 and rows[(m, t)]["answers"] == rows[("plain", t)]["answers"]
     assert rows[("eagle", 0.0)]["tau"] > 1.0  # drafts were accepted (tests/model/test_exact_forward.py: sampled too)

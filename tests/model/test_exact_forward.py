@@ -1,6 +1,6 @@
 """The exact mode's forward: one token's logits are the same bits however its step is made up (alone, in
 a verify window, as a prompt row, among 5, 25 or 64 rows at any place), on the CPU and on CUDA, and
-greedy output with speculation equals plain decoding at any batch."""
+greedy output with speculation equals plain decoding at any batch (draft trees: test_exact_trees.py)."""
 
 from __future__ import annotations
 
@@ -67,11 +67,6 @@ def test_exact_greedy_speculation_and_any_batch_equal_plain_decoding(tiny_model_
         res = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
         assert [r.outputs[0].token_ids for r in res] == plain, kw
         assert sum(r.spec_stats.accepted for r in res) > 0, kw  # the verify windows did run
-
-
-def test_exact_mode_refuses_draft_trees(tiny_model_dir):
-    with pytest.raises(ValueError, match="exact mode verifies chains"):
-        LLM(str(tiny_model_dir), exact=True, speculative_method="eagle", speculative_tree="2,2,2,4")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
