@@ -81,7 +81,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
     p.add_argument("--exact", action="store_true",
                    help="batch-invariant target forward: a token's logits are the same bits whatever else its step "
                         "holds, so greedy output is the same with or without speculation and at any batch "
-                        "(chains and draft trees alike; costs throughput on CUDA, see docs/benchmarks.md)")
+                        "(chains by default, draft trees with --speculative-tree; costs throughput on CUDA, see "
+                        "docs/benchmarks.md)")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1)")
     p.add_argument("--profile-cache", choices=["reuse", "refresh", "off"], default=None,
                    help="the adaptive policy's start-up cost profile, kept under $STREAMSD_HOME/profiles: reuse "
@@ -115,15 +116,17 @@ def default_speculation(model: str, draft_model: str | None, device: str | None)
 
 def default_tree(a: argparse.Namespace, method: str) -> str | None:
     """--speculative-tree when none is given: DEFAULT_TREE for the embedded default model's shipped head
-    on CUDA, unless a chain setting was asked for (a policy, K, another head) or tensor parallelism, whose
-    GPUs draft chains (engine/builder.py); exact mode verifies trees as it does chains. On an H200 at batch 1
+    on CUDA, unless a chain setting was asked for (a policy, K, another head), exact mode, or tensor
+    parallelism, whose GPUs draft chains (engine/builder.py). Exact mode verifies trees as it does chains
+    when asked (--speculative-tree), but its tree steps attend one token a program, prompt chunks sharing
+    the step included, so chains are its default. On an H200 at batch 1
     (16 held-out prompts x 256 tokens) it reads 2.6x plain at T=0 and 2.1x at T=1, the adaptive chain
     ~1x (docs/benchmarks.md)."""
     from streamsd.engine.builder import pick_device
 
     if a.speculative_tree is not None:
         return None if a.speculative_tree == "none" else a.speculative_tree
-    chain_asked = a.speculation_policy is not None or a.num_speculative_tokens != DEFAULT_K \
+    chain_asked = a.speculation_policy is not None or a.num_speculative_tokens != DEFAULT_K or a.exact \
         or a.tensor_parallel_size > 1
     if method != "eagle" or a.model != DEFAULT_MODEL or a.draft_model or chain_asked:
         return None

@@ -50,14 +50,13 @@ def test_help_does_not_import_torch(argv):
     assert out.stdout.strip().endswith("torch loaded: False"), out.stdout[-300:]
 
 
-def test_exact_mode_on_cuda_keeps_the_default_models_tree():
-    """`--exact` verifies draft trees as it does chains: the default model's head on CUDA keeps its default
-    tree, and a tree asked for by name is taken."""
-    from streamsd.cli import DEFAULT_MODEL, DEFAULT_TREE, _engine_config, build_parser
+def test_exact_mode_on_cuda_drafts_chains_by_default_and_takes_a_tree_asked_for():
+    """`--exact` on CUDA: the default model's head drafts chains unless a tree is named, which is taken
+    (the exact mode verifies trees as it does chains)."""
+    from streamsd.cli import DEFAULT_MODEL, _engine_config, build_parser
 
     cfg = _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact"]))
-    assert cfg.exact and cfg.model == DEFAULT_MODEL and cfg.spec.method == "eagle"
-    assert str(cfg.spec.tree) == DEFAULT_TREE
+    assert cfg.exact and cfg.model == DEFAULT_MODEL and cfg.spec.method == "eagle" and cfg.spec.tree is None
     cfg = _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact", "--speculative-tree",
                                                     "3,4,4,12"]))
     assert cfg.exact and str(cfg.spec.tree) == "3,4,4,12"
