@@ -109,7 +109,8 @@ class EngineCore:
         if request_id in self.trackers:
             raise ParamError("id", f"request id {request_id!r} is already running")
         vocab = self.rt.args.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
+        # min/max run in C: on the event loop, a generator over a long prompt cost it twice as long.
+        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
             raise ParamError("prompt", f"token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids or ()):
             raise ParamError("stop_token_ids", f"must be token ids in [0, {vocab})")

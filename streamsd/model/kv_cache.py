@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from streamsd.model.arch import ModelArgs
@@ -67,35 +68,46 @@ class BatchLayout:
         trees[i]: (depth, bits) of its last len(depth) tokens, its draft tree's window, when sequence
         i verifies one: window row j goes to KV slot w + j, sits at position w + depth[j] and sees
         the keys before w and the window keys bits[j] sets (w: the window's first position)."""
-        positions: list[int] = []
-        slots: list[int] = []
-        q_starts: list[int] = []
-        bits: list[int] = []
-        for i, (start, count, table) in enumerate(zip(starts, counts, block_tables, strict=True)):
-            q_starts.append(len(positions))
-            tree = trees[i] if trees is not None else None
-            pre = count - len(tree[0]) if tree is not None else count  # tokens before the window
-            for j, pos in enumerate(range(start, start + count)):
-                positions.append(pos if tree is None or j < pre else start + pre + tree[0][j - pre])
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-                bits.append(0 if tree is None or j < pre else tree[1][j - pre])
+        # Vectorised: a step's rows cover whole prompt chunks and a block table per sequence as long as
+        # its context, so a per-token Python loop here cost the host time of a long prompt every step.
+        n_seq = len(counts)
+        cnt = np.asarray(counts, dtype=np.int64)
+        first = np.cumsum(cnt) - cnt  # [S] first flat row of each sequence
+        seq = np.repeat(np.arange(n_seq), cnt)  # [T] each row's sequence
+        pos = np.asarray(starts, dtype=np.int64)[seq] + np.arange(int(cnt.sum())) - first[seq]  # [T]
         width = max((len(t) for t in block_tables), default=1) or 1
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        table = np.zeros((n_seq, width), dtype=np.int64)  # [S, W], padded with 0
+        for i, t in enumerate(block_tables):
+            table[i, : len(t)] = t
+        slots = table[seq, pos // block_size] * block_size + pos % block_size  # [T]: a row's KV slot follows its order
+        positions, bits, tree_start = pos, None, None
+        if trees is not None:
+            # A tree window's row j sits at the window's first position plus its depth, not at w + j.
+            positions, bits = pos.copy(), np.zeros_like(pos)
+            tree_start = np.full(n_seq, -1, dtype=np.int64)
+            for i, tree in enumerate(trees):
+                if tree is None:
+                    continue
+                depth, mask = tree
+                w = starts[i] + counts[i] - len(depth)
+                end = int(first[i]) + counts[i]
+                positions[end - len(depth) : end] = w + np.asarray(depth, dtype=np.int64)
+                bits[end - len(depth) : end] = np.asarray(mask, dtype=np.int64)
+                tree_start[i] = w
+        q_starts = first.tolist()
         ctx = [s + c for s, c in zip(starts, counts, strict=True)]
         return BatchLayout(
-            positions=h2d(positions, torch.int64, device),
-            slot_mapping=h2d(slots, torch.int64, device),
+            positions=h2d(torch.from_numpy(positions), torch.int64, device),
+            slot_mapping=h2d(torch.from_numpy(slots), torch.int64, device),
             query_starts=q_starts,
             query_lens=list(counts),
             context_lens=ctx,
             block_tables=block_tables,
-            block_table=h2d(padded, torch.int32, device),
+            block_table=h2d(torch.from_numpy(table), torch.int32, device),
             context_lens_t=h2d(ctx, torch.int32, device),
-            query_starts_t=h2d(q_starts + [len(positions)], torch.int32, device),
-            tree_bits=h2d(bits, torch.int64, device) if trees is not None else None,
-            tree_start=h2d([s + c - len(t[0]) if t is not None else -1 for s, c, t in zip(starts, counts, trees,
-                                                                                              strict=True)],
-                           torch.int64, device) if trees is not None else None,
+            query_starts_t=h2d(q_starts + [len(pos)], torch.int32, device),
+            tree_bits=h2d(torch.from_numpy(bits), torch.int64, device) if bits is not None else None,
+            tree_start=h2d(torch.from_numpy(tree_start), torch.int64, device) if tree_start is not None else None,
         )
 
     @staticmethod
