@@ -208,10 +208,6 @@ class EngineCore:
                 self.scheduler.finish(e.request, FinishReason.ERROR)
                 em.outputs.append(self._final(e.request, FinishReason.ERROR, error=f"internal error: {results}"))
             return em
-        now = time.monotonic()
-        for e in plan.entries:
-            if e.request.first_scheduled is None:
-                e.request.first_scheduled = now
         verified = []
         for entry, res, kept, drafted in self.scheduler.update(plan, results):
             accepted = min(res.num_accepted, len(kept), drafted)
@@ -279,7 +275,14 @@ class EngineCore:
 
     def _schedule(self) -> tuple[StepPlan, list[Request]]:
         # Steps the worker queued ahead pin the plan where they can serve it (the worker is idle now).
-        return self.scheduler.schedule(self.rt.worker.lookahead.follow)
+        plan, aborted = self.scheduler.schedule(self.rt.worker.lookahead.follow)
+        # A request's queue time ends when a step first takes it, before that step runs: its prefill is
+        # the time from here to its first token, not part of the wait.
+        now = time.monotonic()
+        for e in plan.entries:
+            if e.request.first_scheduled is None:
+                e.request.first_scheduled = now
+        return plan, aborted
 
     def wait_launched(self) -> None:
         """Until the running step has queued its GPU work: its launches need the GIL that `emit`
