@@ -4,23 +4,15 @@ them. On CUDA they run natively; on a CPU under TRITON_INTERPRET=1 on tiny float
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the imports below
-triton = pytest.importorskip("triton", reason="triton is not installed")
+from tests.kernels.interpret import CUDA, DEV, DTYPES  # isort: skip (first: it sets the interpreter up)
+from streamsd.kernels.exact.attention import exact_cuda_attention, exact_paged_attention
+from streamsd.kernels.exact.matmul import BLOCK_M, N_TILES, block_n, exact_linear
+from streamsd.model.attention import paged_attention
+from streamsd.model.kv_cache import BatchLayout
 
-from streamsd.kernels.exact.attention import exact_cuda_attention, exact_paged_attention  # noqa: E402
-from streamsd.kernels.exact.matmul import BLOCK_M, N_TILES, block_n, exact_linear  # noqa: E402
-from streamsd.model.attention import paged_attention  # noqa: E402
-from streamsd.model.kv_cache import BatchLayout  # noqa: E402
-
-DEV = torch.device("cuda" if CUDA else "cpu")
-DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
 # A whole model's steps under the interpreter take about a minute on a small CPU; natively, a second.
 SLOW_ON_CPU = pytest.mark.slow if not CUDA else pytest.mark.usefixtures()
 

@@ -6,25 +6,17 @@ On a CPU the kernel runs under TRITON_INTERPRET=1, tree launch against chain lau
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before the imports below
-triton = pytest.importorskip("triton", reason="triton is not installed")
+from tests.kernels.interpret import DEV, DTYPES  # isort: skip (first: it sets the interpreter up)
+from streamsd.kernels.exact.attention import exact_cuda_attention
+from streamsd.model.attention import paged_attention
+from streamsd.model.exact_forward import exact_attention_reference
+from streamsd.model.kv_cache import BatchLayout
+from streamsd.model.tree_layout import ROOT
+from streamsd.sample.tree_verify import host_tree
 
-from streamsd.kernels.exact.attention import exact_cuda_attention  # noqa: E402
-from streamsd.model.attention import paged_attention  # noqa: E402
-from streamsd.model.exact_forward import exact_attention_reference  # noqa: E402
-from streamsd.model.kv_cache import BatchLayout  # noqa: E402
-from streamsd.model.tree_layout import ROOT  # noqa: E402
-from streamsd.sample.tree_verify import host_tree  # noqa: E402
-
-DEV = torch.device("cuda" if CUDA else "cpu")
-DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
 BS, DIM, BLOCKS = 16, 32, 48
 TREE_TABLE = list(range(20))  # the tree sequence's blocks (room for 320 positions)
 CHAIN_TABLE = list(range(20, 40))  # a chain's copy of the keys one window row sees
