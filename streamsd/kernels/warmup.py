@@ -81,9 +81,9 @@ def compiled_by_kernel() -> dict[str, int]:
 
 
 def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab: int, max_k: int,
-            device: torch.device, trees: bool = False, exact: tuple[Any, ...] = ()) -> tuple[int, float]:
+            device: torch.device, trees: bool = False, exact: Any | None = None) -> tuple[int, float]:
     """Compiles the attention kernel of each model (head layout; with `trees` its draft-tree
-    variants too), the exact attention of the `exact` ones (its tree variant with `trees`), the
+    variants too), the exact attention of the `exact` model (its tree variant with `trees`), the
     rejection sampler for every k ≤ ``max_k`` and the sampling noise; returns (variants compiled, seconds).
 
     Each variant is a task of its own, and the tasks compile on a thread pool as wide as the machine:
@@ -102,13 +102,14 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
         partial(_rejection_variant, 1, False, False, vocab, device),
         partial(_restart_variant, 1, device),
     ]
-    exact_layouts = sorted({(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in exact})
-    firsts += [partial(_exact_variant, layout, cache_dtype, block_size, device, False) for layout in exact_layouts[:1]]
+    exact_layout = (exact.args.num_heads, exact.args.num_kv_heads, exact.args.head_dim) if exact is not None else None
+    if exact_layout is not None:
+        firsts.append(partial(_exact_variant, exact_layout, cache_dtype, block_size, device, False))
     for first in firsts:
         first()
     tasks = [*_paged_tasks(layouts, cache_dtype, block_size, device, trees),
-             *[partial(_exact_variant, layout, cache_dtype, block_size, device, tree) for layout in exact_layouts
-               for tree in (False, True) if (tree and trees) or (not tree and layout != exact_layouts[0])],
+             *([partial(_exact_variant, exact_layout, cache_dtype, block_size, device, True)]
+               if exact_layout is not None and trees else []),
              *[partial(_prefill_variant, layout, cache_dtype, block_size, device) for layout in layouts[1:]],
              *[partial(_rejection_variant, k, has_p, has_q, vocab, device) for k in range(1, max_k + 1)
                for has_p, has_q in ((False, False), (True, False), (True, True))],
@@ -176,7 +177,7 @@ def _paged_variant(layout: tuple[int, int, int], dtype: torch.dtype, page: int, 
 
 def _exact_variant(layout: tuple[int, int, int], dtype: torch.dtype, page: int, device: torch.device,
                    tree: bool) -> None:
-    """The exact attention (one variant per head layout), or its draft-tree variant."""
+    """The exact attention of a head layout, or its draft-tree variant."""
     heads, kv_heads, dim = layout
     cache = torch.zeros(4, page, kv_heads, dim, dtype=dtype, device=device)  # [NB, BS, KVH, D]
     table = torch.zeros(1, 4, dtype=torch.int32, device=device)  # [S, max_blocks]

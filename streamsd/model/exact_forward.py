@@ -59,8 +59,8 @@ def exact_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             qi = q[start + i].reshape(kvh, heads // kvh, dim)  # [KVH, G, D]: the G heads of each kv head
             if 0 <= win <= pos:  # a window row: the keys before the window, then its rows in order
                 assert bits is not None
-                seen = torch.tensor([*range(win), *(win + c for c in range(64) if bits[start + i] >> c & 1)],
-                                    device=q.device)  # [n] its keys' positions, in the chain's order
+                rows = [win + c for c in range(64) if bits[start + i] >> c & 1]  # its window rows, in order
+                seen = torch.cat([torch.arange(win), torch.tensor(rows)]).to(q.device)  # [n] keys, chain order
                 ks, vs = k.index_select(1, seen), v.index_select(1, seen)  # [KVH, n, D], contiguous
             else:  # keys up to the token's own position
                 ks, vs = k[:, : pos + 1].contiguous(), v[:, : pos + 1].contiguous()

@@ -71,7 +71,7 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
     trees = worker.tree is not None  # drafts are trees: worker/tree_graphs.py verifies them
     n, seconds = warm_up(kernel_models, worker.cache.data.dtype, worker.cache.block_size, worker.vocab,
                          1 if trees else k, worker.device, trees=trees,
-                         exact=tuple(m for m in kernel_models if m.attend is exact_cuda_attention))
+                         exact=worker.target if exact and worker.target in kernel_models else None)
     log.info("compiled %d Triton kernel variants in %.1fs", n, seconds)
     if not graphs:
         if proposer is not None:

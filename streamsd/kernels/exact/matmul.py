@@ -59,14 +59,10 @@ def _exact_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, sx_m, sw_n, sy_m,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
+@functools.cache  # an eager step asks once per linear: the answer depends on N and the device alone
 def block_n(n: int, device: torch.device) -> int:
     """The N tile of an [N, K] weight on `device`: the widest whose grid gives every SM a program."""
-    sms = _multiprocessors(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return next((b for b in N_TILES if triton.cdiv(n, b) >= sms), N_TILES[-1])
 
 
