@@ -27,6 +27,12 @@ os.environ.setdefault("STREAMSD_PROFILE_CACHE", "off")
 # Tiny models run fastest single-threaded, and the CI machine has two cores shared with servers.
 torch.set_num_threads(1)
 
+# Test processes running side by side on one GPU (pytest -n N) share it: each engine sizes its KV cache
+# within its process's share (engine/kv_sizing.py), not within everything the GPU has free, which the
+# first engine to start would take from the others.
+if torch.cuda.is_available() and "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.cuda.set_per_process_memory_fraction(0.9 / int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():

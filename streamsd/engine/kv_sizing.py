@@ -15,12 +15,21 @@ def kv_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device) -> 
         tokens = cfg.kv_cache_tokens
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        free = process_free(free, total, torch.cuda.get_per_process_memory_fraction(device),
+                            torch.cuda.memory_reserved(device))
         tokens = kv_cache_bytes(free, total, cfg.gpu_memory_utilization, cfg.kv_cache_memory_fraction) // bytes_per_token
     elif cfg.gpu_memory_utilization is not None:
         raise ValueError("--gpu-memory-utilization sizes a GPU's KV cache; on a CPU give --kv-cache-tokens")
     else:
         tokens = CPU_DEFAULT_KV_TOKENS
     return max(tokens // BLOCK_SIZE, 1)
+
+
+def process_free(free: int, total: int, fraction: float, reserved: int) -> int:
+    """What this process may still take of the `free` bytes: a process limited to a `fraction` of the GPU
+    (torch.cuda.set_per_process_memory_fraction: several engines, or an engine inside a larger program,
+    sharing one GPU) has that share of `total` less what its allocator holds `reserved` already."""
+    return max(min(free, int(fraction * total) - reserved), 0)
 
 
 def kv_cache_bytes(free: int, total: int, utilization: float | None, fraction: float) -> int:

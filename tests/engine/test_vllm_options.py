@@ -8,7 +8,7 @@ import pytest
 
 from streamsd import LLM, SamplingParams
 from streamsd.config import EngineConfig
-from streamsd.engine.kv_sizing import kv_cache_bytes
+from streamsd.engine.kv_sizing import kv_cache_bytes, process_free
 
 GIB = 2**30
 
@@ -37,6 +37,16 @@ def test_the_kv_cache_takes_its_share_of_what_the_server_may_use():
     assert kv_cache_bytes(130 * GIB, 140 * GIB, 1.0, 0.85) == int(130 * GIB * 0.85)  # never more than is free
     with pytest.raises(ValueError, match="leaves no memory for the KV cache: 70.0 of 140.0 GiB"):
         kv_cache_bytes(70 * GIB, 140 * GIB, 0.5, 0.85)
+
+
+def test_a_process_limited_to_a_share_of_the_gpu_sizes_within_it():
+    # Unlimited (torch's default fraction 1.0): everything free.
+    assert process_free(100 * GIB, 140 * GIB, 1.0, 20 * GIB) == 100 * GIB
+    # A quarter of 140 GiB, 5 GiB of it held already: 30 GiB more, however much more the GPU has free.
+    assert process_free(100 * GIB, 140 * GIB, 0.25, 5 * GIB) == 30 * GIB
+    # Never more than the GPU has free (other processes hold the rest), and never below nothing.
+    assert process_free(10 * GIB, 140 * GIB, 0.25, 5 * GIB) == 10 * GIB
+    assert process_free(100 * GIB, 140 * GIB, 0.25, 40 * GIB) == 0
 
 
 def test_gpu_memory_utilization_is_checked_and_refused_where_it_means_nothing(tiny_model_dir):
