@@ -18,7 +18,7 @@ from streamsd.request import SamplingParams
 from streamsd.sched.plan import StepPlan
 
 OutputObserver = Callable[[RequestOutput], None]
-StepObserver = Callable[[StepPlan], None]
+StepObserver = Callable[[StepPlan, float], None]  # a step, and its seconds (EngineCore.last_step_seconds)
 
 
 class AsyncEngine:
@@ -92,7 +92,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         core = self.core
         em: Emission | None = None
-        done: StepPlan | None = None  # the last step executed, not yet shown to the step observers
+        done: tuple[StepPlan, float] | None = None  # the last step executed and its time, not yet observed
         while True:
             if em is None and not core.has_work:
                 self._observe_step(done)
@@ -110,18 +110,19 @@ class AsyncEngine:
             if running is not None:
                 core.scheduler.plan_ahead(plan)
             results = await running if running is not None else []
+            seconds = core.last_step_seconds if running is not None else 0.0
             for out in core.settle():
                 self._dispatch(out)
             em = core.finish_step(plan, results, aborted)
-            done = plan if plan.entries or plan.preempted else None
+            done = (plan, seconds) if plan.entries or plan.preempted else None
             self.steps += 1
             if running is None and em is None:
                 await asyncio.sleep(0.001)  # only aborts were processed; let the loop breathe
 
-    def _observe_step(self, plan: StepPlan | None) -> None:
-        if plan is not None:
+    def _observe_step(self, done: tuple[StepPlan, float] | None) -> None:
+        if done is not None:
             for observe in self.step_observers:
-                observe(plan)
+                observe(*done)
 
     def _dispatch(self, out: RequestOutput) -> None:
         for observe in self.observers:

@@ -153,7 +153,7 @@ async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) ->
     engine.observers.append(metrics.observe)
     engine.step_observers.append(metrics.observe_step)
     await engine.start()
-    state.prompts = PromptEncoder(core)
+    state.prompts = PromptEncoder(core, metrics.tokenize.observe)
     state.system_fingerprint = system_fingerprint(core, state.served_model_name)
     state.engine = engine
     log.info("ready: serving %s", state.served_model_name)

@@ -22,6 +22,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 REQUEST_BUCKETS = (*LATENCY_BUCKETS, 160.0, 320.0, 640.0, 1280.0, 2560.0)
 # 1, 2, 5, 10, ... 1e6: token counts, as vLLM buckets them.
 COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0,
+                2.5)
 STEP_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
 
 
@@ -53,6 +55,9 @@ class Metrics:
                              buckets=LATENCY_BUCKETS)
         self.e2e = Histogram("streamsd:e2e_request_latency_seconds", "End-to-end request latency", registry=r,
                              buckets=LATENCY_BUCKETS)
+        # Before the engine sees a request: its prompt rendered and tokenised (server/prompts.py), waits included.
+        self.tokenize = Histogram("streamsd:request_tokenize_time_seconds", "From a prompt's request to its token ids",
+                                  registry=r, buckets=LATENCY_BUCKETS)
         self.queue = Histogram("streamsd:request_queue_time_seconds", "Time waiting before first scheduled",
                                registry=r, buckets=LATENCY_BUCKETS)
         # Per finished request, from the engine's own timestamps (RequestMetrics).
@@ -79,6 +84,12 @@ class Metrics:
         self.step_tokens = Histogram("streamsd:iteration_tokens_total",
                                      "Tokens the target computed per step (prompt, pending and draft tokens)",
                                      registry=r, buckets=STEP_TOKEN_BUCKETS)
+        # A step's time from the end of the one before (EngineCore.execute): steps that carry a prompt chunk
+        # against those that only decode (and verify drafts); what joins cost the requests already running.
+        self.step_time = Histogram("streamsd:step_duration_seconds", "Engine step time, by whether it computes "
+                                   "a prompt chunk", ["kind"], registry=r, buckets=STEP_BUCKETS)
+        for kind in ("prompt", "decode"):
+            self.step_time.labels(kind=kind)
         self.cache_config = Info("streamsd:cache_config", "The KV cache's configuration", registry=r)
         # Requests by the API key that authenticated them, named (key-1, or NAME from NAME:KEY), never the key.
         self.key_requests = Counter("streamsd:api_key_requests", "Authenticated API requests (HTTP requests under "
@@ -97,9 +108,11 @@ class Metrics:
         for pos in range(core.spec.num_tokens if core.spec.enabled else 0):
             self.accepted_pos.labels(position=str(pos))  # every position exported from the start, at 0
 
-    def observe_step(self, plan: StepPlan) -> None:
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
         if plan.entries:
             self.step_tokens.observe(plan.num_tokens)
+            kind = "prompt" if any(e.num_tokens > 1 for e in plan.entries) else "decode"
+            self.step_time.labels(kind=kind).observe(seconds)
         if plan.preempted:
             self.preemptions.inc(len(plan.preempted))
 

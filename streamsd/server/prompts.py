@@ -2,7 +2,9 @@
 
 Tokenising a megabyte of text takes seconds; on the loop it would freeze every stream and /health
 meanwhile. Chat templates are rendered and text is tokenised on a small thread pool of its own
-(tokenizers releases the GIL), and a prompt whose length in characters already proves it cannot
+(tokenizers releases the GIL while it encodes, so the pool scales with the cores: a burst of
+long prompts, such as 32 chats sharing a 2,000-token system prompt, would otherwise queue behind two
+threads for tens of milliseconds before the engine sees the first of them), and a prompt whose length in characters already proves it cannot
 fit the context window is refused before any of that (token_bound.py).
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -21,11 +25,19 @@ from streamsd.server.token_bound import max_chars_per_token
 
 T = TypeVar("T")
 Tokenized = tuple[list[int], list[str] | None]  # the ids, and their token strings when asked for
-TOKENIZER_THREADS = 2
+Observe = Callable[[float], None]
+
+
+def tokenizer_threads(cores: int | None) -> int:
+    """Half the cores, 2 to 8: the other half runs the event loop, the engine's worker thread and the GPU's
+    host side."""
+    return max(2, min(8, (cores or 2) // 2))
 
 
 class PromptEncoder:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, observe: Observe | None = None):
+        """`observe`: called with the seconds each prompt took from its request to its token ids (waiting
+        for a thread, rendering, tokenising), for the server's metrics."""
         from transformers import PreTrainedTokenizerFast  # loaded with the model; not before the port opens
 
         self.core = core
@@ -33,17 +45,18 @@ class PromptEncoder:
         tok = core.tokenizer
         self.chars_per_token = max_chars_per_token(tok.backend_tokenizer) \
             if isinstance(tok, PreTrainedTokenizerFast) else None
-        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="streamsd-tokenize")
+        self.observe = observe
+        self._pool = ThreadPoolExecutor(tokenizer_threads(os.cpu_count()), thread_name_prefix="streamsd-tokenize")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def text(self, prompt: str, max_tokens: int) -> list[int]:
         self._check_length(len(prompt), max_tokens, "prompt")
-        return await self._run(self.core.encode_prompt, prompt)
+        return await self._timed(self.core.encode_prompt, prompt)
 
     async def chat(self, messages: list[ChatMessage], max_tokens: int) -> list[int]:
-        return await self._run(self._chat, _as_dicts(messages), max_tokens)
+        return await self._timed(self._chat, _as_dicts(messages), max_tokens)
 
     def _chat(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
         """On the pool: render, refuse what cannot fit, tokenise."""
@@ -92,6 +105,13 @@ class PromptEncoder:
         if least + max_tokens > self.max_len:
             raise ApiError(400, f"prompt (at least {least} tokens) + max_tokens ({max_tokens}) exceeds the context "
                                 f"window of {self.max_len} tokens", param=param, code="context_length_exceeded")
+
+    async def _timed(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        start = time.monotonic()
+        ids = await self._run(fn, *args)
+        if self.observe is not None:
+            self.observe(time.monotonic() - start)
+        return ids
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -240,6 +240,9 @@ MOVING = [
     "streamsd:request_params_max_tokens_count",
     "streamsd:request_prefill_time_seconds_count",
     "streamsd:request_decode_time_seconds_count",
+    "streamsd:request_tokenize_time_seconds_count",
+    'streamsd:step_duration_seconds_count{kind="prompt"}',
+    'streamsd:step_duration_seconds_count{kind="decode"}',
 ]
 
 
@@ -270,6 +273,11 @@ def test_vllm_dashboard_metrics_are_exported_and_move(server, model):
     assert tokens >= 900 and steps <= tokens
     tpot = after["streamsd:time_per_output_token_seconds_sum"] - before["streamsd:time_per_output_token_seconds_sum"]
     assert tpot > 0
+    timed = sum(after[f'streamsd:step_duration_seconds_count{{kind="{k}"}}'] for k in ("prompt", "decode"))
+    assert timed == after["streamsd:iteration_tokens_total_count"]  # every step with work is timed, once
+    # One tokenising per text prompt, and each one took time.
+    assert after["streamsd:request_tokenize_time_seconds_count"] - before["streamsd:request_tokenize_time_seconds_count"] == 6
+    assert after["streamsd:request_tokenize_time_seconds_sum"] > before["streamsd:request_tokenize_time_seconds_sum"]
 
 
 def test_openai_client_sees_the_documented_error_shape_for_a_refused_field(client, model):
