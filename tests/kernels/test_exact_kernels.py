@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels.interpret import CUDA, DEV, DTYPES  # isort: skip (first: it sets the interpreter up)
 from streamsd.kernels.exact.attention import exact_cuda_attention, exact_paged_attention
-from streamsd.kernels.exact.matmul import BLOCK_M, N_TILES, block_n, exact_linear
+from streamsd.kernels.exact.matmul import BLOCK_M, N_TILES, SPLITS, block_n, exact_linear, split_k
 from streamsd.model.attention import paged_attention
 from streamsd.model.kv_cache import BatchLayout
 
@@ -18,23 +18,33 @@ SLOW_ON_CPU = pytest.mark.slow if not CUDA else pytest.mark.usefixtures()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tile_n", N_TILES)
-def test_exact_linear_gives_a_row_the_same_bits_at_any_batch_and_place(dtype, tile_n):
+@pytest.mark.parametrize(("tile_n", "splits"), [(t, 1) for t in N_TILES] + [(64, 3), (16, 2)])
+def test_exact_linear_gives_a_row_the_same_bits_at_any_batch_and_place(dtype, tile_n, splits):
+    """Unsplit and split over K (3 ranges of a 3-block K under float32's 64-deep blocks: one range empty)."""
     g = torch.Generator().manual_seed(0)
-    k, n = 80, 72  # neither a multiple of the tiles: the masked edges too
+    k, n = 150, 72  # neither a multiple of the tiles: the masked edges too
     w = torch.randn(n, k, generator=g).to(DEV, dtype)
     b = torch.randn(n, generator=g).to(DEV, dtype)
     row = torch.randn(1, k, generator=g).to(DEV, dtype)
-    alone = exact_linear(row, w, b, tile_n)[0]
+    alone = exact_linear(row, w, b, tile_n, splits)[0]
     for m in (1, 5, 25, BLOCK_M, BLOCK_M + 3):
         for where in sorted({0, m // 2, m - 1}):
             x = torch.randn(m, k, generator=g).to(DEV, dtype)
             x[where] = row[0]
-            assert torch.equal(exact_linear(x, w, b, tile_n)[where], alone), (m, where)
+            assert torch.equal(exact_linear(x, w, b, tile_n, splits)[where], alone), (m, where)
     x = torch.randn(BLOCK_M + 3, k, generator=g).to(DEV, dtype)
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(exact_linear(x, w, b, tile_n).double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    got = exact_linear(x, w, b, tile_n, splits).double()
+    assert torch.allclose(got, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_exact_linear_splits_only_a_long_reduction():
+    """An 8B layer's down projection (14336 into 4096) is split over K, its other linears and a 135M
+    model's are not; the plan never looks at M."""
+    assert split_k(4096, 14336) == SPLITS
+    assert [split_k(n, k) for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (576, 1536), (128256, 4096)]] \
+        == [1, 1, 1, 1, 1]
 
 
 def test_exact_linear_tiles_n_by_the_weight_and_the_device_alone():

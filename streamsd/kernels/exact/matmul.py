@@ -1,20 +1,24 @@
 """A batch-invariant GEMM, y = x W^T (+ b), in Triton: the exact mode's every target linear on CUDA.
 
 cuBLAS picks its tiles, its split-K and even its kernel by the shape, so a row's bits depend on how
-many rows share the call. Here every M of a weight runs one compiled kernel: fixed BLOCK_M x BLOCK_N
-output tiles, each reduced over K by a single program in one sequential loop of BLOCK_K steps (no
-split-K, no stream-K). An output element is then the same chain of tensor-core products and fp32
-adds wherever its row sits in whatever M; rows past M are masked loads that touch no other row. M is
-kept out of Triton's specialisation (an M of 1, or one divisible by 16, would otherwise compile
-another variant).
+many rows share the call. Here every M of a weight runs one compiled kernel with one plan: fixed
+BLOCK_M x BLOCK_N output tiles, each reduced over K in one sequential loop of BLOCK_K steps, or, for a
+long K, in a fixed number of such loops over fixed K ranges whose fp32 partials a second kernel adds in
+order. An output element is then the same chain of tensor-core products and fp32 adds wherever its row
+sits in whatever M; rows past M are masked loads that touch no other row. M is kept out of Triton's
+specialisation (an M of 1, or one divisible by 16, would otherwise compile another variant).
 
-The N tile is a property of the weight, never of M: at decode sizes (M <= 64) the GEMM is a read of W
-spread over its programs, and a 64-wide tile gives an 8B model's 4096-wide layers 64 programs for 132
-SMs (the down projection reads 117 MB through half the chip) and a 135M model's 576-wide ones 9. So
-`block_n` takes the widest of 64, 32 and 16 whose grid fills the SMs once, from N and the device
-alone; every M of that weight then runs the same tiles and the same reduction, which is all that
-batch invariance needs. Prompt chunks pay re-reading W once per 64 rows. `streamsd bench offline
---exact` measures the price.
+The plan is a property of the weight (N, K, dtype) and the device, never of M. At decode sizes
+(M <= 64) the GEMM is a read of W spread over its programs:
+- `block_n` takes the widest N tile of 64, 32 and 16 whose grid fills the SMs once: a 64-wide tile gave
+  an 8B model's 4096-wide layers 64 programs for 132 SMs;
+- `split_k` cuts a K of three times N or more (an MLP's down projection: 14336 into 4096 on an 8B
+  model) into 8 ranges, 64-wide tiles each: one program per tile read 117 MB through half the chip
+  at a third of cuBLAS's speed, 512 programs read it at cuBLAS's;
+- 16-bit weights stream through 128-deep K blocks four stages deep (a third faster than 64 deep and
+  three stages on the H200); float32 ones keep 64 and three, which fit the shared memory.
+Prompt chunks pay re-reading W once per 64 rows, and split weights an fp32 workspace of 8 x M x N.
+`streamsd bench offline --exact` measures the price.
 """
 
 from __future__ import annotations
@@ -26,25 +30,29 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 64
-BLOCK_K = 64
-NUM_STAGES = 3
 N_TILES = (64, 32, 16)  # widest first; tl.dot takes 16 columns or more
+SPLITS = 8  # K ranges of a split weight
+SPLIT_TILE = 64  # its N tile: 8 ranges give the programs already
 
 
 @triton.jit(do_not_specialize=["m"])
-def _exact_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, sx_m, sw_n, sy_m,
+def _exact_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, k_range, sx_m, sw_n, sy_m, sy_split,
                          HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (i, j, s): rows i, columns j, K range s ([s k_range, (s + 1) k_range) of [0, k)) into
+    y + s sy_split. One range: y is the output; several: they are fp32 partials (_sum_splits_kernel)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < m
     col_ok = cols < n
+    k_end = tl.minimum(k, (pid_k + 1) * k_range)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        k_ok = k0 + ks < k
+    for k0 in range(pid_k * k_range, k_end, BLOCK_K):
+        k_ok = k0 + ks < k_end
         a = tl.load(x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BLOCK_M, BLOCK_K]
         b = tl.load(w_ptr + cols[None, :] * sw_n + (k0 + ks)[:, None], mask=col_ok[None, :] & k_ok[:, None],
@@ -55,34 +63,70 @@ def _exact_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, sx_m, sw_n, sy_m,
             acc = tl.dot(a, b, acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * sy_m + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + pid_k * sy_split + rows[:, None] * sy_m + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, size, n, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """y = part[0] + part[1] + ... (+ b), in that order: part [SPLITS, M, N] fp32, y [M, N]."""
+    i = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ok = i < size
+    acc = tl.load(part_ptr + i, mask=ok, other=0.0)  # [BLOCK]
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + s * size + i, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + i % n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @functools.cache  # an eager step asks once per linear: the answer depends on N and the device alone
 def block_n(n: int, device: torch.device) -> int:
-    """The N tile of an [N, K] weight on `device`: the widest whose grid gives every SM a program."""
+    """The N tile of an unsplit [N, K] weight on `device`: the widest whose grid gives every SM a program."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return next((b for b in N_TILES if triton.cdiv(n, b) >= sms), N_TILES[-1])
 
 
+def split_k(n: int, k: int) -> int:
+    """K ranges of an [N, K] weight: SPLITS for a K of 3 N or more, else 1."""
+    return SPLITS if k >= 3 * n else 1
+
+
+def k_plan(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_K, pipeline stages) for `dtype`'s operands."""
+    return (64, 3) if dtype == torch.float32 else (128, 4)
+
+
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 tile_n: int | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, each row's bits independent of M
-    (`tile_n`: the N tile, by default `block_n`'s for the weight; the same weight must keep one)."""
+                 tile_n: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, each row's bits independent of M.
+    `tile_n`, `splits`: the N tile and the K ranges, by default the weight's (`block_n`, `split_k`); the
+    same weight must keep one plan."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0:
         return y
-    tile = tile_n or block_n(n, x.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, tile))
+    splits = splits or split_k(n, k)
+    tile = tile_n or (SPLIT_TILE if splits > 1 else block_n(n, x.device))
+    block_k, stages = k_plan(x.dtype)
+    k_range = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k  # whole K blocks per range
+    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, tile), splits)
     _exact_matmul_kernel[grid](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=tile, BLOCK_K=BLOCK_K, num_warps=4, num_stages=NUM_STAGES,
+        x, weight, bias if bias is not None else weight, out, m, n, k, k_range,
+        x.stride(0), weight.stride(0), n, m * n,
+        HAS_BIAS=bias is not None and splits == 1, IEEE=x.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=tile, BLOCK_K=block_k, num_warps=4, num_stages=stages,
     )
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            out, bias if bias is not None else weight, y, m * n, n,
+            HAS_BIAS=bias is not None, SPLITS=splits, BLOCK=block,
+        )
     return y
