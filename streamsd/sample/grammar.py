@@ -20,6 +20,7 @@ pool when a request is admitted): never on the event loop.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from typing import Any
@@ -45,6 +46,7 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler: Any = None
+        self._batch: Any = None
         self._lock = threading.Lock()
 
     def compile(self, c: Constraint) -> Any:
@@ -60,6 +62,15 @@ class Grammars:
 
     def matcher(self, c: Constraint, eos_ids: frozenset[int]) -> Matcher:
         return Matcher(self, c, sorted(eos_ids))
+
+    def batch(self) -> Any:
+        """xgrammar's batch matcher: fills many matchers' masks at once on a few threads of its own."""
+        with self._lock:
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+            return self._batch
 
     def _get_compiler(self) -> Any:
         with self._lock:
@@ -139,7 +150,7 @@ def apply_masks(entries: list[Scheduled], rows: torch.Tensor, pick: list[int]) -
     import xgrammar as xgr
 
     width, vocab = rows.shape[1], rows.shape[2]
-    packed = np.stack([_entry_masks(entries[b], width) for b in pick])  # [P, W, words]
+    packed = batch_masks(entries, pick, width)  # [P, W, words]
     bits = h2d(torch.from_numpy(packed.reshape(len(pick) * width, -1)), torch.int32, rows.device)  # [P * W, words]
     index = h2d(pick, torch.int64, rows.device)  # [P]
     sub = rows.index_select(0, index).reshape(len(pick) * width, vocab).float()  # [P * W, V], a copy
@@ -147,10 +158,36 @@ def apply_masks(entries: list[Scheduled], rows: torch.Tensor, pick: list[int]) -
     return rows.index_copy(0, index, sub.view(len(pick), width, vocab).to(rows.dtype))  # [B, W, V], a new tensor
 
 
-def _entry_masks(e: Scheduled, width: int) -> np.ndarray:
-    r = e.request
-    n = min(width, e.num_drafts + 1)  # rows past the drafts are padding, never read
-    masks = r.matcher.masks(r.output_ids, r.draft_ids[: e.num_drafts], n)
-    if n < width:
-        masks = np.concatenate([masks, np.repeat(masks[-1:], width - n, axis=0)])
-    return masks
+def batch_masks(entries: list[Scheduled], pick: list[int], width: int) -> np.ndarray:
+    """[P, W, words] int32: entry pick[p]'s rows as its `Matcher.masks` gives them for its drafts (rows
+    past them, padding nobody reads, repeat its last). Row j of every request is filled in one call on
+    the batch matcher's threads: 64 requests verifying 4 drafts each want 320 masks a step, which one
+    thread filled one after another (on the H200 host at batch 64, speculation with a JSON schema ran
+    at 0.68x of plain with one)."""
+    matchers = [entries[b].request.matcher for b in pick]
+    ms = [mt._at(entries[b].request.output_ids) for b, mt in zip(pick, matchers, strict=True)]
+    drafts = [entries[b].request.draft_ids[: entries[b].num_drafts] for b in pick]
+    used = [min(width, len(d) + 1) for d in drafts]  # rows each request reads
+    out = np.zeros((len(pick), width, matchers[0].words), dtype=np.int32)  # [P, W, words]
+    flat = torch.from_numpy(out.reshape(len(pick) * width, -1))  # [P * W, words], the same memory
+    taken = [0] * len(pick)
+    batch = matchers[0].grammars.batch()
+    for j in range(width):
+        fill, at = [], []
+        for p, m in enumerate(ms):
+            if j >= used[p] or taken[p] < j:  # padding, or after a refused draft: p gives it 0, never read
+                out[p, j] = out[p, j - 1]
+            elif m.is_terminated():
+                out[p, j] = -1  # after a stop: the bonus row must still be a distribution
+            else:
+                fill.append(m)
+                at.append(p * width + j)
+        if fill:
+            batch.batch_fill_next_token_bitmask(fill, flat, at)
+        for p, m in enumerate(ms):
+            if taken[p] == j < len(drafts[p]) and not m.is_terminated() and m.accept_token(drafts[p][j]):
+                taken[p] += 1
+    for m, n in zip(ms, taken, strict=True):
+        if n:
+            m.rollback(n)
+    return out

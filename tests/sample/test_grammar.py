@@ -4,6 +4,7 @@ masked target distribution (chi-square), with dense and one-hot q."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models
@@ -11,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from streamsd.request import Constraint, Request, SamplingParams
 from streamsd.sample import rng
-from streamsd.sample.grammar import Grammars, apply_masks
+from streamsd.sample.grammar import Grammars, apply_masks, batch_masks
 from streamsd.sample.rejection import VerifyInput, rejection_sample
 from streamsd.sample.warp import WarpParams, warp
 from streamsd.sched.plan import Scheduled
@@ -64,6 +65,27 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_forbids(grammars):
     assert m.allowed([], [x, a]) == 0
     assert m.allowed([], [TOKENS.index("d"), EOS, a]) == 2  # nothing after the end
     assert m.allowed([a], [b, EOS]) == 2  # from the output so far, which the matcher caught up with
+
+
+def test_masks_filled_side_by_side_equal_each_request_alone(grammars):
+    """The batch fills row j of every request at once: each request's rows are still its own matcher's
+    after its own drafts, whatever the others' (refused mid-way, past the end, a finished structure, a
+    stop, none), padding repeats its last row, and every matcher is left at its output."""
+    a, b, c, d, x, y, one, two = (TOKENS.index(t) for t in "abcdxy12")
+    cases = [([], [b, x, y]), ([], [a, x, b]), ([b], [x]), ([d], []), ([], [d, a]), ([c], [one, two, x]),
+             ([d, EOS], []), ([], [])]
+    width = 4
+    entries = [_entry(grammars, out, drafts) for out, drafts in cases]
+    for pick in (list(range(len(cases))), [1, 4, 6]):
+        got = batch_masks(entries, pick, width)  # [P, W, words]
+        assert got.shape[:2] == (len(pick), width)
+        for p, i in enumerate(pick):
+            out, drafts = cases[i]
+            alone = grammars.matcher(CONSTRAINT, frozenset({EOS})).masks(out, drafts, len(drafts) + 1)
+            assert np.array_equal(got[p, : len(drafts) + 1], alone), i
+            for j in range(len(drafts) + 1, width):
+                assert np.array_equal(got[p, j], alone[-1]), (i, j)
+        assert np.array_equal(batch_masks(entries, pick, width), got)  # drafts rolled back: the same again
 
 
 def test_masked_rows_are_minus_infinity_exactly_where_the_grammar_forbids(grammars):
