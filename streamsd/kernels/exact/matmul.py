@@ -15,8 +15,8 @@ The plan is a property of the weight (N, K, dtype) and the device, never of M. A
 - `split_k` cuts a K of three times N or more (an MLP's down projection: 14336 into 4096 on an 8B
   model) into 8 ranges, 64-wide tiles each: one program per tile read 117 MB through half the chip
   at a third of cuBLAS's speed, 512 programs read it at cuBLAS's;
-- 16-bit weights stream through 128-deep K blocks four stages deep (a third faster than 64 deep and
-  three stages on the H200); float32 ones keep 64 and three, which fit the shared memory.
+- unsplit 16-bit weights stream through 128-deep K blocks four stages deep (a third faster than 64 deep
+  and three stages on the H200); split and float32 ones keep 64 and three.
 Prompt chunks pay re-reading W once per 64 rows, and split weights an fp32 workspace of 8 x M x N.
 `streamsd bench offline --exact` measures the price.
 """
@@ -93,9 +93,10 @@ def split_k(n: int, k: int) -> int:
     return SPLITS if k >= 3 * n else 1
 
 
-def k_plan(dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_K, pipeline stages) for `dtype`'s operands."""
-    return (64, 3) if dtype == torch.float32 else (128, 4)
+def k_plan(dtype: torch.dtype, splits: int) -> tuple[int, int]:
+    """(BLOCK_K, pipeline stages) for `dtype`'s operands: 128 x 4 for an unsplit 16-bit weight, else 64 x 3
+    (a split weight's ranges are short already; float32 blocks of 128 would not fit the shared memory)."""
+    return (128, 4) if dtype != torch.float32 and splits == 1 else (64, 3)
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -113,7 +114,7 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return y
     splits = splits or split_k(n, k)
     tile = tile_n or (SPLIT_TILE if splits > 1 else block_n(n, x.device))
-    block_k, stages = k_plan(x.dtype)
+    block_k, stages = k_plan(x.dtype, splits)
     k_range = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k  # whole K blocks per range
     out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, tile), splits)
