@@ -1,11 +1,11 @@
 """Prompts to token ids, off the event loop.
 
 Tokenising a megabyte of text takes seconds; on the loop it would freeze every stream and /health
-meanwhile. Chat templates are rendered and text is tokenised on a small thread pool of its own
-(tokenizers releases the GIL while it encodes, so the pool scales with the cores: a burst of
-long prompts, such as 32 chats sharing a 2,000-token system prompt, would otherwise queue behind two
-threads for tens of milliseconds before the engine sees the first of them), and a prompt whose length in characters already proves it cannot
-fit the context window is refused before any of that (token_bound.py).
+meanwhile. Chat templates are rendered and text is tokenised on a thread pool of its own, sized by the
+cores (tokenizers releases the GIL while it encodes: a burst of long prompts, such as 32 chats sharing a
+2,000-token system prompt, would otherwise queue behind two threads for tens of milliseconds before the
+engine sees the last of them), and a prompt whose length in characters already proves it cannot fit
+the context window is refused before any of that (token_bound.py).
 """
 
 from __future__ import annotations

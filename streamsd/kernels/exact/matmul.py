@@ -13,10 +13,10 @@ The plan is a property of the weight (N, K, dtype) and the device, never of M. A
 - `block_n` takes the widest N tile of 64, 32 and 16 whose grid fills the SMs once: a 64-wide tile gave
   an 8B model's 4096-wide layers 64 programs for 132 SMs;
 - `split_k` cuts a K of three times N or more (an MLP's down projection: 14336 into 4096 on an 8B
-  model) into 8 ranges, 64-wide tiles each: one program per tile read 117 MB through half the chip
-  at a third of cuBLAS's speed, 512 programs read it at cuBLAS's;
-- unsplit 16-bit weights stream through 128-deep K blocks four stages deep (a third faster than 64 deep
-  and three stages on the H200); split and float32 ones keep 64 and three.
+  model) into 8 ranges, 64-wide tiles each: one program per tile read its 117 MB at under half
+  cuBLAS's speed on an H200, 512 programs within a tenth of it;
+- unsplit 16-bit weights stream through 128-deep K blocks four stages deep (a third less time than 64
+  deep and three stages on an H200); split and float32 ones keep 64 and three.
 Prompt chunks pay re-reading W once per 64 rows, and split weights an fp32 workspace of 8 x M x N.
 `streamsd bench offline --exact` measures the price.
 """
