@@ -124,23 +124,7 @@ class Matcher:
         drafts 0..j-1. Rows past a forbidden draft repeat the last mask: the draft is rejected for
         certain (p gives it 0), so nothing reads them. A row after a stop token allows everything:
         the request ends at the stop, and its bonus row, never emitted, must still be a distribution."""
-        m = self._at(output_ids)
-        out = np.zeros((rows, self.words), dtype=np.int32)
-        bm = torch.from_numpy(out)
-        taken = 0
-        for j in range(rows):
-            if taken < j:  # the draft before this row was refused
-                out[j] = out[j - 1]
-                continue
-            if m.is_terminated():
-                out[j] = -1
-            else:
-                m.fill_next_token_bitmask(bm, j)
-            if j < len(drafts) and not m.is_terminated() and m.accept_token(drafts[j]):
-                taken += 1
-        if taken:
-            m.rollback(taken)
-        return out
+        return _fill_rows([self._at(output_ids)], [drafts], rows, self.words, self.grammars.batch())[0]
 
 
 def apply_masks(entries: list[Scheduled], rows: torch.Tensor, pick: list[int]) -> torch.Tensor:
@@ -160,20 +144,25 @@ def apply_masks(entries: list[Scheduled], rows: torch.Tensor, pick: list[int]) -
 
 def batch_masks(entries: list[Scheduled], pick: list[int], width: int) -> np.ndarray:
     """[P, W, words] int32: entry pick[p]'s rows as its `Matcher.masks` gives them for its drafts (rows
-    past them, padding nobody reads, repeat its last). Row j of every request is filled in one call on
-    the batch matcher's threads: 64 requests verifying 4 drafts each want 320 masks a step, which one
-    Python loop over the requests would fill one after another on the step's critical path."""
+    past them, padding nobody reads, repeat its last)."""
     matchers = [entries[b].request.matcher for b in pick]
-    ms = [mt._at(entries[b].request.output_ids) for b, mt in zip(pick, matchers, strict=True)]
+    states = [mt._at(entries[b].request.output_ids) for b, mt in zip(pick, matchers, strict=True)]
     drafts = [entries[b].request.draft_ids[: entries[b].num_drafts] for b in pick]
+    return _fill_rows(states, drafts, width, matchers[0].words, matchers[0].grammars.batch())
+
+
+def _fill_rows(states: list[Any], drafts: list[list[int]], width: int, words: int, batch: Any) -> np.ndarray:
+    """[P, W, words]: `Matcher.masks`'s rows for each xgrammar matcher state (at its output) and its drafts.
+    Row j of every request is filled in one call on the batch matcher's threads: 64 requests verifying 4
+    drafts each want 320 masks a step, which one Python loop over the requests would fill one after
+    another on the step's critical path. The drafts are accepted between rows and rolled back after."""
     used = [min(width, len(d) + 1) for d in drafts]  # rows each request reads
-    out = np.zeros((len(pick), width, matchers[0].words), dtype=np.int32)  # [P, W, words]
-    flat = torch.from_numpy(out.reshape(len(pick) * width, -1))  # [P * W, words], the same memory
-    taken = [0] * len(pick)
-    batch = matchers[0].grammars.batch()
+    out = np.zeros((len(states), width, words), dtype=np.int32)  # [P, W, words]
+    flat = torch.from_numpy(out.reshape(len(states) * width, words))  # [P * W, words], the same memory
+    taken = [0] * len(states)
     for j in range(width):
         fill, at = [], []
-        for p, m in enumerate(ms):
+        for p, m in enumerate(states):
             if j >= used[p] or taken[p] < j:  # padding, or after a refused draft: p gives it 0, never read
                 out[p, j] = out[p, j - 1]
             elif m.is_terminated():
@@ -183,10 +172,10 @@ def batch_masks(entries: list[Scheduled], pick: list[int], width: int) -> np.nda
                 at.append(p * width + j)
         if fill:
             batch.batch_fill_next_token_bitmask(fill, flat, at)
-        for p, m in enumerate(ms):
+        for p, m in enumerate(states):
             if taken[p] == j < len(drafts[p]) and not m.is_terminated() and m.accept_token(drafts[p][j]):
                 taken[p] += 1
-    for m, n in zip(ms, taken, strict=True):
+    for m, n in zip(states, taken, strict=True):
         if n:
             m.rollback(n)
     return out
