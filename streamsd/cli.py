@@ -373,9 +373,15 @@ def _missing(exc: ImportError) -> int:
     return 2
 
 
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs a line per request at info: thousands from a benchmark's client, which reports them itself.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

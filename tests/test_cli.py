@@ -106,3 +106,19 @@ def test_serve_takes_the_model_as_vllm_serve_does():
     assert _model_tag(build_parser().parse_args(["serve", "--model", "models/m", "models/m"])).model == "models/m"
     with pytest.raises(ValueError, match="two models"):
         _model_tag(build_parser().parse_args(["serve", "models/a", "--model", "models/b"]))
+
+
+def test_the_http_clients_request_lines_show_at_debug_only():
+    import logging
+
+    from streamsd.cli import configure_logging
+
+    httpx_log = logging.getLogger("httpx")
+    level = httpx_log.level
+    try:
+        configure_logging("info")
+        assert not httpx_log.isEnabledFor(logging.INFO)
+        configure_logging("debug")
+        assert httpx_log.isEnabledFor(logging.INFO)
+    finally:
+        httpx_log.setLevel(level)
