@@ -57,6 +57,11 @@ A key follows its samples 4x faster than the global ratio (a 5-step EMA past its
 so a key that stops being observed keeps the price of its last few steps (a 20-step EMA read worse on
 an H200: adaptive EAGLE at batch 1 1.12x plain against 1.35x).
 
+Speculative steps on a CPU (an unpadded shape table): priced as the plain step of their batch,
+corrected as plain steps are, plus what their drafts' rows add, and their key's correction applies to
+that addition alone (``_on_plain``). The drafts are what the planner weighs against their tokens, and
+a correction of the whole step mostly learnt the plain step's error: it never priced the drafts.
+
 ``CostTable.from_roofline`` is the analytic fallback before anything is measured (roofline.py).
 """
 
@@ -72,6 +77,9 @@ from streamsd.policy.adaptive.shape import ShapeTable
 CorrectionKey = tuple[int, ...]
 _GLOBAL: CorrectionKey = ()
 TAIL_WINDOW, TAIL_MIN = 12, 6  # a key's recent samples whose mean prices it where slow ones recur
+# A speculative step priced on the plain step (``CostTable._on_plain``) teaches its key only where its
+# drafts add this share of the plain step's raw time: below, the plain step's own noise is most of the reading.
+MIN_EXTRA = 0.03
 FIRST_KEPT = 6  # a key's first samples, kept for the benchmarks' summary (see ``CostTable.first``)
 CALIBRATION_STEPS = 8  # the global ratio's first plain steps: calibration, not drift (see ``_rebase``)
 
@@ -220,7 +228,28 @@ class CostTable:
                                draft_extra_tokens=draft_extra_tokens, prefill_tokens=prefill_tokens,
                                verify_width=verify_width)
         drafts = draft_steps_k if verify_width is None else verify_width - 1
+        if self._on_plain(drafts or draft_steps_k, batch_size):
+            base_raw, base = self._plain_of(batch_size, prefill_tokens)
+            extra = self.relative.get(self.key(verify_tokens, drafts, batch_size=batch_size,
+                                               prefill_tokens=prefill_tokens), 1.0)
+            return base + max(raw - base_raw, 0.0) * self.global_ratio * extra, raw
         return raw * self.ratio(verify_tokens, drafts, batch_size=batch_size, prefill_tokens=prefill_tokens), raw
+
+    def _on_plain(self, drafts: int, batch_size: int | None) -> bool:
+        """Whether a step is priced as the plain step of its batch plus what its drafts add: a speculative
+        step that runs eagerly and unpadded (a CPU's), whose drafts are rows beside the batch's own. Its
+        key's correction then prices those rows alone. A correction of the whole step was the plain
+        step's in disguise: on a 2-core CPU at B = 32 it priced a draft at 1.3 ms against a measured 2.1
+        (the base step 25 % under the start-up table, the drafts' rows 25 % over it), and steps of one
+        or two drafts read cheaper than the plain step itself, so drafts accepted 40 % of the time were
+        verified where they could not pay."""
+        return drafts > 0 and batch_size is not None and self.shape is not None and not self.shape.padded
+
+    def _plain_of(self, batch_size: int, prefill_tokens: int) -> tuple[float, float]:
+        """(raw, corrected) seconds of the plain step of this batch and prompt chunk."""
+        raw = self.predict_raw(batch_size, batch_size + prefill_tokens, 0, prefill_tokens=prefill_tokens)
+        return raw, raw * self.ratio(batch_size + prefill_tokens, 0, batch_size=batch_size,
+                                     prefill_tokens=prefill_tokens)
 
     def key(self, verify_tokens: int, draft_steps_k: int = 0, *, batch_size: int | None = None,
             prefill_tokens: int = 0) -> CorrectionKey:
@@ -266,6 +295,14 @@ class CostTable:
             return
         # Clamped so one outlier (a GC pause, a recompile) cannot wreck the table.
         sample = min(max(measured / raw, 0.25), 4.0)
+        if verify_tokens is not None and self._on_plain(draft_steps_k, batch_size):
+            assert batch_size is not None
+            base_raw, base = self._plain_of(batch_size, prefill_tokens)
+            if raw - base_raw < MIN_EXTRA * base_raw:
+                return  # drafts too few to tell from the plain step's own noise
+            # What the drafts added, read against the plain step's price: the key learns it as a ratio to
+            # the global one, as any key does.
+            sample = min(max((measured - base) / (raw - base_raw), 0.0), 4.0 * self.global_ratio)
         if verify_tokens is None or (draft_steps_k == 0 and prefill_tokens == 0):  # drift: plain decode only
             self.observations += 1
             robust = self._median_of_recent(_GLOBAL, sample, self.global_ratio)
