@@ -386,16 +386,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, OSError) as exc:  # ModelLoadError and bad flags: one clear line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except Exception as exc:
         from streamsd.model.loader import ModelLoadError
 
-        if isinstance(exc, ModelLoadError):
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        raise
+        if not isinstance(exc, ValueError | OSError | ModelLoadError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)  # bad flags, a model that cannot load: one clear line, no traceback
+        return 2
 
 
 if __name__ == "__main__":
