@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from streamsd.config import helper_threads
 from streamsd.model.kv_cache import h2d
 from streamsd.request import Constraint, ParamError
 from streamsd.sched.plan import Scheduled
@@ -69,7 +70,7 @@ class Grammars:
             if self._batch is None:
                 import xgrammar as xgr
 
-                self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+                self._batch = xgr.BatchGrammarMatcher(max_threads=helper_threads(os.cpu_count()))
             return self._batch
 
     def _get_compiler(self) -> Any:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from streamsd.config import helper_threads
 from streamsd.engine.core import EngineCore
 from streamsd.server.protocol import ChatMessage
 from streamsd.server.state import ApiError
@@ -29,9 +30,8 @@ Observe = Callable[[float], None]
 
 
 def tokenizer_threads(cores: int | None) -> int:
-    """Half the cores, 2 to 8: the other half runs the event loop, the engine's worker thread and the GPU's
-    host side."""
-    return max(2, min(8, (cores or 2) // 2))
+    """`helper_threads`, and at least 2: one long prompt must not hold up every other."""
+    return max(2, helper_threads(cores))
 
 
 class PromptEncoder:
