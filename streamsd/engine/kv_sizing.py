@@ -14,9 +14,11 @@ def kv_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device) -> 
     if cfg.kv_cache_tokens:
         tokens = cfg.kv_cache_tokens
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        free = process_free(free, total, torch.cuda.get_per_process_memory_fraction(device),
-                            torch.cuda.memory_reserved(device))
+        # The per-process share is kept per device index; a bare "cuda" means the current device.
+        index = torch.cuda.current_device() if device.index is None else device.index
+        free, total = torch.cuda.mem_get_info(index)
+        free = process_free(free, total, torch.cuda.get_per_process_memory_fraction(index),
+                            torch.cuda.memory_reserved(index))
         tokens = kv_cache_bytes(free, total, cfg.gpu_memory_utilization, cfg.kv_cache_memory_fraction) // bytes_per_token
     elif cfg.gpu_memory_utilization is not None:
         raise ValueError("--gpu-memory-utilization sizes a GPU's KV cache; on a CPU give --kv-cache-tokens")

@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from streamsd import LLM, SamplingParams
 from streamsd.config import EngineConfig
-from streamsd.engine.kv_sizing import kv_cache_bytes, process_free
+from streamsd.engine.kv_sizing import kv_blocks, kv_cache_bytes, process_free
 
 GIB = 2**30
 
@@ -47,6 +48,16 @@ def test_a_process_limited_to_a_share_of_the_gpu_sizes_within_it():
     # Never more than the GPU has free (other processes hold the rest), and never below nothing.
     assert process_free(10 * GIB, 140 * GIB, 0.25, 5 * GIB) == 10 * GIB
     assert process_free(100 * GIB, 140 * GIB, 0.25, 40 * GIB) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_named_without_an_index_is_sized_as_the_current_one():
+    """`--device cuda` (no index), the server's default on a GPU: the share and the free memory are the
+    current device's."""
+    cfg = EngineConfig(model="m")
+    index = torch.cuda.current_device()
+    assert kv_blocks(cfg, 4096, torch.device("cuda")) == kv_blocks(cfg, 4096, torch.device("cuda", index)) > 0
 
 
 def test_gpu_memory_utilization_is_checked_and_refused_where_it_means_nothing(tiny_model_dir):
