@@ -23,14 +23,19 @@ each steady step (of the same kind as the step before, no prompt chunk) corrects
 cell by the median of its last measured/predicted ratios; an unseen tree cell borrows the plain
 cell's ratio of its batch (drift shared by both). While the batch decodes plain, a class's mean drifts
 back toward ``prior_tau`` (half-way per ``retry_steps`` steps), so a batch that went plain on a run of
-rejections tries trees again, once they would pay at the prior; at a batch where trees cannot pay
-even if every node were accepted, the chooser stays plain at the cost of one comparison.
+rejections tries trees again, once they would pay at the prior. A tree cell's cost ratio relaxes the
+same way toward its batch's plain ratio (the profile's relation between the two): tree steps measured
+slow a few times (a host stall between steps, another process on the GPU) would otherwise keep trees
+off for good, since only tree steps correct it. Each sample is clamped as the cost table's are. At a
+batch where trees cannot pay even if every node were accepted, the chooser stays plain at the cost of
+one comparison. Each switch is logged at debug level with the prices that made it.
 
 Torch-free, like the other policies; the scheduler calls it once per step.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -44,6 +49,9 @@ if TYPE_CHECKING:
     from streamsd.sched.plan import StepPlan
 
 RATIO_SAMPLES = 5  # a cost cell follows the median of its last few measured/predicted ratios
+RATIO_CLAMP = (0.25, 4.0)  # one outlier step (a GC pause, a recompile) moves a cell this far at most
+
+log = logging.getLogger("streamsd.policy.chooser")
 REQUEST_WINDOW = 16  # a request's τ follows its last ~16 tree steps
 
 
@@ -146,7 +154,13 @@ class TreeChooser:
         b = len(decoding)
         if b:
             trees = self._trees_pay(decoding)
-            self.switches += trees != self.speculating
+            if trees != self.speculating:
+                self.switches += 1
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("%s at batch %d: tau %.2f, tree step %.2f ms (x%.2f), plain %.2f ms (x%.2f)",
+                              "trees" if trees else "plain", b, sum(self._tau(r) for r in decoding) / b,
+                              1e3 * self.tree_seconds(b), self._ratio(True, b), 1e3 * self.plain_seconds(b),
+                              self._ratio(False, b))
             self.speculating = trees
             self.chosen[trees] += 1
         # every request takes default_k
@@ -226,6 +240,11 @@ class TreeChooser:
         for cls in self.classes.values():
             if cls.value < self.prior_tau:
                 cls.value += (self.prior_tau - cls.value) * rate
+        for (tree, bucket), samples in self.ratios.items():
+            if tree:
+                plain = self._ratio(False, bucket)
+                for i, x in enumerate(samples):
+                    samples[i] = x + (plain - x) * rate
 
     def _learn_cost(self, shape: StepShape, seconds: float) -> None:
         kind = (shape.verify_width, shape.draft_steps)
@@ -237,7 +256,8 @@ class TreeChooser:
         raw = self.tree_seconds(shape.batch, raw=True) if tree else self.plain_seconds(shape.batch, raw=True)
         if raw <= 0.0 or raw == float("inf"):
             return
-        self.ratios.setdefault((tree, _bucket(shape.batch)), deque(maxlen=RATIO_SAMPLES)).append(seconds / raw)
+        sample = min(max(seconds / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
+        self.ratios.setdefault((tree, _bucket(shape.batch)), deque(maxlen=RATIO_SAMPLES)).append(sample)
 
 
 def _streams_missing(r: Request) -> int:

@@ -108,6 +108,28 @@ def test_a_batch_whose_trees_are_rejected_goes_plain_and_tries_again_later():
     assert 5 < plain < 200  # the class's τ drifted back toward its prior: trees are tried again
 
 
+def test_tree_steps_measured_slow_for_a_while_do_not_keep_trees_off_for_good():
+    """A stall makes a few tree steps read ten times their profile: the batch goes plain, and since only
+    tree steps correct the tree cell, it would stay plain for good. The cell relaxes toward the plain
+    ratio of its batch while the batch decodes plain, so trees come back, and stay while they pay."""
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH, retry_steps=16)
+    reqs = _batch(1)
+    assert _trees(chooser, reqs)
+    stalled = 0
+    while chooser.speculating and stalled < 20:
+        _step(chooser, reqs, accepted=3, tree_s=15e-3, plain_s=1e-3)  # τ = 4 at 15 ms: plain's 1 token a ms wins
+        stalled += 1
+    assert not chooser.speculating and chooser.summary()["cost_ratios"]["treex1"] <= 4.0  # clamped
+    plain = 0
+    while not chooser.speculating and plain < 500:
+        _step(chooser, reqs, accepted=3, tree_s=1.5e-3, plain_s=1e-3)
+        plain += 1
+    assert plain < 500
+    for _ in range(20):  # the stall is over: trees at their profile's 1.5 ms, τ = 4, keep being chosen
+        _step(chooser, reqs, accepted=3, tree_s=1.5e-3, plain_s=1e-3)
+    assert chooser.speculating
+
+
 def test_well_accepted_trees_keep_being_chosen_where_the_prior_alone_would_not():
     chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
     assert not _trees(chooser, _batch(16))
@@ -125,8 +147,10 @@ def test_measured_step_costs_move_the_switch_points():
     assert chooser.break_even(8) == 2.2 / 1.1
     for _ in range(8):  # tree steps take twice their profile
         _step(chooser, reqs, accepted=1, tree_s=2 * 2.2e-3, plain_s=1.1e-3)
-    assert abs(chooser.break_even(8) - 4.0) < 1e-9
-    assert not chooser.speculating  # τ 2 against a break-even of 4 now
+    # 4 as measured, a little less for the plain steps since the batch left trees (the cell relaxes
+    # toward the plain ratio of its batch while no tree step corrects it)
+    assert 3.8 < chooser.break_even(8) <= 4.0
+    assert not chooser.speculating  # τ 2 against a break-even of about 4 now
     for _ in range(8):  # and plain steps too: drift, which both share
         _step(chooser, reqs, accepted=1, tree_s=2 * 2.2e-3, plain_s=2 * 1.1e-3)
     assert abs(chooser.break_even(8) - 2.0) < 1e-9
