@@ -122,10 +122,12 @@ class SchedulerConfig:
     drafts_past_max_tokens: bool = False
     # Prefix caching (sched/prefix_cache.py): full blocks of final KV kept and shared by later requests
     # with the same leading tokens. `prefix_draft_kv`: the drafter keeps KV in the same blocks (a draft
-    # model, an EAGLE head), so a block is cached only once the drafter has computed it too;
+    # model, an EAGLE head), which a request taking a block catches up on where it is not there yet;
+    # `prefix_streams`: so does an EAGLE head's store of the target's streams;
     # `prefix_next_tokens`: tokens past a block its drafter KV depends on (1 for an EAGLE head).
     enable_prefix_caching: bool = True
     prefix_draft_kv: bool = False
+    prefix_streams: bool = False
     prefix_next_tokens: int = 0
 
     def __post_init__(self) -> None:

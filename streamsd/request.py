@@ -227,9 +227,11 @@ class Request:
     streams_missing_from: int | None = None
     blocks: list[int] = field(default_factory=list)
     # The prefix cache (sched/prefix_cache.py): leading blocks already registered (or taken from it) and the
-    # cache entry of the last of them; prompt tokens found cached at admission (OpenAI's cached_tokens).
+    # cache entry of the last of them; of those, the leading blocks known to hold the drafter's KV too;
+    # prompt tokens found cached at admission (OpenAI's cached_tokens).
     prefix_blocks: int = 0
     prefix_parent: int = 0
+    prefix_ready: int = 0
     cached_tokens: int = 0
     draft_ids: list[int] = field(default_factory=list)
     # A draft tree's shape (spec_decode/tree.py): each draft's parent index, ROOT (-1) under the pending

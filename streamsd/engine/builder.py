@@ -282,6 +282,7 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
         whole_drafts=tree is not None,
         enable_prefix_caching=cfg.enable_prefix_caching,
         prefix_draft_kv=proposer is not None and proposer.keeps_cache,
+        prefix_streams=proposer is not None and proposer.store is not None,
         prefix_next_tokens=proposer.kv_next_tokens if proposer is not None else 0,
     )
     worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree, scratch_block=num_blocks,

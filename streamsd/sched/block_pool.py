@@ -6,11 +6,14 @@ numbered once and never reused, so a key names one exact token prefix: a lookup 
 comparison and no collision check (the dict compares the keys themselves). A later request whose
 tokens start with the same blocks takes them by reference instead of computing them again.
 
-A cached block is never written: it is registered only once every position in it holds an
-accepted token whose KV (target's, and the drafter's where it keeps one in the same blocks) is
-final, and a request that takes it starts computing after it. When its last holder lets it go it
-stays cached, evictable, least recently released first; it is evicted only when a request needs a
-block and no free one is left. Torch-free: the scheduler owns it.
+A cached block's target KV is never written: it is registered once every position in it holds an
+accepted token whose target KV is final, and a request that takes it starts computing after it. A
+drafter that keeps its own KV in the same blocks (a draft model, an EAGLE head with its streams) may
+not have computed the block yet: the entry says so (`draft_kv`, `streams`), and a request taking it
+catches its drafter up over it, writing only the drafter's KV there (what a drafter holds changes
+drafts, never what the target computes). When its last holder lets it go it stays cached,
+evictable, least recently released first; it is evicted only when a request needs a block and no
+free one is left. Torch-free: the scheduler owns it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class Entry:
     uid: int  # names this entry as the parent of the next block's key
     key: Key
     block: int
+    draft_kv: bool = True  # the drafter's KV of the block is there (always, for a drafter that keeps none)
+    streams: bool = True  # the target's streams of the block are in an EAGLE head's store
 
 
 class BlockPool:
@@ -66,6 +71,9 @@ class BlockPool:
 
     def is_cached(self, block: int) -> bool:
         return block in self._entry_of
+
+    def entry_of(self, block: int) -> Entry | None:
+        return self._entry_of.get(block)
 
     # -- holding blocks ----------------------------------------------------------------------
     def take(self, n: int) -> list[int]:
@@ -121,16 +129,17 @@ class BlockPool:
             blocks.append(e.block)
         return blocks
 
-    def register(self, parent: int, block: int, tokens: Sequence[int], extra: tuple[int, ...] = ()) -> int:
-        """Caches a held block full of final KV under its key; returns the entry's uid (the next
-        block's parent). If the same prefix is cached already, in another block, this block stays
+    def register(self, parent: int, block: int, tokens: Sequence[int], extra: tuple[int, ...] = (), *,
+                 draft_kv: bool = True, streams: bool = True) -> int:
+        """Caches a held block full of final target KV under its key; returns the entry's uid (the
+        next block's parent). If the same prefix is cached already, in another block, this block stays
         private and that entry's uid is returned: the chain goes on through it."""
         key = self.key(parent, tokens, extra)
         entry = self._table.get(key)
         if entry is not None:
             return entry.uid
         assert block not in self._entry_of, "a cached block is registered once"
-        entry = Entry(next(self._uids), key, block)
+        entry = Entry(next(self._uids), key, block, draft_kv, streams)
         self._table[key] = entry
         self._entry_of[block] = entry
         return entry.uid

@@ -41,8 +41,8 @@ class StepPlan:
     def wants_streams(self) -> bool:
         """Whether this step's forwards write an EAGLE head's streams: as the policy decided, and
         always where a request verifies drafts or proposes some (its head reads them at once) or
-        computes a prompt chunk (the head catches up on prompts as they come, so that their blocks
-        reach the prefix cache, which takes a block once the head has it too)."""
+        computes a prompt chunk (a head that drafts later catches up on the prompt from the store,
+        with no second target pass over it; the prefix cache records which cached blocks have them)."""
         if self.decision is None or self.decision.streams:
             return True
         return any(e.num_drafts or e.k_next or e.num_tokens != 1 or not e.verifies for e in self.entries)

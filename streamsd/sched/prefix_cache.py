@@ -3,12 +3,18 @@ its own run before a preemption) already computed, holding them by reference (sc
 
 What a block's KV depends on, and so what its key holds:
 - the target's: every token up to the block's end (the parent chain and the block's own tokens);
-- a draft model's (same block ids, its own cache): the same tokens, but the draft writes its
-  positions only when it catches up, so a block is registered only once the draft has them too
-  (`draft_kv`); a request that takes it then starts its draft after it as well;
+- a draft model's (same block ids, its own cache): the same tokens;
 - an EAGLE head's: its slot t holds (target stream h_t, token t + 1), so a block's last slot also
-  depends on the first token after it: `next_tokens` such tokens join the key. The target's
-  streams kept per slot (model/stream_store.py) are written with the target's KV: valid with it.
+  depends on the first token after it: `next_tokens` such tokens join the key.
+A block is registered as soon as the target's KV in it is final. A drafter writes its positions only
+when it catches up, which it does only when it drafts: a request decoding plain (speculation off for
+it, a batch too large to draft, a tree engine between trees) leaves its blocks without the drafter's
+KV, and an EAGLE head's store without the target's streams where a plain stretch kept none. The
+entry records both (`draft_kv`: `draft_kv` here is whether the drafter keeps KV at all; `streams`:
+whether a head's store is used), and a request that takes the block starts its drafter at the first
+block that lacks them: the target's KV is taken whole, the drafter catches up (and the streams are
+recomputed, worker/stream_catchup.py) only if the request drafts. A holder whose drafter catches up
+over a shared block marks its entry, so later requests skip that catch-up.
 An n-gram proposer keeps nothing but tokens. Rejected drafts never reach a registered block:
 registration stops at `computed` (accepted tokens only), past which the worker may still write.
 
@@ -21,19 +27,20 @@ one written next), so a prompt whose every full block is cached recomputes its l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from streamsd.request import Request
 from streamsd.sched.block_pool import ROOT, BlockPool
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, *, enabled: bool, draft_kv: bool = False, next_tokens: int = 0,
-                 salt: tuple[int, ...] = ()):
+    def __init__(self, pool: BlockPool, *, enabled: bool, draft_kv: bool = False, streams: bool = False,
+                 next_tokens: int = 0, salt: tuple[int, ...] = ()):
         self.pool = pool
         self.bs = pool.block_size
         self.enabled = enabled
         self.draft_kv = draft_kv
+        self.streams = streams
         self.next_tokens = next_tokens
         self.salt = salt  # whatever else changes every block's KV (e.g. an adapter's id)
 
@@ -63,8 +70,13 @@ class PrefixCache:
         if not entries:
             return 0
         r.blocks = self.pool.acquire(entries)
-        r.computed = r.draft_computed = len(entries) * self.bs
-        r.prefix_blocks, r.prefix_parent = len(entries), entries[-1].uid
+        ready = _leading(e.draft_kv for e in entries)
+        r.computed, r.draft_computed = len(entries) * self.bs, ready * self.bs
+        with_streams = _leading(e.streams for e in entries)
+        if self.streams and with_streams < len(entries):
+            missing = with_streams * self.bs
+            r.streams_missing_from = missing if r.streams_missing_from is None else min(r.streams_missing_from, missing)
+        r.prefix_blocks, r.prefix_parent, r.prefix_ready = len(entries), entries[-1].uid, ready
         return r.computed
 
     def admitted(self, r: Request, hit: int) -> None:
@@ -75,20 +87,46 @@ class PrefixCache:
             r.cached_tokens = hit
 
     def register(self, r: Request) -> None:
-        """After a step: caches the request's blocks that just became full of final KV."""
+        """After a step: caches the request's blocks that just became full of final target KV, and
+        marks the cached ones its drafter has now caught up over."""
         if not self.enabled:
             return
-        done = min(r.computed, r.draft_computed) if self.draft_kv else r.computed
-        stop = min(done // self.bs, (r.num_tokens - self.next_tokens) // self.bs)
-        if stop <= r.prefix_blocks:
-            return
-        ids = r.all_ids
-        parent = r.prefix_parent
-        for b, (tokens, extra) in enumerate(self._keys(ids, r.prefix_blocks, stop), start=r.prefix_blocks):
-            parent = self.pool.register(parent, r.blocks[b], tokens, extra)
-        r.prefix_blocks, r.prefix_parent = stop, parent
+        stop = min(r.computed // self.bs, (r.num_tokens - self.next_tokens) // self.bs)
+        if stop > r.prefix_blocks:
+            parent = r.prefix_parent
+            drafted = r.draft_computed // self.bs if self.draft_kv else stop
+            # Blocks whose streams the store holds: all of them unless a plain stretch kept none from
+            # some position on, and any block the head has caught up over (it read them there).
+            missing = r.streams_missing_from
+            streamed = stop if not self.streams or missing is None else max(drafted, missing // self.bs)
+            for b, (tokens, extra) in enumerate(self._keys(r.all_ids, r.prefix_blocks, stop), start=r.prefix_blocks):
+                parent = self.pool.register(parent, r.blocks[b], tokens, extra, draft_kv=b < drafted,
+                                            streams=b < streamed)
+            r.prefix_blocks, r.prefix_parent = stop, parent
+        if self.draft_kv:
+            self._mark_drafted(r)
+
+    def _mark_drafted(self, r: Request) -> None:
+        """The cached blocks of `r` its drafter now holds (and so the streams it read): marked on their
+        entries. Each of a request's blocks is visited once."""
+        upto = min(r.prefix_blocks, r.draft_computed // self.bs)
+        for b in range(r.prefix_ready, upto):
+            entry = self.pool.entry_of(r.blocks[b])
+            if entry is not None:  # else the same prefix is cached in another block, which r does not hold
+                entry.draft_kv = entry.streams = True
+        r.prefix_ready = max(r.prefix_ready, upto)
 
     @staticmethod
     def forget(r: Request) -> None:
         """The request holds no blocks any more (preempted, finished)."""
-        r.prefix_blocks, r.prefix_parent = 0, ROOT
+        r.prefix_blocks, r.prefix_parent, r.prefix_ready = 0, ROOT, 0
+
+
+def _leading(flags: Iterable[bool]) -> int:
+    """How many of `flags` are true before the first false one."""
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n

@@ -44,7 +44,7 @@ class Scheduler:
         self.policy: SpeculationPolicy = policy or FixedPolicy()
         self.blocks = BlockPool(cfg.num_blocks, cfg.block_size)
         self.prefix = PrefixCache(self.blocks, enabled=cfg.enable_prefix_caching, draft_kv=cfg.prefix_draft_kv,
-                                  next_tokens=cfg.prefix_next_tokens)
+                                  streams=cfg.prefix_streams, next_tokens=cfg.prefix_next_tokens)
         self.q_slots_free = list(range(dense_q_slots - 1, -1, -1))
         self.q_slots_total = dense_q_slots
         self.waiting: deque[Request] = deque()

@@ -55,21 +55,30 @@ def test_a_key_is_one_exact_prefix_and_a_duplicate_block_stays_private() -> None
     assert pool.num_unused == 2
 
 
-def test_a_hit_never_covers_the_last_token_and_waits_for_the_drafters_kv() -> None:
+def test_a_hit_never_covers_the_last_token_and_starts_the_drafter_where_its_kv_ends() -> None:
     pool = BlockPool(8, block_size=4)
-    cache = PrefixCache(pool, enabled=True, draft_kv=True)
+    cache = PrefixCache(pool, enabled=True, draft_kv=True, streams=True)
     params = SamplingParams(max_tokens=4)
     owner = Request("o", list(range(12)), params, 0, 0.0)
     owner.blocks = pool.take(3)
-    owner.computed, owner.draft_computed = 11, 6
+    owner.computed, owner.draft_computed = 11, 2
+    owner.streams_missing_from = 6  # a plain stretch kept no streams from position 6 on
     cache.register(owner)
-    assert owner.prefix_blocks == 1  # the draft has only the first block
-    owner.draft_computed = 11
+    assert owner.prefix_blocks == 2  # the target's KV decides; the third block is not full of it
+    first, second = (pool.entry_of(b) for b in owner.blocks[:2])
+    assert first is not None and second is not None
+    assert (first.draft_kv, first.streams, second.draft_kv, second.streams) == (False, True, False, False)
+
+    taker = Request("t", list(range(12)) + [99], params, 0, 0.0)
+    assert cache.peek(taker) == 8 and cache.claim(taker) == 8
+    assert taker.computed == 8 and taker.draft_computed == 0 and taker.streams_missing_from == 4
+    assert pool.refs(owner.blocks[0]) == 2
+
+    owner.draft_computed = 8  # the owner's drafter caught up over both: the entries say so now
     cache.register(owner)
-    assert owner.prefix_blocks == 2  # the third block is not full of computed KV
+    assert first.draft_kv and first.streams and second.draft_kv and second.streams
     same = Request("s", list(range(8)), params, 0, 0.0)  # a full hit would cover its last token
-    assert cache.peek(same) == 4 and cache.claim(same) == 4
-    assert same.computed == same.draft_computed == 4 and pool.refs(owner.blocks[0]) == 2
+    assert cache.claim(same) == 4 and same.computed == same.draft_computed == 4 and same.streams_missing_from is None
 
 
 def test_with_the_cache_off_every_block_comes_back_free() -> None:
