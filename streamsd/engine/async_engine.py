@@ -21,10 +21,18 @@ OutputObserver = Callable[[RequestOutput], None]
 StepObserver = Callable[[StepPlan, float], None]  # a step, and its seconds (EngineCore.last_step_seconds)
 
 
+def worker_thread() -> ThreadPoolExecutor:
+    """The one thread an engine's model work runs on. Build the engine on it too (its warm-up included):
+    CUDA libraries keep state per thread (a cuBLAS handle and its workspace), which the warm-up then
+    creates for the steps instead of leaving it to the first request."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamsd-worker")
+
+
 class AsyncEngine:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, executor: ThreadPoolExecutor | None = None):
+        """`executor`: the `worker_thread` the core was built on (the engine shuts it down on close)."""
         self.core = core
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamsd-worker")
+        self._executor = executor or worker_thread()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

@@ -18,7 +18,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from streamsd.engine.async_engine import AsyncEngine
+from streamsd.engine.async_engine import AsyncEngine, worker_thread
 from streamsd.engine.core import EngineCore
 from streamsd.server.auth import ApiKeys
 from streamsd.server.fingerprint import system_fingerprint
@@ -139,16 +139,18 @@ def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path 
 
 
 async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) -> None:
+    worker = worker_thread()
     try:
-        core = await asyncio.get_running_loop().run_in_executor(None, factory)
+        core = await asyncio.get_running_loop().run_in_executor(worker, factory)
     except Exception as exc:
+        worker.shutdown(wait=False)
         log.error("loading the model failed: %s", exc)
         state.load_error = f"loading the model failed: {exc}"
         return
     group = core.rt.group
     if group is not None:  # a follower rank that exits ends the server (serve.py exits on load_error)
         group.on_lost.append(lambda message: setattr(state, "load_error", message))
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, worker)
     metrics.engine_loaded(core)
     engine.observers.append(metrics.observe)
     engine.step_observers.append(metrics.observe_step)
