@@ -157,31 +157,36 @@ class TreeChooser:
             if trees != self.speculating:
                 self.switches += 1
                 if log.isEnabledFor(logging.DEBUG):
+                    taus = [self._tau(r) for r in decoding if r.spec_k > 0] or [0.0]
                     log.debug("%s at batch %d: tau %.2f, tree step %.2f ms (x%.2f), plain %.2f ms (x%.2f)",
-                              "trees" if trees else "plain", b, sum(self._tau(r) for r in decoding) / b,
+                              "trees" if trees else "plain", b, sum(taus) / len(taus),
                               1e3 * self.tree_seconds(b), self._ratio(True, b), 1e3 * self.plain_seconds(b),
                               self._ratio(False, b))
             self.speculating = trees
             self.chosen[trees] += 1
-        # every request takes default_k
-        return Decision({}, streams=self.speculating or self.plain_steps < self.keep_streams_steps)
+        # every request takes default_k; a batch where nobody may draft keeps no streams either
+        drafters = any(r.spec_k > 0 for r in decoding)
+        return Decision({}, streams=self.speculating or (drafters and self.plain_steps < self.keep_streams_steps))
 
     def _trees_pay(self, decoding: list[Request]) -> bool:
         b = len(decoding)
         plain_s, tree_s = self.plain_seconds(b), self.tree_seconds(b)
         if tree_s >= plain_s * (self.depth + 1):  # not even a tree accepted whole could pay
             return False
+        drafting = [r for r in decoding if r.spec_k > 0]  # speculation off for the others: 1 token a step
+        if not drafting:
+            return False
         self._retire(decoding)
-        taus = [self._tau(r) for r in decoding]
-        tree_rate, plain_rate = sum(taus) / tree_s, b / plain_s
+        taus = [self._tau(r) for r in drafting]
+        tree_rate, plain_rate = (sum(taus) + b - len(drafting)) / tree_s, b / plain_s
         if self.speculating:
             return tree_rate > plain_rate
         if tree_rate <= plain_rate * (1.0 + self.hysteresis):
             return False
         # The excursion's extra time: the target's recompute of the streams the plain steps kept none
         # of, the head's catch-up and an entering step that grows without verifying.
-        lag = sum(max(r.num_tokens - self.settled_lag - r.draft_computed, 0) for r in decoding)
-        extra = (self.recompute_seconds(sum(map(_streams_missing, decoding))) + self.catchup_seconds(lag)
+        lag = sum(max(r.num_tokens - self.settled_lag - r.draft_computed, 0) for r in drafting)
+        extra = (self.recompute_seconds(sum(map(_streams_missing, drafting))) + self.catchup_seconds(lag)
                  + max(tree_s - plain_s, 0.0) + self.entry_steps * plain_s)
         left = sorted(r.remaining_tokens for r in decoding)[b // 2]
         tokens = b * min(left, self.horizon_steps)

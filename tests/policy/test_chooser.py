@@ -130,6 +130,21 @@ def test_tree_steps_measured_slow_for_a_while_do_not_keep_trees_off_for_good():
     assert chooser.speculating
 
 
+def test_requests_with_speculation_off_bring_no_trees_and_no_streams():
+    """A request that asked for no speculation emits one token a step whatever the step: a batch of
+    them takes plain steps that write no head streams, and in a mixed batch they count at one token."""
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
+    off = _batch(4)
+    for r in off:
+        r.spec_k = 0
+    decision = chooser.choose(off, 0, False)
+    assert not chooser.speculating and not decision.streams
+    on = _batch(1)
+    # one drafter at the prior τ 3 among three plain ones: (3 + 3) / 1.8 ms against 4 / 1 ms
+    assert not _trees(chooser, on + off[:3])
+    assert _trees(chooser, on)  # alone, 3 / 1.5 ms against 1 / 1 ms
+
+
 def test_well_accepted_trees_keep_being_chosen_where_the_prior_alone_would_not():
     chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
     assert not _trees(chooser, _batch(16))
