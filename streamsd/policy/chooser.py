@@ -152,12 +152,13 @@ class TreeChooser:
     # -- the step ---------------------------------------------------------------------------------
     def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision:
         b = len(decoding)
+        drafting = [r for r in decoding if r.spec_k > 0]  # speculation off for the others: 1 token a step
         if b:
-            trees = self._trees_pay(decoding)
+            trees = bool(drafting) and self._trees_pay(decoding, drafting)
             if trees != self.speculating:
                 self.switches += 1
                 if log.isEnabledFor(logging.DEBUG):
-                    taus = [self._tau(r) for r in decoding if r.spec_k > 0] or [0.0]
+                    taus = [self._tau(r) for r in drafting] or [0.0]
                     log.debug("%s at batch %d: tau %.2f, tree step %.2f ms (x%.2f), plain %.2f ms (x%.2f)",
                               "trees" if trees else "plain", b, sum(taus) / len(taus),
                               1e3 * self.tree_seconds(b), self._ratio(True, b), 1e3 * self.plain_seconds(b),
@@ -165,16 +166,14 @@ class TreeChooser:
             self.speculating = trees
             self.chosen[trees] += 1
         # every request takes default_k; a batch where nobody may draft keeps no streams either
-        drafters = any(r.spec_k > 0 for r in decoding)
-        return Decision({}, streams=self.speculating or (drafters and self.plain_steps < self.keep_streams_steps))
+        keep = bool(drafting) and self.plain_steps < self.keep_streams_steps
+        return Decision({}, streams=self.speculating or keep)
 
-    def _trees_pay(self, decoding: list[Request]) -> bool:
+    def _trees_pay(self, decoding: list[Request], drafting: list[Request]) -> bool:
+        """`drafting`: the requests of `decoding` that may draft (the others emit one token a step)."""
         b = len(decoding)
         plain_s, tree_s = self.plain_seconds(b), self.tree_seconds(b)
         if tree_s >= plain_s * (self.depth + 1):  # not even a tree accepted whole could pay
-            return False
-        drafting = [r for r in decoding if r.spec_k > 0]  # speculation off for the others: 1 token a step
-        if not drafting:
             return False
         self._retire(decoding)
         taus = [self._tau(r) for r in drafting]

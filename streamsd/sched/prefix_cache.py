@@ -9,10 +9,10 @@ What a block's KV depends on, and so what its key holds:
 A block is registered as soon as the target's KV in it is final. A drafter writes its positions only
 when it catches up, which it does only when it drafts: a request decoding plain (speculation off for
 it, a batch too large to draft, a tree engine between trees) leaves its blocks without the drafter's
-KV, and an EAGLE head's store without the target's streams where a plain stretch kept none. The
-entry records both (`draft_kv`: `draft_kv` here is whether the drafter keeps KV at all; `streams`:
-whether a head's store is used), and a request that takes the block starts its drafter at the first
-block that lacks them: the target's KV is taken whole, the drafter catches up (and the streams are
+KV, and an EAGLE head's store without the target's streams where a plain stretch kept none. Each
+entry records both (`Entry.draft_kv`, `Entry.streams`; this cache's `draft_kv` and `streams` say
+whether the drafter keeps KV and a store at all), and a request that takes the block starts its
+drafter at the first block that lacks them: the target's KV is taken whole, the drafter catches up (and the streams are
 recomputed, worker/stream_catchup.py) only if the request drafts. A holder whose drafter catches up
 over a shared block marks its entry, so later requests skip that catch-up.
 An n-gram proposer keeps nothing but tokens. Rejected drafts never reach a registered block:
@@ -28,6 +28,7 @@ one written next), so a prompt whose every full block is cached recomputes its l
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import takewhile
 
 from streamsd.request import Request
 from streamsd.sched.block_pool import ROOT, BlockPool
@@ -124,9 +125,4 @@ class PrefixCache:
 
 def _leading(flags: Iterable[bool]) -> int:
     """How many of `flags` are true before the first false one."""
-    n = 0
-    for f in flags:
-        if not f:
-            break
-        n += 1
-    return n
+    return sum(1 for _ in takewhile(bool, flags))
