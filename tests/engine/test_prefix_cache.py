@@ -86,10 +86,10 @@ def test_a_five_turn_chat_is_token_identical_with_and_without_the_prefix_cache(
     assert all(c % 16 == 0 for c in runs[True][1])
 
 
-@pytest.mark.parametrize("method", ["plain", "ngram", "draft", "eagle"])
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft", "eagle", "eagle-tree"])
 def test_seeded_sampling_is_identical_with_and_without_the_prefix_cache(tiny_model_dir, close_draft_dir, request,
                                                                         method):
-    head = request.getfixturevalue("eagle_head") if method == "eagle" else None
+    head = request.getfixturevalue("eagle_head") if method.startswith("eagle") else None
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=11, ignore_eos=True)
     runs = [_chat(_engine(tiny_model_dir, method, close_draft_dir, head, cache), params) for cache in (False, True)]
     assert runs[0][0] == runs[1][0]
@@ -138,7 +138,7 @@ def test_a_small_pool_evicts_the_least_recently_released_prefix(tiny_model_dir):
     assert [r.outputs[0].token_ids for r in plain.generate(prompts, greedy)] == first
 
 
-@pytest.mark.parametrize("method", ["draft", "eagle"])
+@pytest.mark.parametrize("method", ["draft", "eagle", "eagle-tree"])
 def test_preempting_requests_that_hold_shared_blocks_stays_exact_and_leaks_nothing(
         tiny_model_dir, close_draft_dir, request, method):
     head = request.getfixturevalue("eagle_head") if method.startswith("eagle") else None
@@ -151,8 +151,10 @@ def test_preempting_requests_that_hold_shared_blocks_stays_exact_and_leaks_nothi
         tok_prefix = llm.tokenizer.encode(CORPUS[2] * 2)[:40]
         core.add_request("first", tok_prefix + [3], greedy)
         core.step()
-        for i in range(4):
-            core.add_request(f"r{i}", tok_prefix + [10 + i, 20 + i], greedy)
+        for i in range(4):  # every other one decodes with the target alone: its drafter lags behind
+            params = greedy if i % 2 == 0 else SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                              speculative=False)
+            core.add_request(f"r{i}", tok_prefix + [10 + i, 20 + i], params)
         reqs = [t.request for t in core.trackers.values()]
         preempted_holding_shared = 0
         while core.has_work:
