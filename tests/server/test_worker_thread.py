@@ -8,7 +8,7 @@ import time
 
 from starlette.testclient import TestClient
 
-from streamsd.cli import _engine_config, build_parser
+from streamsd.config import EngineConfig
 from streamsd.engine.builder import build_runtime
 from streamsd.engine.core import EngineCore
 from streamsd.server.app import create_app
@@ -16,7 +16,7 @@ from streamsd.server.state import ServerState
 
 
 def test_the_engine_is_built_on_the_thread_that_runs_its_steps(tiny_model_dir):
-    cfg = _engine_config(build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--device", "cpu"]))
+    cfg = EngineConfig(model=str(tiny_model_dir), device="cpu")
     built_on: list[int] = []
 
     def factory() -> EngineCore:
