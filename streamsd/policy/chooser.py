@@ -101,9 +101,20 @@ class TreeChooser:
 
     # -- prices ----------------------------------------------------------------------------------
     def _ratio(self, tree: bool, batch: int) -> float:
-        key = (tree, _bucket(batch))
-        samples = self.ratios.get(key) or (self.ratios.get((False, key[1])) if tree else None)
-        return statistics.median(samples) if samples else 1.0
+        """A cell's measured/predicted ratio. A tree cell's relaxes toward its batch's plain ratio over
+        the plain steps since the last tree step (an unseen one is the plain ratio)."""
+        samples = self.ratios.get((tree, _bucket(batch)))
+        if not tree:
+            return statistics.median(samples) if samples else 1.0
+        plain = self._ratio(False, batch)
+        if not samples:
+            return plain
+        return plain + (statistics.median(samples) - plain) * self._kept()
+
+    def _kept(self) -> float:
+        """The share of a tree cell's own ratio (over its batch's plain one) still kept after the plain
+        steps since the last tree step: half per `retry_steps`."""
+        return 0.5 ** (self.plain_steps / self.retry_steps)
 
     def plain_seconds(self, batch: int, raw: bool = False) -> float:
         t = self.cost.predict_raw(batch, batch, 0)
@@ -145,7 +156,7 @@ class TreeChooser:
             "plain_step_share": round(self.plain_step_share, 4),
             "switch_points": self.switch_points(), "prior_tau": self.prior_tau,
             "class_tau": {name: round(t.value, 3) for name, t in self.classes.items()},
-            "cost_ratios": {f"{'tree' if tree else 'plain'}x{b}": round(statistics.median(r), 3)
+            "cost_ratios": {f"{'tree' if tree else 'plain'}x{b}": round(self._ratio(tree, b), 3)
                             for (tree, b), r in sorted(self.ratios.items()) if r},
         }
 
@@ -233,6 +244,8 @@ class TreeChooser:
             if est is not None:
                 est.add(tau, self.prior_weight, REQUEST_WINDOW)
         if trees:
+            if self.plain_steps:  # the relaxation read so far becomes the cells' samples
+                self._settle_tree_ratios()
             self.plain_steps = 0
         elif shape.batch:
             self.plain_steps += 1
@@ -244,11 +257,16 @@ class TreeChooser:
         for cls in self.classes.values():
             if cls.value < self.prior_tau:
                 cls.value += (self.prior_tau - cls.value) * rate
+
+    def _settle_tree_ratios(self) -> None:
+        """Before a tree step's sample joins its cell: each tree cell's samples relaxed as `_ratio`
+        reads them, so that the new sample is weighed against what the chooser has been pricing."""
+        kept = self._kept()
         for (tree, bucket), samples in self.ratios.items():
             if tree:
                 plain = self._ratio(False, bucket)
                 for i, x in enumerate(samples):
-                    samples[i] = x + (plain - x) * rate
+                    samples[i] = plain + (x - plain) * kept
 
     def _learn_cost(self, shape: StepShape, seconds: float) -> None:
         kind = (shape.verify_width, shape.draft_steps)
