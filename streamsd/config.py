@@ -10,11 +10,11 @@ BLOCK_SIZE = 16
 MAX_TREE_NODES = 62  # a tree's window (its root and nodes) fits one int64 bitmask per row
 
 
-
 def helper_threads(cores: int | None) -> int:
     """Threads for host work beside the engine (tokenising prompts, filling grammar masks): half the
     cores, 1 to 8. The other half runs the event loop, the engine's worker thread and the device's host side."""
     return max(1, min(8, (cores or 2) // 2))
+
 
 @dataclass(frozen=True, slots=True)
 class TreeShape:
