@@ -9,7 +9,16 @@ import torch
 
 from tests.kernels.interpret import CUDA, DEV, DTYPES  # isort: skip (first: it sets the interpreter up)
 from streamsd.kernels.exact.attention import exact_cuda_attention, exact_paged_attention
-from streamsd.kernels.exact.matmul import BLOCK_M, N_TILES, SPLITS, block_n, exact_linear, split_k
+from streamsd.kernels.exact.matmul import (
+    BLOCK_M,
+    GROUPS,
+    N_TILES,
+    SPLITS,
+    block_n,
+    exact_linear,
+    group_tiles,
+    split_k,
+)
 from streamsd.model.attention import paged_attention
 from streamsd.model.kv_cache import BatchLayout
 
@@ -37,6 +46,29 @@ def test_exact_linear_gives_a_row_the_same_bits_at_any_batch_and_place(dtype, ti
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     got = exact_linear(x, w, b, tile_n, splits).double()
     assert torch.allclose(got, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tile_n", "splits"), [(16, 1), (32, 1), (64, 2)])
+def test_exact_linear_gives_the_same_bits_whatever_group_of_tiles_a_program_takes(dtype, tile_n, splits):
+    """Past one M tile a program takes up to four N tiles; every group gives every row the bits of a row alone."""
+    g = torch.Generator().manual_seed(2)
+    k, n, m = 150, 136, 2 * BLOCK_M + 5  # the last group only partly inside N
+    w = torch.randn(n, k, generator=g).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype)
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    alone = torch.cat([exact_linear(x[i:i + 1], w, b, tile_n, splits) for i in (0, BLOCK_M + 1, m - 1)])
+    for group in (1, *GROUPS):
+        got = exact_linear(x, w, b, tile_n, splits, group)
+        assert torch.equal(got[[0, BLOCK_M + 1, m - 1]], alone), group
+
+
+def test_exact_linear_groups_tiles_only_past_one_m_tile_and_while_every_sm_has_a_program():
+    cpu = torch.device("cpu")  # taken as 4 SMs
+    assert group_tiles(BLOCK_M, 4096, 16, 1, cpu) == 1
+    assert group_tiles(BLOCK_M + 1, 4096, 16, 1, cpu) == 4
+    assert group_tiles(BLOCK_M + 1, 4096, 64, 1, cpu) == 2  # 128 columns at most
+    assert group_tiles(BLOCK_M + 1, 128, 32, 1, cpu) == 2  # 2 M tiles x 2 groups fill 4 SMs; groups of 4 would not
 
 
 def test_exact_linear_splits_only_a_long_reduction():
@@ -154,7 +186,7 @@ def test_exact_linear_gives_8b_shaped_rows_the_same_bits_at_any_batch(name):
     w = (torch.randn(n, k, generator=g, device=DEV) * k**-0.5).to(torch.bfloat16)
     row = torch.randn(1, k, generator=g, device=DEV).to(torch.bfloat16)
     alone = exact_linear(row, w)[0]
-    for m in (1, 5, 25, 64, 256):
+    for m in (1, 5, 25, 64, 80, 256, 320):
         for where in sorted({0, m // 2, m - 1}):
             x = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
             x[where] = row[0]

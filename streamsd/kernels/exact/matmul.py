@@ -17,8 +17,12 @@ The plan is a property of the weight (N, K, dtype) and the device, never of M. A
   cuBLAS's speed on an H200, 512 programs within a tenth of it;
 - unsplit 16-bit weights stream through 128-deep K blocks four stages deep (a third less time than 64
   deep and three stages on an H200); split and float32 ones keep 64 and three.
-Prompt chunks pay re-reading W once per 64 rows, and split weights an fp32 workspace of 8 x M x N.
-`streamsd bench offline --exact` measures the price.
+Past one M tile (a verify of a large batch, a prompt chunk), narrow tiles would have every program
+re-read its 64 rows of x over the whole K: an 8B layer's 16-wide tiles read x 256 times. There a program
+takes a group of up to four adjacent N tiles (at most 128 columns), each with its own accumulator and
+its own dot per K block, exactly as a program of one tile computes it, so the group shares x's loads and
+changes no bit. Split weights keep an fp32 workspace of 8 x M x N. `streamsd bench offline --exact`
+measures the price.
 """
 
 from __future__ import annotations
@@ -33,38 +37,66 @@ BLOCK_M = 64
 N_TILES = (64, 32, 16)  # widest first; tl.dot takes 16 columns or more
 SPLITS = 8  # K ranges of a split weight
 SPLIT_TILE = 64  # its N tile: 8 ranges give the programs already
+GROUPS = (4, 2)  # N tiles a program may take past one M tile, widest first
+GROUP_WIDTH = 128  # columns a group spans at most (its K blocks' weight tiles share the shared memory)
+
+
+@triton.jit
+def _tile_step(acc, a, w_ptr, cols, ks, k0, k_end, n, sw_n, IEEE: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W[cols, k0:k0 + BLOCK_K]^T: one K block of one N tile."""
+    b = tl.load(w_ptr + cols[None, :] * sw_n + (k0 + ks)[:, None], mask=(cols < n)[None, :] & (k0 + ks < k_end)[:, None],
+                other=0.0)  # [BLOCK_K, BLOCK_N]
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _tile_store(y_ptr, acc, b_ptr, rows, cols, m, n, sy_m, HAS_BIAS: tl.constexpr):
+    """y[rows, cols] = acc (+ b[cols]) in y's dtype, rows past m and columns past n masked."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * sy_m + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows < m)[:, None] & (cols < n)[None, :])
 
 
 @triton.jit(do_not_specialize=["m"])
 def _exact_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, k_range, sx_m, sw_n, sy_m, sy_split,
-                         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (i, j, s): rows i, columns j, K range s ([s k_range, (s + 1) k_range) of [0, k)) into
-    y + s sy_split. One range: y is the output; several: they are fp32 partials (_sum_splits_kernel)."""
+    """Program (i, j, s): rows i, the GROUP N tiles from j GROUP, K range s ([s k_range, (s + 1) k_range) of
+    [0, k)) into y + s sy_split. One range: y is the output; several: they are fp32 partials
+    (_sum_splits_kernel). Each tile of a group is its own accumulator and its own dot per K block, the same
+    instructions in the same order as a program of one tile: the group only shares the load of x."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = (pid_n * GROUP * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < m
-    col_ok = cols < n
     k_end = tl.minimum(k, (pid_k + 1) * k_range)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(pid_k * k_range, k_end, BLOCK_K):
-        k_ok = k0 + ks < k_end
-        a = tl.load(x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+        a = tl.load(x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :], mask=(rows < m)[:, None] & (k0 + ks < k_end)[None, :],
                     other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(w_ptr + cols[None, :] * sw_n + (k0 + ks)[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                    other=0.0)  # [BLOCK_K, BLOCK_N]
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + pid_k * sy_split + rows[:, None] * sy_m + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        acc0 = _tile_step(acc0, a, w_ptr, cols, ks, k0, k_end, n, sw_n, IEEE)
+        if GROUP > 1:
+            acc1 = _tile_step(acc1, a, w_ptr, cols + BLOCK_N, ks, k0, k_end, n, sw_n, IEEE)
+        if GROUP > 2:
+            acc2 = _tile_step(acc2, a, w_ptr, cols + 2 * BLOCK_N, ks, k0, k_end, n, sw_n, IEEE)
+            acc3 = _tile_step(acc3, a, w_ptr, cols + 3 * BLOCK_N, ks, k0, k_end, n, sw_n, IEEE)
+    y_ptr += pid_k * sy_split
+    _tile_store(y_ptr, acc0, b_ptr, rows, cols, m, n, sy_m, HAS_BIAS)
+    if GROUP > 1:
+        _tile_store(y_ptr, acc1, b_ptr, rows, cols + BLOCK_N, m, n, sy_m, HAS_BIAS)
+    if GROUP > 2:
+        _tile_store(y_ptr, acc2, b_ptr, rows, cols + 2 * BLOCK_N, m, n, sy_m, HAS_BIAS)
+        _tile_store(y_ptr, acc3, b_ptr, rows, cols + 3 * BLOCK_N, m, n, sy_m, HAS_BIAS)
 
 
 @triton.jit
@@ -82,10 +114,13 @@ def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, size, n, HAS_BIAS: tl.constexpr, 
 
 
 @functools.cache  # an eager step asks once per linear: the answer depends on N and the device alone
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def block_n(n: int, device: torch.device) -> int:
     """The N tile of an unsplit [N, K] weight on `device`: the widest whose grid gives every SM a program."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return next((b for b in N_TILES if triton.cdiv(n, b) >= sms), N_TILES[-1])
+    return next((b for b in N_TILES if triton.cdiv(n, b) >= _sms(device)), N_TILES[-1])
 
 
 def split_k(n: int, k: int) -> int:
@@ -93,17 +128,29 @@ def split_k(n: int, k: int) -> int:
     return SPLITS if k >= 3 * n else 1
 
 
-def k_plan(dtype: torch.dtype, splits: int) -> tuple[int, int]:
+def group_tiles(m: int, n: int, tile: int, splits: int, device: torch.device) -> int:
+    """N tiles per program: one within one M tile; past it the most of GROUPS that spans at most
+    GROUP_WIDTH columns and still gives every SM a program. It changes the schedule, never a bit."""
+    if m <= BLOCK_M:
+        return 1
+    tiles = triton.cdiv(m, BLOCK_M) * splits
+    return next((g for g in GROUPS if g * tile <= GROUP_WIDTH and tiles * triton.cdiv(n, g * tile) >= _sms(device)), 1)
+
+
+def k_plan(dtype: torch.dtype, splits: int, group: int = 1) -> tuple[int, int]:
     """(BLOCK_K, pipeline stages) for `dtype`'s operands: 128 x 4 for an unsplit 16-bit weight, else 64 x 3
-    (a split weight's ranges are short already; float32 blocks of 128 would not fit the shared memory)."""
-    return (128, 4) if dtype != torch.float32 and splits == 1 else (64, 3)
+    (a split weight's ranges are short already; float32 blocks of 128 would not fit the shared memory).
+    A group's wider weight tiles take one stage less; the stages only prefetch, the sums are the same."""
+    if dtype != torch.float32 and splits == 1:
+        return 128, 4 if group == 1 else 3
+    return 64, 3
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 tile_n: int | None = None, splits: int | None = None) -> torch.Tensor:
+                 tile_n: int | None = None, splits: int | None = None, group: int | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, each row's bits independent of M.
     `tile_n`, `splits`: the N tile and the K ranges, by default the weight's (`block_n`, `split_k`); the
-    same weight must keep one plan."""
+    same weight must keep one plan. `group`: N tiles per program (`group_tiles` by default), free to vary."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
@@ -114,14 +161,15 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return y
     splits = splits or split_k(n, k)
     tile = tile_n or (SPLIT_TILE if splits > 1 else block_n(n, x.device))
-    block_k, stages = k_plan(x.dtype, splits)
+    group = group or group_tiles(m, n, tile, splits, x.device)
+    block_k, stages = k_plan(x.dtype, splits, group)
     k_range = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k  # whole K blocks per range
     out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, tile), splits)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, group * tile), splits)
     _exact_matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, out, m, n, k, k_range,
         x.stride(0), weight.stride(0), n, m * n,
-        HAS_BIAS=bias is not None and splits == 1, IEEE=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None and splits == 1, IEEE=x.dtype == torch.float32, GROUP=group,
         BLOCK_M=BLOCK_M, BLOCK_N=tile, BLOCK_K=block_k, num_warps=4, num_stages=stages,
     )
     if splits > 1:
