@@ -198,6 +198,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         torch.set_num_threads(threads)
     if world == 1:
         target, path = load_model(cfg.model, device, dtype)
+        log.info("weights of %s on %s in %.2fs (the device's own start included)", path.name, device, time.perf_counter() - t0)
         return _build(cfg, t0, device, dtype, target, path, None)
     target, path, group = load_parallel(cfg, device, dtype, threads)
     try:
