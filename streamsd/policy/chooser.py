@@ -26,7 +26,13 @@ back toward ``prior_tau`` (half-way per ``retry_steps`` steps), so a batch that 
 rejections tries trees again, once they would pay at the prior. A tree cell's cost ratio relaxes the
 same way toward its batch's plain ratio (the profile's relation between the two): tree steps measured
 slow a few times (a host stall between steps, another process on the GPU) would otherwise keep trees
-off for good, since only tree steps correct it. Each sample is clamped as the cost table's are. At a
+off for good, since only tree steps correct it. Each sample is clamped as the cost table's are.
+
+Backing off. Each excursion into trees is judged once it ends: its steps' seconds, entering and
+leaving included, against what plain steps would have taken for the tokens it emitted. One that lost
+doubles the half-life of both drifts (up to ``max_backoff`` times), one that paid resets it: where tree
+steps cost more in service than the profile says and keep losing, the retries thin out geometrically
+instead of costing a losing excursion every few ``retry_steps``. At a
 batch where trees cannot pay even if every node were accepted, the chooser stays plain at the cost of
 one comparison. Each switch is logged at debug level with the prices that made it.
 
@@ -80,6 +86,7 @@ class TreeChooser:
     # host instead of being queued ahead (the adaptive planner's `entry_steps`).
     entry_steps: float = 2.0
     retry_steps: int = 64  # half-life, in plain steps, of a class's drift back to its prior
+    max_backoff: int = 64  # the half-life grows to at most this many times retry_steps after losing excursions
     # Plain steps after the last tree step that still write the head's streams: a batch that goes back
     # to trees soon finds them kept; one that stays plain stops paying for them (10-13 % of a plain
     # step at batch 64 on a GPU) and recomputes the positions it skipped when it resumes.
@@ -94,6 +101,8 @@ class TreeChooser:
     plain_steps: int = 0  # since the batch last took a tree step
     switches: int = 0
     chosen: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})  # steps by kind (trees: True)
+    backoff: int = 1  # the drifts' half-life, in retry_steps
+    excursion: list[float] = field(default_factory=lambda: [0.0, 0.0])  # its seconds; plain's for its tokens
 
     def __post_init__(self) -> None:
         if self.prior_tau <= 0.0:
@@ -114,7 +123,7 @@ class TreeChooser:
     def _kept(self) -> float:
         """The share of a tree cell's own ratio (over its batch's plain one) still kept after the plain
         steps since the last tree step: half per `retry_steps`."""
-        return 0.5 ** (self.plain_steps / self.retry_steps)
+        return 0.5 ** (self.plain_steps / (self.retry_steps * self.backoff))
 
     def plain_seconds(self, batch: int, raw: bool = False) -> float:
         t = self.cost.predict_raw(batch, batch, 0)
@@ -153,7 +162,7 @@ class TreeChooser:
         """For benchmarks and /metrics: what the chooser decided and what it learnt."""
         return {
             "tree_steps": self.chosen[True], "plain_steps": self.chosen[False], "switches": self.switches,
-            "plain_step_share": round(self.plain_step_share, 4),
+            "plain_step_share": round(self.plain_step_share, 4), "backoff": self.backoff,
             "switch_points": self.switch_points(), "prior_tau": self.prior_tau,
             "class_tau": {name: round(t.value, 3) for name, t in self.classes.items()},
             "cost_ratios": {f"{'tree' if tree else 'plain'}x{b}": round(self._ratio(tree, b), 3)
@@ -250,10 +259,29 @@ class TreeChooser:
         elif shape.batch:
             self.plain_steps += 1
             self._drift_to_prior()
+        self._follow_excursion(shape, trees or shape.draft_steps > 0, verified, seconds)
         self._learn_cost(shape, seconds)
 
+    def _follow_excursion(self, shape: StepShape, tree_step: bool, verified: list[tuple[Request, int, int]],
+                          seconds: float) -> None:
+        """Adds a step that drafts or verifies trees to the excursion; the first step that does neither
+        ends it, and the backoff follows its verdict. Steps with a prompt chunk are left out of both
+        sides (their time is the prompt's)."""
+        spent, plain = self.excursion
+        if not tree_step:
+            if spent > 0.0:
+                lost = spent > plain
+                self.backoff = min(2 * self.backoff, self.max_backoff) if lost else 1
+                log.debug("trees for %.1f ms where plain steps would have taken %.1f ms: retries every %d plain "
+                          "steps", 1e3 * spent, 1e3 * plain, self.retry_steps * self.backoff)
+                self.excursion = [0.0, 0.0]
+            return
+        if shape.batch and not shape.prefill_tokens and seconds > 0.0:
+            tokens = shape.batch + sum(a for _, d, a in verified if d > 0)
+            self.excursion = [spent + seconds, plain + tokens * self.plain_seconds(shape.batch) / shape.batch]
+
     def _drift_to_prior(self) -> None:
-        rate = 1.0 - 0.5 ** (1.0 / self.retry_steps)
+        rate = 1.0 - 0.5 ** (1.0 / (self.retry_steps * self.backoff))
         for cls in self.classes.values():
             if cls.value < self.prior_tau:
                 cls.value += (self.prior_tau - cls.value) * rate

@@ -231,3 +231,38 @@ def test_a_plain_batch_stops_keeping_streams_and_entering_trees_pays_for_their_r
     # Unkept: a target pass over 380 positions first, 11.9 ms on this table: 69 ms with trees.
     assert TreeChooser(cost, DEPTH).recompute_seconds(380) == cost.verify(380) > 0.011
     assert not _trees(TreeChooser(cost, DEPTH), lagging(True))
+
+
+def _entries(chooser: TreeChooser, reqs: list[Request], steps: int, tree_s: float, accepted: int = 3) -> int:
+    """Runs `steps` steps at `tree_s` a tree step and 1 ms a plain one; returns how often trees were entered."""
+    entered = 0
+    for _ in range(steps):
+        before = chooser.speculating
+        _step(chooser, reqs, accepted=accepted, tree_s=tree_s, plain_s=1e-3)
+        entered += chooser.speculating and not before
+    return entered
+
+
+def test_excursions_that_keep_losing_are_retried_ever_more_rarely_and_one_that_pays_resets_that():
+    """Tree steps that cost four times their profile in service (τ = 4 at 6 ms: 0.67 tokens a ms against
+    plain's 1) lose every excursion: each doubles the wait before the next, so over 4,000 steps the
+    batch enters trees about once per few hundred steps at most rather than once every few dozen."""
+    reqs = _batch(1, max_tokens=100_000)
+    losing = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH, retry_steps=16)
+    entered = _entries(losing, reqs, 4000, tree_s=6e-3)
+    assert 2 <= entered <= 16 and losing.backoff == losing.max_backoff
+    assert losing.plain_step_share > 0.98
+    fixed = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH, retry_steps=16, max_backoff=1)
+    assert _entries(fixed, reqs, 4000, tree_s=6e-3) > 10 * entered  # what the backoff saves
+    # Tree steps back at their profile: the next excursion pays, the backoff resets, trees stay.
+    steps = 0
+    while not losing.speculating and steps < 20_000:
+        _step(losing, reqs, accepted=3, tree_s=1.5e-3, plain_s=1e-3)
+        steps += 1
+    assert losing.speculating
+    for _ in range(50):
+        _step(losing, reqs, accepted=3, tree_s=1.5e-3, plain_s=1e-3)
+    assert losing.speculating
+    _step(losing, reqs, accepted=0, tree_s=1.5e-3, plain_s=1e-3)  # keeps trees: one bad step moves τ a little
+    losing.observe(Decision({}, shape=StepShape(1, 1, 0, 0, 0, 1)), [(reqs[0], 0, 0)], 1e-3)  # a plain step ends it
+    assert losing.backoff == 1
