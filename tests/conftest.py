@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -32,6 +33,16 @@ torch.set_num_threads(1)
 # first engine to start would take from the others.
 if torch.cuda.is_available() and "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.cuda.set_per_process_memory_fraction(0.9 / int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """On a GPU, an engine a test built holds its KV cache until it is collected: collect after each test,
+    so that the next test's engines size their caches against a GPU the last one no longer holds."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

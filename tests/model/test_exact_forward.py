@@ -15,6 +15,7 @@ from streamsd.model.llama import Transformer
 from tests.model.exact_cases import checked_row_logits, differing
 
 CUDA = torch.cuda.is_available()
+KV = 8192  # tokens: enough for these prompts; on a GPU the engines of a test would otherwise each take its memory
 
 
 def _load(path, device: torch.device, dtype: torch.dtype) -> Transformer:
@@ -59,11 +60,11 @@ def _greedy(llm: LLM, prompts: list[str], max_tokens: int = 32) -> list[list[int
 
 def test_exact_greedy_speculation_and_any_batch_equal_plain_decoding(tiny_model_dir, close_draft_dir):
     device = "cuda" if CUDA else "cpu"
-    plain = _greedy(LLM(str(tiny_model_dir), exact=True, device=device), PROMPTS)
-    alone = LLM(str(tiny_model_dir), exact=True, device=device, max_num_seqs=1)
+    plain = _greedy(LLM(str(tiny_model_dir), exact=True, device=device, kv_cache_tokens=KV), PROMPTS)
+    alone = LLM(str(tiny_model_dir), exact=True, device=device, kv_cache_tokens=KV, max_num_seqs=1)
     assert _greedy(alone, PROMPTS) == plain
     for kw in ({"draft_model": str(close_draft_dir), "num_speculative_tokens": 4}, {"speculative_method": "ngram"}):
-        llm = LLM(str(tiny_model_dir), exact=True, device=device, **kw)
+        llm = LLM(str(tiny_model_dir), exact=True, device=device, kv_cache_tokens=KV, **kw)
         res = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
         assert [r.outputs[0].token_ids for r in res] == plain, kw
         assert sum(r.spec_stats.accepted for r in res) > 0, kw  # the verify windows did run
@@ -124,11 +125,11 @@ def test_exact_seeded_sampling_with_speculation_and_at_any_batch_is_plain_sampli
     batched. Without the mode, rejection sampling draws other (equally distributed) tokens."""
     device = "cuda" if CUDA else "cpu"
     prompts = PROMPTS * 2
-    plain, _ = _sampled(LLM(str(tiny_model_dir), exact=True, device=device), prompts)
-    assert _sampled(LLM(str(tiny_model_dir), exact=True, device=device, max_num_seqs=1), prompts)[0] == plain
+    plain, _ = _sampled(LLM(str(tiny_model_dir), exact=True, device=device, kv_cache_tokens=KV), prompts)
+    assert _sampled(LLM(str(tiny_model_dir), exact=True, device=device, kv_cache_tokens=KV, max_num_seqs=1), prompts)[0] == plain
     draft = {"draft_model": str(close_draft_dir), "num_speculative_tokens": 4}
     for kw in (draft, {"speculative_method": "ngram"}):
-        got, accepted = _sampled(LLM(str(tiny_model_dir), exact=True, device=device, **kw), prompts)
+        got, accepted = _sampled(LLM(str(tiny_model_dir), exact=True, device=device, kv_cache_tokens=KV, **kw), prompts)
         assert got == plain and accepted > 0, kw
-    rejection, accepted = _sampled(LLM(str(tiny_model_dir), device=device, **draft), prompts)
-    assert rejection != _sampled(LLM(str(tiny_model_dir), device=device), prompts)[0] and accepted > 0
+    rejection, accepted = _sampled(LLM(str(tiny_model_dir), device=device, kv_cache_tokens=KV, **draft), prompts)
+    assert rejection != _sampled(LLM(str(tiny_model_dir), device=device, kv_cache_tokens=KV), prompts)[0] and accepted > 0

@@ -433,12 +433,12 @@ def test_cuda_eagle_graph_drafts_equal_eager_drafts(tiny_model_dir, heads, kind)
     eager head drafts: the same drafted and accepted counts at every depth, for every request, and
     the plain output. Near the end of an answer k is capped by the tokens left, so rows that want
     fewer drafts than the graph makes run too (their surplus steps write to the scratch block)."""
-    plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32")
+    plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=8192)
     want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS, greedy_params())]
     stats = {}
     for graphs in (True, False):
         llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]), device="cuda",
-                  dtype="float32")
+                  dtype="float32", kv_cache_tokens=8192)
         proposer = llm.core.rt.worker.proposer
         assert proposer.graphs is not None
         if not graphs:
@@ -470,7 +470,7 @@ def test_cuda_eagle_sampled_graph_drafts_equal_eager_drafts(tiny_model_dir, head
     runs = {}
     for graphs in (True, False):
         llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]), device="cuda",
-                  dtype="float32")
+                  dtype="float32", kv_cache_tokens=8192)
         proposer = llm.core.rt.worker.proposer
         if not graphs:
             proposer.graphs = None

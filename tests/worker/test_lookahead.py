@@ -144,8 +144,8 @@ def test_a_failing_step_drops_the_queued_one(tiny_model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_pipelined_steps_match_unpipelined(tiny_model_dir):
     prompts = PROMPTS * 2
-    on = LLM(str(tiny_model_dir), device="cuda", dtype="float32", pipeline=True)
-    off = LLM(str(tiny_model_dir), device="cuda", dtype="float32", pipeline=False)
+    on = LLM(str(tiny_model_dir), device="cuda", dtype="float32", pipeline=True, kv_cache_tokens=8192)
+    off = LLM(str(tiny_model_dir), device="cuda", dtype="float32", pipeline=False, kv_cache_tokens=8192)
     assert _ids(on.generate(prompts, _mixed_params())) == _ids(off.generate(prompts, _mixed_params()))
     assert on.core.rt.worker.lookahead.taken > 10
     _assert_free(on)
