@@ -31,14 +31,15 @@ def test_an_engine_starts_warmed_up_and_untouched(tiny_model_dir, close_draft_di
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_the_warm_up_drafts_and_frees_every_block(tiny_model_dir, close_draft_dir, method):
-    """Run again on a built engine's worker: its two requests reach their ends in a few steps, a draft
-    model drafts for them (n-gram drafts only where the tiny model's answer repeats its prompt), and
-    every block comes back (warm_up asserts that)."""
+    """Run again on a built engine's worker: its requests (a pair, then one alone with speculation off
+    and one with it) reach their ends in a few steps each, a draft model drafts for them (n-gram drafts
+    only where the tiny model's answer repeats its prompt), and every block comes back (warm_up asserts
+    that)."""
     draft = str(close_draft_dir) if method == "draft" else None
     llm = LLM(str(tiny_model_dir), speculative_method=method, draft_model=draft, num_speculative_tokens=3)
     rt = llm.core.rt
     warm = warm_up(rt.worker, rt.scheduler_config, llm.core.spec, rt.eos_ids, rt.q_slots)
-    assert 2 <= warm.steps <= 2 * NEW_TOKENS and warm.seconds > 0
+    assert 3 * 2 <= warm.steps <= 3 * NEW_TOKENS and warm.seconds > 0
     assert warm.drafted > 0 or method == "ngram"
     assert len(warm_up_prompt(rt.args.vocab_size)) > 16  # a prompt over two KV blocks
 
@@ -47,7 +48,7 @@ def test_an_engine_without_speculation_warms_up_plain(tiny_model_dir):
     llm = LLM(str(tiny_model_dir))
     rt = llm.core.rt
     warm = warm_up(rt.worker, rt.scheduler_config, llm.core.spec, rt.eos_ids, rt.q_slots)
-    assert warm.drafted == 0 and warm.steps == NEW_TOKENS  # a prefill, then one token a step
+    assert warm.drafted == 0 and warm.steps == 2 * NEW_TOKENS  # the pair, then one alone: a prefill, then a token a step
 
 
 def test_an_engine_with_a_small_pool_warms_up(tiny_model_dir):
