@@ -32,6 +32,7 @@ from streamsd.worker.worker import Worker
 
 PROMPT_TOKENS = 20  # past one KV block (BLOCK_SIZE 16): a prompt chunk's shape, like a short chat prompt
 NEW_TOKENS = 8  # a prefill, then verify (or plain) steps with drafts from the proposer
+ALONE_TOKENS = 4  # a request alone: a prefill past the cached block, then steps queued ahead
 
 
 def warm_up_prompt(vocab_size: int) -> list[int]:
@@ -60,7 +61,8 @@ def warm_up(worker: Worker, cfg: SchedulerConfig, spec: SpecConfig, eos_ids: fro
     steps = drafted = 0
     for r, requests in enumerate(rounds):
         for i, (temperature, spec_k) in enumerate(requests):
-            params = SamplingParams(temperature=temperature, max_tokens=NEW_TOKENS, seed=i, ignore_eos=True)
+            params = SamplingParams(temperature=temperature, max_tokens=NEW_TOKENS if r == 0 else ALONE_TOKENS, seed=i,
+                                    ignore_eos=True)
             sched.add(Request(request_id=f"warm-up-{r}-{i}", prompt_ids=list(prompt), params=params, seed=i,
                               arrival=time.monotonic(), eos_ids=eos_ids, spec_k=spec_k,
                               greedy_draft=temperature < spec.draft_greedy_threshold))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streamsd import LLM, SamplingParams
-from streamsd.engine.warm_up import NEW_TOKENS, warm_up, warm_up_prompt
+from streamsd.engine.warm_up import ALONE_TOKENS, NEW_TOKENS, warm_up, warm_up_prompt
 from tests.engine.test_engine import hf_greedy
 
 PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12 13"]
@@ -39,7 +39,7 @@ def test_the_warm_up_drafts_and_frees_every_block(tiny_model_dir, close_draft_di
     llm = LLM(str(tiny_model_dir), speculative_method=method, draft_model=draft, num_speculative_tokens=3)
     rt = llm.core.rt
     warm = warm_up(rt.worker, rt.scheduler_config, llm.core.spec, rt.eos_ids, rt.q_slots)
-    assert 3 * 2 <= warm.steps <= 3 * NEW_TOKENS and warm.seconds > 0
+    assert 3 * 2 <= warm.steps <= NEW_TOKENS + 2 * ALONE_TOKENS and warm.seconds > 0
     assert warm.drafted > 0 or method == "ngram"
     assert len(warm_up_prompt(rt.args.vocab_size)) > 16  # a prompt over two KV blocks
 
@@ -48,7 +48,7 @@ def test_an_engine_without_speculation_warms_up_plain(tiny_model_dir):
     llm = LLM(str(tiny_model_dir))
     rt = llm.core.rt
     warm = warm_up(rt.worker, rt.scheduler_config, llm.core.spec, rt.eos_ids, rt.q_slots)
-    assert warm.drafted == 0 and warm.steps == 2 * NEW_TOKENS  # the pair, then one alone: a prefill, then a token a step
+    assert warm.drafted == 0 and warm.steps == NEW_TOKENS + ALONE_TOKENS  # the pair, then one alone: a token a step
 
 
 def test_an_engine_with_a_small_pool_warms_up(tiny_model_dir):
