@@ -84,11 +84,13 @@ class Metrics:
         self.step_tokens = Histogram("streamsd:iteration_tokens_total",
                                      "Tokens the target computed per step (prompt, pending and draft tokens)",
                                      registry=r, buckets=STEP_TOKEN_BUCKETS)
-        # A step's time from the end of the one before (EngineCore.execute): steps that carry a prompt chunk
-        # against those that only decode (and verify drafts); what joins cost the requests already running.
+        # A step's time from the end of the one before (EngineCore.execute): steps that carry a prompt chunk,
+        # those that verify drafts (what a speculative step costs in service, against the start-up profile's
+        # price) and those that only decode; what joins cost the requests already running.
         self.step_time = Histogram("streamsd:step_duration_seconds", "Engine step time, by whether it computes "
-                                   "a prompt chunk", ["kind"], registry=r, buckets=STEP_BUCKETS)
-        for kind in ("prompt", "decode"):
+                                   "a prompt chunk, verifies drafts or only decodes", ["kind"], registry=r,
+                                   buckets=STEP_BUCKETS)
+        for kind in ("prompt", "verify", "decode"):
             self.step_time.labels(kind=kind)
         self.cache_config = Info("streamsd:cache_config", "The KV cache's configuration", registry=r)
         # Requests by the API key that authenticated them, named (key-1, or NAME from NAME:KEY), never the key.
@@ -111,7 +113,8 @@ class Metrics:
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         if plan.entries:
             self.step_tokens.observe(plan.num_tokens)
-            kind = "prompt" if any(e.num_tokens > 1 for e in plan.entries) else "decode"
+            kind = "prompt" if any(e.num_tokens > 1 for e in plan.entries) else \
+                "verify" if any(e.num_drafts for e in plan.entries) else "decode"
             self.step_time.labels(kind=kind).observe(seconds)
         if plan.preempted:
             self.preemptions.inc(len(plan.preempted))

@@ -242,7 +242,7 @@ MOVING = [
     "streamsd:request_decode_time_seconds_count",
     "streamsd:request_tokenize_time_seconds_count",
     'streamsd:step_duration_seconds_count{kind="prompt"}',
-    'streamsd:step_duration_seconds_count{kind="decode"}',
+    'streamsd:step_duration_seconds_count{kind="verify"}',
 ]
 
 
@@ -273,7 +273,7 @@ def test_vllm_dashboard_metrics_are_exported_and_move(server, model):
     assert tokens >= 900 and steps <= tokens
     tpot = after["streamsd:time_per_output_token_seconds_sum"] - before["streamsd:time_per_output_token_seconds_sum"]
     assert tpot > 0
-    timed = sum(after[f'streamsd:step_duration_seconds_count{{kind="{k}"}}'] for k in ("prompt", "decode"))
+    timed = sum(after[f'streamsd:step_duration_seconds_count{{kind="{k}"}}'] for k in ("prompt", "verify", "decode"))
     assert timed == after["streamsd:iteration_tokens_total_count"]  # every step with work is timed, once
     # One tokenising per text prompt, and each one took time.
     assert after["streamsd:request_tokenize_time_seconds_count"] - before["streamsd:request_tokenize_time_seconds_count"] == 6
