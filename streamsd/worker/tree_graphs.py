@@ -14,9 +14,11 @@ only work per step is starting the read of `result` and waiting for it.
 Inputs the host writes (a step not queued behind the last): the packed layout (ids | positions |
 slots | context lengths | query starts, as model/graphs.py packs them), the window masks and roots,
 the trees, the block table, and per request its greedy flag, seed, temperature and min-p (SAMPLED
-mode: the Triton race of kernels/sample/warp.py, bit for bit what an eager step draws). Requests with
-top-k/top-p, log-probabilities or min_tokens, and batches above the largest bucket, take the eager
-path (sample/tree_verify.py).
+mode: the Triton race of kernels/sample/warp.py, bit for bit what an eager step draws). Sampled
+requests cut by top-k/top-p, requests with penalties, log-probabilities or min_tokens, and batches above
+the largest bucket, take the eager path (sample/tree_verify.py). A greedy request's top-k/top-p (a
+model's generation config gives every request that leaves them out its own, 0.9 for the default model)
+cut nothing from an argmax: it replays.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from streamsd.model.kv_cache import BatchLayout, PagedKVCache, uniform_starts
 from streamsd.model.llama import Transformer
 from streamsd.model.stream_store import StreamStore
 from streamsd.model.tree_layout import NONE, Race
-from streamsd.request import Request
+from streamsd.request import Request, SamplingParams
 from streamsd.sample.greedy import row_argmax
 from streamsd.sample.sampler import sample_keyed
 from streamsd.sample.tree_verify import host_tree, move_kv
@@ -71,6 +73,13 @@ class _TreeGraph:
     tables: list[list[int]] | None = None  # what block_table holds (a request gains a block every 16 tokens)
 
 
+def replayable(p: SamplingParams) -> bool:
+    """Whether a request's tree steps can be the graph's: not a sampled one cut by top-k or top-p (the
+    Triton race has no sort; an argmax needs no cut), nor one with penalties (they count each path's
+    drafts, sample/penalties.py)."""
+    return not p.penalised and (p.greedy or (p.top_k == 0 and p.top_p == 1.0))
+
+
 class TreeGraphs:
     def __init__(self, target: Transformer, cache: PagedKVCache, store: StreamStore, head_layer: HeadLayer,
                  head, shape: TreeShape, scratch: int, max_blocks: int, device: torch.device,
@@ -94,8 +103,8 @@ class TreeGraphs:
         bucket = next((b for b in self.buckets if b >= len(reqs)), None)
         if bucket is None or max(len(t) for t in tables) > self.max_blocks:
             return None
-        if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.penalised for r in reqs):
-            return None  # the Triton race has no sort; penalties count each path's drafts (sample/penalties.py)
+        if not all(replayable(r.params) for r in reqs):
+            return None
         return bucket, GREEDY if all(r.params.greedy for r in reqs) else SAMPLED
 
     def run(self, key: tuple[int, int], reqs: list[Request], roots: list[int]) -> torch.Tensor:

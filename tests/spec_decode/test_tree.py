@@ -517,11 +517,28 @@ def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, h
             a, b = plain.generate(batch, params[: len(batch)]), llm.generate(batch, params[: len(batch)])
             assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b], kw
     assert w.tree_graphs.replays > 20 and w.lookahead.taken > 10, (w.tree_graphs.replays, w.lookahead.taken)
+    # A model's generation config gives top-k/top-p to requests that leave them out: an argmax ignores them.
+    replays, cut = w.tree_graphs.replays, [SamplingParams(max_tokens=60, temperature=0.0, top_p=0.9, top_k=40)] * 2
+    a, b = plain.generate(PROMPTS[:2], cut), llm.generate(PROMPTS[:2], cut)
+    assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
+    assert w.tree_graphs.replays > replays + 10
     graphs, compiled = before
     after = compiled_by_kernel()
     assert len(w.tree_graphs.graphs) == graphs
     assert after == compiled, {k: after[k] - compiled[k] for k in after if after[k] != compiled[k]}
     _assert_free(llm)
+
+
+def test_greedy_requests_replay_tree_graphs_whatever_their_top_k_and_top_p():
+    """The tree graph's race has no sort: sampled requests cut by top-k/top-p, and penalised ones, take the
+    eager path; a greedy request's cut changes nothing of its argmax, so it replays."""
+    from streamsd.worker.tree_graphs import replayable
+
+    assert replayable(SamplingParams(temperature=0.0, top_p=0.9, top_k=40))
+    assert replayable(SamplingParams(temperature=1.0, min_p=0.05))
+    assert not replayable(SamplingParams(temperature=1.0, top_p=0.9))
+    assert not replayable(SamplingParams(temperature=0.7, top_k=20))
+    assert not replayable(SamplingParams(temperature=0.0, repetition_penalty=1.2))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
