@@ -122,7 +122,7 @@ class TreeChooser:
 
     def _kept(self) -> float:
         """The share of a tree cell's own ratio (over its batch's plain one) still kept after the plain
-        steps since the last tree step: half per `retry_steps`."""
+        steps since the last tree step: half per `retry_steps` times the backoff."""
         return 0.5 ** (self.plain_steps / (self.retry_steps * self.backoff))
 
     def plain_seconds(self, batch: int, raw: bool = False) -> float:
