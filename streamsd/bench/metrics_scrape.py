@@ -6,12 +6,13 @@ vLLM server's speculation counters when the two are compared side by side.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 PREFIXES = ("streamsd:", "vllm:")
+STEP_KINDS = ("prompt", "verify", "decode")  # streamsd's `step_duration_seconds` labels
 
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -54,6 +55,9 @@ class SpecCounters:
     acceptance_rate: float | None
     mean_acceptance_length: float | None
     per_position_acceptance: tuple[float, ...]
+    # Mean step time (ms) by kind (`prompt`, `verify`, `decode`) over the interval, where the server
+    # reports `step_duration_seconds{kind}`: what a speculative step costs in service beside a plain one.
+    step_ms: dict[str, float] = field(default_factory=dict)
 
 
 def parse_metrics(text: str) -> Snapshot:
@@ -87,8 +91,8 @@ def spec_delta(before: Snapshot | None, after: Snapshot | None) -> SpecCounters 
     if before is None or after is None:
         return None
 
-    def diff(name: str) -> float | None:
-        a, b = after.get(name), before.get(name)
+    def diff(name: str, **labels: str) -> float | None:
+        a, b = after.get(name, **labels), before.get(name, **labels)
         return None if a is None else a - (b or 0.0)
 
     drafts = diff("spec_decode_num_drafts_total")
@@ -105,6 +109,11 @@ def spec_delta(before: Snapshot | None, after: Snapshot | None) -> SpecCounters 
         (per_pos_after.get(str(p), 0.0) - per_pos_before.get(str(p), 0.0)) / drafts if drafts else 0.0
         for p in range(top + 1)
     )
+    step_ms = {}
+    for kind in STEP_KINDS:
+        seconds, steps = diff("step_duration_seconds_sum", kind=kind), diff("step_duration_seconds_count", kind=kind)
+        if seconds is not None and steps:
+            step_ms[kind] = 1e3 * seconds / steps
     return SpecCounters(
         num_drafts=drafts,
         draft_tokens=draft_tokens,
@@ -112,4 +121,5 @@ def spec_delta(before: Snapshot | None, after: Snapshot | None) -> SpecCounters 
         acceptance_rate=accepted / draft_tokens if draft_tokens else None,
         mean_acceptance_length=1.0 + accepted / drafts if drafts else None,
         per_position_acceptance=per_pos,
+        step_ms=step_ms,
     )

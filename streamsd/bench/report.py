@@ -67,6 +67,11 @@ def _per_pos(c: CellResult) -> str:
     )
 
 
+def _step_ms(c: CellResult) -> str:
+    m = c.speculation.metrics
+    return "-" if m is None or not m.step_ms else ", ".join(f"{kind} {ms:.2f}" for kind, ms in m.step_ms.items())
+
+
 DETAIL_ROWS: list[Row] = [
     ("Successful requests", lambda c: str(c.requests.completed)),
     ("Failed requests", lambda c: str(c.requests.failed)),
@@ -90,6 +95,7 @@ DETAIL_ROWS: list[Row] = [
     ("Draft tokens", lambda c: _metric(c, "draft_tokens", lambda v: f"{v:.0f}")),
     ("Accepted tokens", lambda c: _metric(c, "accepted_tokens", lambda v: f"{v:.0f}")),
     ("Per-position acceptance (%)", _per_pos),
+    ("Step ms by kind, /metrics", _step_ms),
 ]
 
 SUMMARY_ROWS: list[Row] = [

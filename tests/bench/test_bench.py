@@ -144,6 +144,21 @@ def test_metrics_parse_and_spec_delta() -> None:
     assert vllm.get("kv_cache_usage_perc") == 0.25
 
 
+def test_spec_delta_reads_the_mean_step_time_of_each_kind() -> None:
+    """Speculative steps' cost in service beside plain ones': the mean of `step_duration_seconds` per kind
+    between two scrapes; a kind without steps in the interval is left out."""
+    def steps(verify: tuple[float, int], decode: tuple[float, int]) -> str:
+        return METRICS_BEFORE + "# TYPE streamsd:step_duration_seconds histogram\n" + "".join(
+            f'streamsd:step_duration_seconds_bucket{{kind="{k}",le="+Inf"}} {n}\n'
+            f'streamsd:step_duration_seconds_count{{kind="{k}"}} {n}\n'
+            f'streamsd:step_duration_seconds_sum{{kind="{k}"}} {t}\n'
+            for k, (t, n) in (("prompt", (0.5, 2)), ("verify", verify), ("decode", decode)))
+
+    delta = spec_delta(parse_metrics(steps((0.1, 40), (1.0, 900))), parse_metrics(steps((0.16, 60), (1.2, 1100))))
+    assert delta is not None and set(delta.step_ms) == {"verify", "decode"}
+    assert delta.step_ms["verify"] == pytest.approx(3.0) and delta.step_ms["decode"] == pytest.approx(1.0)
+
+
 # ---------------------------------------------------------------- SSE client
 
 
