@@ -155,7 +155,9 @@ def test_the_system_prompt_reaches_the_model(new_page, live_server):
     assert sent[1]["messages"][0] == {"role": "system", "content": "You are a pirate who answers in rhymes about the sea."}
     plain, with_system = (d["usage"]["prompt_tokens"] for d in _dones(frames))
     assert with_system > plain + 5, (plain, with_system)
-    # The system prompt is the conversation's: reopened with it.
+    # The system prompt is the conversation's: reopened with it, once the store holds both conversations
+    # (the list is redrawn after each save; a reload before that would lose the unsaved one).
+    expect(page.get_by_test_id("conversation-item")).to_have_count(2)
     page.reload()
     expect(page.locator("#conn")).to_have_attribute("data-state", "open")
     page.get_by_test_id("conversation-item").first.locator(".conv-open").click()

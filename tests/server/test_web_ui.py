@@ -217,8 +217,9 @@ def test_message_streams_and_stats_fill_in(new_page, live_server):
     assert len(done) == 1 and done[0]["usage"]["completion_tokens"] > 0
     # Each token of each delta became a span; their text is the reply's text.
     spans = reply.locator(".md .tok")
-    assert spans.count() > 0
     streamed = "".join(d["text"] for d in deltas)
+    # Whitespace stays outside the spans: a sampled reply of the tiny model may be nothing else.
+    assert spans.count() > 0 or not streamed.strip(), repr(streamed)
     # Random output may contain Markdown markers, so compare letters and digits only.
     assert _alnum(reply.locator(".md").inner_text()) == _alnum(streamed)
 
