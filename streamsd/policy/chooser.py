@@ -47,6 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from streamsd.policy.adaptive.cost import RATIO_CLAMP
 from streamsd.policy.policy import Decision, StepShape, acceptance_class, cap_k
 from streamsd.request import Request
 
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
     from streamsd.sched.plan import StepPlan
 
 RATIO_SAMPLES = 5  # a cost cell follows the median of its last few measured/predicted ratios
-RATIO_CLAMP = (0.25, 4.0)  # one outlier step (a GC pause, a recompile) moves a cell this far at most
 
 log = logging.getLogger("streamsd.policy.chooser")
 REQUEST_WINDOW = 16  # a request's τ follows its last ~16 tree steps

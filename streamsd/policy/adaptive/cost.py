@@ -74,6 +74,8 @@ from dataclasses import dataclass, field
 from streamsd.policy.adaptive.roofline import RooflineModel
 from streamsd.policy.adaptive.shape import ShapeTable
 
+RATIO_CLAMP = (0.25, 4.0)  # one outlier step (a GC pause, a recompile) moves a measured/predicted ratio this far at most
+
 CorrectionKey = tuple[int, ...]
 _GLOBAL: CorrectionKey = ()
 TAIL_WINDOW, TAIL_MIN = 12, 6  # a key's recent samples whose mean prices it where slow ones recur
@@ -293,8 +295,7 @@ class CostTable:
         """
         if raw <= 0.0 or measured <= 0.0:
             return
-        # Clamped so one outlier (a GC pause, a recompile) cannot wreck the table.
-        sample = min(max(measured / raw, 0.25), 4.0)
+        sample = min(max(measured / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
         if verify_tokens is not None and self._on_plain(draft_steps_k, batch_size):
             assert batch_size is not None
             base_raw, base = self._plain_of(batch_size, prefill_tokens)
