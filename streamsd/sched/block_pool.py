@@ -75,6 +75,13 @@ class BlockPool:
     def entry_of(self, block: int) -> Entry | None:
         return self._entry_of.get(block)
 
+    def mark_drafted(self, block: int) -> None:
+        """The drafter's KV and the target's streams of a cached block are there now (a holder's drafter
+        caught up over it). A block cached under another block's entry is left alone."""
+        entry = self._entry_of.get(block)
+        if entry is not None:
+            entry.draft_kv = entry.streams = True
+
     # -- holding blocks ----------------------------------------------------------------------
     def take(self, n: int) -> list[int]:
         """n private blocks (free ones first, then the least recently released cached ones)."""

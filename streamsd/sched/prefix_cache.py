@@ -112,9 +112,7 @@ class PrefixCache:
         entries. Each of a request's blocks is visited once."""
         upto = min(r.prefix_blocks, r.draft_computed // self.bs)
         for b in range(r.prefix_ready, upto):
-            entry = self.pool.entry_of(r.blocks[b])
-            if entry is not None:  # else the same prefix is cached in another block, which r does not hold
-                entry.draft_kv = entry.streams = True
+            self.pool.mark_drafted(r.blocks[b])
         r.prefix_ready = max(r.prefix_ready, upto)
 
     @staticmethod
