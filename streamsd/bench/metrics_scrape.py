@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from streamsd.sched.plan import STEP_KINDS
+
 PREFIXES = ("streamsd:", "vllm:")
-STEP_KINDS = ("prompt", "verify", "decode")  # streamsd's `step_duration_seconds` labels
 
 LabelKey = tuple[tuple[str, str], ...]
 

@@ -27,6 +27,9 @@ class Scheduled:
         return self.start + self.num_tokens == self.request.num_tokens
 
 
+STEP_KINDS = ("prompt", "verify", "decode")  # StepPlan.kind: what a step's time is reported under
+
+
 @dataclass(slots=True)
 class StepPlan:
     entries: list[Scheduled] = field(default_factory=list)
@@ -36,6 +39,14 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(e.num_tokens + e.num_drafts for e in self.entries)
+
+    @property
+    def kind(self) -> str:
+        """`prompt` where an entry computes a prompt chunk, else `verify` where one verifies drafts,
+        else `decode`."""
+        if any(e.num_tokens > 1 for e in self.entries):
+            return "prompt"
+        return "verify" if any(e.num_drafts for e in self.entries) else "decode"
 
     @property
     def wants_streams(self) -> bool:

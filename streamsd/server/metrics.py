@@ -14,7 +14,7 @@ from starlette.responses import Response
 from streamsd.engine.core import EngineCore, RequestMetrics, RequestOutput
 from streamsd.policy.chooser import TreeChooser
 from streamsd.policy.policy import AdaptivePolicy
-from streamsd.sched.plan import StepPlan
+from streamsd.sched.plan import STEP_KINDS, StepPlan
 from streamsd.server.state import ServerState, finish_reason
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -90,7 +90,7 @@ class Metrics:
         self.step_time = Histogram("streamsd:step_duration_seconds", "Engine step time, by whether it computes "
                                    "a prompt chunk, verifies drafts or only decodes", ["kind"], registry=r,
                                    buckets=STEP_BUCKETS)
-        for kind in ("prompt", "verify", "decode"):
+        for kind in STEP_KINDS:
             self.step_time.labels(kind=kind)
         self.cache_config = Info("streamsd:cache_config", "The KV cache's configuration", registry=r)
         # Requests by the API key that authenticated them, named (key-1, or NAME from NAME:KEY), never the key.
@@ -113,9 +113,7 @@ class Metrics:
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         if plan.entries:
             self.step_tokens.observe(plan.num_tokens)
-            kind = "prompt" if any(e.num_tokens > 1 for e in plan.entries) else \
-                "verify" if any(e.num_drafts for e in plan.entries) else "decode"
-            self.step_time.labels(kind=kind).observe(seconds)
+            self.step_time.labels(kind=plan.kind).observe(seconds)
         if plan.preempted:
             self.preemptions.inc(len(plan.preempted))
 
