@@ -14,11 +14,12 @@ only work per step is starting the read of `result` and waiting for it.
 Inputs the host writes (a step not queued behind the last): the packed layout (ids | positions |
 slots | context lengths | query starts, as model/graphs.py packs them), the window masks and roots,
 the trees, the block table, and per request its greedy flag, seed, temperature and min-p (SAMPLED
-mode: the Triton race of kernels/sample/warp.py, bit for bit what an eager step draws). Sampled
-requests cut by top-k/top-p, requests with penalties, log-probabilities or min_tokens, and batches above
-the largest bucket, take the eager path (sample/tree_verify.py). A greedy request's top-k/top-p (a
-model's generation config gives every request that leaves them out its own, 0.9 for the default model)
-cut nothing from an argmax: it replays.
+mode: the Triton race of kernels/sample/warp.py, bit for bit what an eager step draws), and its top-k
+and top-p (CUT mode: sample/warp.py's sort, cut and race, the eager step's own operations; a model's
+generation config gives every request that leaves them out its own, top-p 0.9 for the default model, so
+most sampled requests are cut). A greedy request's top-k/top-p cut nothing from an argmax: it replays in
+GREEDY mode. Requests with penalties, log-probabilities or min_tokens, and batches above the largest
+bucket, take the eager path (sample/tree_verify.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from streamsd.sample.warp import WarpParams
 from streamsd.spec_decode.eagle.tree import GrowConsts, HeadLayer, grow
 from streamsd.spec_decode.tree import catch_up, depths, positions_to_slots, walk, window_bits
 
-GREEDY, SAMPLED = 0, 1
+GREEDY, SAMPLED, CUT = 0, 1, 2  # argmax | the race | the race over the top-k/top-p cut
+MODES = (GREEDY, SAMPLED, CUT)
 TREE_BUCKETS = (1, 2, 4, 8, 16)  # trees pay at small batches; a graph's logits are B x (N + 1) x V floats
 
 
@@ -67,17 +69,25 @@ class _TreeGraph:
     grow: GrowConsts
     rows: torch.Tensor  # [B * W] int64 0, 1, ...: every window row's hidden stream is kept
     catch_starts: torch.Tensor  # [B + 1] int32 the catch-up's query starts (D + 1 rows each)
-    no_top_k: torch.Tensor  # [T] int64 zeros
-    no_top_p: torch.Tensor  # [T] float32 ones
+    row_top_k: torch.Tensor  # [T] int64 each row's top-k (CUT mode; 0: none)
+    row_top_p: torch.Tensor  # [T] float32 each row's top-p (CUT mode; 1: none)
     result: torch.Tensor | None = None  # [B, D + 2 + 2N] emitted | accepted | next tokens | next parents
     tables: list[list[int]] | None = None  # what block_table holds (a request gains a block every 16 tokens)
 
 
 def replayable(p: SamplingParams) -> bool:
-    """Whether a request's tree steps can be the graph's: not a sampled one cut by top-k or top-p (the
-    Triton race has no sort; an argmax needs no cut), nor one with penalties (they count each path's
+    """Whether a request's tree steps can be the graph's: not one with penalties (they count each path's
     drafts, sample/penalties.py)."""
-    return not p.penalised and (p.greedy or (p.top_k == 0 and p.top_p == 1.0))
+    return not p.penalised
+
+
+def mode_for(params: list[SamplingParams]) -> int:
+    """The graph a batch replays: an argmax when all are greedy (a greedy request's top-k/top-p cut nothing
+    from it), the sorted race when a sampled one is cut, else the one-launch race."""
+    sampled = [p for p in params if not p.greedy]
+    if not sampled:
+        return GREEDY
+    return CUT if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else SAMPLED
 
 
 class TreeGraphs:
@@ -105,7 +115,7 @@ class TreeGraphs:
             return None
         if not all(replayable(r.params) for r in reqs):
             return None
-        return bucket, GREEDY if all(r.params.greedy for r in reqs) else SAMPLED
+        return bucket, mode_for([r.params for r in reqs])
 
     def run(self, key: tuple[int, int], reqs: list[Request], roots: list[int]) -> torch.Tensor:
         """Replays the step for requests verifying their full trees from their roots (pending tokens'
@@ -139,7 +149,7 @@ class TreeGraphs:
         all_bits = np.zeros(t, dtype=np.int64)
         all_bits[: n * w] = bits
         g.bits.copy_(torch.from_numpy(all_bits), non_blocking=True)
-        if g.mode == SAMPLED:
+        if g.mode != GREEDY:
             wf = np.zeros((2, g.bucket), dtype=np.float32)
             wf[0] = 1.0
             wf[:, :n] = [[r.params.temperature for r in reqs], [r.params.min_p for r in reqs]]
@@ -147,6 +157,11 @@ class TreeGraphs:
             g.row_warp.copy_(torch.from_numpy(np.repeat(wf, w, axis=1)), non_blocking=True)
             rows = np.ascontiguousarray(np.repeat(side[:, 1:3], w, axis=0).T)  # [2, T] greedy | seed
             g.row_ints[:2].copy_(torch.from_numpy(rows), non_blocking=True)
+        if g.mode == CUT:  # padding rows uncut
+            k, p = np.zeros(g.bucket, dtype=np.int64), np.ones(g.bucket, dtype=np.float32)
+            k[:n], p[:n] = [r.params.top_k for r in reqs], [r.params.top_p for r in reqs]
+            g.row_top_k.copy_(torch.from_numpy(np.repeat(k, w)), non_blocking=True)
+            g.row_top_p.copy_(torch.from_numpy(np.repeat(p, w)), non_blocking=True)
         return self.replay(key, tables)
 
     def replay(self, key: tuple[int, int], tables: list[list[int]]) -> torch.Tensor:
@@ -187,7 +202,7 @@ class TreeGraphs:
 
     def capture_up_to(self, batch: int) -> None:
         for bucket in buckets_up_to(self.buckets, batch):
-            for mode in (GREEDY, SAMPLED):
+            for mode in MODES:
                 if (bucket, mode) not in self.graphs:
                     self._capture(bucket, mode)
 
@@ -207,8 +222,9 @@ class TreeGraphs:
             target = row_argmax(logits.view(b, w, -1))  # [B, W]
         else:
             torch.add(layout.positions, 1, out=g.row_ints[2])  # the token each row decides sits one past it
-            wp = WarpParams(g.row_warp[0], g.no_top_k, g.no_top_p, g.row_warp[1], needs_sort=False)
-            target = sample_keyed(logits, wp, g.row_ints).view(b, w)  # kernels/sample/warp.py's race on CUDA
+            wp = WarpParams(g.row_warp[0], g.row_top_k, g.row_top_p, g.row_warp[1], needs_sort=g.mode == CUT)
+            # SAMPLED: kernels/sample/warp.py's race on CUDA; CUT: sample/warp.py's sort, cut and race
+            target = sample_keyed(logits, wp, g.row_ints).view(b, w)
         tokens, parents = g.tree[:, :n], g.tree[:, n:]
         # The walk, then the head's catch-up on the root and the accepted nodes (D + 1 slots from the root)
         if logits.is_cuda:  # one launch for both, not dozens (kernels/tree/bookkeeping.py)

@@ -461,34 +461,40 @@ def test_tree_shapes_and_settings_are_checked():
         SpecConfig(method="eagle", tree=TreeShape(), num_tokens=4)
 
 
-@pytest.mark.parametrize(("temperature", "shape"), [(0.0, "4,3,3,10"), (0.9, "4,3,3,10"), (0.9, "3,8,8,24")])
-def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temperature, shape):
+@pytest.mark.parametrize(("temperature", "shape", "cut"), [(0.0, "4,3,3,10", {}), (0.9, "4,3,3,10", {}),
+                                                           (0.9, "3,8,8,24", {}),
+                                                           (0.9, "4,3,3,10", dict(top_p=0.8, top_k=20))])
+def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temperature, shape, cut):
     """The work of a tree graph (worker/tree_graphs.py: verify, walk, moves, catch-up, growth, the next
     replay's inputs), run eagerly on the CPU with steps queued ahead: the same text as plain decoding,
-    and steps queued ahead are taken."""
-    from streamsd.worker.tree_graphs import tree_graphs_for
+    and steps queued ahead are taken; requests cut by top-k/top-p replay the sorted race's graph."""
+    from streamsd.worker.tree_graphs import CUT, SAMPLED, tree_graphs_for
 
     plain = LLM(str(tiny_model_dir))
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree=shape,
               pipeline=True)
     rt, w = llm.core.rt, llm.core.rt.worker
     w.tree_graphs = tree_graphs_for(w, w.proposer, rt.scheduler_config.num_blocks, rt.scheduler_config.max_model_len)
-    params = [SamplingParams(temperature=temperature, max_tokens=40, seed=s, ignore_eos=True) for s in range(4)]
+    params = [SamplingParams(temperature=temperature, max_tokens=40, seed=s, ignore_eos=True, **cut) for s in range(4)]
     a, b = plain.generate(PROMPTS[:4], params), llm.generate(PROMPTS[:4], params)
     assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
+    mode = CUT if cut else SAMPLED
     # One request of the batch stops early (a stop id its plain answer reaches at token 12): the
     # queued step then lost a row, and the rows after it must still be their own requests'.
     stop = a[1].outputs[0].token_ids[12]
-    params[1] = SamplingParams(temperature=temperature, max_tokens=40, seed=1, ignore_eos=True, stop_token_ids=[stop])
+    params[1] = SamplingParams(temperature=temperature, max_tokens=40, seed=1, ignore_eos=True, stop_token_ids=[stop],
+                               **cut)
     a, b = plain.generate(PROMPTS[:4], params), llm.generate(PROMPTS[:4], params)
     assert len(a[1].outputs[0].token_ids) <= 13
     assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
     if temperature > 0:  # the last steps ran 3 requests in bucket 4: the padding row is greedy, never raced
-        from streamsd.worker.tree_graphs import SAMPLED
-
-        g, width = w.tree_graphs.graphs[(4, SAMPLED)], w.tree_graphs.width
+        assert {m for _, m in w.tree_graphs.graphs} == {mode}
+        g, width = w.tree_graphs.graphs[(4, mode)], w.tree_graphs.width
         assert g.draws[0, 3].item() == 1 and bool((g.row_ints[0, 3 * width :] == 1).all())
         assert g.warp_f[0, 3].item() == 1.0
+        if cut:  # the requests' cut on their rows, none on the padding row's
+            assert bool((g.row_top_p[: 3 * width] == 0.8).all()) and bool((g.row_top_k[: 3 * width] == 20).all())
+            assert bool((g.row_top_p[3 * width :] == 1.0).all()) and bool((g.row_top_k[3 * width :] == 0).all())
     assert w.tree_graphs.replays > 0 and w.lookahead.taken > 0
     assert sum(r.spec_stats.accepted for r in b) > 0
     _assert_free(llm)
@@ -499,8 +505,8 @@ def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temp
 @pytest.mark.parametrize("shape", ["4,3,3,10", "3,8,8,24", "4,6,6,24"])
 def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, head, shape):
     """On CUDA whole tree steps are graph replays queued one ahead (worker/tree_graphs.py): greedy and
-    seeded answers (top-k/top-p ones take the eager path) equal plain decoding's, batch 1 and 4, and
-    nothing is captured or compiled once the engine is built."""
+    seeded answers (top-k/top-p ones through the sorted race's graph) equal plain decoding's, batch 1 and
+    4, and nothing is captured or compiled once the engine is built."""
     from streamsd.kernels.warmup import compiled_by_kernel
 
     plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=8192)
@@ -529,16 +535,20 @@ def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, h
     _assert_free(llm)
 
 
-def test_greedy_requests_replay_tree_graphs_whatever_their_top_k_and_top_p():
-    """The tree graph's race has no sort: sampled requests cut by top-k/top-p, and penalised ones, take the
-    eager path; a greedy request's cut changes nothing of its argmax, so it replays."""
-    from streamsd.worker.tree_graphs import replayable
+def test_tree_graph_modes_follow_the_batch_sampling():
+    """Greedy batches replay the argmax graph whatever their top-k/top-p (a cut changes nothing of an
+    argmax); sampled ones the one-launch race, or the sorted race once any sampled request is cut;
+    penalised requests take the eager path."""
+    from streamsd.worker.tree_graphs import CUT, GREEDY, SAMPLED, mode_for, replayable
 
-    assert replayable(SamplingParams(temperature=0.0, top_p=0.9, top_k=40))
-    assert replayable(SamplingParams(temperature=1.0, min_p=0.05))
-    assert not replayable(SamplingParams(temperature=1.0, top_p=0.9))
-    assert not replayable(SamplingParams(temperature=0.7, top_k=20))
+    greedy_cut = SamplingParams(temperature=0.0, top_p=0.9, top_k=40)
+    uncut, cut_p, cut_k = (SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=1.0, top_p=0.9),
+                           SamplingParams(temperature=0.7, top_k=20))
+    assert all(replayable(p) for p in (greedy_cut, uncut, cut_p, cut_k))
     assert not replayable(SamplingParams(temperature=0.0, repetition_penalty=1.2))
+    assert mode_for([greedy_cut, greedy_cut]) == GREEDY
+    assert mode_for([greedy_cut, uncut]) == SAMPLED
+    assert mode_for([uncut, cut_p]) == mode_for([cut_k]) == mode_for([greedy_cut, cut_k]) == CUT
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

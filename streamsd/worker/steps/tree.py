@@ -4,7 +4,7 @@ On CUDA a step where every request verifies its full tree (its pending token and
 wants the next one is one replay of its bucket's tree graph (worker/tree_graphs.py), and the replay of
 the step after it is queued before this one is read (worker/lookahead.py): the graph wrote that step's
 inputs itself. Every other step (a request joining or finishing its prompt, a cut tree near
-max_tokens, top-k/top-p, log-probabilities, min_tokens, penalties, no graph) takes the eager path: the
+max_tokens, log-probabilities, min_tokens, penalties, no graph) takes the eager path: the
 tree-masked forward, sample/tree_verify.py, then the proposer's catch-up and growth.
 """
 
