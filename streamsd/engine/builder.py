@@ -24,8 +24,10 @@ from streamsd.model.llama import Transformer
 from streamsd.model.loader import (
     ModelLoadError,
     check_architecture,
+    eos_ids_of,
     load_hf_config,
     load_state_dict,
+    load_tokenizer,
     resolve_model,
     streamsd_home,
 )
@@ -131,28 +133,6 @@ def load_parallel(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
     return target, path, group
 
 
-def load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:  # transformers raises many kinds here
-        raise ModelLoadError(f"could not load the tokenizer from {path}: {exc}") from exc
-
-
-def eos_ids_of(path: Path, tokenizer: Any, args: ModelArgs) -> frozenset[int]:
-    ids = set(args.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    gen = path / "generation_config.json"
-    if gen.exists():
-        import json
-
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return frozenset(ids)
-
-
 def chat_template_of(given: str | None, tokenizer: Any) -> str | None:
     """--chat-template as the template's text (read from the file it names, if it names one), checked by
     rendering a short conversation with it."""
@@ -191,14 +171,17 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         use_triton_cache()
         if world > 1:
             device = torch.device("cuda:0")  # rank r runs on cuda:r
+        torch.zeros(1, device=device)  # the device's context, timed apart from the weights
+        log.info("%s started in %.2fs", torch.cuda.get_device_name(device), time.perf_counter() - t0)
     threads = cfg.cpu_threads or (max(1, (os.cpu_count() or 2) - 1) if world == 1 else default_threads(world))
     if device.type == "cpu":
         # OpenMP threads spin while they wait: on a busy machine (the event loop, HTTP clients, a
         # load generator on the same box) one spinning thread too many makes every matmul crawl.
         torch.set_num_threads(threads)
     if world == 1:
+        t1 = time.perf_counter()
         target, path = load_model(cfg.model, device, dtype)
-        log.info("weights of %s on %s in %.2fs (the device's own start included)", path.name, device, time.perf_counter() - t0)
+        log.info("weights of %s on %s in %.2fs", path.name, device, time.perf_counter() - t1)
         return _build(cfg, t0, device, dtype, target, path, None)
     target, path, group = load_parallel(cfg, device, dtype, threads)
     try:

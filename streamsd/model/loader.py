@@ -3,7 +3,8 @@
 `resolve_model` turns what the user typed after `--model` into a local HF directory (config.json,
 safetensors, tokenizer files): the embedded default, a directory, a `.gguf` file (converted once
 and cached) or a hub id. `load_state_dict` reads the safetensors straight into tensors with HF
-names; `load_hf_config` and `check_architecture` read and vet config.json.
+names; `load_hf_config` and `check_architecture` read and vet config.json; `load_tokenizer` and
+`eos_ids_of` give the tokenizer and every id that ends a generation.
 
 Every failure a user can cause is a `ModelLoadError` whose message is one sentence saying what is
 wrong and what to do; the CLI prints it without a traceback.
@@ -20,6 +21,8 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+
+from streamsd.model.arch import ModelArgs
 
 # architectures entry -> model_type; SmolLM and SmolLM2 are plain Llama.
 SUPPORTED_ARCHITECTURES = MappingProxyType({
@@ -209,3 +212,23 @@ def _download_from_hub(repo_id: str) -> Path:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"model {repo_id} could not be downloaded from the hub ({reason}); {hint}") from exc
     return validate_model_dir(path)
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many kinds here
+        raise ModelLoadError(f"could not load the tokenizer from {path}: {exc}") from exc
+
+
+def eos_ids_of(path: Path, tokenizer: Any, args: ModelArgs) -> frozenset[int]:
+    ids = set(args.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
