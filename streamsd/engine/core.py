@@ -17,6 +17,7 @@ from typing import Any
 from streamsd.config import SpecConfig
 from streamsd.engine.builder import Runtime
 from streamsd.engine.detokenizer import Detokenizer, TokenInfo
+from streamsd.engine.pieces import PieceCache
 from streamsd.model.parallel import RankLost
 from streamsd.request import FinishReason, ParamError, Request, SamplingParams, SpecStats, Status
 from streamsd.sched.plan import EntryResult, StepPlan
@@ -96,6 +97,7 @@ class EngineCore:
         self.rt = runtime
         self.spec = spec
         self.tokenizer = runtime.tokenizer
+        self.pieces = PieceCache.build(runtime.tokenizer)  # a chat's repeated messages tokenised once
         self.scheduler = Scheduler(runtime.scheduler_config, dense_q_slots=runtime.q_slots, policy=runtime.policy)
         self.last_step_seconds = 0.0
         self.last_step_end = -1.0  # perf_counter at the end of the last step
@@ -359,4 +361,4 @@ class EngineCore:
                                                   add_generation_prompt=add_generation_prompt)
 
     def encode_rendered_chat(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.pieces.encode(text)

@@ -1,0 +1,93 @@
+"""Tokenising a chat prompt piece by piece between its special tokens, the long pieces remembered.
+
+A rendered chat is its messages between special tokens (`<|im_start|>system\\n...<|im_end|>`): every
+request of an API client repeats its system message, and every turn of a chat repeats the turns
+before it. A fast tokenizer splits its input at its added tokens before anything else and tokenises
+each piece on its own (normalising, pre-tokenising and merging never cross an added token), so the
+ids of a text are its pieces' ids end to end, and a piece seen before needs no second pass. That
+matters where prompts are long: 2,000 tokens take 4-8 ms of a CPU core to tokenise, and 32 requests
+sharing a 2,000-token system prompt spent ~250 ms of tokeniser time before their first prefill.
+
+This holds only where the split is the whole story: every added token matched as it is written (not
+after normalisation, not stripping the spaces beside it, not only as a whole word). `PieceCache.build`
+checks that, and also compares piecewise and whole tokenisation of a probe text; where either fails,
+every prompt is tokenised whole. Tests compare the two on many texts (tests/engine/test_pieces.py).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+MIN_CHARS = 256  # shorter pieces tokenise in microseconds: not worth a place in the cache
+MAX_CHARS = 4_000_000  # characters of text the cache keeps pieces of (~1M tokens of ids)
+
+
+class PieceCache:
+    def __init__(self, tokenizer: Any, pattern: re.Pattern[str] | None, ids: dict[str, int],
+                 min_chars: int = MIN_CHARS, max_chars: int = MAX_CHARS):
+        """Use `build`; `pattern` None tokenises every text whole."""
+        self.tokenizer = tokenizer
+        self.pattern = pattern
+        self.ids = ids  # added token -> id
+        self.min_chars, self.max_chars = min_chars, max_chars
+        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # least recently used first
+        self._chars = 0
+        self._lock = threading.Lock()  # prompts are tokenised on a thread pool
+        self.hits = 0
+
+    @staticmethod
+    def build(tokenizer: Any, min_chars: int = MIN_CHARS, max_chars: int = MAX_CHARS) -> PieceCache:
+        from transformers import PreTrainedTokenizerFast  # loaded with the model
+
+        fast = isinstance(tokenizer, PreTrainedTokenizerFast)  # the tokenizers library's split, and no other
+        added = tokenizer.backend_tokenizer.get_added_tokens_decoder() if fast else {}
+        plain = [t for t in added.values() if not (t.lstrip or t.rstrip or t.single_word or t.normalized)]
+        if not added or len(plain) != len(added):
+            return PieceCache(tokenizer, None, {})
+        # Longest first: at one position the regex takes the first alternative that matches, as the
+        # tokenizer's own matcher takes the longest (leftmost-longest).
+        contents = sorted({t.content for t in plain}, key=len, reverse=True)
+        ids = {t.content: i for i, t in added.items()}
+        cache = PieceCache(tokenizer, re.compile("(" + "|".join(map(re.escape, contents)) + ")"), ids, min_chars,
+                           max_chars)
+        probe = "".join(f" {c}\n{c}x {c}{c}  y\t{c}" for c in contents[:8]) + " \u00e9\u4e2d 12 "
+        if cache.encode(probe) != cache.whole(probe):
+            return PieceCache(tokenizer, None, {})
+        return cache
+
+    def whole(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text` (no special tokens added), as `whole` gives them."""
+        if self.pattern is None:
+            return self.whole(text)
+        ids: list[int] = []
+        for i, part in enumerate(self.pattern.split(text)):  # odd places hold the added tokens split at
+            if i % 2:
+                ids.append(self.ids[part])
+            elif part:
+                ids.extend(self._piece(part))
+        return ids
+
+    def _piece(self, text: str) -> tuple[int, ...] | list[int]:
+        if len(text) < self.min_chars:
+            return self.whole(text)
+        with self._lock:
+            got = self._pieces.get(text)
+            if got is not None:
+                self._pieces.move_to_end(text)
+                self.hits += 1
+                return got
+        ids = tuple(self.whole(text))
+        with self._lock:
+            if text not in self._pieces and len(text) <= self.max_chars:
+                self._pieces[text] = ids
+                self._chars += len(text)
+                while self._chars > self.max_chars:
+                    old, _ = self._pieces.popitem(last=False)
+                    self._chars -= len(old)
+        return ids

@@ -1,0 +1,76 @@
+"""Piecewise tokenisation of rendered chats (engine/pieces.py) gives the tokenizer's own ids."""
+
+from __future__ import annotations
+
+import random
+
+from tokenizers import AddedToken
+
+from streamsd.engine.pieces import PieceCache
+from tests.tiny import CORPUS, build_tokenizer
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FILLERS = [" ", "\n", "\n\n", "  ", "\t", "x", "é", "日本", "12", "🚀", "<|im", "|>", "<", "end|>"]
+
+
+def _text(rng: random.Random, parts: int) -> str:
+    out = []
+    for _ in range(parts):
+        kind = rng.random()
+        if kind < 0.3:
+            out.append(rng.choice(SPECIAL))
+        elif kind < 0.6:
+            out.append(rng.choice(FILLERS))
+        else:
+            words = rng.choice(CORPUS).split(" ")
+            out.append(" ".join(words[rng.randrange(len(words)) :]))
+    return "".join(out)
+
+
+def test_pieces_give_the_tokenizers_ids_on_any_text():
+    """Random texts of special tokens, spaces, multi-byte characters, broken token fragments and long
+    repeated runs: piecewise ids equal whole-text ids, short pieces as well as cached long ones."""
+    tok = build_tokenizer()
+    cache = PieceCache.build(tok, min_chars=16)
+    assert cache.pattern is not None
+    rng = random.Random(0)
+    texts = [_text(rng, rng.randrange(1, 40)) for _ in range(300)]
+    for text in texts + texts[:50]:  # the repeats come from the cache
+        assert cache.encode(text) == list(tok.encode(text, add_special_tokens=False)), repr(text)
+    assert cache.hits > 0
+
+
+def test_a_chat_repeating_its_system_prompt_tokenises_it_once():
+    tok = build_tokenizer()
+    cache = PieceCache.build(tok)
+    system = " ".join(CORPUS) * 3
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}?"}] for i in range(5)]
+    for i, chat in enumerate(chats):
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert cache.encode(text) == list(tok.encode(text, add_special_tokens=False))
+        assert cache.hits == i  # the system message's piece, from the second chat on
+    assert len(cache._pieces) == 1
+
+
+def test_the_cache_keeps_at_most_its_characters_least_recently_used_out_first():
+    tok = build_tokenizer()
+    cache = PieceCache.build(tok, min_chars=10, max_chars=100)
+    pieces = [f"piece {i} " + "a" * 30 for i in range(6)]  # ~40 characters each
+    for p in pieces:
+        cache.encode(p)
+    assert cache._chars <= 100 and list(cache._pieces) == pieces[-2:]
+    cache.encode(pieces[4])
+    cache.encode(pieces[0])
+    assert list(cache._pieces) == [pieces[4], pieces[0]]
+
+
+def test_tokenizers_whose_added_tokens_take_spaces_or_normalise_tokenise_whole():
+    """An added token that strips the spaces beside it (or is matched after normalisation) is not a
+    plain split point: every text is then tokenised whole."""
+    for flags in (dict(lstrip=True), dict(rstrip=True), dict(normalized=True), dict(single_word=True)):
+        tok = build_tokenizer()
+        tok.add_tokens([AddedToken("<tool>", **flags)])
+        cache = PieceCache.build(tok)
+        assert cache.pattern is None, flags
+        text = "a <tool> b <|im_end|> c"
+        assert cache.encode(text) == list(tok.encode(text, add_special_tokens=False))
