@@ -16,7 +16,7 @@ import torch
 from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig, TreeShape
 from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.engine.kv_sizing import kv_blocks
-from streamsd.engine.warm_up import warm_up
+from streamsd.engine.warm_up import CHAT_MESSAGE, warm_up
 from streamsd.model.arch import ModelArgs
 from streamsd.model.exact_forward import enable_exact_reference
 from streamsd.model.kv_cache import PagedKVCache
@@ -149,6 +149,15 @@ def chat_template_of(given: str | None, tokenizer: Any) -> str | None:
     except Exception as exc:  # jinja's and transformers' own errors
         raise ValueError(f"--chat-template does not render a conversation: {exc}") from exc
     return template
+
+
+def chat_prompt_ids(tokenizer: Any, template: str | None) -> list[int] | None:
+    """A first chat request's prompt, for the warm-up; None where the model has no chat template."""
+    if template is None and not tokenizer.chat_template:
+        return None
+    text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}], chat_template=template,
+                                         tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def use_triton_cache() -> None:
@@ -288,7 +297,8 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
                      time.perf_counter() - t1)
     policy = build_policy(cfg, worker, sched, tuple(model_dirs))
     eos_ids = eos_ids_of(path, tokenizer, args)
-    warm = warm_up(worker, sched, cfg.spec, eos_ids, q_slots)
+    template = chat_template_of(cfg.chat_template, tokenizer)
+    warm = warm_up(worker, sched, cfg.spec, eos_ids, q_slots, chat_prompt_ids(tokenizer, template))
     log.info("warmed up in %.2fs: %d steps, %d drafts", warm.seconds, warm.steps, warm.drafted)
     seconds = time.perf_counter() - t0
     q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0
@@ -309,8 +319,7 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     return Runtime(worker, tokenizer, args, sched, path, eos_ids, q_slots, seconds, policy,
-                   Grammars(tokenizer, args.vocab_size), defaults, group, cfg.exact,
-                   chat_template_of(cfg.chat_template, tokenizer), cfg.seed)
+                   Grammars(tokenizer, args.vocab_size), defaults, group, cfg.exact, template, cfg.seed)
 
 
 def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerConfig:

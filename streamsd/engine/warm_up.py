@@ -11,8 +11,10 @@ Running the same steps once at start-up moves those costs out of every user's wa
 seeded sampled request together, prefilled over two KV blocks and decoded with the engine's own
 proposer, plain, chained or tree steps, queued-ahead steps included; then the same prompt alone, as a
 first chat request comes: once with speculation off (plain steps of one row, queued ahead) and once
-greedy with it, each prefilling past the block the pair left cached. On the H200 a first request after
-the pair alone still took 70-100 ms where the tenth took 11. They run under a scheduler of their own
+greedy with it, the second prefilling past the blocks the first left cached. On the H200 a first request
+after the pair alone still took 70-100 ms where the tenth took 11. The requests alone take a real chat's
+prompt (`chat_prompt`: the model's template around a short message) where the model has a template:
+a prompt step's kernels and their first-time costs depend on its length. They run under a scheduler of their own
 with a fixed policy, so the engine's scheduler, prefix cache, counters and adaptive policy never see
 them; the KV blocks they wrote are free again (every block is, before the first request), and what
 they wrote is overwritten by whichever request is given those blocks next.
@@ -35,10 +37,20 @@ NEW_TOKENS = 8  # a prefill, then verify (or plain) steps with drafts from the p
 ALONE_TOKENS = 4  # a request alone: a prefill past the cached block, then steps queued ahead
 
 
+# A first chat message, repeating itself so that an n-gram proposer finds matches in it too
+CHAT_MESSAGE = "Hello! Who are you? Hello! Who are you? Hello! Who are you?"
+
+
 def warm_up_prompt(vocab_size: int) -> list[int]:
     """A prompt that repeats itself, so that an n-gram proposer finds matches and drafts too."""
     base = vocab_size // 2
     return [base + i % 4 for i in range(PROMPT_TOKENS)]
+
+
+def _fits(prompt: list[int], cfg: SchedulerConfig, k: int) -> bool:
+    """A request alone on that prompt, its drafts included, fits the context and half the KV pool."""
+    need = len(prompt) + ALONE_TOKENS + 2 * (k + 1)
+    return need <= min(cfg.max_model_len, cfg.num_blocks * cfg.block_size // 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +60,8 @@ class WarmUp:
     drafted: int  # drafts the proposer made for the two requests (0 without speculation)
 
 
-def warm_up(worker: Worker, cfg: SchedulerConfig, spec: SpecConfig, eos_ids: frozenset[int], q_slots: int) -> WarmUp:
+def warm_up(worker: Worker, cfg: SchedulerConfig, spec: SpecConfig, eos_ids: frozenset[int], q_slots: int,
+            chat_prompt: list[int] | None = None) -> WarmUp:
     """Runs the warm-up's requests to their end on `worker`. Leaves no step queued and no KV block held."""
     t0 = time.perf_counter()
     # Its own queue bound: a server may admit fewer waiting requests than the two.
@@ -63,7 +76,8 @@ def warm_up(worker: Worker, cfg: SchedulerConfig, spec: SpecConfig, eos_ids: fro
         for i, (temperature, spec_k) in enumerate(requests):
             params = SamplingParams(temperature=temperature, max_tokens=NEW_TOKENS if r == 0 else ALONE_TOKENS, seed=i,
                                     ignore_eos=True)
-            sched.add(Request(request_id=f"warm-up-{r}-{i}", prompt_ids=list(prompt), params=params, seed=i,
+            ids = chat_prompt if r > 0 and chat_prompt and _fits(chat_prompt, cfg, k) else prompt
+            sched.add(Request(request_id=f"warm-up-{r}-{i}", prompt_ids=list(ids), params=params, seed=i,
                               arrival=time.monotonic(), eos_ids=eos_ids, spec_k=spec_k,
                               greedy_draft=temperature < spec.draft_greedy_threshold))
         while sched.has_work:
