@@ -7,25 +7,28 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig, TreeShape
 from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.engine.kv_sizing import kv_blocks
-from streamsd.engine.warm_up import CHAT_MESSAGE, warm_up
+from streamsd.engine.warm_up import warm_up, warm_up_chat_prompt
 from streamsd.model.arch import ModelArgs
 from streamsd.model.exact_forward import enable_exact_reference
 from streamsd.model.kv_cache import PagedKVCache
 from streamsd.model.llama import Transformer
 from streamsd.model.loader import (
     ModelLoadError,
+    chat_template_of,
     check_architecture,
     eos_ids_of,
-    load_hf_config,
+    load_config,
     load_state_dict,
     load_tokenizer,
     resolve_model,
@@ -47,6 +50,7 @@ from streamsd.worker.worker import Worker
 
 GC_YOUNG_THRESHOLD = 10_000  # see build_runtime
 log = logging.getLogger("streamsd")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +111,9 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Tra
     if is_preset(spec):  # random weights of a real shape, made on the device (benchmarks)
         return build_preset(spec, device, dtype)
     path = resolve_model(spec)
-    hf_config = load_hf_config(path)
-    check_architecture(hf_config)
-    args = ModelArgs.from_hf(hf_config)
+    config = load_config(path)
+    check_architecture(config)
+    args = ModelArgs.from_config(config)
     weights = load_state_dict(path, dtype=dtype, device=device)
     try:
         return Transformer.build(args, weights, device, dtype), path
@@ -125,7 +129,7 @@ def load_parallel(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
     if is_preset(cfg.model):
         raise ModelLoadError("tensor parallelism loads a model directory or a .gguf file, not a preset")
     path = resolve_model(cfg.model)
-    check_architecture(load_hf_config(path))
+    check_architecture(load_config(path))
     try:
         group, target = TensorGroup.start(path, cfg.tensor_parallel_size, device, dtype, threads)
     except ValueError as exc:  # the head counts do not divide
@@ -133,31 +137,13 @@ def load_parallel(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
     return target, path, group
 
 
-def chat_template_of(given: str | None, tokenizer: Any) -> str | None:
-    """--chat-template as the template's text (read from the file it names, if it names one), checked by
-    rendering a short conversation with it."""
-    if given is None:
-        return None
+def in_background(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """fn(*args) on a thread of its own; its result (or its exception) from `.result()`."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="streamsd-load")
     try:
-        is_file = Path(given).is_file()
-    except OSError:  # a one-line template longer than a file name may be
-        is_file = False
-    template = Path(given).read_text(encoding="utf-8") if is_file else given
-    try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], chat_template=template, tokenize=False,
-                                      add_generation_prompt=True)
-    except Exception as exc:  # jinja's and transformers' own errors
-        raise ValueError(f"--chat-template does not render a conversation: {exc}") from exc
-    return template
-
-
-def chat_prompt_ids(tokenizer: Any, template: str | None) -> list[int] | None:
-    """A first chat request's prompt, for the warm-up; None where the model has no chat template."""
-    if template is None and not tokenizer.chat_template:
-        return None
-    text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}], chat_template=template,
-                                         tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
 
 
 def use_triton_cache() -> None:
@@ -180,14 +166,15 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         use_triton_cache()
         if world > 1:
             device = torch.device("cuda:0")  # rank r runs on cuda:r
-        torch.zeros(1, device=device)  # the device's context, timed apart from the weights
-        log.info("%s started in %.2fs", torch.cuda.get_device_name(device), time.perf_counter() - t0)
     threads = cfg.cpu_threads or (max(1, (os.cpu_count() or 2) - 1) if world == 1 else default_threads(world))
     if device.type == "cpu":
         # OpenMP threads spin while they wait: on a busy machine (the event loop, HTTP clients, a
         # load generator on the same box) one spinning thread too many makes every matmul crawl.
         torch.set_num_threads(threads)
     if world == 1:
+        if device.type == "cuda":
+            torch.zeros(1, device=device)  # the device's context, timed apart from the weights
+            log.info("%s started in %.2fs", torch.cuda.get_device_name(device), time.perf_counter() - t0)
         t1 = time.perf_counter()
         target, path = load_model(cfg.model, device, dtype)
         log.info("weights of %s on %s in %.2fs", path.name, device, time.perf_counter() - t1)
@@ -202,7 +189,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
 
 def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtype, target: Transformer, path: Path,
            group: TensorGroup | None) -> Runtime:
-    tokenizer = load_tokenizer(path)
+    # transformers' tokenizer classes import much of transformers and of torch.distributed (seconds): on a
+    # thread of its own, while the head loads, the kernels compile and the graphs are captured.
+    loading = in_background(load_tokenizer, path)
     defaults = GenerationDefaults.read(path, cfg.generation_config)
     defaults.log_at_load(path / "generation_config.json")
     args = target.args
@@ -211,7 +200,7 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     if cfg.spec.method == "draft":
         assert cfg.spec.draft_model
         draft, draft_path = load_model(cfg.spec.draft_model, device, dtype)
-        check_vocab(tokenizer, load_tokenizer(draft_path), args, draft.args)
+        check_vocab(loading.result(), load_tokenizer(draft_path), args, draft.args)
         model_dirs.append(draft_path)
     head, depth_steps = None, ()
     if cfg.spec.method == "eagle":
@@ -296,9 +285,10 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
             log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
                      time.perf_counter() - t1)
     policy = build_policy(cfg, worker, sched, tuple(model_dirs))
+    tokenizer = loading.result()
     eos_ids = eos_ids_of(path, tokenizer, args)
     template = chat_template_of(cfg.chat_template, tokenizer)
-    warm = warm_up(worker, sched, cfg.spec, eos_ids, q_slots, chat_prompt_ids(tokenizer, template))
+    warm = warm_up(worker, sched, cfg.spec, eos_ids, q_slots, warm_up_chat_prompt(tokenizer, template))
     log.info("warmed up in %.2fs: %d steps, %d drafts", warm.seconds, warm.steps, warm.drafted)
     seconds = time.perf_counter() - t0
     q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0

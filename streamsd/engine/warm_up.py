@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from streamsd.config import SchedulerConfig, SpecConfig
 from streamsd.policy.policy import FixedPolicy
@@ -51,6 +52,15 @@ def _fits(prompt: list[int], cfg: SchedulerConfig, k: int) -> bool:
     """A request alone on that prompt, its drafts included, fits the context and half the KV pool."""
     need = len(prompt) + ALONE_TOKENS + 2 * (k + 1)
     return need <= min(cfg.max_model_len, cfg.num_blocks * cfg.block_size // 2)
+
+
+def warm_up_chat_prompt(tokenizer: Any, template: str | None) -> list[int] | None:
+    """A first chat request's prompt, for the warm-up; None where the model has no chat template."""
+    if template is None and not tokenizer.chat_template:
+        return None
+    text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}], chat_template=template,
+                                         tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass(frozen=True, slots=True)

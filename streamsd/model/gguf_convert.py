@@ -119,7 +119,7 @@ def _config(gguf_path: Path, metadata: dict[str, Any], names: set[str]) -> tuple
         config = AutoConfig.for_model(**fields)
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"cannot convert {gguf_path.name}: {exc}") from exc
-    check_architecture(config)
+    check_architecture(config.to_dict())
     return config, fields
 
 

@@ -3,8 +3,9 @@
 `resolve_model` turns what the user typed after `--model` into a local HF directory (config.json,
 safetensors, tokenizer files): the embedded default, a directory, a `.gguf` file (converted once
 and cached) or a hub id. `load_state_dict` reads the safetensors straight into tensors with HF
-names; `load_hf_config` and `check_architecture` read and vet config.json; `load_tokenizer` and
-`eos_ids_of` give the tokenizer and every id that ends a generation.
+names; `load_config` and `check_architecture` read and vet config.json; `load_tokenizer`,
+`eos_ids_of` and `chat_template_of` give the tokenizer, every id that ends a generation and the chat
+template a user passed, checked.
 
 Every failure a user can cause is a `ModelLoadError` whose message is one sentence saying what is
 wrong and what to do; the CLI prints it without a traceback.
@@ -80,26 +81,26 @@ def validate_model_dir(model_dir: Path) -> Path:
     return model_dir
 
 
-def load_hf_config(model_dir: Path) -> Any:
-    """transformers' config object for `model_dir` (never running remote code)."""
-    from transformers import AutoConfig
-
+def load_config(model_dir: Path) -> dict[str, Any]:
+    """`model_dir`'s config.json (model/arch.py reads it, with transformers' defaults)."""
     path = Path(model_dir) / "config.json"
     try:
-        json.loads(path.read_text())
-        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+        config = json.loads(path.read_text())
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{path} does not exist; pass a Hugging Face model directory") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{path} is not valid JSON ({exc}); restore or re-download it") from exc
-    except (ValueError, KeyError, OSError) as exc:  # unknown model_type, unreadable file
-        raise ModelLoadError(f"transformers cannot read {path}: {exc}") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} is not a JSON object; restore or re-download it")
+    return config
 
 
-def check_architecture(hf_config: Any) -> str:
+def check_architecture(config: dict[str, Any]) -> str:
     """The model_type of a supported config ("llama", "mistral" or "qwen2"); else a ModelLoadError."""
-    model_type = getattr(hf_config, "model_type", None)
-    archs = list(getattr(hf_config, "architectures", None) or [])
+    model_type = config.get("model_type")
+    archs = list(config.get("architectures") or [])
     bad = [a for a in archs if SUPPORTED_ARCHITECTURES.get(a) != model_type]
     if model_type in SUPPORTED_ARCHITECTURES.values() and not bad:
         return str(model_type)
@@ -232,3 +233,21 @@ def eos_ids_of(path: Path, tokenizer: Any, args: ModelArgs) -> frozenset[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return frozenset(ids)
+
+
+def chat_template_of(given: str | None, tokenizer: Any) -> str | None:
+    """--chat-template as the template's text (read from the file it names, if it names one), checked by
+    rendering a short conversation with it."""
+    if given is None:
+        return None
+    try:
+        is_file = Path(given).is_file()
+    except OSError:  # a one-line template longer than a file name may be
+        is_file = False
+    template = Path(given).read_text(encoding="utf-8") if is_file else given
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+    except Exception as exc:  # jinja's and transformers' own errors
+        raise ValueError(f"--chat-template does not render a conversation: {exc}") from exc
+    return template

@@ -28,6 +28,7 @@ import torch
 
 from streamsd.model.arch import ModelArgs
 from streamsd.model.llama import Transformer
+from streamsd.model.loader import load_config
 
 _LLAMA3 = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_act="silu",
@@ -81,10 +82,8 @@ def synthetic_tokenizer(vocab: int):
 def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> tuple[Transformer, Path]:
     """The preset's Transformer with N(0, 0.02) weights (unit norms; output projections N(0, 2e-7), see
     the module doc) made on `device`."""
-    from transformers import AutoConfig
-
     path = preset_dir(name)
-    args = ModelArgs.from_hf(AutoConfig.from_pretrained(str(path)))
+    args = ModelArgs.from_config(load_config(path))
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items() if "rotary" not in k}
     gen = torch.Generator(device=device).manual_seed(seed)

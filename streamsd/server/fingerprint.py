@@ -8,7 +8,6 @@ which depends on free memory) is left out.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 
 from streamsd import __version__
@@ -16,8 +15,7 @@ from streamsd.engine.core import EngineCore
 
 
 def system_fingerprint(core: EngineCore, served_model_name: str) -> str:
-    # The HF config object's repr is not stable; the shape read from it is.
-    model = dataclasses.replace(core.rt.args, hf_config=None)
+    model = core.rt.args  # its repr leaves the raw config out
     parts = [__version__, served_model_name, str(core.rt.model_dir), repr(model), repr(core.spec),
              core.rt.worker.device.type, str(core.rt.worker.cache.data.dtype), repr(core.rt.generation_defaults)]
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:10]

@@ -41,7 +41,7 @@ from streamsd.config import BLOCK_SIZE
 from streamsd.model.arch import ModelArgs
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
-from streamsd.model.loader import load_hf_config, weight_files
+from streamsd.model.loader import load_config, weight_files
 from streamsd.model.parallel import Comm, RankLost, TensorShard, load_shard, shard_args
 
 log = logging.getLogger("streamsd")
@@ -77,7 +77,7 @@ def build_shard(model_dir: Path, comm: Comm, rank: int, world: int, device: torc
                 announce: Callable[[torch.Tensor, BatchLayout, torch.Tensor], None] | None = None,
                 diagnose: Callable[[BaseException], RankLost | None] | None = None) -> Transformer:
     """This rank's share of the model in `model_dir`, reading only its slices of the weights."""
-    args = ModelArgs.from_hf(load_hf_config(model_dir))
+    args = ModelArgs.from_config(load_config(model_dir))
     shard_args(args, world)  # the head counts divide, else a clear error before any weight is read
     state = load_shard(weight_files(model_dir), args, rank, world, dtype, device)
     tp = TensorShard(rank, world, args.vocab_size, comm, announce=announce, diagnose=diagnose)
@@ -166,7 +166,7 @@ class TensorGroup:
     def start(model_dir: Path, world: int, device: torch.device, dtype: torch.dtype, threads: int,
               timeout_s: float = 300.0) -> tuple[TensorGroup, Transformer]:
         """Spawns ranks 1..world-1, joins the group as rank 0 and loads rank 0's shard."""
-        args = ModelArgs.from_hf(load_hf_config(model_dir))
+        args = ModelArgs.from_config(load_config(model_dir))
         shard_args(args, world)  # before any process starts
         gpus = torch.cuda.device_count() if device.type == "cuda" else world
         if gpus < world:

@@ -162,7 +162,7 @@ def test_exact_kernel_forward_gives_a_token_the_same_logits_however_its_step_is_
     from tests.model.exact_cases import checked_row_logits, differing
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    model = Transformer.build(ModelArgs.from_hf(hf.config), hf.state_dict(), DEV, torch.float32)
+    model = Transformer.build(ModelArgs.from_config(hf.config.to_dict()), hf.state_dict(), DEV, torch.float32)
     sizes = (5, 25, 64) if CUDA else (5, 25)
     reference = checked_row_logits(model, DEV, torch.float32, batch_sizes=sizes)
     model.attend = exact_cuda_attention

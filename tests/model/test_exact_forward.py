@@ -20,7 +20,7 @@ KV = 8192  # tokens: enough for these prompts; on a GPU the engines of a test wo
 
 def _load(path, device: torch.device, dtype: torch.dtype) -> Transformer:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return Transformer.build(ModelArgs.from_hf(hf.config), hf.state_dict(), device, dtype)
+    return Transformer.build(ModelArgs.from_config(hf.config.to_dict()), hf.state_dict(), device, dtype)
 
 
 def test_blocked_linear_gives_a_row_the_same_bits_at_any_batch_and_place():
@@ -95,14 +95,14 @@ def test_exact_eagle_chains_equal_plain_decoding_greedy_and_seeded(tiny_model_di
     head = new_head(target, kind="eagle3", draft_ids=list(range(384)), norm_before_residual=False)
     config = json.loads((tiny_model_dir / "config.json").read_text())
     save_head(head, tmp_path, config, torch.float32)
-    plain = _greedy(LLM(str(tiny_model_dir), exact=True, device=str(device)), PROMPTS)
+    plain = _greedy(LLM(str(tiny_model_dir), exact=True, device=str(device), kv_cache_tokens=KV), PROMPTS)
     llm = LLM(str(tiny_model_dir), exact=True, device=str(device), speculative_method="eagle",
-              draft_model=str(tmp_path), num_speculative_tokens=3)
+              draft_model=str(tmp_path), num_speculative_tokens=3, kv_cache_tokens=KV)
     res = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == plain
     assert sum(r.spec_stats.drafted for r in res) > 0
     # Seeded sampling too (the head's chains drafted from its argmax).
-    plain_sampled, _ = _sampled(LLM(str(tiny_model_dir), exact=True, device=str(device)), PROMPTS)
+    plain_sampled, _ = _sampled(LLM(str(tiny_model_dir), exact=True, device=str(device), kv_cache_tokens=KV), PROMPTS)
     assert _sampled(llm, PROMPTS)[0] == plain_sampled
 
 

@@ -13,6 +13,7 @@ from tests.spec_decode.test_eagle import _train_head
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+KV = 8192  # tokens: plenty for these prompts; on a GPU each engine would otherwise take most of its memory
 # Past 64 positions while it generates: windows across a 64-key block of the exact kernel's walk.
 LONG = "one two three four five six seven eight nine ten " * 5
 
@@ -24,17 +25,17 @@ def head(tiny_model_dir, tmp_path_factory):
 
 def test_exact_mode_takes_draft_trees(tiny_model_dir, head):
     llm = LLM(str(tiny_model_dir), exact=True, device=DEVICE, speculative_method="eagle", draft_model=str(head),
-              speculative_tree="2,2,2,4")
+              speculative_tree="2,2,2,4", kv_cache_tokens=KV)
     assert llm.core.rt.exact and llm.core.spec.tree is not None
 
 
 @pytest.mark.parametrize("shape", ["4,3,3,10", "3,2,2,5"])
 def test_exact_eagle_trees_equal_plain_decoding_greedy_and_seeded(tiny_model_dir, head, shape):
     prompts = [*PROMPTS, LONG]
-    plain = LLM(str(tiny_model_dir), exact=True, device=DEVICE)
+    plain = LLM(str(tiny_model_dir), exact=True, device=DEVICE, kv_cache_tokens=KV)
     greedy, (sampled, _) = _greedy(plain, prompts), _sampled(plain, prompts * 2)
     tree = LLM(str(tiny_model_dir), exact=True, device=DEVICE, speculative_method="eagle", draft_model=str(head),
-               speculative_tree=shape)
+               speculative_tree=shape, kv_cache_tokens=KV)
     res = tree.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     assert [r.outputs[0].token_ids for r in res] == greedy
     assert sum(r.spec_stats.accepted for r in res) > 0  # window rows past the root decided tokens

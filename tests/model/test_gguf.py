@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from streamsd.model import gguf_convert
 from streamsd.model.default_model import DEFAULT_MODEL_NAME, default_model_dir, pip_download, pull_default
 from streamsd.model.gguf_convert import is_converted
-from streamsd.model.loader import ModelLoadError, load_hf_config, load_state_dict, resolve_model
+from streamsd.model.loader import ModelLoadError, load_state_dict, resolve_model
 from tests.tiny import CHAT_TEMPLATE, CORPUS, build_model
 
 _LAYER_NAMES = {
@@ -130,7 +130,7 @@ def test_gguf_round_trip_matches_safetensors_twin(gguf_twin, tmp_path):
     converted = resolve_model(str(gguf_file), home=tmp_path, progress=False)
     assert converted.parent == tmp_path / "converted" and is_converted(converted)
 
-    ours, theirs = load_hf_config(converted), load_hf_config(twin)
+    ours, theirs = AutoConfig.from_pretrained(str(converted)), AutoConfig.from_pretrained(str(twin))
     for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
         assert getattr(ours, key) == getattr(theirs, key), key
@@ -169,7 +169,7 @@ def test_quantised_gguf_converts_to_what_transformers_own_gguf_loader_reads(tiny
     assert ours.keys() == {k for k in parsed["tensors"] if k != "lm_head.weight" or not config.tie_word_embeddings}
     for name, tensor in ours.items():
         assert torch.equal(tensor, parsed["tensors"][name].float()), name
-    mine = load_hf_config(converted).to_dict()
+    mine = AutoConfig.from_pretrained(str(converted)).to_dict()
     for key, value in config.to_dict().items():
         if key not in ("_name_or_path", "_model_name_or_path", "transformers_version", "architectures", "dtype",
                        "torch_dtype"):

@@ -14,7 +14,7 @@ from transformers import LlamaForCausalLM, MistralConfig
 from streamsd.model.loader import (
     ModelLoadError,
     check_architecture,
-    load_hf_config,
+    load_config,
     load_state_dict,
     resolve_model,
     streamsd_home,
@@ -62,10 +62,10 @@ def test_load_sharded_checkpoint(tiny_model_dir, tmp_path):
 
 
 def test_supported_architectures(tiny_model_dir, tmp_path, tiny_tokenizer):
-    assert check_architecture(load_hf_config(tiny_model_dir)) == "llama"
+    assert check_architecture(load_config(tiny_model_dir)) == "llama"
     qwen = build_model(tmp_path / "qwen", family="qwen2", tokenizer=tiny_tokenizer, layers=1)
-    assert check_architecture(load_hf_config(qwen)) == "qwen2"
-    assert check_architecture(MistralConfig(architectures=["MistralForCausalLM"])) == "mistral"
+    assert check_architecture(load_config(qwen)) == "qwen2"
+    assert check_architecture(MistralConfig(architectures=["MistralForCausalLM"]).to_dict()) == "mistral"
 
 
 @pytest.mark.parametrize("spec", ["./no-such-model", "/no/such/dir", "missing.gguf", "a/b/c"])
@@ -121,7 +121,7 @@ def test_missing_shard(model_copy):
 def test_bad_config_json(model_copy):
     (model_copy / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="not valid JSON"):
-        load_hf_config(model_copy)
+        load_config(model_copy)
 
 
 def test_unsupported_architecture(model_copy):
@@ -129,7 +129,7 @@ def test_unsupported_architecture(model_copy):
     config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (model_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError) as info:
-        check_architecture(load_hf_config(model_copy))
+        check_architecture(load_config(model_copy))
     message = str(info.value)
     assert "GPT2LMHeadModel" in message
     assert all(arch in message for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"))

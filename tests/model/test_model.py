@@ -24,7 +24,7 @@ FAMILIES = {
 
 def _load(path):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    args = ModelArgs.from_hf(hf.config)
+    args = ModelArgs.from_config(hf.config.to_dict())
     ours = Transformer.build(args, hf.state_dict(), torch.device("cpu"), torch.float32)
     return hf, ours, args
 
@@ -130,4 +130,32 @@ def test_unsupported_architecture_is_named(tiny_model_dir):
     from streamsd.model.arch import UnsupportedArchitecture
 
     with pytest.raises(UnsupportedArchitecture, match="GPT2LMHeadModel"):
-        ModelArgs.from_hf(GPT2Config(architectures=["GPT2LMHeadModel"]))
+        ModelArgs.from_config(GPT2Config(architectures=["GPT2LMHeadModel"]).to_dict())
+
+
+@pytest.mark.parametrize("config", [
+    dict(model_type="llama"),
+    dict(model_type="llama", hidden_size=256, num_attention_heads=8, num_key_value_heads=None, head_dim=None),
+    dict(model_type="llama", hidden_size=256, num_attention_heads=8, head_dim=64, attention_bias=True,
+         tie_word_embeddings=True, eos_token_id=[5, 7], rms_norm_eps=1e-5, max_position_embeddings=4096),
+    dict(model_type="mistral"),
+    dict(model_type="mistral", num_attention_heads=8, hidden_size=512, num_key_value_heads=2, eos_token_id=None),
+    dict(model_type="qwen2"),
+    dict(model_type="qwen2", num_key_value_heads=None, hidden_size=64, num_attention_heads=4, tie_word_embeddings=True),
+])
+def test_a_config_json_reads_as_transformers_reads_it(config):
+    """ModelArgs.from_config reads config.json itself (no transformers import on the start path): the
+    fields a file leaves out take the defaults transformers' config class of the family gives them."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(**config)
+    eos = hf.eos_token_id
+    heads = hf.num_attention_heads
+    want = dict(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+                num_layers=hf.num_hidden_layers, num_heads=heads, num_kv_heads=hf.num_key_value_heads or heads,
+                head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, rms_norm_eps=hf.rms_norm_eps,
+                max_position=hf.max_position_embeddings, tie_embeddings=bool(hf.tie_word_embeddings),
+                qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+                eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)))
+    args = ModelArgs.from_config(config)
+    assert {k: getattr(args, k) for k in want} == want

@@ -237,7 +237,7 @@ def test_a_forward_announces_the_rows_its_lm_head_computes(tiny_model_dir):
 
     from streamsd.model.arch import ModelArgs
     from streamsd.model.llama import ForwardOutput, Transformer
-    from streamsd.model.loader import load_hf_config, weight_files
+    from streamsd.model.loader import load_config, weight_files
     from streamsd.model.parallel import Comm, TensorShard, load_shard
 
     class Announced(Exception):
@@ -249,7 +249,7 @@ def test_a_forward_announces_the_rows_its_lm_head_computes(tiny_model_dir):
         announced.append(rows.tolist())
         raise Announced  # the collectives that follow need the other rank
 
-    args = ModelArgs.from_hf(load_hf_config(tiny_model_dir))
+    args = ModelArgs.from_config(load_config(tiny_model_dir))
     shard = TensorShard(0, 2, args.vocab_size, Comm(None, None, 0, 2, timedelta(seconds=1)), announce=announce)
     model = Transformer.build(args, load_shard(weight_files(tiny_model_dir), args, 0, 2, torch.float32, CPU), CPU,
                               torch.float32, tp=shard)

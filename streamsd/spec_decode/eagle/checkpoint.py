@@ -110,8 +110,6 @@ def load_head(path: Path, target: Transformer, device: torch.device, dtype: torc
     """The head in `path`, attached to `target`. Where `target` holds a tensor-parallel shard, the head
     reads whole copies of the target's embedding and lm_head it uses from `target_dir`, the target's
     weights (spec_decode/eagle/borrowed.py)."""
-    from transformers import LlamaConfig
-
     path = Path(path)
     try:
         raw = json.loads((path / "config.json").read_text())
@@ -126,8 +124,7 @@ def load_head(path: Path, target: Transformer, device: torch.device, dtype: torc
                              "layers.0.* (EAGLE-1) weights")
     if kind == EAGLE1:  # layer 0 runs without an input norm; some exports still carry one
         state.pop("layers.0.input_layernorm.weight", None)
-    hf = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
-    spec = _fit(path, raw, ModelArgs.from_hf(hf), target.args, state, kind)
+    spec = _fit(path, raw, ModelArgs.from_config({**raw, "model_type": "llama"}), target.args, state, kind)
     head = EagleHead(spec, own_lm_head="lm_head.weight" in state, own_embed="embed_tokens.weight" in state)
     if kind == EAGLE3:
         if "d2t" not in state:
