@@ -9,15 +9,14 @@ and on a 2-core CPU a first prompt twice the TTFT of the next ones.
 
 Running the same steps once at start-up moves those costs out of every user's way: a greedy and a
 seeded sampled request together, prefilled over two KV blocks and decoded with the engine's own
-proposer, plain, chained or tree steps, queued-ahead steps included; then the same prompt alone, as a
-first chat request comes: once with speculation off (plain steps of one row, queued ahead) and once
-greedy with it, the second prefilling past the blocks the first left cached. On the H200 a first request
-after the pair alone still took 70-100 ms where the tenth took 11. The requests alone take a real chat's
-prompt (`chat_prompt`: the model's template around a short message) where the model has a template:
-a prompt step's kernels and their first-time costs depend on its length. They run under a scheduler of their own
-with a fixed policy, so the engine's scheduler, prefix cache, counters and adaptive policy never see
-them; the KV blocks they wrote are free again (every block is, before the first request), and what
-they wrote is overwritten by whichever request is given those blocks next.
+proposer, plain, chained or tree steps, queued-ahead steps included; then a request alone, as a first
+chat request comes: once with speculation off (plain steps of one row, queued ahead) and once greedy
+with it, the second prefilling past the blocks the first left cached. The requests alone take a real
+chat's prompt (`chat_prompt`: the model's template around a short message) where the model has one
+and it fits: a prompt step's kernels and their first-time costs depend on its length. They run under
+a scheduler of their own with a fixed policy, so the engine's scheduler, prefix cache, counters and
+adaptive policy never see them; the KV blocks they wrote are free again (every block is, before the
+first request), and what they wrote is overwritten by whichever request is given those blocks next.
 """
 
 from __future__ import annotations
