@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from streamsd import LLM, SamplingParams
@@ -66,3 +68,25 @@ def test_a_server_admitting_one_waiting_request_warms_up(tiny_model_dir):
     rt = build_runtime(EngineConfig(model=str(tiny_model_dir), spec=SpecConfig(method="ngram"), device="cpu",
                                     max_queue=1))
     assert rt.scheduler_config.max_queue == 1
+
+
+def test_the_requests_alone_take_a_real_chats_prompt_where_it_fits(tiny_model_dir, tiny_tokenizer):
+    """The requests alone prefill the model's chat template around a short message (a first chat
+    request's shape), and the synthetic prompt where the model has no template or the chat does not fit."""
+    from streamsd.engine.warm_up import CHAT_MESSAGE, _fits, warm_up_chat_prompt
+
+    chat = warm_up_chat_prompt(tiny_tokenizer, None)
+    text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}], tokenize=False,
+                                              add_generation_prompt=True)
+    assert chat == list(tiny_tokenizer.encode(text, add_special_tokens=False)) and len(chat) > 16
+    assert warm_up_chat_prompt(tiny_tokenizer, "{{ messages[0]['content'] }}") == list(
+        tiny_tokenizer.encode(CHAT_MESSAGE, add_special_tokens=False))
+    llm = LLM(str(tiny_model_dir))
+    rt = llm.core.rt
+    assert _fits(chat, rt.scheduler_config, 0)
+    assert not _fits(chat, dataclasses.replace(rt.scheduler_config, max_model_len=len(chat)), 0)
+    # With the chat prompt the warm-up still runs the pair, then a request alone, a token a step, and
+    # frees every block (warm_up asserts that)
+    warm = warm_up(rt.worker, rt.scheduler_config, llm.core.spec, rt.eos_ids, rt.q_slots, chat)
+    assert warm.steps == NEW_TOKENS + ALONE_TOKENS
+    assert rt.worker.cache.data.abs().sum() > 0
