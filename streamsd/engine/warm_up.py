@@ -78,6 +78,7 @@ def warm_up(worker: Worker, cfg: SchedulerConfig, spec: SpecConfig, eos_ids: fro
                       policy=FixedPolicy(spec.max_batch))
     prompt = warm_up_prompt(worker.vocab)
     k = spec.num_tokens if spec.enabled else 0
+    alone = chat_prompt if chat_prompt and _fits(chat_prompt, cfg, k) else prompt  # the requests alone take it
     # (temperature, k) of each request, a round's requests together: the pair, then alone
     rounds = [[(0.0, k), (1.0, k)], [(0.0, 0)]] + ([[(0.0, k)]] if k else [])
     steps = drafted = 0
@@ -85,9 +86,8 @@ def warm_up(worker: Worker, cfg: SchedulerConfig, spec: SpecConfig, eos_ids: fro
         for i, (temperature, spec_k) in enumerate(requests):
             params = SamplingParams(temperature=temperature, max_tokens=NEW_TOKENS if r == 0 else ALONE_TOKENS, seed=i,
                                     ignore_eos=True)
-            ids = chat_prompt if r > 0 and chat_prompt and _fits(chat_prompt, cfg, k) else prompt
-            sched.add(Request(request_id=f"warm-up-{r}-{i}", prompt_ids=list(ids), params=params, seed=i,
-                              arrival=time.monotonic(), eos_ids=eos_ids, spec_k=spec_k,
+            sched.add(Request(request_id=f"warm-up-{r}-{i}", prompt_ids=list(alone if r else prompt), params=params,
+                              seed=i, arrival=time.monotonic(), eos_ids=eos_ids, spec_k=spec_k,
                               greedy_draft=temperature < spec.draft_greedy_threshold))
         while sched.has_work:
             plan, _ = sched.schedule(worker.lookahead.follow)

@@ -11,7 +11,6 @@ the context window is refused before any of that (token_bound.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import time
@@ -47,10 +46,9 @@ class PromptEncoder:
         self.chars_per_token = max_chars_per_token(tok.backend_tokenizer) \
             if isinstance(tok, PreTrainedTokenizerFast) else None
         self.observe = observe
+        # The first render of a chat template compiles it (4 ms on a CPU core), once per process: the
+        # engine's warm-up has rendered this one (engine/warm_up.py, warm_up_chat_prompt).
         self._pool = ThreadPoolExecutor(tokenizer_threads(os.cpu_count()), thread_name_prefix="streamsd-tokenize")
-        # The first render compiles the chat template (4 ms on a CPU core): here, not in a first user's TTFT.
-        with contextlib.suppress(ApiError):  # a model without a template refuses chats later, per request
-            self._render([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
