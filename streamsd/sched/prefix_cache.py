@@ -49,25 +49,34 @@ class PrefixCache:
         n = r.num_tokens
         return max(min((n - 1) // self.bs, (n - self.next_tokens) // self.bs), 0)
 
-    def _keys(self, ids: list[int], start: int, stop: int) -> Iterator[tuple[list[int], tuple[int, ...]]]:
-        """Blocks start..stop-1's keys, made as a lookup asks for them: it stops at the first miss, so a
-        waiting request's peek (every step) costs its cached blocks and one more, not its whole prompt."""
+    def _keys(self, r: Request, start: int, stop: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Blocks start..stop-1's keys of `r`, made as a lookup first asks for them (and kept in
+        `r.block_keys`): a lookup stops at the first miss, so a waiting request's peek (every step)
+        costs its cached blocks and one more, and building a key costs once per request."""
+        made = r.block_keys
+        if stop <= len(made):
+            yield from made[start:stop]
+            return
         bs, nt = self.bs, self.next_tokens
+        ids = r.all_ids
         for b in range(start, stop):
-            yield ids[b * bs : (b + 1) * bs], (*self.salt, *ids[(b + 1) * bs : (b + 1) * bs + nt])
+            while len(made) <= b:
+                i = len(made)
+                made.append((tuple(ids[i * bs : (i + 1) * bs]), (*self.salt, *ids[(i + 1) * bs : (i + 1) * bs + nt])))
+            yield made[b]
 
     def peek(self, r: Request) -> int:
         """Tokens of `r` a claim would find cached now (nothing is held)."""
         if not self.enabled or r.blocks or r.scores_prompt:
             return r.computed
-        return len(self.pool.lookup(self._keys(r.all_ids, 0, self._max_blocks(r)))) * self.bs
+        return len(self.pool.lookup(self._keys(r, 0, self._max_blocks(r)))) * self.bs
 
     def claim(self, r: Request) -> int:
         """At admission of a request that holds no KV: takes the cached blocks of its longest cached
         prefix and counts them computed, for the target and the drafter. Returns the tokens taken."""
         if not self.enabled or r.blocks or r.scores_prompt:
             return 0
-        entries = self.pool.lookup(self._keys(r.all_ids, 0, self._max_blocks(r)))
+        entries = self.pool.lookup(self._keys(r, 0, self._max_blocks(r)))
         if not entries:
             return 0
         r.blocks = self.pool.acquire(entries)
@@ -100,7 +109,7 @@ class PrefixCache:
             # some position on, and any block the head has caught up over (it read them there).
             missing = r.streams_missing_from
             streamed = stop if not self.streams or missing is None else max(drafted, missing // self.bs)
-            for b, (tokens, extra) in enumerate(self._keys(r.all_ids, r.prefix_blocks, stop), start=r.prefix_blocks):
+            for b, (tokens, extra) in enumerate(self._keys(r, r.prefix_blocks, stop), start=r.prefix_blocks):
                 parent = self.pool.register(parent, r.blocks[b], tokens, extra, draft_kv=b < drafted,
                                             streams=b < streamed)
             r.prefix_blocks, r.prefix_parent = stop, parent
