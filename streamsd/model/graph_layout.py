@@ -11,23 +11,28 @@ import torch
 
 from streamsd.model.kv_cache import BatchLayout
 
-PROMPT_WIDTHS = (32, 64, 128, 256, 512)  # a lone prompt chunk pads to the next: at most 2x its rows
+PROMPT_WIDTHS = (32, 64, 128, 256, 512)  # a prompt step's tokens pad to the next: at most 2x its rows
+# Sequences a packed prompt graph holds (prompt chunks and the one-token rows beside them): the
+# prompt steps of a loaded server admit a few requests among many decoding ones.
+PROMPT_SEQS = 64
 
 
-def packed_size(bucket: int, width: int) -> int:
-    """Length of a (bucket, width) graph's packed values, 3T + 2B + 1; a prompt graph's tail starts there."""
-    return 3 * bucket * width + 2 * bucket + 1
+def packed_size(bucket: int, width: int, slots: int | None = None) -> int:
+    """Length of a (bucket, width) graph's packed values, 3T + 2B + 1; a prompt graph's tail starts there.
+    `slots`: its token slots T, when not bucket * width (a packed prompt graph's: its width)."""
+    return 3 * (bucket * width if slots is None else slots) + 2 * bucket + 1
 
 
 def pack_step(ids: list[int] | None, starts: list[int], counts: list[int], tables: list[list[int]], bucket: int,
-              width: int, scratch: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+              width: int, scratch: int, block_size: int, slots: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Host values of one step for a (bucket, width) graph.
 
     Returns packed [3T + 2B + 1] int64 (ids | positions | slots | context lens | query starts, with
-    T = bucket * width, B = bucket) and the live block table [S, max table length] int32.
+    T = bucket * width unless `slots` says otherwise, B = bucket) and the live block table
+    [S, max table length] int32.
     """
-    t_all, n_seq = bucket * width, len(counts)
-    host = np.zeros(packed_size(bucket, width), dtype=np.int64)
+    t_all, n_seq = bucket * width if slots is None else slots, len(counts)
+    host = np.zeros(packed_size(bucket, width, t_all), dtype=np.int64)
     ids_h, pos_h, slot_h = host[:t_all], host[t_all : 2 * t_all], host[2 * t_all : 3 * t_all]
     ctx_h, qs_h = host[3 * t_all : 3 * t_all + bucket], host[3 * t_all + bucket :]
     table = np.zeros((n_seq, max((len(t) for t in tables), default=1)), dtype=np.int32)  # [S, w]
@@ -73,16 +78,41 @@ def prompt_tiles(start: int, count: int, width: int, n_tiles: int) -> np.ndarray
     return np.stack([np.zeros_like(off), off, tokens, np.where(tokens > 0, start + off, 0)], axis=1).reshape(-1)
 
 
+def packed_prompt_tail(host: np.ndarray, starts: list[int], counts: list[int], rows: list[int], bucket: int,
+                       per_tile: int, n_tiles: int) -> np.ndarray:
+    """A packed prompt graph's host values: pack_step's, then the `bucket` rows whose logits it
+    returns (those asked for, then row 0 again) and the tiles of every sequence's tokens,
+    `per_tile` tokens a tile (kernels/attention/prefill.py's (sequence, first row, tokens, first
+    position)), padded with empty tiles to `n_tiles`."""
+    tiles = np.zeros((n_tiles, 4), dtype=np.int64)
+    n, first = 0, 0
+    for seq, (start, count) in enumerate(zip(starts, counts, strict=True)):
+        for off in range(0, count, per_tile):
+            tiles[n] = (seq, first + off, min(per_tile, count - off), start + off)
+            n += 1
+        first += count
+    row_tail = np.zeros(bucket, dtype=np.int64)
+    row_tail[: len(rows)] = rows
+    return np.concatenate([host, row_tail, tiles.reshape(-1)])
+
+
+def packed_prompt_tiles(slots: int, bucket: int, per_tile: int) -> int:
+    """Tiles a packed prompt graph holds: its sequences' tokens (at most `slots`, in at most
+    `bucket` sequences) cut `per_tile` at a time. Each sequence's last tile may be partial, and
+    ceil(a) + ceil(b) <= ceil(a + b) + 1, so ceil(slots / per_tile) + bucket - 1 always suffice."""
+    return -(-slots // per_tile) + bucket - 1
+
+
 def static_layout(packed: torch.Tensor, block_table: torch.Tensor, bucket: int, width: int,
-                  scratch: int) -> tuple[torch.Tensor, BatchLayout]:
+                  scratch: int, slots: int | None = None) -> tuple[torch.Tensor, BatchLayout]:
     """Views of a packed buffer as (ids [T], BatchLayout). The host lists only steer the attention
     dispatch (every sequence short: the kernel runs); the kernel reads the device tensors."""
-    t_all = bucket * width
+    t_all = bucket * width if slots is None else slots
     layout = BatchLayout(
         positions=packed[t_all : 2 * t_all], slot_mapping=packed[2 * t_all : 3 * t_all],
         query_starts=[i * width for i in range(bucket)], query_lens=[width] * bucket,
         context_lens=[width] * bucket, block_tables=[[scratch]] * bucket, block_table=block_table,
         context_lens_t=packed[3 * t_all : 3 * t_all + bucket],
-        query_starts_t=packed[3 * t_all + bucket : packed_size(bucket, width)],
+        query_starts_t=packed[3 * t_all + bucket : packed_size(bucket, width, t_all)],
     )
     return packed[:t_all], layout

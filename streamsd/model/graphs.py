@@ -8,13 +8,15 @@ same graph); the tail of the T = bucket * Q token slots and the unused sequence 
 padding tokens write their K/V into a reserved scratch block no request owns, padding sequences
 have context 0 and attend to nothing. Every value that changes per step lives in static device
 buffers refreshed by two queued host-to-device copies, so a step never waits for the GPU.
-A lone prompt chunk (one sequence: the first step of a request at batch 1, where time to first
-token is all there is) replays a prompt graph: bucket 1, padded to the smallest of
-`prompt_widths` that holds it. Its attention tiles (kernels/attention/prefill.py) and the one row
-whose logits it returns are static buffers the host rewrites too, so a prompt of any length and
-start runs the same graph. Eager, such a step launched ~10 kernels a layer from Python and took
-10-22 ms on an H200 for a 135M model; prompt chunks of steps with more
-sequences, and longer ones, still run eagerly.
+A prompt step (some sequence brings more tokens than any Q: prompt chunks, with the one-token
+rows of the requests decoding beside them) replays a prompt graph: at most `prompt_seqs`
+sequences, their tokens packed from the front and padded to the smallest of `prompt_widths` that
+holds them all. Its attention tiles (kernels/attention/prefill.py) and the rows whose logits it
+returns are static buffers the host rewrites too, so prompts of any lengths and starts run the
+same graph. Eager, such a step launches ~10 kernels a layer from Python: 10-22 ms on an H200 for a
+135M model whose graph replays in 1-3, and with cached prefixes (a shared system prompt, a chat's
+earlier turns) nearly every prompt step is that short. Longer prompt steps, and those of more
+sequences, still run eagerly (they are bound by the GPU, not the host).
 
 Graphs of one runner share a memory pool: they never run concurrently, and each graph's output
 (its logits) stays allocated because the runner holds it.
@@ -37,10 +39,10 @@ import torch
 from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.graph_layout import (
     pack_step,
+    packed_prompt_tail,
+    packed_prompt_tiles,
     packed_size,
-    prompt_tile_count,
     static_layout,
-    with_prompt_tail,
 )
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, h2d
 from streamsd.model.llama import Transformer
@@ -57,7 +59,8 @@ class GraphConfig:
     max_blocks: int  # static width of the block table: ceil(max_model_len / block_size) + 1
     query_widths: tuple[int, ...] = (1,)  # Q values captured, e.g. (1, k + 1)
     buckets: tuple[int, ...] = BUCKETS
-    prompt_widths: tuple[int, ...] = ()  # a lone prompt chunk's graphs (bucket 1), each wider than any Q
+    prompt_widths: tuple[int, ...] = ()  # token slots of the prompt graphs, each wider than any Q
+    prompt_seqs: int = 1  # sequences a prompt graph holds at most (fewer where its width is smaller)
 
 
 @dataclass(slots=True)
@@ -72,7 +75,8 @@ class _Graph:
     hidden: torch.Tensor | None = None  # [T, layers * hidden] the captured streams, when the runner has layers
     # The step's greedy verification, computed in the graph (sample/greedy.py), when Q > 1:
     greedy: tuple[torch.Tensor, torch.Tensor] | None = None  # tokens [B, Q], accepted [B]
-    # A prompt graph's attention tiles [n_tiles * 4] int32 (then `rows` is [1]: its one logits row)
+    # A prompt graph's attention tiles [n_tiles * 4] int32 (its logits are then those of the B rows
+    # the host wrote after the packed values)
     tiles: torch.Tensor | None = None
 
 
@@ -98,18 +102,27 @@ class GraphRunner:
     def key_for(self, counts: list[int], tables: list[list[int]], logits_rows: int | None = None
                 ) -> tuple[int, int] | None:
         """(bucket, Q) of the graph that can run this step, or None to run it eagerly. A caller that
-        says how many logits rows it wants (`logits_rows`) may get a prompt graph: one sequence,
-        at most one row."""
+        says how many logits rows it wants (`logits_rows`) may get a prompt graph, (sequences it
+        holds, token slots), when the step's sequences and rows fit it."""
         if not counts or min(counts) < 1 or max(len(t) for t in tables) > self.cfg.max_blocks:
             return None
         width = next((q for q in sorted(self.cfg.query_widths) if q >= max(counts)), None)
         bucket = next((b for b in self.cfg.buckets if b >= len(counts)), None)
-        if width is None and len(counts) == 1 and logits_rows is not None and logits_rows <= 1:
-            width = next((q for q in sorted(self.cfg.prompt_widths) if q >= counts[0]), None)
-            bucket = 1
+        if width is None and logits_rows is not None:
+            width = next((w for w in sorted(self.cfg.prompt_widths) if w >= sum(counts)), None)
+            bucket = self.prompt_bucket(width) if width is not None else None
+            if bucket is not None and max(len(counts), logits_rows) > bucket:
+                return None
         if width is None or bucket is None:
             return None
         return bucket, width
+
+    def prompt_bucket(self, width: int) -> int:
+        """Sequences (and logits rows) the prompt graph of `width` token slots holds."""
+        return min(width, self.cfg.prompt_seqs)
+
+    def _is_prompt(self, width: int) -> bool:
+        return width > max(self.cfg.query_widths)
 
     def run(self, key: tuple[int, int], ids: list[int] | torch.Tensor | None, starts: list[int], counts: list[int],
             tables: list[list[int]], rows: list[int], device_starts: DeviceStarts | None = None,
@@ -135,11 +148,12 @@ class GraphRunner:
                 tables: list[list[int]], device_starts: DeviceStarts | None = None,
                 rows: list[int] | None = None, streams: bool = True) -> _Graph:
         g = self._variant(streams).get(key) or self._capture(*key, streams=streams)
+        slots = g.width if g.tiles is not None else None  # a prompt graph's tokens pack into its width
         host, table = pack_step(ids if not isinstance(ids, torch.Tensor) else None, starts, counts, tables,
-                                g.bucket, g.width, self.scratch, self.cache.block_size)
-        if g.tiles is not None:  # a prompt graph: its one logits row and its tiles follow the packed values
-            assert rows is not None and len(rows) <= 1 and device_starts is None
-            host = with_prompt_tail(host, starts[0], counts[0], g.width, g.tiles.numel() // 4, rows[0] if rows else 0)
+                                g.bucket, g.width, self.scratch, self.cache.block_size, slots)
+        if g.tiles is not None:  # a prompt graph: its logits rows and its tiles follow the packed values
+            assert rows is not None and len(rows) <= g.bucket and device_starts is None
+            host = packed_prompt_tail(host, starts, counts, rows, g.bucket, self._per_tile(), g.tiles.numel() // 4)
         # Pageable non-blocking copies: staged by the driver at once, queued in stream order (see h2d).
         g.packed.copy_(torch.from_numpy(host), non_blocking=True)
         # Only the live columns: the kernel never reads past a sequence's context.
@@ -163,8 +177,13 @@ class GraphRunner:
             return None
         return g.greedy[0][:num_seqs], g.greedy[1][:num_seqs]
 
+    def _per_tile(self) -> int:
+        from streamsd.kernels.attention.prefill import tokens_per_tile
+
+        return tokens_per_tile(self.model.args.num_heads, self.model.args.num_kv_heads)
+
     def _rows(self, g: _Graph, rows: list[int]) -> torch.Tensor:
-        if g.tiles is not None or rows == list(range(len(rows))):  # a prompt graph computed its row alone
+        if g.tiles is not None or rows == list(range(len(rows))):  # a prompt graph computed its rows alone
             return g.logits[: len(rows)]
         return g.logits.index_select(0, h2d(rows, torch.int64, self.device))
 
@@ -176,31 +195,33 @@ class GraphRunner:
                 if (bucket, width) not in self.graphs:
                     self._capture(bucket, width)
         for width in () if widths else self.cfg.prompt_widths:
-            if (1, width) not in self.graphs:
-                self._capture(1, width)
-        if self.hidden_layers and not widths:  # plain steps that keep no streams: one token, or a lone prompt chunk
+            if (self.prompt_bucket(width), width) not in self.graphs:
+                self._capture(self.prompt_bucket(width), width)
+        if self.hidden_layers and not widths:  # plain steps that keep no streams: one token each, or a prompt step
             for bucket in buckets_up_to(self.cfg.buckets, batch):
                 if (bucket, 1) not in self.streamless:
                     self._capture(bucket, 1, streams=False)
             for width in self.cfg.prompt_widths:
-                if (1, width) not in self.streamless:
-                    self._capture(1, width, streams=False)
+                if (self.prompt_bucket(width), width) not in self.streamless:
+                    self._capture(self.prompt_bucket(width), width, streams=False)
 
     def _capture(self, bucket: int, width: int, streams: bool = True) -> _Graph:
-        dev, t_all = self.device, bucket * width
+        dev = self.device
+        prompt = self._is_prompt(width)
+        t_all = width if prompt else bucket * width  # a prompt graph packs all its tokens into `width` slots
+        slots = t_all if prompt else None
         packed = torch.from_numpy(pack_step([], [], [], [], bucket, width, self.scratch,
-                                            self.cache.block_size)[0]).to(dev)  # all padding: safe to run
+                                            self.cache.block_size, slots)[0]).to(dev)  # all padding: safe to run
         block_table = torch.full((bucket, self.cfg.max_blocks), self.scratch, dtype=torch.int32, device=dev)
-        prompt = width > max(self.cfg.query_widths)
         tiles = None
-        if prompt:  # | the logits row | the tiles (int32 values, int64 here like the rest of the buffer)
-            n_tiles = prompt_tile_count(width, self.model.args.num_heads, self.model.args.num_kv_heads)
-            packed = torch.cat([packed, torch.zeros(1 + 4 * n_tiles, dtype=torch.int64, device=dev)])
-        ids, layout = static_layout(packed, block_table, bucket, width, self.scratch)
+        if prompt:  # | the logits rows | the tiles (int32 values, int64 here like the rest of the buffer)
+            n_tiles = packed_prompt_tiles(t_all, bucket, self._per_tile())
+            packed = torch.cat([packed, torch.zeros(bucket + 4 * n_tiles, dtype=torch.int64, device=dev)])
+        ids, layout = static_layout(packed, block_table, bucket, width, self.scratch, slots)
         rows = hidden_rows = torch.arange(t_all, device=dev)
         if prompt:
-            n = packed_size(bucket, width)
-            rows, tiles = packed[n : n + 1], torch.empty(4 * n_tiles, dtype=torch.int32, device=dev)
+            n = packed_size(bucket, width, slots)
+            rows, tiles = packed[n : n + bucket], torch.empty(4 * n_tiles, dtype=torch.int32, device=dev)
             layout = replace(layout, prompt_tiles=tiles)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -229,6 +250,9 @@ class GraphRunner:
         # caching allocator hands its memory to eager work and the next replay reads garbage.
         g = _Graph(graph, bucket, width, packed, block_table, hidden_rows if prompt else rows, logits, hidden, greedy,
                    tiles)
+        # A graph's first launch uploads it to the device, which costs a request's step about a
+        # millisecond: done now, on the padding the buffers still hold (it writes the scratch block only).
+        graph.replay()
         self._variant(streams)[(bucket, width)] = g
         return g
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from streamsd.model.graph_layout import PROMPT_WIDTHS
+from streamsd.model.graph_layout import PROMPT_SEQS, PROMPT_WIDTHS
 from streamsd.model.graphs import GraphConfig, GraphRunner
 
 if TYPE_CHECKING:
@@ -81,8 +81,11 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
     # Narrow verify widths too: at large batch the planner drafts 1 or 2 tokens, and a step replays
     # the narrowest graph that holds its longest query, so without them k = 1 pays for k = K.
     widths = (1,) if trees else tuple(sorted({1, min(2, k + 1), min(3, k + 1), k + 1}))
+    # The exact attention's grid gives every sequence the longest query the host lists say, which a
+    # graph fixes at its width: its prompt graphs hold one sequence, or the grid would be 64x wider.
     cfg = GraphConfig(max_blocks=-(-(max_len + k + 2) // bs) + 1, query_widths=widths,
-                      prompt_widths=tuple(w for w in PROMPT_WIDTHS if max(widths) < w <= max_len))
+                      prompt_widths=tuple(w for w in PROMPT_WIDTHS if max(widths) < w <= max_len),
+                      prompt_seqs=1 if exact else PROMPT_SEQS)
     if proposer is not None:
         proposer.enable_cuda(cfg, scratch_block)
     # An EAGLE head reads the target's streams at every verified token: its graphs return them too.
