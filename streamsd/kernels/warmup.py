@@ -17,6 +17,7 @@ rather than compiles them).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from streamsd.kernels.attention.prefill import (
 )
 from streamsd.kernels.exact.attention import _exact_attn_kernel, exact_paged_attention
 from streamsd.kernels.model.device_layout import _restart, restart
+from streamsd.kernels.precompile import device_name, mark_compiled, precompile
 from streamsd.kernels.sample import warp, warp_chunked
 from streamsd.kernels.sample.rejection import _rejection_kernel, rejection_sample
 from streamsd.kernels.sample.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
@@ -58,6 +60,8 @@ from streamsd.kernels.tree.bookkeeping import _move_kernel, _next_step_kernel, _
 from streamsd.kernels.tree.head_topk import _head_topk_kernel, _merge_blocks_kernel
 from streamsd.model.device_layout import DeviceStarts
 from streamsd.sample.rejection import VerifyInput
+
+log = logging.getLogger("streamsd")
 
 _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
 MAX_THREADS = 16  # compile threads at most
@@ -92,11 +96,12 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
     one, on 2 CPU cores), and a first start compiles about a hundred variants. What is not thread-safe
     is a kernel's first launch on a device, which creates its variant cache: the sampling kernels and
     one variant of every other kernel launch first, on this thread, so that the threads only ever add
-    variants to caches that exist. The device is set in each thread: a new thread starts on device 0."""
+    variants to caches that exist. The device is set in each thread: a new thread starts on device 0.
+    On a first start, child processes compile the same tasks first (kernels/precompile.py)."""
     t0, before = time.perf_counter(), compiled_variants()
     layouts = sorted({(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in models})
-    _sampling_variants(vocab, cache_dtype, device)
-    firsts: list[Callable[[], None]] = [
+    sampling = partial(_sampling_variants, vocab, cache_dtype, device)
+    firsts: list[partial[None]] = [
         partial(_paged_variant, layouts[0], cache_dtype, block_size, device, 1, 2, False),  # the split-merge kernel too
         partial(_prefill_variant, layouts[0], cache_dtype, block_size, device),
         partial(_rejection_variant, 1, False, False, vocab, device),
@@ -105,8 +110,6 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
     exact_layout = (exact.args.num_heads, exact.args.num_kv_heads, exact.args.head_dim) if exact is not None else None
     if exact_layout is not None:
         firsts.append(partial(_exact_variant, exact_layout, cache_dtype, block_size, device, False))
-    for first in firsts:
-        first()
     tasks = [*_paged_tasks(layouts, cache_dtype, block_size, device, trees),
              *([partial(_exact_variant, exact_layout, cache_dtype, block_size, device, True)]
                if exact_layout is not None and trees else []),
@@ -114,6 +117,13 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
              *[partial(_rejection_variant, k, has_p, has_q, vocab, device) for k in range(1, max_k + 1)
                for has_p, has_q in ((False, False), (True, False), (True, True))],
              *[partial(_restart_variant, k, device) for k in range(2, max_k + 1)]]
+    every = [sampling, *firsts, *tasks]
+    name = device_name(device)
+    processes, seconds = precompile(every, device, name)
+    if processes:
+        log.info("compiled %d kernel variant tasks in %d processes in %.1fs", len(every), processes, seconds)
+    for first in [sampling, *firsts]:
+        first()
 
     def run(task: Callable[[], None]) -> None:
         with torch.cuda.device(device):
@@ -123,6 +133,7 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
         for future in [pool.submit(run, t) for t in tasks]:
             future.result()  # a compile error surfaces here, as it would have inline
     torch.cuda.synchronize(device)
+    mark_compiled(every, name)
     return compiled_variants() - before, time.perf_counter() - t0
 
 

@@ -1,0 +1,104 @@
+"""A first start's Triton compiles, spread over processes.
+
+Most of a Triton compile is Python (the front end walks the kernel's AST and builds its IR) and
+holds the GIL, so the warm-up's threads (kernels/warmup.py) overlap only the LLVM and ptxas parts:
+on a 16-core host ~110 variants still took 17-29 s of a cold start. Child processes have a GIL
+each. They run the same variant tasks, whose compiles land in Triton's on-disk cache (shared through
+TRITON_CACHE_DIR, which they inherit); the server's own warm-up then loads each variant from disk
+instead of compiling it.
+
+A restart finds the variants on disk already and spawns nothing: a marker file beside them, named
+by a digest of the task list, the kernels' source and the compiler and device, records that this
+exact set was compiled. A child that fails (no memory for its CUDA context, say) costs nothing but
+time: whatever it left out, the warm-up compiles in-process as it always could.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+
+log = logging.getLogger("streamsd")
+
+MAX_PROCESSES = 8  # each holds a CUDA context (~0.5 GB) while it compiles
+TASKS_PER_PROCESS = 8  # fewer, and a child's start-up (importing torch) costs more than it saves
+
+
+def processes_for(n_tasks: int) -> int:
+    """Child processes worth spawning for `n_tasks` compiles on this host: 0 where the host has too
+    few cores for them to run beside the server's own threads."""
+    cores = os.cpu_count() or 1
+    n = min(MAX_PROCESSES, cores // 2, -(-n_tasks // TASKS_PER_PROCESS))
+    return n if n >= 2 else 0
+
+
+def device_name(device: torch.device) -> str:
+    """What the compiled code depends on of the device: its name and compute capability."""
+    return f"{torch.cuda.get_device_name(device)} {torch.cuda.get_device_capability(device)}"
+
+
+def marker(tasks: Sequence[partial[None]], device: str) -> Path | None:
+    """The file that says these tasks' variants, compiled for `device` (device_name), are in Triton's
+    cache (None: no cache directory set)."""
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    if not cache:
+        return None
+    digest = hashlib.sha256()
+    for line in (triton.__version__, torch.__version__, device, *map(_describe, tasks)):
+        digest.update(line.encode() + b"\n")
+    for source in sorted(Path(__file__).parent.rglob("*.py")):  # a kernel's change compiles it again
+        digest.update(source.read_bytes())
+    return Path(cache) / f"streamsd-variants-{digest.hexdigest()[:24]}"
+
+
+def precompile(tasks: Sequence[partial[None]], device: torch.device, name: str,
+               processes: int | None = None) -> tuple[int, float]:
+    """Runs `tasks` (picklable: partials of module functions) in child processes (`processes`, or
+    as many as processes_for says), unless their marker for device `name` says a run before did.
+    Returns (processes spawned, seconds)."""
+    t0 = time.perf_counter()
+    done = marker(tasks, name)
+    n = processes_for(len(tasks)) if processes is None else processes
+    if done is None or done.exists() or n == 0:
+        return 0, 0.0
+    groups = [list(tasks[i::n]) for i in range(n)]  # round robin: each kind of kernel spread over all
+    try:
+        # spawn: a forked child would inherit this process's CUDA context, which it cannot use.
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for future in [pool.submit(_run_group, group, device) for group in groups]:
+                future.result()
+    except Exception as exc:  # the warm-up compiles what the children did not
+        log.warning("compiling kernel variants in %d processes failed (%s); compiling them here", n, exc)
+        return n, time.perf_counter() - t0
+    return n, time.perf_counter() - t0
+
+
+def mark_compiled(tasks: Sequence[partial[None]], name: str) -> None:
+    """After a warm-up ran every task here: the next start need not spawn children for them."""
+    done = marker(tasks, name)
+    if done is not None:
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.touch()
+
+
+def _describe(task: partial[None]) -> str:
+    """A task as the same text in every process (a partial's repr holds its function's address)."""
+    return f"{task.func.__module__}.{task.func.__qualname__}{task.args}{sorted(task.keywords.items())}"
+
+
+def _run_group(tasks: list[partial[None]], device: torch.device) -> None:
+    if device.index is not None:  # else the current device, as in the parent
+        torch.cuda.set_device(device)
+    for task in tasks:
+        task()
+    torch.cuda.synchronize(device)

@@ -1,0 +1,70 @@
+"""The first start's compiles in child processes (kernels/precompile.py): the marker that lets a
+restart skip them is the same in every process and changes with what it stands for, and children
+that fail cost the start nothing but the warning."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from streamsd.kernels import precompile as pc
+from streamsd.kernels.warmup import _paged_variant, _rejection_variant
+
+CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tasks(k: int = 4) -> list[partial[None]]:
+    return [partial(_paged_variant, (9, 3, 64), torch.bfloat16, 16, torch.device("cuda", 0), 1, 2, False),
+            partial(_rejection_variant, k, True, False, 49152, torch.device("cuda", 0))]
+
+
+def test_the_marker_names_the_same_file_in_another_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    here = pc.marker(_tasks(), "GPU (9, 0)")
+    assert here is not None and here.parent == tmp_path
+    code = ("import sys; sys.path.insert(0, '.'); from tests.kernels.test_precompile import _tasks; "
+            "from streamsd.kernels.precompile import marker; print(marker(_tasks(), 'GPU (9, 0)'))")
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                           env={"TRITON_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}).stdout.strip()
+    assert there == str(here)
+
+
+def test_the_marker_changes_with_the_tasks_and_the_device(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    names = {pc.marker(_tasks(4), "GPU (9, 0)"), pc.marker(_tasks(5), "GPU (9, 0)"), pc.marker(_tasks(4), "GPU (8, 0)")}
+    assert len(names) == 3
+
+
+def test_no_cache_directory_no_marker_and_no_children(monkeypatch):
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert pc.marker(_tasks(), "GPU (9, 0)") is None
+    assert pc.precompile(_tasks(), CPU, "GPU (9, 0)", processes=2) == (0, 0.0)
+
+
+def test_children_that_fail_leave_a_warning_and_no_marker(tmp_path, monkeypatch, caplog):
+    """Here the children cannot reach the device they are given: the start goes on, and a later one
+    tries again."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="streamsd"):
+        spawned, _ = pc.precompile(_tasks(), torch.device("cuda", 99), "GPU (9, 0)", processes=2)
+    assert spawned == 2
+    assert "compiling them here" in caplog.text
+    assert not pc.marker(_tasks(), "GPU (9, 0)").exists()
+
+
+def test_a_marked_set_spawns_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    pc.mark_compiled(_tasks(), "GPU (9, 0)")
+    assert pc.precompile(_tasks(), torch.device("cuda", 0), "GPU (9, 0)", processes=2) == (0, 0.0)
+
+
+def test_processes_stay_within_half_the_cores_and_the_cap():
+    n = pc.processes_for(1000)
+    assert n == 0 or 2 <= n <= pc.MAX_PROCESSES
+    assert pc.processes_for(3) == 0  # too few tasks to pay for a child's start
