@@ -11,7 +11,7 @@ import torch
 
 from streamsd.model.kv_cache import BatchLayout
 
-PROMPT_WIDTHS = (32, 64, 128, 256, 512)  # a prompt step's tokens pad to the next: at most 2x its rows
+PROMPT_WIDTHS = (32, 64, 128, 256, 512, 1024)  # a prompt step's tokens pad to the next: at most 2x its rows
 # Sequences a packed prompt graph holds (prompt chunks and the one-token rows beside them): the
 # prompt steps of a loaded server admit a few requests among many decoding ones.
 PROMPT_SEQS = 64
