@@ -96,6 +96,9 @@ class GraphRunner:
         # A runner with hidden_layers: its graphs that capture no streams (plain steps keeping none).
         self.streamless: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        from streamsd.kernels.attention.prefill import tokens_per_tile  # CUDA only, as this class
+
+        self.per_tile = tokens_per_tile(model.args.num_heads, model.args.num_kv_heads)  # a prompt graph's tile rows
         self.replays = 0
         self.last: _Graph | None = None  # the graph replayed last
 
@@ -153,7 +156,7 @@ class GraphRunner:
                                 g.bucket, g.width, self.scratch, self.cache.block_size, slots)
         if g.tiles is not None:  # a prompt graph: its logits rows and its tiles follow the packed values
             assert rows is not None and len(rows) <= g.bucket and device_starts is None
-            host = packed_prompt_tail(host, starts, counts, rows, g.bucket, self._per_tile(), g.tiles.numel() // 4)
+            host = packed_prompt_tail(host, starts, counts, rows, g.bucket, self.per_tile, g.tiles.numel() // 4)
         # Pageable non-blocking copies: staged by the driver at once, queued in stream order (see h2d).
         g.packed.copy_(torch.from_numpy(host), non_blocking=True)
         # Only the live columns: the kernel never reads past a sequence's context.
@@ -176,11 +179,6 @@ class GraphRunner:
         if g is None or g.greedy is None or logits.data_ptr() != g.logits.data_ptr():
             return None
         return g.greedy[0][:num_seqs], g.greedy[1][:num_seqs]
-
-    def _per_tile(self) -> int:
-        from streamsd.kernels.attention.prefill import tokens_per_tile
-
-        return tokens_per_tile(self.model.args.num_heads, self.model.args.num_kv_heads)
 
     def _rows(self, g: _Graph, rows: list[int]) -> torch.Tensor:
         if g.tiles is not None or rows == list(range(len(rows))):  # a prompt graph computed its rows alone
@@ -215,7 +213,7 @@ class GraphRunner:
         block_table = torch.full((bucket, self.cfg.max_blocks), self.scratch, dtype=torch.int32, device=dev)
         tiles = None
         if prompt:  # | the logits rows | the tiles (int32 values, int64 here like the rest of the buffer)
-            n_tiles = packed_prompt_tiles(t_all, bucket, self._per_tile())
+            n_tiles = packed_prompt_tiles(t_all, bucket, self.per_tile)
             packed = torch.cat([packed, torch.zeros(bucket + 4 * n_tiles, dtype=torch.int64, device=dev)])
         ids, layout = static_layout(packed, block_table, bucket, width, self.scratch, slots)
         rows = hidden_rows = torch.arange(t_all, device=dev)
