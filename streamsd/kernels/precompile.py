@@ -61,13 +61,12 @@ def marker(tasks: Sequence[partial[None]], device: str) -> Path | None:
     return Path(cache) / f"streamsd-variants-{digest.hexdigest()[:24]}"
 
 
-def precompile(tasks: Sequence[partial[None]], device: torch.device, name: str,
+def precompile(tasks: Sequence[partial[None]], device: torch.device, done: Path | None,
                processes: int | None = None) -> tuple[int, float]:
     """Runs `tasks` (picklable: partials of module functions) in child processes (`processes`, or
-    as many as processes_for says), unless their marker for device `name` says a run before did.
+    as many as processes_for says), unless their marker `done` (`marker`) says a run before did.
     Returns (processes spawned, seconds)."""
     t0 = time.perf_counter()
-    done = marker(tasks, name)
     n = processes_for(len(tasks)) if processes is None else processes
     if done is None or done.exists() or n == 0:
         return 0, 0.0
@@ -80,12 +79,14 @@ def precompile(tasks: Sequence[partial[None]], device: torch.device, name: str,
     except Exception as exc:  # the warm-up compiles what the children did not
         log.warning("compiling kernel variants in %d processes failed (%s); compiling them here", n, exc)
         return n, time.perf_counter() - t0
-    return n, time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    log.info("compiled %d kernel variant tasks in %d processes in %.1fs", len(tasks), n, seconds)
+    return n, seconds
 
 
-def mark_compiled(tasks: Sequence[partial[None]], name: str) -> None:
-    """After a warm-up ran every task here: the next start need not spawn children for them."""
-    done = marker(tasks, name)
+def mark_compiled(done: Path | None) -> None:
+    """After a warm-up ran every task of marker `done` here: the next start need not spawn children
+    for them."""
     if done is not None:
         done.parent.mkdir(parents=True, exist_ok=True)
         done.touch()

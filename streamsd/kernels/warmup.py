@@ -17,7 +17,6 @@ rather than compiles them).
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from streamsd.kernels.attention.prefill import (
 )
 from streamsd.kernels.exact.attention import _exact_attn_kernel, exact_paged_attention
 from streamsd.kernels.model.device_layout import _restart, restart
-from streamsd.kernels.precompile import device_name, mark_compiled, precompile
+from streamsd.kernels.precompile import device_name, mark_compiled, marker, precompile
 from streamsd.kernels.sample import warp, warp_chunked
 from streamsd.kernels.sample.rejection import _rejection_kernel, rejection_sample
 from streamsd.kernels.sample.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
@@ -60,8 +59,6 @@ from streamsd.kernels.tree.bookkeeping import _move_kernel, _next_step_kernel, _
 from streamsd.kernels.tree.head_topk import _head_topk_kernel, _merge_blocks_kernel
 from streamsd.model.device_layout import DeviceStarts
 from streamsd.sample.rejection import VerifyInput
-
-log = logging.getLogger("streamsd")
 
 _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
 MAX_THREADS = 16  # compile threads at most
@@ -118,10 +115,8 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
                for has_p, has_q in ((False, False), (True, False), (True, True))],
              *[partial(_restart_variant, k, device) for k in range(2, max_k + 1)]]
     every = [sampling, *firsts, *tasks]
-    name = device_name(device)
-    processes, seconds = precompile(every, device, name)
-    if processes:
-        log.info("compiled %d kernel variant tasks in %d processes in %.1fs", len(every), processes, seconds)
+    done = marker(every, device_name(device))  # read once: it hashes the kernels' source
+    precompile(every, device, done)
     for first in [sampling, *firsts]:
         first()
 
@@ -133,7 +128,7 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
         for future in [pool.submit(run, t) for t in tasks]:
             future.result()  # a compile error surfaces here, as it would have inline
     torch.cuda.synchronize(device)
-    mark_compiled(every, name)
+    mark_compiled(done)
     return compiled_variants() - before, time.perf_counter() - t0
 
 

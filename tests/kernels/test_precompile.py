@@ -44,7 +44,7 @@ def test_the_marker_changes_with_the_tasks_and_the_device(tmp_path, monkeypatch)
 def test_no_cache_directory_no_marker_and_no_children(monkeypatch):
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert pc.marker(_tasks(), "GPU (9, 0)") is None
-    assert pc.precompile(_tasks(), CPU, "GPU (9, 0)", processes=2) == (0, 0.0)
+    assert pc.precompile(_tasks(), CPU, pc.marker(_tasks(), "GPU (9, 0)"), processes=2) == (0, 0.0)
 
 
 def test_children_that_fail_leave_a_warning_and_no_marker(tmp_path, monkeypatch, caplog):
@@ -52,7 +52,8 @@ def test_children_that_fail_leave_a_warning_and_no_marker(tmp_path, monkeypatch,
     tries again."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="streamsd"):
-        spawned, _ = pc.precompile(_tasks(), torch.device("cuda", 99), "GPU (9, 0)", processes=2)
+        spawned, _ = pc.precompile(_tasks(), torch.device("cuda", 99), pc.marker(_tasks(), "GPU (9, 0)"),
+                                   processes=2)
     assert spawned == 2
     assert "compiling them here" in caplog.text
     assert not pc.marker(_tasks(), "GPU (9, 0)").exists()
@@ -60,8 +61,8 @@ def test_children_that_fail_leave_a_warning_and_no_marker(tmp_path, monkeypatch,
 
 def test_a_marked_set_spawns_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    pc.mark_compiled(_tasks(), "GPU (9, 0)")
-    assert pc.precompile(_tasks(), torch.device("cuda", 0), "GPU (9, 0)", processes=2) == (0, 0.0)
+    pc.mark_compiled(pc.marker(_tasks(), "GPU (9, 0)"))
+    assert pc.precompile(_tasks(), torch.device("cuda", 0), pc.marker(_tasks(), "GPU (9, 0)"), processes=2) == (0, 0.0)
 
 
 def test_processes_stay_within_half_the_cores_and_the_cap():
