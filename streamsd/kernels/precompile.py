@@ -5,7 +5,9 @@ holds the GIL, so the warm-up's threads (kernels/warmup.py) overlap only the LLV
 on a 16-core host ~110 variants still took 17-29 s of a cold start. Child processes have a GIL
 each. They run the same variant tasks, whose compiles land in Triton's on-disk cache (shared through
 TRITON_CACHE_DIR, which they inherit); the server's own warm-up then loads each variant from disk
-instead of compiling it.
+instead of compiling it. A child is a fresh interpreter running this module (`python -m`), handed
+its tasks pickled on stdin: unlike multiprocessing's spawn it never imports the caller's main script,
+so a script that builds an engine at its top level, unguarded, does not run again in every child.
 
 A restart finds the variants on disk already and spawns nothing: a marker file beside them, named
 by a digest of the task list, the kernels' source and the compiler and device, records that this
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -72,10 +75,12 @@ def precompile(tasks: Sequence[partial[None]], device: torch.device, done: Path 
         return 0, 0.0
     groups = [list(tasks[i::n]) for i in range(n)]  # round robin: each kind of kernel spread over all
     try:
-        # spawn: a forked child would inherit this process's CUDA context, which it cannot use.
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for future in [pool.submit(_run_group, group, device) for group in groups]:
-                future.result()
+        children = [_spawn(group, device) for group in groups]
+        # One after another: a child's stderr is read once it exits, and a later one blocked on a full
+        # pipe meanwhile only waits to be read.
+        errors = [_last_line(err) for code, err in (_wait(c) for c in children) if code != 0]
+        if errors:
+            raise RuntimeError(f"{len(errors)} of {n} failed: {errors[0]}")
     except Exception as exc:  # the warm-up compiles what the children did not
         log.warning("compiling kernel variants in %d processes failed (%s); compiling them here", n, exc)
         return n, time.perf_counter() - t0
@@ -97,9 +102,35 @@ def _describe(task: partial[None]) -> str:
     return f"{task.func.__module__}.{task.func.__qualname__}{task.args}{sorted(task.keywords.items())}"
 
 
+def _spawn(tasks: list[partial[None]], device: torch.device) -> subprocess.Popen[bytes]:
+    child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    assert child.stdin is not None
+    child.stdin.write(pickle.dumps((tasks, device)))
+    child.stdin.close()
+    return child
+
+
+def _wait(child: subprocess.Popen[bytes]) -> tuple[int, bytes]:
+    assert child.stderr is not None
+    err = child.stderr.read()
+    return child.wait(), err
+
+
+def _last_line(err: bytes) -> str:
+    lines = err.decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else "no message"
+
+
 def _run_group(tasks: list[partial[None]], device: torch.device) -> None:
-    if device.index is not None:  # else the current device, as in the parent
+    cuda = device.type == "cuda"
+    if cuda and device.index is not None:  # else the current device, as in the parent
         torch.cuda.set_device(device)
     for task in tasks:
         task()
-    torch.cuda.synchronize(device)
+    if cuda:
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":  # a child: its tasks and device come pickled on stdin
+    _run_group(*pickle.loads(sys.stdin.buffer.read()))

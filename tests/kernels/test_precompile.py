@@ -59,6 +59,24 @@ def test_children_that_fail_leave_a_warning_and_no_marker(tmp_path, monkeypatch,
     assert not pc.marker(_tasks(), "GPU (9, 0)").exists()
 
 
+def test_children_run_their_tasks_and_never_the_callers_script(tmp_path):
+    """A script that compiles at its top level, with no `__main__` guard: it runs once, not once more
+    in every child, and the children's tasks run."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from functools import partial\n"
+        "from streamsd.kernels import precompile as pc\n"
+        f"open({str(tmp_path / 'runs')!r}, 'a').write('run\\n')\n"
+        f"tasks = [partial(pc.mark_compiled, pc.Path({str(tmp_path)!r}) / f'task{{i}}') for i in range(4)]\n"
+        "print(pc.precompile(tasks, torch.device('cpu'), pc.marker(tasks, 'CPU'), processes=2))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={"TRITON_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}).stdout
+    assert out.startswith("(2, ")
+    assert (tmp_path / "runs").read_text() == "run\n"
+    assert sorted(p.name for p in tmp_path.glob("task*")) == ["task0", "task1", "task2", "task3"]
+
+
 def test_a_marked_set_spawns_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     pc.mark_compiled(pc.marker(_tasks(), "GPU (9, 0)"))
