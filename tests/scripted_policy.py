@@ -21,6 +21,9 @@ class ScriptedPolicy:
     def default_k(self, r):
         return min(self.k, cap_k(r))
 
+    def joining_k(self, r, batch):
+        return self.default_k(r)
+
     def commit(self, decision, plan):
         shape, _ = plan.shape()
         if shape.batch and not shape.prefill_tokens:

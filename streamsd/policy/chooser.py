@@ -235,6 +235,16 @@ class TreeChooser:
     def default_k(self, r: Request) -> int:
         return cap_k(r) if self.speculating else 0
 
+    def joining_k(self, r: Request, batch: int) -> int:
+        """A tree for a request joining decoding where trees pay at the batch it joins, for a request
+        accepting as its class does (entering them needs the hysteresis): a wave of requests reaching a
+        small batch would otherwise grow a tree for each of them in its prompt step, and the next step,
+        plain at the wave's size, would drop them all; a request reaching an idle engine grows its
+        first tree with its prompt."""
+        margin = 1.0 if self.speculating else 1.0 + self.hysteresis
+        pays = self._class(acceptance_class(r)).value > self.break_even(max(batch, 1)) * margin
+        return cap_k(r) if pays else 0
+
     def commit(self, decision: Decision, plan: StepPlan) -> None:
         decision.shape = plan.shape()[0]
 

@@ -76,6 +76,11 @@ class SpeculationPolicy(Protocol):
 
     def default_k(self, r: Request) -> int: ...
 
+    def joining_k(self, r: Request, batch: int) -> int:
+        """The k of a request whose prompt completes this step, when `batch` requests may decode in the
+        next: drafts it proposes now are verified only if the batch it joins speculates."""
+        ...
+
     def commit(self, decision: Decision, plan: StepPlan) -> None: ...
 
     def observe(self, decision: Decision, verified: list[tuple[Request, int, int]], seconds: float) -> None: ...
@@ -134,6 +139,9 @@ class FixedPolicy:
 
     def default_k(self, r: Request) -> int:
         return cap_k(r) if self.speculating else 0
+
+    def joining_k(self, r: Request, batch: int) -> int:
+        return cap_k(r) if not self.max_batch or batch <= self.max_batch else 0
 
     def commit(self, decision: Decision, plan: StepPlan) -> None:
         pass
@@ -269,6 +277,10 @@ class AdaptivePolicy:
     def default_k(self, r: Request) -> int:
         """Drafts for a request finishing its prompt: follow the batch's current mode."""
         return cap_k(r) if self.planner.speculating else 0
+
+    def joining_k(self, r: Request, batch: int) -> int:
+        """The planner prices k per request at its next plan: a joining request follows the mode now."""
+        return self.default_k(r)
 
     def commit(self, decision: Decision, plan: StepPlan) -> None:
         self.commit_shape(decision, *plan.shape())

@@ -105,12 +105,15 @@ class Scheduler:
             if r.status is Status.RUNNING:
                 plan.entries.append(entry)
                 budget -= entry.num_tokens + entry.num_drafts
+        # The batch the admitted requests join once their prompts are through: at most every running
+        # request and as many waiting ones as may run.
+        joining = min(len(self.running) + len(self.waiting), self.cfg.max_num_seqs)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             r = self.waiting[0]
             if self._wants_q_slot(r) and r.q_slot is None and not self.q_slots_free:
                 break
             hit = self.prefix.claim(r)
-            entry = self._plan_one(r, budget, None)
+            entry = self._plan_one(r, budget, self.policy.joining_k(r, joining))
             if entry is None or not self._reserve(r, entry):
                 self._release(r)
                 break
@@ -169,12 +172,11 @@ class Scheduler:
             return None
         return max(decision.ks.values())
 
-    def _plan_one(self, r: Request, budget: int, k: int | None,
+    def _plan_one(self, r: Request, budget: int, k: int,
                   pinned: Pin | None = None, verify_at_least: int = 0) -> Scheduled | None:
-        """k: drafts to verify now and to propose next (None: the policy's default for this request);
-        pinned: (to verify, to propose) instead, as the caller fixed them (`schedule`'s pin);
-        verify_at_least: drafts to verify where k says fewer (a probe's, proposed in the step before)."""
-        k = self.policy.default_k(r) if k is None else k
+        """k: drafts to verify now and to propose next; pinned: (to verify, to propose) instead, as the
+        caller fixed them (`schedule`'s pin); verify_at_least: drafts to verify where k says fewer (a
+        probe's, proposed in the step before)."""
         verify_k, k = (max(k, verify_at_least), k) if pinned is None else pinned
         pending = r.num_tokens - r.computed
         # What max_tokens leaves, unless drafts run past it (their tokens are cut when appended).

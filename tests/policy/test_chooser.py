@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import random
 
+from streamsd.config import SchedulerConfig
 from streamsd.policy.adaptive import CostTable
 from streamsd.policy.adaptive.cost import StepTable
 from streamsd.policy.chooser import TreeChooser
 from streamsd.policy.policy import Decision, StepShape
 from streamsd.request import Request, SamplingParams
+from streamsd.sched.plan import EntryResult
+from streamsd.sched.scheduler import Scheduler
 
 PLAIN_MS = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.1, 16: 1.2, 32: 1.5, 64: 2.0}
 NODES, DEPTH = 24, 4
@@ -143,6 +146,39 @@ def test_requests_with_speculation_off_bring_no_trees_and_no_streams():
     # one drafter at the prior τ 3 among three plain ones: (3 + 3) / 1.8 ms against 4 / 1 ms
     assert not _trees(chooser, on + off[:3])
     assert _trees(chooser, on)  # alone, 3 / 1.5 ms against 1 / 1 ms
+
+
+def test_requests_joining_a_speculating_batch_draft_only_if_trees_pay_at_the_batch_they_join():
+    """A wave of new requests reaching a small speculating batch: trees grown for them in their prompt
+    step would be dropped by the next step, plain at the wave's size."""
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
+    running = _batch(2)
+    assert _trees(chooser, running)
+    (new,) = _batch(1)
+    assert chooser.joining_k(new, 3) == NODES  # τ 3 against 1.7 at batch 3
+    assert chooser.joining_k(new, 16) == 0  # against 3.33 at batch 16
+    assert not _trees(chooser, _batch(16))
+    assert chooser.joining_k(new, 16) == 0 and chooser.joining_k(new, 1) == NODES  # the batch decides
+    for _ in range(20):
+        _step(chooser, running, accepted=0, tree_s=1.6e-3, plain_s=1.0e-3)  # every tree rejected: τ 1
+    assert chooser.joining_k(new, 1) == 0  # its class no longer pays even alone
+
+
+def test_a_scheduled_wave_grows_no_trees_its_batch_will_not_verify():
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
+    sched = Scheduler(SchedulerConfig(num_blocks=256, max_model_len=256, whole_drafts=True), policy=chooser)
+
+    def admit(n: int, tag: str) -> list[int]:
+        for i in range(n):
+            sched.add(Request(f"{tag}{i}", [1, 2, 3, 4], SamplingParams(max_tokens=64), seed=i, arrival=0.0,
+                              spec_k=NODES))
+        plan, _ = sched.schedule()
+        sched.update(plan, [EntryResult([5], 0, [], e.start + e.num_tokens) for e in plan.entries])
+        return [e.k_next for e in plan.entries]
+
+    assert admit(1, "a") == [NODES]  # alone: its tree pays, grown with its prompt
+    assert _trees(chooser, sched.running)
+    assert admit(20, "w") == [NODES] + [0] * 20  # the running one draws its tree; the wave's 21 would not pay
 
 
 def test_well_accepted_trees_keep_being_chosen_where_the_prior_alone_would_not():
