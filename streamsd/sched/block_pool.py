@@ -118,8 +118,9 @@ class BlockPool:
         """The cached entries of the longest prefix of these blocks ((tokens, extra) each), in order."""
         found: list[Entry] = []
         parent = ROOT
+        table = self._table
         for tokens, extra in keys_of:
-            entry = self._table.get((parent, tuple(tokens), extra))
+            entry = table.get((parent, tuple(tokens), extra))
             if entry is None:
                 break
             found.append(entry)

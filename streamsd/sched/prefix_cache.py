@@ -27,8 +27,7 @@ one written next), so a prompt whose every full block is cached recomputes its l
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from itertools import takewhile
+from collections.abc import Iterable
 
 from streamsd.request import Request
 from streamsd.sched.block_pool import ROOT, BlockPool
@@ -49,21 +48,15 @@ class PrefixCache:
         n = r.num_tokens
         return max(min((n - 1) // self.bs, (n - self.next_tokens) // self.bs), 0)
 
-    def _keys(self, r: Request, start: int, stop: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Blocks start..stop-1's keys of `r`, made as a lookup first asks for them (and kept in
-        `r.block_keys`): a lookup stops at the first miss, so a waiting request's peek (every step)
-        costs its cached blocks and one more, and building a key costs once per request."""
+    def _keys(self, r: Request, start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Blocks start..stop-1's keys of `r`, kept in `r.block_keys`: each block's key is built once per
+        request, in one pass over its tokens (a waiting request is peeked at every step)."""
         made = r.block_keys
-        if stop <= len(made):
-            yield from made[start:stop]
-            return
-        bs, nt = self.bs, self.next_tokens
-        ids = r.all_ids
-        for b in range(start, stop):
-            while len(made) <= b:
-                i = len(made)
-                made.append((tuple(ids[i * bs : (i + 1) * bs]), (*self.salt, *ids[(i + 1) * bs : (i + 1) * bs + nt])))
-            yield made[b]
+        if len(made) < stop:
+            bs, nt, salt = self.bs, self.next_tokens, self.salt
+            ids = tuple(r.all_ids)  # a tuple's slices are the keys' tuples: one copy each
+            made.extend([(ids[a : a + bs], salt + ids[a + bs : a + bs + nt]) for a in range(len(made) * bs, stop * bs, bs)])
+        return made[start:stop]
 
     def peek(self, r: Request) -> int:
         """Tokens of `r` a claim would find cached now (nothing is held)."""
@@ -132,4 +125,9 @@ class PrefixCache:
 
 def _leading(flags: Iterable[bool]) -> int:
     """How many of `flags` are true before the first false one."""
-    return sum(1 for _ in takewhile(bool, flags))
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n
