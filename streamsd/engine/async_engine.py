@@ -107,6 +107,7 @@ class AsyncEngine:
                 done = None
                 self._wake.clear()
                 await self._wake.wait()
+                core.waited()
                 continue
             plan, aborted = core.begin()
             running = loop.run_in_executor(self._executor, core.execute, plan) if plan.entries else None

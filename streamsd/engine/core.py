@@ -25,7 +25,7 @@ from streamsd.sched.scheduler import Scheduler
 
 log = logging.getLogger("streamsd")
 
-IDLE_GAP_S = 0.05  # a longer gap between two steps is the engine idle, not part of the next step's cost
+IDLE_GAP_S = 0.05  # a longer gap between two steps (a host stall) is not part of the next step's cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +165,13 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def waited(self) -> None:
+        """The engine ran out of work and waited for more: the next step's time starts at its own start.
+        Counted from the end of the step before, it read the wait for a burst of requests to arrive
+        as its own cost (a wave's prompt step read tens of ms of it), and the policy learns step costs
+        from these times."""
+        self.last_step_end = -1.0
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
