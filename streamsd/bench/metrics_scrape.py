@@ -17,6 +17,10 @@ PREFIXES = ("streamsd:", "vllm:")
 
 LabelKey = tuple[tuple[str, str], ...]
 
+#: The request histograms whose means split a server's TTFT (named as streamsd and vLLM export them).
+REQUEST_STAGES = (("tokenize", "request_tokenize_time_seconds"), ("queue", "request_queue_time_seconds"),
+                  ("prefill", "request_prefill_time_seconds"), ("ttft", "time_to_first_token_seconds"))
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -59,6 +63,10 @@ class SpecCounters:
     # Mean step time (ms) by kind (`prompt`, `verify`, `decode`) over the interval, where the server
     # reports `step_duration_seconds{kind}`: what a speculative step costs in service beside a plain one.
     step_ms: dict[str, float] = field(default_factory=dict)
+    # Mean per-request server time (ms) by stage over the interval, from the server's request histograms:
+    # `tokenize` (request to token ids), `queue` (to first scheduled), `prefill` (to first token) and
+    # `ttft`; a client's TTFT beyond the server's is HTTP and the client itself.
+    request_ms: dict[str, float] = field(default_factory=dict)
 
 
 def parse_metrics(text: str) -> Snapshot:
@@ -115,6 +123,11 @@ def spec_delta(before: Snapshot | None, after: Snapshot | None) -> SpecCounters 
         seconds, steps = diff("step_duration_seconds_sum", kind=kind), diff("step_duration_seconds_count", kind=kind)
         if seconds is not None and steps:
             step_ms[kind] = 1e3 * seconds / steps
+    request_ms = {}
+    for stage, name in REQUEST_STAGES:
+        seconds, requests = diff(f"{name}_sum"), diff(f"{name}_count")
+        if seconds is not None and requests:
+            request_ms[stage] = 1e3 * seconds / requests
     return SpecCounters(
         num_drafts=drafts,
         draft_tokens=draft_tokens,
@@ -123,4 +136,5 @@ def spec_delta(before: Snapshot | None, after: Snapshot | None) -> SpecCounters 
         mean_acceptance_length=1.0 + accepted / drafts if drafts else None,
         per_position_acceptance=per_pos,
         step_ms=step_ms,
+        request_ms=request_ms,
     )

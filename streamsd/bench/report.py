@@ -72,6 +72,11 @@ def _step_ms(c: CellResult) -> str:
     return "-" if m is None or not m.step_ms else ", ".join(f"{kind} {ms:.2f}" for kind, ms in m.step_ms.items())
 
 
+def _request_ms(c: CellResult) -> str:
+    m = c.speculation.metrics
+    return "-" if m is None or not m.request_ms else ", ".join(f"{stage} {ms:.2f}" for stage, ms in m.request_ms.items())
+
+
 DETAIL_ROWS: list[Row] = [
     ("Successful requests", lambda c: str(c.requests.completed)),
     ("Failed requests", lambda c: str(c.requests.failed)),
@@ -86,6 +91,7 @@ DETAIL_ROWS: list[Row] = [
     *_latency_rows("Time per Output Token (excl. 1st token)", "TPOT", lambda c: c.tpot_ms),
     *_latency_rows("Inter-token Latency (between chunks)", "ITL", lambda c: c.itl_ms),
     *_latency_rows("End-to-end Latency", "E2E", lambda c: c.e2e_ms),
+    ("Server ms per request, /metrics", _request_ms),
     ("--- Speculative Decoding ---", lambda c: ""),
     ("Acceptance rate, usage (%)", _usage_rate),
     ("Mean accepted length, usage", _usage_len),

@@ -159,6 +159,20 @@ def test_spec_delta_reads_the_mean_step_time_of_each_kind() -> None:
     assert delta.step_ms["verify"] == pytest.approx(3.0) and delta.step_ms["decode"] == pytest.approx(1.0)
 
 
+def test_spec_delta_splits_the_servers_ttft_by_stage() -> None:
+    """Where a request's time to first token went on the server, per request over the interval: the
+    means of the request histograms' deltas; a histogram the server lacks is left out."""
+    def hist(queue: tuple[float, int], ttft: tuple[float, int]) -> str:
+        return METRICS_BEFORE + "".join(
+            f"# TYPE streamsd:{name} histogram\n"
+            f'streamsd:{name}_bucket{{le="+Inf"}} {n}\nstreamsd:{name}_count {n}\nstreamsd:{name}_sum {t}\n'
+            for name, (t, n) in (("request_queue_time_seconds", queue), ("time_to_first_token_seconds", ttft)))
+
+    delta = spec_delta(parse_metrics(hist((1.0, 10), (2.0, 10))), parse_metrics(hist((1.3, 20), (2.8, 20))))
+    assert delta is not None and set(delta.request_ms) == {"queue", "ttft"}
+    assert delta.request_ms["queue"] == pytest.approx(30.0) and delta.request_ms["ttft"] == pytest.approx(80.0)
+
+
 # ---------------------------------------------------------------- SSE client
 
 
@@ -343,6 +357,10 @@ def test_serve_json_has_every_figure_group(server_url: str, tmp_path: Path) -> N
     assert off["speculation"]["metrics"]["draft_tokens"] == 0
     assert on["speculation"]["metrics"]["draft_tokens"] > 0
     assert on["speculation"]["usage"]["drafted"] > 0
+    for cell in doc["cells"]:  # the server's side of each request's TTFT, stage by stage
+        split = cell["speculation"]["metrics"]["request_ms"]
+        assert set(split) == {"tokenize", "queue", "prefill", "ttft"}, split
+        assert 0 < split["prefill"] <= split["ttft"] <= cell["ttft_ms"]["mean"]
     (comparison,) = doc["comparisons"]
     assert comparison["setting"] == "c=4" and len(comparison["rounds"]) == 1
     assert comparison["median_ratio"] == pytest.approx(
