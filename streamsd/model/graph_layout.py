@@ -6,6 +6,8 @@ spec_decode/eagle/grow_graphs.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -84,13 +86,12 @@ def packed_prompt_tail(host: np.ndarray, starts: list[int], counts: list[int], r
     returns (those asked for, then row 0 again) and the tiles of every sequence's tokens,
     `per_tile` tokens a tile (kernels/attention/prefill.py's (sequence, first row, tokens, first
     position)), padded with empty tiles to `n_tiles`."""
+    from streamsd.kernels.attention.prefill import prefill_tiles  # the eager prompt step's tiles, padded
+
+    firsts = [0, *itertools.accumulate(counts)][:-1]  # each sequence's first row in the packed slots
+    found = prefill_tiles(firsts, counts, [s + c for s, c in zip(starts, counts, strict=True)], 0, per_tile)
     tiles = np.zeros((n_tiles, 4), dtype=np.int64)
-    n, first = 0, 0
-    for seq, (start, count) in enumerate(zip(starts, counts, strict=True)):
-        for off in range(0, count, per_tile):
-            tiles[n] = (seq, first + off, min(per_tile, count - off), start + off)
-            n += 1
-        first += count
+    tiles[: len(found)] = found
     row_tail = np.zeros(bucket, dtype=np.int64)
     row_tail[: len(rows)] = rows
     return np.concatenate([host, row_tail, tiles.reshape(-1)])
