@@ -118,16 +118,13 @@ def spec_delta(before: Snapshot | None, after: Snapshot | None) -> SpecCounters 
         (per_pos_after.get(str(p), 0.0) - per_pos_before.get(str(p), 0.0)) / drafts if drafts else 0.0
         for p in range(top + 1)
     )
-    step_ms = {}
-    for kind in STEP_KINDS:
-        seconds, steps = diff("step_duration_seconds_sum", kind=kind), diff("step_duration_seconds_count", kind=kind)
-        if seconds is not None and steps:
-            step_ms[kind] = 1e3 * seconds / steps
-    request_ms = {}
-    for stage, name in REQUEST_STAGES:
-        seconds, requests = diff(f"{name}_sum"), diff(f"{name}_count")
-        if seconds is not None and requests:
-            request_ms[stage] = 1e3 * seconds / requests
+    def mean_ms(histogram: str, **labels: str) -> float | None:
+        """A histogram's mean observation over the interval, in ms (None: none observed)."""
+        seconds, count = diff(f"{histogram}_sum", **labels), diff(f"{histogram}_count", **labels)
+        return 1e3 * seconds / count if seconds is not None and count else None
+
+    step_ms = {kind: ms for kind in STEP_KINDS if (ms := mean_ms("step_duration_seconds", kind=kind)) is not None}
+    request_ms = {stage: ms for stage, name in REQUEST_STAGES if (ms := mean_ms(name)) is not None}
     return SpecCounters(
         num_drafts=drafts,
         draft_tokens=draft_tokens,

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from streamsd.bench.compare import SLOWER, Comparison, lower_median
+from streamsd.bench.metrics_scrape import SpecCounters
 from streamsd.bench.results import CellResult
 from streamsd.bench.stats import Summary
 
@@ -67,14 +68,13 @@ def _per_pos(c: CellResult) -> str:
     )
 
 
-def _step_ms(c: CellResult) -> str:
-    m = c.speculation.metrics
-    return "-" if m is None or not m.step_ms else ", ".join(f"{kind} {ms:.2f}" for kind, ms in m.step_ms.items())
+def _ms_by(pick: Callable[[SpecCounters], dict[str, float]]) -> Callable[[CellResult], str]:
+    """A row of one of the /metrics delta's ms-by-name dicts (its step or request times)."""
+    def row(c: CellResult) -> str:
+        by = pick(c.speculation.metrics) if c.speculation.metrics is not None else {}
+        return ", ".join(f"{name} {ms:.2f}" for name, ms in by.items()) or "-"
 
-
-def _request_ms(c: CellResult) -> str:
-    m = c.speculation.metrics
-    return "-" if m is None or not m.request_ms else ", ".join(f"{stage} {ms:.2f}" for stage, ms in m.request_ms.items())
+    return row
 
 
 DETAIL_ROWS: list[Row] = [
@@ -91,7 +91,7 @@ DETAIL_ROWS: list[Row] = [
     *_latency_rows("Time per Output Token (excl. 1st token)", "TPOT", lambda c: c.tpot_ms),
     *_latency_rows("Inter-token Latency (between chunks)", "ITL", lambda c: c.itl_ms),
     *_latency_rows("End-to-end Latency", "E2E", lambda c: c.e2e_ms),
-    ("Server ms per request, /metrics", _request_ms),
+    ("Server ms per request, /metrics", _ms_by(lambda m: m.request_ms)),
     ("--- Speculative Decoding ---", lambda c: ""),
     ("Acceptance rate, usage (%)", _usage_rate),
     ("Mean accepted length, usage", _usage_len),
@@ -101,7 +101,7 @@ DETAIL_ROWS: list[Row] = [
     ("Draft tokens", lambda c: _metric(c, "draft_tokens", lambda v: f"{v:.0f}")),
     ("Accepted tokens", lambda c: _metric(c, "accepted_tokens", lambda v: f"{v:.0f}")),
     ("Per-position acceptance (%)", _per_pos),
-    ("Step ms by kind, /metrics", _step_ms),
+    ("Step ms by kind, /metrics", _ms_by(lambda m: m.step_ms)),
 ]
 
 SUMMARY_ROWS: list[Row] = [
