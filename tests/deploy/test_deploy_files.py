@@ -319,9 +319,9 @@ def test_dockerignore_keeps_the_context_small():
         line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    for heavy in (".git/HEAD", ".whl/x.whl", ".gl/x", "out/bench.json", "docs/speed.png",
+    for heavy in (".git/HEAD", "wheels/x.whl", "out/bench.json", "docs/speed.png",
                   "tests/__pycache__/x.pyc", "streamsd/__pycache__/x.pyc", ".pytest_cache/v", ".benchmarks/x.json",
-                  ".ruff_cache/x", ".venv/bin/python", "model.gguf", "streamsd.egg-info/PKG-INFO"):
+                  ".ruff_cache/x", ".mypy_cache/x", ".venv/bin/python", "model.gguf", "streamsd.egg-info/PKG-INFO"):
         assert _ignored(heavy, patterns), heavy
     for needed in ("pyproject.toml", "README.md", "streamsd/__init__.py", "web/index.html"):
         assert not _ignored(needed, patterns), needed
