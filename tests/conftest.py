@@ -76,3 +76,11 @@ def close_draft_dir(tmp_path_factory, tiny_model_dir) -> Path:
 def qwen_target_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return build_model(tmp_path_factory.mktemp("qwen"), family="qwen2", seed=5, tokenizer=tiny_tokenizer,
                        weight_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """HF transformers' greedy answers of the tiny target to tests/engine/engine_helpers.py's prompts."""
+    from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, hf_greedy
+
+    return hf_greedy(tiny_model_dir, PROMPTS, MAX_TOKENS)

@@ -7,7 +7,7 @@ reference arithmetic (llama.py) step for step, including where it rounds to the 
 results match the eager forward up to float32 reassociation.
 
 Reference: the eager layer of model/llama.py (`RMSNorm`, `apply_rope` and the cache write, the
-MLP's silu(gate) * up), which model/fast_forward.py replaces; tests/kernels/test_kernels.py
+MLP's silu(gate) * up), which model/fast_forward.py replaces; tests/kernels/test_model_kernels.py
 `test_fast_forward_matches_reference_forward` compares the two forwards.
 """
 

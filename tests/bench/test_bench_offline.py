@@ -147,7 +147,7 @@ def test_adaptive_synthetic_acceptance_in_every_cell(tmp_path, tiny_model_dir):
     policy never speculated, because its cost table (one sequence of N tokens) missed what a batch
     of requests costs on its own (now timed per batch x width, which
     test_startup_profile_times_the_engines_step_shape_within_its_budget checks; the planner's
-    choices given a table are test_adaptive.py's) and its warm-up pass's lessons carried into the
+    choices given a table are test_adaptive_planner.py's) and its warm-up pass's lessons carried into the
     measured pass. Here every cell must stay exact and report its step times and predictions, and a
     cell that speculated must measure the alpha asked for. Whether a cell speculates is not asserted:
     it rides on step times measured on this CPU, where a verify of 5 tokens a request costs 1.3-2x a

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamsd import LLM, SamplingParams
-from tests.engine.test_engine import MAX_TOKENS, PROMPTS, _assert_free, assert_pairs_follow_target
+from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, _assert_free, assert_pairs_follow_target
 
 # Ids the tiny tokenizer uses in these answers (the byte-level alphabet and early merges).
 BIAS = {70: 4.0, 88: -100.0, 300: 2.5}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from streamsd import LLM, SamplingParams
-from tests.engine.test_engine import PROMPTS
+from tests.engine.engine_helpers import PROMPTS
 from tests.tiny import CORPUS
 
 QUESTIONS = [
@@ -20,7 +20,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def eagle_head(tiny_model_dir, tmp_path_factory):
-    from tests.spec_decode.test_eagle import _train_head
+    from tests.spec_decode.eagle_helpers import _train_head
 
     return _train_head(tiny_model_dir, tmp_path_factory.mktemp("prefix_head"), "eagle3", epochs=5)
 

@@ -8,7 +8,7 @@ import pytest
 
 from streamsd import LLM, SamplingParams
 from streamsd.engine.warm_up import ALONE_TOKENS, NEW_TOKENS, warm_up, warm_up_prompt
-from tests.engine.test_engine import hf_greedy
+from tests.engine.engine_helpers import hf_greedy
 
 PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12 13"]
 

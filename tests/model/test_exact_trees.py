@@ -9,7 +9,7 @@ import torch
 
 from streamsd import LLM, SamplingParams
 from tests.model.test_exact_forward import PROMPTS, _greedy, _sampled
-from tests.spec_decode.test_eagle import _train_head
+from tests.spec_decode.eagle_helpers import _train_head
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

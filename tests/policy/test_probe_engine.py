@@ -11,7 +11,7 @@ import pytest
 from streamsd import LLM, SamplingParams
 from streamsd.policy.adaptive import CostTable
 from streamsd.policy.policy import AdaptivePolicy
-from tests.engine.test_engine import PROMPTS, _assert_free, hf_greedy
+from tests.engine.engine_helpers import PROMPTS, _assert_free, hf_greedy
 
 MAX_TOKENS = 40
 

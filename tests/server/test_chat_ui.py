@@ -1,6 +1,6 @@
 """The chat page as a daily user has it: saved conversations, regenerate and edit, a system prompt,
 the speculation view and a phone-sized layout. Headless Chromium against a real ``streamsd serve``
-(tiny random target and a close draft model), with the fixtures of test_web_ui.py."""
+(tiny random target and a close draft model), with the fixtures of web_ui_helpers.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.server import test_web_ui as web_ui
-from tests.server.test_web_ui import SCREENSHOT_TURNS, _record_ws, _send, _serve, _set_settings, expect
+from tests.server import web_ui_helpers as web_ui
+from tests.server.web_ui_helpers import _record_ws, _send, _serve, _set_settings, expect
 
-# The browser, the live server and the page factory are test_web_ui.py's fixtures.
+# The browser, the live server and the page factory are web_ui_helpers.py's fixtures.
 browser = web_ui.browser
 live_server = web_ui.live_server
 new_page = web_ui.new_page
@@ -22,6 +22,10 @@ pytestmark = pytest.mark.browser
 
 DONE_S = 60_000
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+SCREENSHOT_TURNS = [
+    "Add type hints to `def area(width, height): return width * height`",
+    "Now write it out again with a docstring.",
+]
 
 
 def _open(page, base: str) -> None:

@@ -10,8 +10,8 @@ import torch
 from streamsd import LLM, SamplingParams
 from streamsd.policy.policy import FixedPolicy
 from streamsd.worker.stream_catchup import Span, recompute_streams
-from tests.engine.test_engine import PROMPTS, _assert_free
-from tests.spec_decode.test_eagle import _train_head
+from tests.engine.engine_helpers import PROMPTS, _assert_free
+from tests.spec_decode.eagle_helpers import _train_head
 
 SHAPE = "4,3,3,10"
 

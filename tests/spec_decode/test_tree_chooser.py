@@ -13,8 +13,8 @@ from streamsd.policy.adaptive import CostTable
 from streamsd.policy.adaptive.cost import StepTable
 from streamsd.policy.chooser import TreeChooser
 from streamsd.policy.policy import Decision
-from tests.engine.test_engine import PROMPTS, _assert_free
-from tests.spec_decode.test_eagle import _train_head
+from tests.engine.engine_helpers import PROMPTS, _assert_free
+from tests.spec_decode.eagle_helpers import _train_head
 
 SHAPE = "4,3,3,10"
 

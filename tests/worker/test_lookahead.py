@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from streamsd import LLM, SamplingParams
-from tests.engine.test_engine import MAX_TOKENS, PROMPTS, _assert_free, greedy_params, hf_greedy
+from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, _assert_free, greedy_params, hf_greedy
 from tests.scripted_policy import ScriptedPolicy
 
 

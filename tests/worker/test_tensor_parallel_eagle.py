@@ -14,7 +14,7 @@ from streamsd.model.stream_store import StreamStore
 from streamsd.request import SamplingParams
 from streamsd.spec_decode.eagle.checkpoint import load_head
 from streamsd.worker.tp import TensorGroup
-from tests.spec_decode.test_eagle import _train_head
+from tests.spec_decode.eagle_helpers import _train_head
 from tests.worker.test_tensor_parallel import (
     MAX_TOKENS,
     assert_free,

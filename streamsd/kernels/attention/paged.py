@@ -17,7 +17,7 @@ QMAX (prompt chunks) are skipped by the kernel and go through prefill_attention.
 launch.
 
 `paged_attention` is model/attention.py's `paged_attention` (the reference, the CPU path), with the
-same arguments; tests/kernels/test_kernels.py `test_paged_attention_matches_reference`,
+same arguments; tests/kernels/test_attention_kernels.py `test_paged_attention_matches_reference`,
 `test_prompt_chunks_and_verify_windows_in_one_step_match_reference` and `test_tree_windows_match_reference`
 compare them (`decode_attention` is its decode/verify launch).
 """

@@ -12,8 +12,9 @@ It replaces one gather + SDPA per chunk and layer (~10 launches and their Python
 that admitted 32 prompts spent ~0.4 s on the 8B shape in attention bookkeeping alone). The tile
 list is built on the host from the step's layout: prefill steps run eagerly, never in a graph.
 
-Its reference is model/attention.py's `paged_attention` for the same chunks; tests/kernels/test_kernels.py
-`test_prompt_chunks_and_verify_windows_in_one_step_match_reference` compares them.
+Its reference is model/attention.py's `paged_attention` for the same chunks;
+tests/kernels/test_attention_kernels.py `test_prompt_chunks_and_verify_windows_in_one_step_match_reference`
+compares them.
 """
 
 from __future__ import annotations

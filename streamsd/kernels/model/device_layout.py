@@ -2,7 +2,7 @@
 previous verify's results, on the device (worker/lookahead.py, model/graphs.py).
 
 `restart` is model/device_layout.py's `restart` (its torch path is the reference), with the same
-arguments; tests/kernels/test_kernels.py `test_restart_kernel_equals_the_torch_layout` compares them.
+arguments; tests/kernels/test_model_kernels.py `test_restart_kernel_equals_the_torch_layout` compares them.
 
 In torch this is ~25 small ops (gather the bonus token, concatenate the drafts, add the accepted
 count, positions, the block-table lookup, four slice copies), ~0.5 ms of host time a step: more than

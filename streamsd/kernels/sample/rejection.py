@@ -11,7 +11,7 @@ K + 1 positions; the kernel's single pass computes the residual race and the pla
 and picks the second only when the residual is empty, the reference's fallback. Divisions are
 round-to-nearest (div_rn) and ties go to the lowest index, as torch's argmax does.
 
-`rejection_sample` here and in sample/rejection.py: tests/kernels/test_kernels.py
+`rejection_sample` here and in sample/rejection.py: tests/kernels/test_sample_kernels.py
 `test_rejection_kernel_matches_reference` and `test_rejection_kernel_draws_its_own_keyed_numbers`
 compare them.
 """

@@ -7,7 +7,7 @@ verify step drew its noise and acceptance uniforms that way, and a sampled EAGLE
 ~70 graph nodes per draft. Here the hash runs in native uint32 arithmetic (products wrap mod 2**32,
 shifts are logical), which is the same function, so the bits equal the torch oracle's.
 
-`uniforms` and `exponentials` here and in sample/rng.py: tests/kernels/test_kernels.py
+`uniforms` and `exponentials` here and in sample/rng.py: tests/kernels/test_sample_kernels.py
 `test_rng_kernels_give_the_torch_oracles_bits` compares them.
 """
 

@@ -12,7 +12,7 @@ the request's temperature plus the Gumbel noise its target will race at the chil
 (kernels/sample/rng.py's bits, -log of the Exp(1) noise): the same numbers spec_decode/eagle/tree.race_logits
 makes in torch, never written out.
 
-`topk_logprobs` here and in spec_decode/eagle/tree.py (the reference): tests/kernels/test_kernels.py
+`topk_logprobs` here and in spec_decode/eagle/tree.py (the reference): tests/kernels/test_sample_kernels.py
 `test_topk_logprobs_equal_torchs_log_softmax_and_topk` and
 `test_raced_topk_equals_the_torch_race_and_its_noise_is_the_targets` compare them.
 """

@@ -16,7 +16,7 @@ instead (kernels/sample/warp_chunked.py): the same distribution, rounded differe
 sampling — always eager, after its graph — never takes that path.
 
 `warp` is sample/warp.py's `warp` for rows without top-k/top-p (given their temperature and min-p),
-`sample_keyed` sample/sampler.py's `sample_keyed`; tests/kernels/test_kernels.py
+`sample_keyed` sample/sampler.py's `sample_keyed`; tests/kernels/test_sample_kernels.py
 `test_warp_kernel_matches_the_torch_warp` and `test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path`
 compare them.
 """

@@ -12,7 +12,7 @@ saved on the H200 (a plain step sampling this way took 49 us longer at T = 1), s
 one program a row. The chunking depends on the vocabulary only, never on the batch.
 
 `warp` is sample/warp.py's `warp` (as kernels/sample/warp.py's), `row_argmax` sample/greedy.py's
-`row_argmax`; tests/kernels/test_kernels.py `test_warp_kernel_matches_the_torch_warp` (chunked) and
+`row_argmax`; tests/kernels/test_sample_kernels.py `test_warp_kernel_matches_the_torch_warp` (chunked) and
 `test_row_argmax_finds_the_first_maximum_as_torch_does` compare them.
 """
 

@@ -13,7 +13,7 @@ the next step's window were ~100 small torch kernels, a few microseconds each on
 
 `walk` is spec_decode/tree.py's `walk` (with its `catch_up` laid out), `move_kv` sample/tree_verify.py's
 `move_kv` (the same arguments; `move_path` moves one store and a second beside it), `next_step` the
-window spec_decode/tree.py builds (`window_bits`, `positions_to_slots`); tests/kernels/test_kernels.py
+window spec_decode/tree.py builds (`window_bits`, `positions_to_slots`); tests/kernels/test_tree_kernels.py
 `test_tree_bookkeeping_kernels_equal_the_torch_oracles` and `test_tree_kv_moves_equal_the_torch_move_kv`
 compare them.
 """

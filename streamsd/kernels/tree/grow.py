@@ -7,7 +7,7 @@ program per request writes the level's candidates into the tree's buffers (path 
 parent), picks its `M` likeliest (the lowest index first among equal scores) and writes each
 one's token, score, candidate index, feature row, mask, RoPE position and window slot.
 
-`expand_level` here and in spec_decode/eagle/tree.py: tests/kernels/test_kernels.py
+`expand_level` here and in spec_decode/eagle/tree.py: tests/kernels/test_tree_kernels.py
 `test_tree_growth_levels_equal_the_torch_oracle` compares them.
 """
 

@@ -5,7 +5,7 @@ layer gathered the tokens' embeddings, normalised both (two RMSNorms), and conca
 launches of a few microseconds each, four levels a step. Here one program per row does all of it, with
 the arithmetic of `EagleHead.run_layer` (kernels/fused.py's RMSNorm row).
 
-Reference: `EagleHead.run_layer` (spec_decode/eagle/head.py); tests/kernels/test_kernels.py
+Reference: `EagleHead.run_layer` (spec_decode/eagle/head.py); tests/kernels/test_model_kernels.py
 `test_fast_eagle_head_matches_its_reference_layer` compares them.
 """
 

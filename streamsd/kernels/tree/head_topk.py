@@ -22,7 +22,8 @@ The int8 rows only rank drafts: the target verifies whatever the tree holds, so 
 a head's acceptance moves by what int8 rounding moves its ranking.
 
 Reference: the head's norm and lm_head over the dequantized rows, then spec_decode/eagle/tree.py's
-`topk_logprobs`; tests/kernels/test_kernels.py `test_int8_head_topk_equals_its_torch_oracle` compares them.
+`topk_logprobs`; tests/kernels/test_tree_kernels.py `test_int8_head_topk_equals_its_torch_oracle` compares
+them.
 """
 
 from __future__ import annotations

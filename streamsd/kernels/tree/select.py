@@ -7,7 +7,7 @@ once, is written by kernels/tree/bookkeeping.py's walk.)
   other (a stable descending sort is the count of the better ones, ties broken by index), and ranks each
   one's parent the same way, which is its node index once kept.
 
-`select` here and in spec_decode/tree.py: tests/kernels/test_kernels.py
+`select` here and in spec_decode/tree.py: tests/kernels/test_tree_kernels.py
 `test_tree_step_kernels_equal_the_torch_oracles` compares them.
 """
 
