@@ -9,10 +9,10 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from streamsd.config import EngineConfig
+    from streamsd.config import EngineConfig, SpecMethod
     from streamsd.engine.core import EngineCore
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -99,7 +99,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
                         "one; auto: on CUDA, where the GPU runs ahead of the host")
 
 
-def default_speculation(model: str, draft_model: str | None, device: str | None) -> str:
+def default_speculation(model: str, draft_model: str | None, device: str | None) -> SpecMethod | Literal["none"]:
     """--speculative-method when none is given. For the embedded default model: its shipped EAGLE head
     on CUDA (batch 1 on the H200, 16 held-out prompts, against pipelined plain steps: 1.46x plain at
     T=0, 0.88x at T=1; n-gram 1.08x and 0.75x) and n-gram lookup on a CPU, where the head's extra
@@ -160,13 +160,13 @@ def _engine_config(a: argparse.Namespace, max_queue: int = 1024):
     from streamsd.config import EngineConfig, SpecConfig, TreeShape
 
     a, window = _with_speculative_config(a)
-    method = a.speculative_method or default_speculation(a.model, a.draft_model, a.device)
+    method: SpecMethod | Literal["none"] = a.speculative_method or default_speculation(a.model, a.draft_model, a.device)
     shape = default_tree(a, method)
     tree = TreeShape.parse(shape) if shape else None
     max_batch = a.speculative_max_batch or 0
     # A gate asked for with no policy means the fixed one (the adaptive policy and the chooser gate themselves).
     gated = bool(max_batch) and a.speculation_policy is None
-    policy = "fixed" if gated else a.speculation_policy or "adaptive"
+    policy: Literal["adaptive", "fixed"] = "fixed" if gated else a.speculation_policy or "adaptive"
     spec = SpecConfig(method=None if method == "none" else method,
                       num_tokens=tree.nodes if tree else a.num_speculative_tokens, draft_model=a.draft_model,
                       draft_greedy_threshold=a.draft_greedy_threshold, policy=policy, tree=tree,

@@ -45,7 +45,7 @@ from streamsd.bench import offline_run as R
 from streamsd.bench.identical import batch_invariance, report
 from streamsd.bench.offline_cells import Policies, forced_plain_cell, hf_cells, make_cell, spec_cell
 from streamsd.bench.offline_report import plot, print_table
-from streamsd.config import EngineConfig, SpecConfig
+from streamsd.config import EngineConfig, SpecConfig, SpecMethod
 from streamsd.engine.builder import Runtime, build_runtime
 
 TEXT_PROMPTS = (
@@ -133,19 +133,20 @@ def _doc(args: argparse.Namespace, rt: Runtime, alphas: list[float], cells: list
 
 def _build(args: argparse.Namespace, batches: list[int], k: int) -> tuple[Runtime, SpecConfig]:
     method = args.speculative_method
-    build_method = {"draft": "draft", "ngram": "ngram", "eagle": "eagle"}.get(method)  # eagle: --draft-model is the head
+    built: dict[str, SpecMethod] = {"draft": "draft", "ngram": "ngram", "eagle": "eagle"}  # eagle: --draft-model is the head
+    build_method = built.get(method)
     if method == "synthetic" and args.draft_model:
         build_method = "draft"  # the synthetic proposer runs the real draft model for its cost
     max_len = max(args.prompt_len, 512) + args.max_tokens + k + 16
     cfg = EngineConfig(
         model=args.model,
-        spec=SpecConfig(method=build_method, num_tokens=k, draft_model=args.draft_model),  # type: ignore[arg-type]
+        spec=SpecConfig(method=build_method, num_tokens=k, draft_model=args.draft_model),
         device=args.device, dtype=args.dtype, max_num_seqs=max(batches), context_cap=max_len,
         kv_cache_tokens=max(batches) * max_len + 256, max_num_batched_tokens=max(2048, max(batches) * (k + 1)),
         cuda_graphs=not args.no_cuda_graphs, exact=args.exact,
     )
     rt = build_runtime(cfg)
-    spec = SpecConfig(method=None if method == "none" else method, num_tokens=k,  # type: ignore[arg-type]
+    spec = SpecConfig(method=None if method == "none" else method, num_tokens=k,
                       draft_model=args.draft_model if build_method == "draft" else None)
     return rt, spec
 

@@ -22,6 +22,7 @@ from streamsd.config import SpecConfig
 from streamsd.engine.builder import Runtime, adaptive_policy, queue_chains
 from streamsd.policy.adaptive import CostTable
 from streamsd.policy.policy import AdaptivePolicy
+from streamsd.spec_decode.draft_model import DraftModelProposer
 from streamsd.worker.profile import profile_worker
 
 PlainRerun = Callable[[], R.PassResult]
@@ -127,7 +128,7 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
     passes = _paired_passes(args.pairs, rerun_plain, measure)
     res, paired, rt_m = _median_pair(passes, plain)
     if method == "synthetic":
-        desyncs = rt.worker.proposer.counters.desyncs
+        desyncs = prop.counters.desyncs
     c = R.draft_cost_ratio(rt, b)
     floor = R.floor_step_ms(rt.args, dtype, b, mean_ctx, draft_args if c else None, k)
     cell = make_cell("streamsd", method, b, res, floor_ms=floor, tokens_per_step=res.tau or 1.0)
@@ -150,7 +151,9 @@ def spec_cell(rt: Runtime, spec: SpecConfig, args: argparse.Namespace, prompts: 
         raw = [(e["mean_abs_raw"], e["steps"]) for e in kinds.values()]
         n = sum(s for _, s in raw)
         cell["pred_err_raw_pct"] = round(100 * sum(e * s for e, s in raw) / n, 2) if n else None
-        cell["plain_step_share"] = round(float(summary["plain_step_share"]), 3)  # type: ignore[arg-type]
+        share = summary["plain_step_share"]
+        assert isinstance(share, float)  # a ratio (policy/record.py)
+        cell["plain_step_share"] = round(share, 3)
         # The table per (batch, verify tokens) shape: the worst |Σ predicted / Σ measured − 1| over the
         # shapes the cell ran at least 10 times (the per-step mean above also counts each step's jitter).
         shapes = summary["by_shape"]
@@ -213,7 +216,7 @@ def _pair_spread(passes: list[Pair], plain: R.PassResult, median: float | None =
     ratios = [_against_plain(res, plain, paired) for res, paired, _ in passes]
     plain_tpot = [(paired or plain).tpot_ms for _, paired, _ in passes]
     spread = spread_of(plain_tpot)
-    out = {"pairs": len(passes), **{f"pair_{key}": [r.get(key) for r in ratios]
+    out: dict[str, Any] = {"pairs": len(passes), **{f"pair_{key}": [r.get(key) for r in ratios]
                                     for key in ("measured_speedup", "decode_step_vs_plain", "decode_speedup")},
            "pair_plain_tpot_ms": [round(t, 3) for t in plain_tpot],
            "plain_spread": None if spread is None else round(spread, 4)}
@@ -259,7 +262,9 @@ def hf_cells(rt: Runtime, hf: Any, args: argparse.Namespace, prompts: list[list[
             return out
         kw: dict[str, Any] = {"prompt_lookup_num_tokens": args.num_speculative_tokens}
         if args.speculative_method == "draft":
-            draft = R.hf_model(draft_dir(args.draft_model), rt.worker.proposer.model, dev, dtype)
+            proposer = rt.worker.proposer
+            assert isinstance(proposer, DraftModelProposer)  # what the draft method builds (engine/builder.py)
+            draft = R.hf_model(draft_dir(args.draft_model), proposer.model, dev, dtype)
             kw = {"assistant_model": draft, "num_assistant_tokens": args.num_speculative_tokens,
                   "num_assistant_tokens_schedule": "constant"}
         tpot, tps = R.hf_pass(hf, prompts, args.max_tokens, dev, pad, **kw)

@@ -89,10 +89,10 @@ def plot(doc: dict[str, Any], path: str) -> None:
         return
     labels = [f"{c['method']} B={c['batch']}" + (f" α={c['acceptance_rate']}" if c.get("acceptance_rate") is not None
                                                  else "") for c in spec]
-    xs = range(len(spec))
-    ax2.bar([x - 0.2 for x in xs], [c["measured_speedup"] for c in spec], width=0.4, label="measured")
-    ax2.bar([x + 0.2 for x in xs], [c["analytic_speedup"] for c in spec], width=0.4, label="analytic")
-    ax2.set_xticks(list(xs), labels, rotation=20, fontsize=8)
+    bars = range(len(spec))
+    ax2.bar([x - 0.2 for x in bars], [c["measured_speedup"] for c in spec], width=0.4, label="measured")
+    ax2.bar([x + 0.2 for x in bars], [c["analytic_speedup"] for c in spec], width=0.4, label="analytic")
+    ax2.set_xticks(list(bars), labels, rotation=20, fontsize=8)
     ax2.axhline(1.0, color="k", lw=0.8)
     ax2.set_ylabel("speedup over plain (×)")
     ax2.set_title("speculation" + (" (SYNTHETIC acceptance)" if doc.get("acceptance_rate") is not None else ""))

@@ -111,11 +111,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         proc.terminate()
         proc.wait(60)
-    rows = {}
-    for name, s in (("offline engine", offline), ("SSE server", served)):
-        rows[name] = {"ttft_ms": 1e3 * statistics.median(x for x, _ in s), "tpot_ms": 1e3 * statistics.median(y for _, y in s)}
-    o, s = rows["offline engine"], rows["SSE server"]
-    rows["HTTP overhead"] = {"ttft_ms": s["ttft_ms"] - o["ttft_ms"], "tpot_ms": s["tpot_ms"] - o["tpot_ms"]}
+    rows: dict[str, dict[str, float]] = {}
+    for name, timings in (("offline engine", offline), ("SSE server", served)):
+        rows[name] = {"ttft_ms": 1e3 * statistics.median(x for x, _ in timings),
+                      "tpot_ms": 1e3 * statistics.median(y for _, y in timings)}
+    off, sse = rows["offline engine"], rows["SSE server"]
+    rows["HTTP overhead"] = {"ttft_ms": sse["ttft_ms"] - off["ttft_ms"], "tpot_ms": sse["tpot_ms"] - off["tpot_ms"]}
     print(f"{'':18}{'TTFT ms':>10}{'TPOT ms':>10}   ({args.model}, batch 1, {args.speculative_method}, "
           f"{args.max_tokens} tokens, median of {len(served)})")
     for name, r in rows.items():

@@ -202,7 +202,8 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
         draft, draft_path = load_model(cfg.spec.draft_model, device, dtype)
         check_vocab(loading.result(), load_tokenizer(draft_path), args, draft.args)
         model_dirs.append(draft_path)
-    head, depth_steps = None, ()
+    head = None
+    depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = ()
     if cfg.spec.method == "eagle":
         hdir = head_dir(cfg.spec.draft_model, cfg.model)
         head, depth_steps = load_head(hdir, target, device, dtype, path), measured_depth_steps(hdir)

@@ -91,8 +91,9 @@ class GenerationDefaults:
 def _valid(name: str, value: float) -> bool:
     """Whether a request could ask for this value (a model's default out of range must not turn every
     request that leaves the field out into a 400 naming a field the client never sent)."""
+    field_value: dict[str, Any] = {name: value}  # one named field, so SamplingParams's own types don't apply
     try:
-        SamplingParams(**{name: value})
+        SamplingParams(**field_value)
     except ValueError:
         return False
     return True

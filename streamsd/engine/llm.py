@@ -108,8 +108,8 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        ids = [self.core.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+            prompts = [prompts]
+        ids = [self.core.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         return self._run(ids, texts, sampling_params)
 

@@ -152,7 +152,7 @@ def _sampling_variants(vocab: int, cache_dtype: torch.dtype, device: torch.devic
 
 
 def _paged_tasks(layouts: list[tuple[int, int, int]], dtype: torch.dtype, page: int, device: torch.device,
-                 trees: bool) -> list[Callable[[], None]]:
+                 trees: bool) -> list[partial[None]]:
     """One task per decode/verify attention variant: head layout, query width, split count, tree or not."""
     tasks = []
     for layout in layouts:

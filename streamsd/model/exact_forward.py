@@ -94,7 +94,7 @@ def exact_reference_forward(model: Transformer, input_ids: torch.Tensor, layout:
     sin = model.rope_sin.index_select(0, layout.positions)
     h = model.model.embed_tokens(input_ids)  # [T, hidden]
     captured: list[torch.Tensor] = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.model.decoder_layers()):
         if i in hidden_layers:
             captured.append(h.index_select(0, hidden_rows))
         at, mlp = layer.self_attn, layer.mlp

@@ -25,7 +25,7 @@ from torch import nn
 
 from streamsd.kernels.fused import add_rmsnorm, rope_and_cache, silu_mul
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
-from streamsd.model.llama import ForwardOutput, Transformer, store_streams
+from streamsd.model.llama import ForwardOutput, RMSNorm, Transformer, store_streams
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ def concat_params(mods: list[nn.Linear], attr: str) -> torch.Tensor | None:
 
 def fuse_weights(model: Transformer) -> list[FusedLayer]:
     fused = []
-    for layer in model.model.layers:
+    for layer in model.model.decoder_layers():
         a, m = layer.self_attn, layer.mlp
         qkv_w = concat_params([a.q_proj, a.k_proj, a.v_proj], "weight")
         qkv_b = concat_params([a.q_proj, a.k_proj, a.v_proj], "bias")
@@ -63,8 +63,18 @@ def fuse_weights(model: Transformer) -> list[FusedLayer]:
     return fused
 
 
+def input_norms(model: Transformer) -> list[torch.Tensor]:
+    """Each layer's input RMSNorm weight [hidden], which the fused add+RMSNorm kernel reads."""
+    weights: list[torch.Tensor] = []
+    for layer in model.model.decoder_layers():
+        norm = layer.input_layernorm
+        assert isinstance(norm, RMSNorm)  # every target layer's (an EAGLE-1 head's layer has none)
+        weights.append(norm.weight)
+    return weights
+
+
 def enable_fast_forward(model: Transformer, exact: bool = False) -> None:
-    fused = fuse_weights(model)
+    fused, norms = fuse_weights(model), input_norms(model)
     linear: Linear = F.linear
     if exact:
         from streamsd.kernels.exact.matmul import exact_linear
@@ -75,15 +85,15 @@ def enable_fast_forward(model: Transformer, exact: bool = False) -> None:
              hidden_layers: tuple[int, ...] = (), hidden_rows: torch.Tensor | None = None,
              every_row: bool = False, float_logits: bool = True,
              streams_into: torch.Tensor | None = None) -> ForwardOutput:
-        return fast_forward(model, fused, input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows,
+        return fast_forward(model, fused, norms, input_ids, layout, cache, logits_rows, hidden_layers, hidden_rows,
                             every_row, float_logits, streams_into, linear, exact)
 
     model.fast = fast
 
 
 @torch.inference_mode()
-def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.Tensor, layout: BatchLayout,
-                 cache: PagedKVCache, logits_rows: torch.Tensor, hidden_layers: tuple[int, ...] = (),
+def fast_forward(model: Transformer, fused: list[FusedLayer], norms: list[torch.Tensor], input_ids: torch.Tensor,
+                 layout: BatchLayout, cache: PagedKVCache, logits_rows: torch.Tensor, hidden_layers: tuple[int, ...] = (),
                  hidden_rows: torch.Tensor | None = None, every_row: bool = False,
                  float_logits: bool = True, streams_into: torch.Tensor | None = None, linear: Linear = F.linear,
                  exact: bool = False) -> ForwardOutput:
@@ -92,11 +102,12 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
     upcasts as it loads draws the same tokens from them); streams_into: a stream store's rows
     [slots, len(hidden_layers) * hidden], where every row's streams go at its KV slot (hidden_layers
     ascending; none returned). Streams of inner layers go there from the add+RMSNorm that makes them,
-    with no copy or cat after. linear: every GEMM's; exact: the final norm one program a row too."""
+    with no copy or cat after. norms: input_norms; linear: every GEMM's; exact: the final norm one
+    program a row too."""
     a = model.layer_args  # this rank's heads under tensor parallelism (model/parallel.py)
     t = input_ids.shape[0]
     h = model.embed(input_ids)  # [T, hidden] the residual stream
-    layers = model.model.layers
+    layers = model.model.decoder_layers()
     captured: list[torch.Tensor] = []  # [M, hidden] per requested layer, ascending like the reference
     hidden_rows = logits_rows if hidden_rows is None else hidden_rows
     direct = streams_into is not None and all(0 < j < len(layers) for j in hidden_layers)
@@ -106,7 +117,7 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
             return None
         return streams_into, layout.slot_mapping, hidden_layers.index(j) * a.hidden_size
 
-    x, _ = add_rmsnorm(h, None, layers[0].input_layernorm.weight, a.rms_norm_eps)  # [T, hidden]
+    x, _ = add_rmsnorm(h, None, norms[0], a.rms_norm_eps)  # [T, hidden]
     for i, (layer, f) in enumerate(zip(layers, fused, strict=True)):
         if i in hidden_layers and not direct:  # h is the input of layer i (add_rmsnorm never overwrites it)
             captured.append(h if every_row or streams_into is not None else h.index_select(0, hidden_rows))
@@ -119,7 +130,7 @@ def fast_forward(model: Transformer, fused: list[FusedLayer], input_ids: torch.T
         x, h = add_rmsnorm(attn, h, layer.post_attention_layernorm.weight, a.rms_norm_eps)
         mlp = model.reduce(linear(silu_mul(linear(x, f.gate_up_weight, None)), layer.mlp.down_proj.weight, None))  # [T, hidden]
         if i + 1 < len(layers):
-            x, h = add_rmsnorm(mlp, h, layers[i + 1].input_layernorm.weight, a.rms_norm_eps, keep(i + 1))
+            x, h = add_rmsnorm(mlp, h, norms[i + 1], a.rms_norm_eps, keep(i + 1))
         else:
             h = h + mlp
     if a.num_layers in hidden_layers:  # the final pre-norm stream

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(a)
         self.mlp = MLP(a)
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        # An RMSNorm in every target layer; an EAGLE-1 head's layer has an Identity (spec_decode/eagle/head.py).
+        self.input_layernorm: RMSNorm | nn.Identity = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
@@ -91,6 +93,10 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(a.vocab_size, a.hidden_size), freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers` as the DecoderLayers they are (a ModuleList's items read as any Module)."""
+        return cast(list[DecoderLayer], list(self.layers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +116,10 @@ def store_streams(captured: list[torch.Tensor], streams_into: torch.Tensor | Non
 
 
 class Transformer(nn.Module):
+    # Buffers (register_buffer below): the RoPE tables, [max_position, head_dim] each.
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, args: ModelArgs, tp: TensorShard | None = None, layer_args: ModelArgs | None = None):
         super().__init__()
         self.args = args
@@ -141,7 +151,7 @@ class Transformer(nn.Module):
         return model.eval()
 
     @torch.inference_mode()
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         layout: BatchLayout,
@@ -168,7 +178,7 @@ class Transformer(nn.Module):
         h = self.embed(input_ids)  # [T, hidden]
         captured: list[torch.Tensor] = []
         hidden_rows = logits_rows if hidden_rows is None else hidden_rows
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.decoder_layers()):
             if i in hidden_layers:
                 captured.append(h.index_select(0, hidden_rows))
             attn = layer.self_attn(layer.input_layernorm(h), cos, sin, cache.layer(i), layout, self.attend)

@@ -179,7 +179,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 def _looks_like_path(spec: str) -> bool:
     if spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf"):
         return True
-    seps = {os.sep, os.altsep} - {None}
+    seps = {s for s in (os.sep, os.altsep) if s is not None}
     # "org/name" is a hub id even though it contains the separator; anything deeper is a path.
     return any(s in spec for s in seps) and not _HUB_ID.match(spec)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ from streamsd.model.arch import ModelArgs
 from streamsd.model.llama import Transformer
 from streamsd.model.loader import load_config
 
-_LLAMA3 = dict(
+_LLAMA3: dict[str, Any] = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_act="silu",
     max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000,
     eos_token_id=[128001, 128008, 128009], attention_bias=False, mlp_bias=False,

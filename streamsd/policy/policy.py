@@ -69,8 +69,10 @@ class Decision:
 
 
 class SpeculationPolicy(Protocol):
-    #: Whether the engine may choose step N+1's k while step N runs (see Scheduler.plan_ahead).
-    plans_ahead: bool
+    @property
+    def plans_ahead(self) -> bool:
+        """Whether the engine may choose step N+1's k while step N runs (see Scheduler.plan_ahead)."""
+        ...
 
     def choose(self, decoding: list[Request], prefill_tokens: int, backlog: bool) -> Decision: ...
 

@@ -135,7 +135,7 @@ class Verifier:
             parts.append(np.array([r.draft_ids[: e.num_drafts] + [0] * (k - e.num_drafts)
                                    for e, r in zip(entries, reqs, strict=True)], dtype=np.int64).ravel())  # [B * K]
         ints = h2d(torch.from_numpy(np.concatenate(parts)), torch.int64, dev)
-        greedy, seeds, num_drafts, q_slots = ints[:b].bool(), ints[b : 2 * b], ints[3 * b : 4 * b], ints[4 * b : 5 * b]
+        row_greedy, seeds, num_drafts, q_slots = ints[:b].bool(), ints[b : 2 * b], ints[3 * b : 4 * b], ints[4 * b : 5 * b]
         at = 5 * b
         if positions is None:
             positions = ints[at : at + b * (k + 1)].view(b, k + 1)  # [B, K+1]
@@ -145,7 +145,7 @@ class Verifier:
         probs = None
         if self.coupled and rows is not None and not all(r.params.greedy for r in reqs):
             target_argmax = self._plain_tokens(reqs, rows, ints[:b], seeds, positions)  # [B, K+1]
-            greedy = torch.ones_like(greedy)  # accept while the draft is that token: the greedy rule
+            row_greedy = torch.ones_like(row_greedy)  # accept while the draft is that token: the greedy rule
         elif rows is not None and not all(r.params.greedy for r in reqs):
             probs = warp(rows.view(-1, self.vocab), self.warp_params(reqs), reps=k + 1).view(b, k + 1, -1)  # [B, K+1, V]
         q = None
@@ -158,7 +158,7 @@ class Verifier:
             draft_probs=q,
             dense_q=ints[2 * b : 3 * b].bool(),
             num_drafts=num_drafts,
-            greedy=greedy,
+            greedy=row_greedy,
             uniforms=None,  # drawn by the sampler itself from (seed, position): rng.py's keyed numbers
             noise=None,
             seeds=seeds,
@@ -232,9 +232,9 @@ class Verifier:
         rows [B, K+1, V]; `ahead`: tokens the requests will have gained before these rows (0 for any
         penalised one); `depth` [B, K+1]: how far past the pending token each row decides, and `bits`
         [B][K+1] the window rows on its path (a draft tree's; default a chain's)."""
-        cells = []
-        pick = []
-        constrained = []
+        cells: list[tuple[int, int, int]] = []  # (row, window row, token) to ban
+        pick: list[int] = []
+        constrained: list[int] = []
         for b, e in enumerate(entries):
             p, r = e.request.params, e.request
             if p.penalties:
@@ -250,8 +250,8 @@ class Verifier:
                     cells.extend((b, j, t) for t in banned if t < self.vocab)
         if cells:
             rows = rows.clone()
-            b, j, t = zip(*cells, strict=True)
-            rows[list(b), list(j), list(t)] = float("-inf")
+            at_rows, at_window, at_tokens = zip(*cells, strict=True)
+            rows[list(at_rows), list(at_window), list(at_tokens)] = float("-inf")
         if pick:
             assert ahead == 0, "a penalised request's step was prepared before its tokens were known"
             rows = penalise(entries, rows, bits, pick)
@@ -268,9 +268,9 @@ class Verifier:
             return result
         top_n = max(reqs[i].params.logprobs or 0 for i in want)
         sub = rows[want]  # [W, K+1, V]
-        chosen, vals, ids = token_logprobs(sub.view(-1, self.vocab), tokens[want].view(-1), top_n)
+        chosen_d, vals_d, ids_d = token_logprobs(sub.view(-1, self.vocab), tokens[want].view(-1), top_n)
         shape = (len(want), sub.shape[1])
-        chosen, vals, ids = chosen.view(shape).tolist(), vals.view(*shape, -1).tolist(), ids.view(*shape, -1).tolist()
+        chosen, vals, ids = chosen_d.view(shape).tolist(), vals_d.view(*shape, -1).tolist(), ids_d.view(*shape, -1).tolist()
         for w, i in enumerate(want):
             n = reqs[i].params.logprobs or 0
             result[i] = [(chosen[w][j], list(zip(ids[w][j][:n], vals[w][j][:n], strict=True)))

@@ -103,7 +103,7 @@ class _Completion:
         for t in out.tokens:  # where each token starts in the choice's text, as vLLM counts
             offsets.append(self.offset[index])
             self.offset[index] += len(t.text)
-        done = {
+        done: dict[str, list[Any]] = {
             "tokens": [t.text for t in out.tokens],
             "token_logprobs": [t.logprob for t in out.tokens],
             "top_logprobs": [by_text(self.engine.core.tokenizer.decode, t.top_logprobs or []) for t in out.tokens],
@@ -210,9 +210,10 @@ def _prompt_list(prompt: str | list[int | str | list[int]]) -> list[str | list[i
     """The completions prompt as its prompts: a string, a list of token ids, or a list of either."""
     if isinstance(prompt, str):
         return [prompt]
-    if all(isinstance(x, int) for x in prompt):
-        return [[int(x) for x in prompt]]
-    if any(isinstance(x, int) for x in prompt):
+    ids = [int(x) for x in prompt if isinstance(x, int)]
+    if len(ids) == len(prompt):
+        return [ids]
+    if ids:
         raise ApiError(400, "prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
                        param="prompt")
     return [x for x in prompt if not isinstance(x, int)]

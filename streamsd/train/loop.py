@@ -94,7 +94,9 @@ class Corpus:
 def make_batches(lengths: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Groups of samples of similar length (little padding), in random order."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups, cur, longest = [], [], 0
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
     for i in order:
         n = lengths[i]
         if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
@@ -229,9 +231,10 @@ def train(head: EagleHead, target: Transformer, samples: list[Sample], draft_ids
 
     def report() -> None:
         el = max(time.monotonic() - t0, 1e-9)
+        assert log is not None  # called only where a log was given
         r = history[-1]
         matches = " / ".join(f"{r[f'match_{j}']:.2f}" for j in range(cfg.ttt_steps))
-        log(f"training: step {r['step']}/{plan['total']} ({r['step'] / per_epoch:.2f} epochs), loss "  # type: ignore[misc]
+        log(f"training: step {r['step']}/{plan['total']} ({r['step'] / per_epoch:.2f} epochs), loss "
             f"{r['loss']:.3f}, top-1 match {matches}, lr {r['lr']:.2e}, {tokens / el:.0f} tokens/s, {el:.0f}s")
 
     step = 0
@@ -246,6 +249,7 @@ def train(head: EagleHead, target: Transformer, samples: list[Sample], draft_ids
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             lr = sched.get_last_lr()[0]
+            assert isinstance(lr, float)  # a group's lr keeps the type it was given: AdamW's float
             sched.step()
             step += 1
             tokens += sum(corpus.lengths[g] for g in group)

@@ -60,7 +60,9 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
     draft = proposer.draft_model() if proposer is not None else None
     kernel_models = []
     for model in (worker.target, draft.model if draft else None):
-        d = model.args.head_dim if model is not None else 0
+        if model is None:
+            continue
+        d = model.args.head_dim
         exact_here = exact and model is worker.target
         if d and d & (d - 1) == 0:  # the kernels tile the head dimension by powers of two
             model.attend = exact_cuda_attention if exact_here else paged_attention

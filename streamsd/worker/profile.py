@@ -127,7 +127,9 @@ def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer |
     # Capturing is the graphs' own start-up cost, paid once whether or not they are profiled: done
     # first, outside the budget, so every cell the engine can run is timed rather than extrapolated.
     for runner, runner_cells in ((graphs, cells), (draft_graphs, [(b, 1) for b in batches])):
-        for key in runner_cells if runner is not None else ():
+        if runner is None:
+            continue
+        for key in runner_cells:
             if key not in runner.graphs:
                 runner._capture(*key)
     t_start = time.perf_counter()
@@ -137,7 +139,7 @@ def profile_costs(target: Transformer, cache: PagedKVCache, draft: Transformer |
         if over() and steps:
             break  # the rest are extrapolated by ShapeTable.from_samples
         steps[(b, w)] = time_step(target, cache, graphs, b, w, context, repeats, store)
-    drafts = {}
+    drafts: dict[int, float] = {}
     if draft is not None and draft_cache is not None:
         for b in batches:
             if over() and drafts:

@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.context import SpawnProcess
 from pathlib import Path
 
 import torch
@@ -155,7 +156,7 @@ class TensorGroup:
         self.world = world
         self.device = device
         self.timeout_s = timeout_s
-        self.procs: list[mp.Process] = []  # ranks 1..N-1
+        self.procs: list[SpawnProcess] = []  # ranks 1..N-1
         self.comm: Comm | None = None
         self.lost: RankLost | None = None
         self.on_lost: list[Callable[[str], None]] = []  # told once, from the monitor thread
@@ -273,7 +274,8 @@ class TensorGroup:
         pending = {p.sentinel: p for p in self.procs}
         while pending and not self._closing.is_set():
             for sentinel in multiprocessing.connection.wait(list(pending), timeout=1.0):
-                pending.pop(sentinel)  # type: ignore[call-overload]
+                # typeshed's wait() returns any waitable kind, not the kind given: these are the sentinels.
+                pending.pop(sentinel)  # type: ignore[arg-type]
             if self._closing.is_set() or self._note_exits():
                 return
 

@@ -106,7 +106,8 @@ class TreeGraphs:
         self.device = device
         self.buckets = buckets
         self.graphs: dict[tuple[int, int], _TreeGraph] = {}
-        self.pool: tuple[int, int] | None = None
+        # torch names its graph pool handle type only privately (a NewType of tuple[int, int]).
+        self.pool: torch.cuda._POOL_HANDLE | None = None
         self.replays = 0
 
     def key_for(self, reqs: list[Request], tables: list[list[int]]) -> tuple[int, int] | None:

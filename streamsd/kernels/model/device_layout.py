@@ -64,12 +64,14 @@ def restart(packed: torch.Tensor, t_all: int, src: DeviceStarts, width: int, blo
     from_prev = prev_starts is not None
     has_ids = tokens is not None
     assert not has_ids or from_prev, "ids come with the previous verify's accepted counts"
+    tokens_stride = drafts_stride = 0
     if has_ids:
         assert tokens is not None and drafts is not None
         tokens, drafts = tokens.contiguous(), drafts.contiguous()
+        tokens_stride, drafts_stride = tokens.stride(0), drafts.stride(0)
     _restart[(n,)](
         packed, starts, prev_starts if from_prev else starts, accepted if from_prev else starts,
         tokens if has_ids else packed, drafts if has_ids else packed, base if base is not None else packed,
-        block_table, t_all, block_table.stride(0), tokens.stride(0) if has_ids else 0,
-        drafts.stride(0) if has_ids else 0, width, block_size, FROM_PREV=from_prev, HAS_IDS=has_ids,
+        block_table, t_all, block_table.stride(0), tokens_stride,
+        drafts_stride, width, block_size, FROM_PREV=from_prev, HAS_IDS=has_ids,
         HAS_BASE=base is not None, BLOCK=triton.next_power_of_2(width))

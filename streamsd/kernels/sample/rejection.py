@@ -134,15 +134,28 @@ def rejection_sample(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]:
     hashed = v.noise is None and v.seeds is not None and v.positions is not None
     has_p = v.target_probs is not None and (v.noise is not None or hashed)
     has_q = has_p and v.draft_probs is not None and k > 0
-    p = v.target_probs.float().contiguous() if has_p else tokens  # [B, K+1, V]
-    noise = v.noise.float().contiguous() if has_p and not hashed else tokens  # [B, K+1, V]
-    q = v.draft_probs.float().contiguous() if has_q else tokens  # [B, K, V]
+    # Where a flag leaves an input unread, the kernel still gets a tensor to point at.
+    p = noise = q = tokens
+    if has_p:
+        assert v.target_probs is not None
+        p = v.target_probs.float().contiguous()  # [B, K+1, V]
+        if not hashed:
+            assert v.noise is not None  # has_p: noise, or its keys (hashed)
+            noise = v.noise.float().contiguous()  # [B, K+1, V]
+    if has_q:
+        assert v.draft_probs is not None
+        q = v.draft_probs.float().contiguous()  # [B, K, V]
     vocab = p.shape[-1] if has_p else 1
     # K == 0 still needs a [B, 1] draft tensor to point at; it is never read.
     draft = v.draft_ids.contiguous() if k > 0 else torch.zeros(batch, 1, dtype=torch.int64, device=dev)
-    uniforms = v.uniforms.float().contiguous() if k > 0 and has_p and not hashed else draft  # sampled rows only
-    seeds = v.seeds.contiguous() if hashed else draft  # [B]
-    positions = v.positions.contiguous() if hashed else draft  # [B, K+1]
+    uniforms = seeds = positions = draft
+    if k > 0 and has_p and not hashed:  # sampled rows only
+        assert v.uniforms is not None  # given with the noise
+        uniforms = v.uniforms.float().contiguous()
+    if hashed:
+        assert v.seeds is not None and v.positions is not None
+        seeds = v.seeds.contiguous()  # [B]
+        positions = v.positions.contiguous()  # [B, K+1]
     # The kernel indexes raw pointers: every input contiguous (views of a packed buffer arrive strided).
     _rejection_kernel[(batch,)](
         p, v.target_argmax.contiguous(), draft, q, v.dense_q.contiguous(), v.num_drafts.contiguous(),

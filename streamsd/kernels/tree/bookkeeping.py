@@ -76,7 +76,7 @@ def _walk_kernel(target_ptr, tokens_ptr, parents_ptr, emitted_ptr, accepted_ptr,
     tl.store(emitted_ptr + b * (D + 1) + D, -1)
     tl.debug_barrier()
     tl.store(emitted_ptr + b * (D + 1) + taken, tl.load(target_ptr + b * W + row))
-    tl.store(accepted_ptr + b, taken.to(tl.int64))
+    tl.store(accepted_ptr + b, tl.cast(taken, tl.int64))
     if CATCH:
         tl.debug_barrier()  # the emitted row, written above, is read back
         _catch_up_row(b, tl.load(roots_ptr + b), taken, emitted_ptr, bt_ptr, s_bt, ids_ptr, pos_ptr, slot_ptr,
@@ -99,11 +99,12 @@ def walk(target: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, max_
     accepted = torch.empty(b, dtype=torch.int64, device=dev)
     path = torch.empty(b, max_depth, dtype=torch.int64, device=dev)
     c = max_depth + 1
-    catch = None
+    catch: Catch | None = None
+    extra: tuple[torch.Tensor | int, ...]  # the kernel's arguments after n
     if roots is not None:
         assert block_table is not None
-        catch = (*(torch.empty(b * c, dtype=torch.int64, device=dev) for _ in range(3)),
-                 torch.empty(b, dtype=torch.int32, device=dev), torch.empty_like(roots))
+        ids, positions, slots = (torch.empty(b * c, dtype=torch.int64, device=dev) for _ in range(3))
+        catch = (ids, positions, slots, torch.empty(b, dtype=torch.int32, device=dev), torch.empty_like(roots))
         extra = (roots, block_table, block_table.stride(0), *catch)
     else:
         extra = (accepted, accepted, 0, *([accepted] * 5))  # unread

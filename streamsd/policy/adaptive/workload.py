@@ -112,7 +112,8 @@ def make_request(rid: int, seed: int, spec: ProposerSpec, prompt_len: tuple[int,
 
 def poisson_arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
     rng = random.Random(seed ^ 0x5EED)
-    times, t = [], 0.0
+    times: list[float] = []
+    t = 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= duration_s:

@@ -37,8 +37,9 @@ class FastHead:
         head, f = self.head, self.fused
         lay, a, eps = head.layer, head.spec.args, head.spec.args.rms_norm_eps
         if head.spec.kind == EAGLE3:  # the gather, the embedding and both norms: one launch
-            x, residual = head_input(ids, head.embed_table(), feats, rows, lay.input_layernorm.weight,
-                                     lay.hidden_norm.weight, eps, head.spec.norm_before_residual)  # [T, 2H], [T, H]
+            mid = head.midlayer
+            x, residual = head_input(ids, head.embed_table(), feats, rows, mid.input_layernorm.weight,
+                                     mid.hidden_norm.weight, eps, head.spec.norm_before_residual)  # [T, 2H], [T, H]
         else:
             if rows is not None:
                 feats = feats.index_select(0, rows)  # [T, H]
@@ -72,7 +73,7 @@ def fast_head(head: EagleHead, attend: AttentionFn, int8_logits: bool = False) -
     if head.spec.kind == EAGLE3:
         head.fast_norm = fast.normed
     if int8_logits:
-        lm = head.lm_head if hasattr(head, "lm_head") else head.shared.lm_head  # type: ignore[union-attr]
+        lm = head.output_head()
         head.int8_logits = DraftLogits.build(lm.weight.detach(), head.norm.weight if head.spec.kind == EAGLE3 else None,
                                              head.spec.args.rms_norm_eps, head.d2t if head.has_draft_vocab else None)
     return fast

@@ -98,7 +98,8 @@ class EagleGraphs:
         self.device = device
         self.buckets = buckets
         self.graphs: dict[tuple[int, int, int], _ChainGraph] = {}
-        self.pool: tuple[int, int] | None = None  # made at the first capture
+        # Made at the first capture; torch names the handle's type only privately (a NewType of tuple[int, int]).
+        self.pool: torch.cuda._POOL_HANDLE | None = None
         self.replays = 0
         self.chained = 0  # replays queued straight after a verify (run_chained)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -68,7 +68,21 @@ class Shared:
     norm: RMSNorm
 
 
+class Eagle3Layer(DecoderLayer):
+    """EAGLE-3's decoder layer: q/k/v over [embedding, hidden] (EagleHead widens them) and `hidden_norm`
+    (EagleHead adds it) over the fused target states, beside the input norm of the embedding."""
+
+    input_layernorm: RMSNorm
+    hidden_norm: RMSNorm
+
+
 class EagleHead(nn.Module):
+    # Buffers (register_buffer below): d2t and t2d for EAGLE-3, the RoPE tables once attached.
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, spec: HeadSpec, *, own_lm_head: bool, own_embed: bool):
         super().__init__()
         a, h = spec.args, spec.args.hidden_size
@@ -76,22 +90,23 @@ class EagleHead(nn.Module):
         #: what it does not borrow from the target (EAGLE-1 drafts through the target's lm_head)
         self.own_embed = own_embed
         self.own_lm_head = own_lm_head and spec.kind == EAGLE3
-        layer = DecoderLayer(a)
         if spec.kind == EAGLE3:
+            mid = Eagle3Layer(a)
             self.fc = nn.Linear(len(spec.aux_layers) * spec.target_hidden_size, h, bias=spec.fc_bias)
-            att = layer.self_attn
+            att = mid.self_attn
             # The layer reads [embedding, hidden]: q, k and v are twice as wide on input.
             att.q_proj = nn.Linear(2 * h, a.num_heads * a.head_dim, bias=a.qkv_bias)
             att.k_proj = nn.Linear(2 * h, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
             att.v_proj = nn.Linear(2 * h, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
-            layer.hidden_norm = RMSNorm(h, a.rms_norm_eps)
-            self.midlayer = layer
+            mid.hidden_norm = RMSNorm(h, a.rms_norm_eps)
+            self.midlayer = mid
             self.norm = RMSNorm(h, a.rms_norm_eps)
             if own_lm_head:
                 self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.ones(spec.vocab_size, dtype=torch.bool))
         else:
+            layer = DecoderLayer(a)
             self.fc = nn.Linear(2 * h, h, bias=spec.fc_bias)
             layer.input_layernorm = nn.Identity()  # EAGLE-1's first layer has none
             self.layers = nn.ModuleList([layer])
@@ -120,7 +135,7 @@ class EagleHead(nn.Module):
 
     @property
     def layer(self) -> DecoderLayer:
-        return self.midlayer if self.spec.kind == EAGLE3 else self.layers[0]
+        return self.midlayer if self.spec.kind == EAGLE3 else cast(DecoderLayer, self.layers[0])
 
     @property
     def has_draft_vocab(self) -> bool:
@@ -131,8 +146,10 @@ class EagleHead(nn.Module):
 
     def embed_table(self) -> torch.Tensor:
         """[V, H]: the head's own embedding, or the target's."""
-        table = self.embed_tokens if hasattr(self, "embed_tokens") else self.shared.embed  # type: ignore[union-attr]
-        return table.weight
+        if hasattr(self, "embed_tokens"):
+            return self.embed_tokens.weight
+        assert self.shared is not None and self.shared.embed is not None  # attach() lends what it lacks
+        return self.shared.embed.weight
 
     def features(self, streams: torch.Tensor) -> torch.Tensor:
         """The target's streams at `input_layers`, side by side [T, n * Ht] -> h [T, H]."""
@@ -142,7 +159,8 @@ class EagleHead(nn.Module):
                 t, n = streams.shape[0], len(self.input_layers)
                 streams = streams.view(t, n, -1)[:, self._order].reshape(t, -1)
             return self.fc(streams)
-        return self.shared.norm(streams)  # type: ignore[union-attr]
+        assert self.shared is not None  # attach() lends the target's final norm
+        return self.shared.norm(streams)
 
     def run_layer(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                   attend: HeadAttention) -> torch.Tensor:
@@ -150,9 +168,9 @@ class EagleHead(nn.Module):
         lay, a = self.layer, self.spec.args
         emb = self.embed(ids).to(feats.dtype)  # [T, H]
         if self.spec.kind == EAGLE3:
-            normed = lay.hidden_norm(feats)
+            normed = self.midlayer.hidden_norm(feats)
             residual = normed if self.spec.norm_before_residual else feats
-            x = torch.cat([lay.input_layernorm(emb), normed], dim=-1)  # [T, 2H]
+            x = torch.cat([self.midlayer.input_layernorm(emb), normed], dim=-1)  # [T, 2H]
         else:
             x = self.fc(torch.cat([emb, feats], dim=-1))  # [T, H]
             residual = x
@@ -169,9 +187,16 @@ class EagleHead(nn.Module):
         """Pre-norm output [N, H] -> logits [N, Vd] over the draft vocabulary (float32; upcast False: the
         lm_head's dtype, for a reader that converts as it loads)."""
         x = out if self.spec.kind == EAGLE1 else (self.fast_norm or self.norm)(out)
-        head = self.lm_head if hasattr(self, "lm_head") else self.shared.lm_head  # type: ignore[union-attr]
+        head = self.output_head()
         logits = head(x.to(head.weight.dtype))  # a float32 head in training may share a bf16 lm_head
         return logits.float() if upcast else logits
+
+    def output_head(self) -> nn.Linear:
+        """The head's own lm_head, or the target's."""
+        if hasattr(self, "lm_head"):
+            return self.lm_head
+        assert self.shared is not None and self.shared.lm_head is not None  # attach() lends what it lacks
+        return self.shared.lm_head
 
     def greedy_draft(self, out: torch.Tensor) -> torch.Tensor:
         """[N, H] -> the argmax target ids [N]: `target_logits(out).argmax(-1)` without the [N, V] scatter

@@ -48,6 +48,7 @@ class EagleProposer(Proposer):
     keeps_cache = True
     kv_next_tokens = 1  # slot t: (target h_t, token t + 1)
     chains_on_device = True
+    store: StreamStore  # an EAGLE head always has one (the base class's may be None)
 
     def __init__(self, head: EagleHead, target: Transformer, cache: PagedKVCache, q_pool: torch.Tensor,
                  store: StreamStore, depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = (),
@@ -136,7 +137,7 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def chain(self, reqs: list[Request], starts: list[int], counts: list[int], ks: list[int], tokens: torch.Tensor,
-              accepted: torch.Tensor, streams: torch.Tensor,
+              accepted: torch.Tensor, streams: torch.Tensor | None,
               device_starts: torch.Tensor | None = None) -> torch.Tensor | None:
         """Queue the catch-up and the drafts behind a verify whose results are still on the device:
         request i verified counts[i] tokens from starts[i] (tokens [B, K + 1] and accepted [B] from the
@@ -153,6 +154,7 @@ class EagleProposer(Proposer):
         key = self.graphs.key_for(counts, tables, max(ks), rows)
         if key is None:
             return None
+        assert streams is not None  # the worker chains a head only with the streams it asks for (hidden_layers)
         return self.graphs.run_chained(key, tokens, accepted, streams, starts, counts, tables, ks, rows,
                                        device_starts)
 

@@ -35,6 +35,7 @@ class FullStep:
     def step(self, entries: list[Scheduled]) -> list[EntryResult]:
         logits, hidden, scored = self.forward_scored(entries)  # [rows, V], [tokens, layers * hidden] | None
         if self.w.stream_sink is not None:
+            assert hidden is not None  # recording's proposer asks for streams (Worker.recording_streams)
             self.w.stream_sink(entries, hidden)
         verified = self.w.verifier.verify([e for e in entries if e.verifies], logits, self.chain(entries, hidden),
                                         self.graph_verified(entries, logits))

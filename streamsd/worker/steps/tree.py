@@ -45,6 +45,7 @@ class TreeStep:
         else:
             queued, picked = taken
             key = queued.key
+            assert key is not None  # only a tree step's graph queues one ahead of a tree step (`_queue_next`)
             whole = len(picked) == len(queued.requests)
             result = queued.tokens if whole else queued.tokens.index_select(0, h2d(picked, torch.int64, w.device))
         w.readback.start(result[: len(entries)])
