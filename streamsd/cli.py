@@ -101,7 +101,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) -
 
 def default_speculation(model: str, draft_model: str | None, device: str | None) -> SpecMethod | Literal["none"]:
     """--speculative-method when none is given. For the embedded default model: its shipped EAGLE head
-    on CUDA (batch 1 on the H200, 16 held-out prompts, against pipelined plain steps: 1.46x plain at
+    on CUDA (batch 1 on an H200, 16 held-out prompts, against pipelined plain steps: 1.46x plain at
     T=0, 0.88x at T=1; n-gram 1.08x and 0.75x) and n-gram lookup on a CPU, where the head's extra
     layer and its full-vocabulary lm_head cost more than they save (this 2-core machine, T=0: eagle 1.04x plain against n-gram's 1.37x
     in float32, 1.25x against 1.77x in bfloat16)."""

@@ -118,7 +118,7 @@ class SchedulerConfig:
     # max_tokens would cut below it keeps that k, verifying and proposing past its end (free in a graph
     # padded to the widest request; what it accepts past max_tokens is cut when appended). Otherwise
     # from the first request within 2(k + 1) tokens of its end no step is queued until it leaves: on
-    # the H200 at B = 64, k = 2, 64-token answers, a fifth of the steps waited for the host.
+    # an H200 at B = 64, k = 2, 64-token answers, a fifth of the steps waited for the host.
     drafts_past_max_tokens: bool = False
     # Prefix caching (sched/prefix_cache.py): full blocks of final KV kept and shared by later requests
     # with the same leading tokens. `prefix_draft_kv`: the drafter keeps KV in the same blocks (a draft

@@ -201,7 +201,7 @@ def _paired_passes(pairs: int, rerun_plain: PlainRerun | None,
 def _median_pair(passes: list[Pair], plain: R.PassResult) -> Pair:
     """The (pass, its paired plain pass, runtime) whose TPOT ratio is the median of the pairs': one
     pair's numbers are drift-prone at large batch even against its neighbour (±4 % plain against
-    plain on the H200), the median of a few is not. Of an even number the lower middle one: the
+    plain on an H200), the median of a few is not. Of an even number the lower middle one: the
     reading must not lean towards speculation (with two pairs the upper one reported 1.37 for
     pairs 1.37 and 0.85)."""
     ranked = sorted(passes, key=lambda x: (x[1] or plain).tpot_ms / x[0].tpot_ms if x[0].tpot_ms else 0.0)
@@ -228,7 +228,7 @@ def _pair_spread(passes: list[Pair], plain: R.PassResult, median: float | None =
 def _against_plain(res: R.PassResult, plain: R.PassResult, paired: R.PassResult | None = None) -> dict[str, Any]:
     """A pass's ratios to plain decoding: TPOT, decode step, decode-phase tokens/s.
 
-    ``paired``: a plain pass run beside this one (just before or just after), which the ratios then use. On the H200 the
+    ``paired``: a plain pass run beside this one (just before or just after), which the ratios then use. On an H200 the
     same plain work ran up to 30 % slower from one pass to the next at B = 256 (prefill included, so
     the GPU's, not the engine's), and passes late in a grid ran slower than the first plain pass:
     comparing each cell with its neighbour cancels that drift; ``plain_drift`` says how large it was.

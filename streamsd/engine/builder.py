@@ -306,7 +306,7 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     gc.freeze()
     # A step allocates thousands of short-lived containers (per-request lists, outputs, token infos)
     # that are freed by reference counting; at the default 700 net allocations the young generation
-    # was collected ~130 times per 64-token pass at B = 256, 20-37 ms per pass on the H200's host
+    # was collected ~130 times per 64-token pass at B = 256, 20-37 ms per pass on an H200's host
     # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     return Runtime(worker, tokenizer, args, sched, path, eos_ids, q_slots, seconds, policy,

@@ -189,7 +189,7 @@ class EngineCore:
             end = time.perf_counter()  # the step ends with a host read: complete
             # What a step costs is the time from the end of the step before to its own: with steps
             # queued ahead (worker/lookahead.py) the GPU runs one while the host finishes the one before,
-            # and its own wall time read 2 ms or 7 ms for the same 6 ms step on the H200 (the
+            # and its own wall time read 2 ms or 7 ms for the same 6 ms step on an H200 (the
             # policy's table swung with it). A long gap is the engine waiting for work: not counted.
             since = self.last_step_end if t0 - self.last_step_end < IDLE_GAP_S else t0
             self.last_step_seconds, self.last_step_end = end - since, end

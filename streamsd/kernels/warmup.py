@@ -4,7 +4,7 @@ Triton compiles a kernel per variant the first time one is launched: per value o
 (the rejection sampler's K, the attention kernel's query width and split count) and per
 "specialisation" of the plain arguments (an int equal to 1 or divisible by 16, a pointer aligned
 to 16 bytes). A compile takes a few hundred milliseconds, so a step that hits a new variant
-stalls for as long as 50 decode steps. On the H200 that happened mid-benchmark whenever a batch
+stalls for as long as 50 decode steps. On an H200 that happened mid-benchmark whenever a batch
 first drafted a new maximum k, or its eager step had a new query width — inside the very steps the
 adaptive policy times, and one stalled step made it price a speculative shape at 4× its cost and
 avoid it for good.

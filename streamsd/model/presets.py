@@ -8,7 +8,7 @@ speculation on these is measured with the labelled synthetic proposer.
 That proposer needs the target's greedy continuation to be the same whatever the step's shape. With
 every weight N(0, 0.02) the layers' outputs outweigh the embedding, the final state is a chaotic
 function of the context, and bf16 rounding that differs between GEMM shapes (plain step, verify of
-width 1 + k, another batch bucket) flips near-tied argmaxes: on the H200 most requests at B = 64
+width 1 + k, another batch bucket) flips near-tied argmaxes: on an H200 most requests at B = 64
 left their recorded continuation. So the attention and MLP output projections are drawn 10^5 times
 smaller: the layers move the residual stream by ~0.2 % of the token's embedding (1000x smaller still
 moved it by 20 % over 4 layers, and desyncs went on), so the argmax is the embedding's against

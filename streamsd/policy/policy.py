@@ -30,7 +30,7 @@ QUEUED_DEPTH_HYSTERESIS = 0.05  # the gain deeper drafts need where deepening dr
 # but a deeper one (Lookahead.follow), yet an excursion still runs three steps nothing was
 # queued behind: the entering one, the first speculative one and the first plain one after it, each
 # waiting for the host. (While switches dropped the queued step, 10 % was needed: one excursion had
-# cost alpha 0.7 at B = 128 9 % against plain on the H200.)
+# cost alpha 0.7 at B = 128 9 % against plain on an H200.)
 QUEUED_ENTRY_HYSTERESIS = 0.05
 
 
@@ -118,7 +118,7 @@ def idle_plan_fits(plans: int, plan_s: float, idle_steps: int, step_s: float, bu
 
 def idle_replan_every(plan_s: float, step_s: float, budget: float) -> int:
     """Plain steps between two plans of a batch that is not speculating: REPLAN_EVERY, or more where
-    a plan costs more than `budget` of the steps between (at B = 256 on the H200 a plan took ~4 ms of
+    a plan costs more than `budget` of the steps between (at B = 256 on an H200 a plan took ~4 ms of
     host time beside 9 ms steps, and each planned step read 4-5 ms slower than the others)."""
     if step_s <= 0.0 or budget <= 0.0:
         return REPLAN_EVERY
@@ -225,7 +225,7 @@ class AdaptivePolicy:
             # Every request takes default_k, 0 since the batch is not speculating; but a probe's.
             return self._with_probes(Decision({}, planned=bool(self.probes)))
         # Only the idle schedule's plans count against its budget: the first idle plan stays free after
-        # the plans a filling batch made (a cold prior's probe waits for one: B = 128 on the H200).
+        # the plans a filling batch made (a cold prior's probe waits for one: B = 128 on an H200).
         self.idle_plans += not (speculating or fresh)
         t0 = time.perf_counter()
         if self.unticked:
@@ -343,7 +343,7 @@ class AdaptivePolicy:
             if 0 < shape.batch <= self.planner.config.small_batch:
                 # A small batch's running prior forgets per step, as the estimator's model says, not per
                 # plan: one excursion that ended on a run of rejections (which is how excursions end)
-                # otherwise ruled for thousands of steps. On the H200 at batch 1 it held the prior at
+                # otherwise ruled for thousands of steps. On an H200 at batch 1 it held the prior at
                 # 0.45 for 2000 steps and no later request tried (adaptive eagle 1.00x, fixed k = 4
                 # 1.44x). Requests' own idle decay still waits for the plans: per step, every request
                 # whose drafts never pay would explore anew every few dozen steps. A large batch keeps
@@ -368,7 +368,7 @@ class AdaptivePolicy:
         # step before. A step entering or leaving speculation (width and drafter steps disagree) is
         # neither the plain step nor the speculative one; a step of a new kind could not be queued
         # behind the one before (worker/lookahead.py) and waited for the queued step it dropped. Learnt, such
-        # steps read 1.3-2x their steady cost on the H200 and priced their shape out for good.
+        # steps read 1.3-2x their steady cost on an H200 and priced their shape out for good.
         kind = (shape.verify_width, shape.draft_steps)
         steady = shape.verify_width == shape.draft_steps + 1
         settled, self.last_kind = kind == self.last_kind, kind

@@ -3,7 +3,7 @@
 A probe takes two steps, one proposing its drafts and one verifying them, and a step that takes a plain
 step queued ahead (worker/lookahead.py) proposes nothing. The planner grants a probe for one plan only, and the
 next plan of a plain batch keeps k = 0, so a grant is carried here by request id: its k is forced until
-the drafts are proposed, then their verification, whatever the plans in between say. On the H200 at
+the drafts are proposed, then their verification, whatever the plans in between say. On an H200 at
 batch 1, ~30 probes in 3000 steps were granted and none was verified before this existed: the running
 prior never moved and adaptive EAGLE stayed plain.
 

@@ -18,7 +18,7 @@ acceptance falls below alpha and says so.
 Several continuations per prompt (`add`): on a random-weight model in bf16 near-ties are common,
 and which token wins one depends on the GEMM shape — plain decoding, a verify of width 1 + k, a
 graph bucket. With k chosen per step the shapes of one pass are not those of the next, so a single
-re-recorded oracle is left again (on the H200, 62 of 64 requests at B = 64), its drafts are all
+re-recorded oracle is left again (on an H200, 62 of 64 requests at B = 64), its drafts are all
 rejected and an adaptive policy learns alpha ~ 0 and stops speculating. The benchmark therefore
 adds every pass's outputs (plain, then warm-up spec passes) as alternative branches: a request
 follows the most recently recorded branch that agrees with its history so far and switches branch

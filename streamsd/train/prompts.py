@@ -56,7 +56,7 @@ def is_degenerate(text: str) -> bool:
 
 # First words of user turns across the kinds of request a chat model gets (writing, role-play,
 # reasoning, maths, coding, extraction, STEM, humanities). Left alone, a small model writes user turns
-# in one narrow style; a head trained on those alone drafts poorly for anything else (the H200 head:
+# in one narrow style; a head trained on those alone drafts poorly for anything else (an H200 head:
 # top-1 0.42 on fresh self-written prompts, 0.29 on MT-Bench). Empty: no opener.
 OPENERS = (
     "", "", "Write a Python function that", "Write a short story about", "Solve the following problem step by step:",

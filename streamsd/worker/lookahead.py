@@ -125,7 +125,7 @@ class Lookahead:
     def follow(self, k_of: Callable[[Request], int]) -> dict[int, Pin]:
         """The scheduler's pins for its next plan (`Scheduler.schedule`), given the k it gives each
         request: where that k changes what the queued step computes, the step is taken anyway: its
-        GPU time is spent (dropping it cost a whole step per switch on the H200). Leaving
+        GPU time is spent (dropping it cost a whole step per switch on an H200). Leaving
         speculation or drafting shallower, its requests verify the drafts it verifies and propose
         what the k says; entering speculation, they take the plain step and propose nothing, and
         nothing is queued behind it (`queue_next`), so that the next step can start drafting.
@@ -248,7 +248,7 @@ class KVMargin:
     # Past the request's known tokens after each step: what a step queued ahead may write, 3 (k + 1)
     # past the last step's start (`chained_reach`), num_tokens being 2 past it or more. A step whose
     # blocks changed is dropped; with 2 (k + 1) the trim freed the last of them when nothing was
-    # accepted at k >= 2 (on the H200 at B = 64, k = 2 dropped 10 of 21 queued steps, k = 1 none).
+    # accepted at k >= 2 (on an H200 at B = 64, k = 2 dropped 10 of 21 queued steps, k = 1 none).
     keep: int
 
 

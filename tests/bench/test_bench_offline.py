@@ -278,7 +278,7 @@ def test_pairs_report_the_median_pair_and_every_pairs_ratio(tmp_path, tiny_model
 
 
 def test_an_even_number_of_pairs_reports_the_lower_middle_pair():
-    """Two pairs read 1.37 and 0.85 on the H200 (B = 1, one 64-token request): the cell must not report
+    """Two pairs read 1.37 and 0.85 on an H200 (B = 1, one 64-token request): the cell must not report
     the better one."""
     from types import SimpleNamespace
 

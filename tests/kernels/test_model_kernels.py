@@ -137,7 +137,7 @@ def test_graph_replay_returns_the_eager_hidden_streams(tiny_model_dir):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
     """After the start-up warm-up, steps of any batch size, draft count, query width and block-table
-    width compile nothing (a compile inside a step stalled it for a few hundred ms on the H200)."""
+    width compile nothing (a compile inside a step stalled it for a few hundred ms on an H200)."""
     import streamsd.kernels.sample.rng as krng
     from streamsd.engine.builder import load_model
     from streamsd.kernels.warmup import compiled_variants, warm_up

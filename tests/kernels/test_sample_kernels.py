@@ -48,7 +48,7 @@ def test_warp_kernel_matches_the_torch_warp(vocab, chunked):
 def test_sample_kernel_keeps_a_row_of_nan_inside_the_vocabulary():
     """A graph's padding row holds garbage logits, NaN included. Raced, greedy or at temperature 0, its
     token must still be an id of the vocabulary: the next step embeds it (a NaN row's race once named
-    the id one past the vocabulary, and the embedding's gather faulted on the H200)."""
+    the id one past the vocabulary, and the embedding's gather faulted on an H200)."""
     from streamsd.kernels.sample.warp import sample_keyed
 
     vocab = 384  # less than the kernel's block: the block's tail lies past the vocabulary
@@ -205,7 +205,7 @@ def test_rejection_kernel_draws_its_own_keyed_numbers(case):
 def test_rejection_kernel_reads_strided_inputs_by_their_strides():
     """The worker hands the sampler views of one packed per-request buffer (one host-to-device copy);
     the kernel indexes raw pointers, so its wrapper must make every input contiguous. Regression: on
-    the H200 `num_drafts` arrived as a column view, rows past the first read their neighbours' fields,
+    an H200 `num_drafts` arrived as a column view, rows past the first read their neighbours' fields,
     and measured acceptance fell from 0.90 to 0.80 (outputs stayed exact: only acceptance suffered)."""
     b, k, v = (32, 4, 2000) if CUDA else (8, 3, 40)
     vi = _verify_input(b, k, v, 0.5, 0.5, 7)

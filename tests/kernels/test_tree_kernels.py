@@ -255,7 +255,7 @@ def test_tree_growth_levels_equal_the_torch_oracle():
 def test_tree_growth_of_garbage_rows_stays_in_range():
     """A CUDA graph's padding rows grow trees from garbage: NaN scores must still name candidates and
     feature rows of their own level (a branch of 3 leaves dead lanes in the kernel's power-of-two
-    vector, where an argmax over NaN landed on the H200 and index_select then faulted)."""
+    vector, where an argmax over NaN landed on an H200 and index_select then faulted)."""
     from streamsd.kernels.tree import grow as kg
     from streamsd.spec_decode.eagle import tree as et
 

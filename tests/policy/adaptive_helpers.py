@@ -1,4 +1,4 @@
-"""Cost tables the adaptive-speculation tests share: the H200 roofline's, and a padded graph table; and
+"""Cost tables the adaptive-speculation tests share: an H200 roofline's, and a padded graph table; and
 the planner's predicted gain over plain decoding."""
 
 from __future__ import annotations

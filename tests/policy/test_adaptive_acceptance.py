@@ -64,7 +64,7 @@ def test_estimator_converges_to_true_alpha() -> None:
 def test_a_waves_last_requests_do_not_become_the_running_prior() -> None:
     """The running prior is the crowd's: 128 requests at alpha 0.9 for 20 steps, then the last two of
     them alone for 23 steps, every draft rejected (a request whose drafts never match). At full weight
-    per observation their failures took position 0 to 0.77 here, and on the H200 (B = 128) to 0.67, where
+    per observation their failures took position 0 to 0.77 here, and on an H200 (B = 128) to 0.67, where
     the next wave of 128 then decoded plain; weighed by how much each request was observed itself, the
     crowd's 0.9 holds, and each request's own estimate still falls to what it saw."""
     est = AcceptanceEstimator(AcceptanceConfig(max_k=4))

@@ -142,7 +142,7 @@ def test_a_step_learnt_a_step_late_reads_its_ratio_from_the_raw_prediction() -> 
 
 
 def test_a_recurring_tail_of_slow_steps_is_priced_and_a_lone_stall_is_not() -> None:
-    """On the H200 one step in ~10 of a speculative shape took twice the others (a queued step dropped, a
+    """On an H200 one step in ~10 of a speculative shape took twice the others (a queued step dropped, a
     slow host turn). The median of three never sees such a tail: priced at it, B = 256 at alpha 0.9
     entered speculation for a predicted +10 % that its mean step time did not have. The key's price
     follows its mean, less the largest recent sample, so one stall among steady steps moves nothing."""

@@ -158,9 +158,9 @@ def test_entering_speculation_must_pay_for_the_switch_before_the_batch_ends() ->
 
 
 def test_deeper_drafts_where_steps_queue_ahead_must_pay_for_the_switch_before_the_batch_ends() -> None:
-    """Deepening drops the step queued ahead, a switch like entering: k = 1 -> 4 at alpha 0.9 (the H200's
+    """Deepening drops the step queued ahead, a switch like entering: k = 1 -> 4 at alpha 0.9 (an H200's
     B = 64 graphs: +28 % a step) deepens mid-batch but not 4 tokens from the end, where it cannot pay
-    back the ~2 steps a switch costs (at B = 256 on the H200, k = 1 -> 2 ten tokens from the end took a
+    back the ~2 steps a switch costs (at B = 256 on an H200, k = 1 -> 2 ten tokens from the end took a
     29 ms and a 44 ms step and the cell read 0.98x plain). Going shallower drops nothing: it is not held."""
     widths, ms = (1, 2, 3, 5), (5.64, 5.87, 6.89, 8.92)
     samples = {(b, w): t * 1e-3 for b in (1, 16, 64) for w, t in zip(widths, ms, strict=True)}
@@ -215,7 +215,7 @@ def _random_cost(rng: random.Random) -> CostTable:
 
 def test_the_plans_ceiling_never_changes_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch that no budget could make pass the gate is planned plain without ranking its drafts
-    (``Search.hopeless``: at B = 256 on the H200 the ranking took ~4 ms a plan). Its bound must hold
+    (``Search.hopeless``: at B = 256 on an H200 the ranking took ~4 ms a plan). Its bound must hold
     wherever the search might look: with and without it, every plan and planner state is the same."""
     from streamsd.policy.adaptive.budget import Search
 

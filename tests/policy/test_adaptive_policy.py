@@ -33,7 +33,7 @@ def test_an_eagle_heads_settled_lag_is_no_catch_up() -> None:
 def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     """Under a batch where plain decoding wins, most steps skip the planner; their measured cost must
     still correct the table (a start-up profile blind to per-request host work, as at B = 128-256 on
-    the H200), or the next plan compares speculation against a plain step it misprices."""
+    an H200), or the next plan compares speculation against a plain step it misprices."""
     from streamsd.policy.policy import AdaptivePolicy, StepShape, acceptance_class
     from streamsd.request import Request, SamplingParams
 
@@ -81,7 +81,7 @@ def test_an_idle_batch_replans_no_more_often_than_its_plans_are_worth() -> None:
     from streamsd.policy.policy import REPLAN_EVERY, _replan_due, idle_replan_every
 
     assert idle_replan_every(0.4e-3, 6e-3, 0.01) == REPLAN_EVERY  # cheap plans: every 8 steps
-    assert idle_replan_every(4e-3, 9e-3, 0.01) == 45  # B = 256 on the H200: ~4 ms plans beside 9 ms steps
+    assert idle_replan_every(4e-3, 9e-3, 0.01) == 45  # B = 256 on an H200: ~4 ms plans beside 9 ms steps
     assert idle_replan_every(4e-3, 0.0, 0.01) == idle_replan_every(4e-3, 9e-3, 0.0) == REPLAN_EVERY
     due = [n for n in range(1, 200) if _replan_due(n, 45)]
     assert due == [1, 2, 4, 8, 16, 32, 45, 64, 90, 128, 135, 180]
@@ -90,7 +90,7 @@ def test_an_idle_batch_replans_no_more_often_than_its_plans_are_worth() -> None:
 
 def test_an_idle_batchs_backoff_plans_fit_the_plan_budget_too() -> None:
     """The backoff (1, 2, 4, ... steps after going plain) re-checks a close call while plans are cheap
-    beside the steps; where they are not (B = 256 on the H200: 4 ms plans, 9 ms steps) its six plans in
+    beside the steps; where they are not (B = 256 on an H200: 4 ms plans, 9 ms steps) its six plans in
     a 64-token pass cost 4-6 % against plain, so they too must fit the budget (the first one is free)."""
     from streamsd.policy.policy import _replan_due, idle_plan_fits, idle_replan_every
 
@@ -127,7 +127,7 @@ def test_an_idle_batchs_backoff_plans_fit_the_plan_budget_too() -> None:
     assert policy.choose(reqs[:16], 0, False).planned and policy.choose(reqs[:40], 0, False).planned  # filling
     assert not policy.planner.speculating
     planned = []
-    for _ in range(14):  # idle steps 3 ... 16, each plan as dear as at B = 256 on the H200
+    for _ in range(14):  # idle steps 3 ... 16, each plan as dear as at B = 256 on an H200
         policy.plan_seconds, policy.record.last_measured = 4e-3, 9e-3
         planned.append(policy.choose(reqs[:40], 0, False).planned)
     assert planned.index(True) == 1 and sum(planned) == 1  # idle step 4 is the first due: free; then over budget
@@ -148,7 +148,7 @@ def test_entering_speculation_needs_more_where_steps_queue_ahead() -> None:
 
 def test_a_step_entering_speculation_is_priced_as_the_plain_graph_plus_drafting_and_teaches_no_key() -> None:
     """The first step after plain ones verifies no drafts yet (none are cached) and proposes k: it
-    replays the plain graph. Priced as a width-5 step it read 1.5x its measured time on the H200,
+    replays the plain graph. Priced as a width-5 step it read 1.5x its measured time on an H200,
     and learnt, it taught the speculative key that speculation is cheap."""
     from streamsd.policy.policy import AdaptivePolicy, Decision, StepShape
 
@@ -168,7 +168,7 @@ def test_a_step_entering_speculation_is_priced_as_the_plain_graph_plus_drafting_
 
 def test_the_first_speculative_step_after_plain_ones_teaches_no_key() -> None:
     """It could not be queued behind the step before (that one drafted nothing), so it pays its host work
-    serially where its successors hide it: at B = 128 on the H200 two such steps measured 1.28x their
+    serially where its successors hide it: at B = 128 on an H200 two such steps measured 1.28x their
     prediction, and once learnt the batch never speculated again. Likewise a step of a new depth, which
     also waits for the dropped queued step (2x)."""
     from streamsd.policy.policy import AdaptivePolicy, Decision, StepShape

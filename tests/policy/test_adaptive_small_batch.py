@@ -13,7 +13,7 @@ def _lone_request_spec_steps(alpha: float | tuple[float, ...], crowd_alpha: floa
     """Steps a lone request speculates, its drafts accepted at ``alpha`` (one value, or the conditional
     acceptance per position), after a crowd of requests at ``crowd_alpha`` taught the running prior (and ``forget``
     plain steps passed). A speculative step costs 1.85-2.0 plain ones whatever its k (the shipped
-    EAGLE head's learnt ratios on the H200 at batch 1: 1.73-1.85)."""
+    EAGLE head's learnt ratios on an H200 at batch 1: 1.73-1.85)."""
     cost = CostTable.from_samples({1: 1e-3, 256: 1.1e-3}, {1: 0.05e-3}, spec_overhead_s=0.7e-3)
     est = AcceptanceEstimator(AcceptanceConfig(max_k=4, depth_steps=(("default", depth_steps),)))
     st, rng = PlannerState(), random.Random(seed)
@@ -50,7 +50,7 @@ def test_a_small_batch_speculates_on_its_means_and_stops_where_they_misjudge_it(
     # fixed k = 4's 1.44x); on its means, within the loss bound, in 69 %.
     assert share(0.65, 0.65) >= 0.5
     # ... also where the running prior has forgotten its evidence (at batch 1 that takes ~60 steps, and
-    # on the H200 a batch-1 server's prior was cold nearly always): its means drift back to the default.
+    # on an H200 a batch-1 server's prior was cold nearly always): its means drift back to the default.
     assert share(0.65, 0.65, forget=100) >= 0.5
     # Where drafts do not pay (alpha 0.45: 1.77 tokens a step), or one request is far worse than the
     # crowd, its own observations stop it within a few steps and only probes try it again.
@@ -59,7 +59,7 @@ def test_a_small_batch_speculates_on_its_means_and_stops_where_they_misjudge_it(
 
 
 def test_measured_depth_steps_let_a_request_read_deep_drafts_as_likelier() -> None:
-    # Conditional acceptance rising with depth, as the running prior saw it on the H200 (adaptive eagle,
+    # Conditional acceptance rising with depth, as the running prior saw it on an H200 (adaptive eagle,
     # T = 0, batch 1: 0.51, 0.64, 0.76, 0.84): k = 4 yields 2.3 tokens for 1.9 plain steps' time. Read
     # flat from position 0, a fresh request prices it at 1.94 tokens and mostly stays plain (17 % of the
     # steps speculate, over 10 seeds); with the measured steps, 50 %. Not all: the crowd's 60 steps leave
@@ -82,7 +82,7 @@ def _batch1_spec_shares(curves: list[tuple[float, ...]], seed: int, tokens: int 
                         temperatures: list[float] | None = None) -> list[float]:
     """Requests served one after another at batch 1 through the engine's policy (which skips plans
     while plain wins), drafts accepted at each request's conditional acceptance per position; a
-    speculative step costs 1.7 plain ones, as the shipped EAGLE head's on the H200. The share of each
+    speculative step costs 1.7 plain ones, as the shipped EAGLE head's on an H200. The share of each
     request's steps that speculated."""
     from streamsd.policy.policy import AdaptivePolicy, StepShape
     from streamsd.request import Request, SamplingParams
@@ -115,7 +115,7 @@ def _batch1_spec_shares(curves: list[tuple[float, ...]], seed: int, tokens: int 
 def test_at_batch_one_one_bad_request_does_not_keep_the_next_ones_plain() -> None:
     """While plain decoding wins, the engine plans every few steps only. Its running prior forgot per
     plan, so one request whose drafts failed (an excursion ends on a run of rejections) held it low
-    for thousands of steps and no later request tried: on the H200 adaptive eagle stayed at 1.00x plain
+    for thousands of steps and no later request tried: on an H200 adaptive eagle stayed at 1.00x plain
     where fixed k = 4 ran 1.44x. A small batch's prior now forgets per step: later requests whose
     drafts pay (2.5 tokens a step for 1.7 steps' time) speculate in 84 % of their steps over 10 seeds
     (59 % before), while requests whose drafts never pay cost a few exploring steps each (1.3 % against

@@ -1,7 +1,7 @@
 """A probe in the real engine: the planner grants a request k >= 1 while the batch decodes plain, so
 that its drafts are verified and teach the acceptance estimate. Drafts proposed in one step are
 verified in the next, and a step that takes a plain step queued ahead proposes nothing, so a grant
-must outlive the plan that made it; on the H200 a batch of one granted ~30 probes in 3000 steps and
+must outlive the plan that made it; on an H200 a batch of one granted ~30 probes in 3000 steps and
 not one of them was verified (its prior stayed at the default and adaptive EAGLE stayed plain)."""
 
 from __future__ import annotations

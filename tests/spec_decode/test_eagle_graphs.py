@@ -97,7 +97,7 @@ def test_graph_chain_steps_write_only_where_a_draft_is_wanted(tiny_model_dir, he
 def test_cuda_graphs_are_captured_before_the_first_request(tiny_model_dir, heads):
     """A fixed-k EAGLE engine (no start-up profile) has every graph it will replay captured and every
     kernel compiled when it is built: requests at batch 1 and 3, greedy and sampled, running into their
-    max_tokens (drafts cut step by step) capture and compile nothing. On the H200 the first such request
+    max_tokens (drafts cut step by step) capture and compile nothing. On an H200 the first such request
     captured graphs and compiled inside its last steps, 1.3-1.5 s each."""
     from streamsd.kernels.warmup import compiled_variants
 

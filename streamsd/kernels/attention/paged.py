@@ -169,10 +169,10 @@ def decode_attention(
         splits = pick_splits(num_seqs, kv_heads, block_table.shape[1], page, sm)
         if tree and block_m > 32:
             # A tree window's tile is up to 8x a decode token's: splitting a short context 16 ways left
-            # most splits empty, and merging them cost more than the attention (the H200, batch 1).
+            # most splits empty, and merging them cost more than the attention (an H200, batch 1).
             splits = min(splits, TREE_MAX_SPLITS)
     if rows_per_program is None:
-        # A tree window's rows in programs of 16, each its own chain of tiles: at batch 1 on the H200, a
+        # A tree window's rows in programs of 16, each its own chain of tiles: at batch 1 on an H200, a
         # 25-row window at 4 splits took 5.9 against 7.6 us a launch (all 128 rows a program, 8 warps) at a
         # 256-token context, 7.0 against 9.8 at 512 (both on an H200).
         rows_per_program = ROWS_PER_TREE_PROGRAM if tree else block_m

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # Every plain argument varies with the batch bucket, the width and the buffer a call packs into (an
 # int divisible by 16 or not, a view's pointer 16-byte aligned or not), and Triton would compile a
-# variant per combination: on the H200 the first queued verify at a new width stalled ~80 ms. One
+# variant per combination: on an H200 the first queued verify at a new width stalled ~80 ms. One
 # variant per constexpr combination, compiled at start-up (kernels/warmup.py).
 @triton.jit(do_not_specialize=["t_all", "table_stride", "tok_stride", "draft_stride", "width", "block_size"],
             do_not_specialize_on_alignment=["packed", "starts", "prev_starts", "accepted", "tokens", "drafts", "base",

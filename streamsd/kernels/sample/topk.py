@@ -2,7 +2,7 @@
 
 A draft tree's growth (spec_decode/eagle/tree.py) asks this of every expanded node at every level: with
 torch it is a log-softmax over the vocabulary and a radix top-k, ~8 kernels a call, ~50 us of a
-batch-1 step on the H200 each time. Here a first launch takes each row in chunks of CHUNK ids, one
+batch-1 step on an H200 each time. Here a first launch takes each row in chunks of CHUNK ids, one
 program a chunk: the chunk's max, its sum of exp(x - max), and its k best (ids ascending among
 equal values). A second launch per row merges the chunks' sums into the log-normaliser and their
 candidates into the row's k best, best first, the lowest id first among equal values.

@@ -2,13 +2,13 @@
 chunk: for steps captured in a CUDA graph, where a launch costs no host time.
 
 One program walking a row (kernels/sample/warp.py) warps a 49152-id row in 63 us and samples it in 93 on
-the H200 (one SM busy, the rest idle), and torch's argmax takes 13 us; an EAGLE head's sampled chain
+an H200 (one SM busy, the rest idle), and torch's argmax takes 13 us; an EAGLE head's sampled chain
 at batch 1 warps and races four such rows a step. Here: each chunk's max and softmax sum
 (``_chunk_stats_kernel``); each chunk's mass above the min-p floor once the row's stats are merged
 (``_chunk_kept_kernel``); then the output (``_warp_out_kernel``). An argmax: each chunk's first
 maximum, then the lowest id at the best of them (``_merge_best_kernel``), torch.argmax's answer.
 Three launches instead of one: eagerly, at ~40 us of host time a launch, that cost more than it
-saved on the H200 (a plain step sampling this way took 49 us longer at T = 1), so eager steps keep
+saved on an H200 (a plain step sampling this way took 49 us longer at T = 1), so eager steps keep
 one program a row. The chunking depends on the vocabulary only, never on the batch.
 
 `warp` is sample/warp.py's `warp` (as kernels/sample/warp.py's), `row_argmax` sample/greedy.py's

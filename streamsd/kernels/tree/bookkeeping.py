@@ -1,7 +1,7 @@
 """A draft tree's bookkeeping in three Triton launches (spec_decode/tree.py's torch functions are the oracles).
 
 Inside a tree step's CUDA graph (worker/tree_graphs.py) the walk, the moves of the accepted nodes' KV and
-the next step's window were ~100 small torch kernels, a few microseconds each on the H200:
+the next step's window were ~100 small torch kernels, a few microseconds each on an H200:
 - `walk`: one program per request follows the target's tokens down its tree (D scalar steps), and
   in a tree graph lays out the head's catch-up over the accepted path too;
 - `move_path`: one program per (request, cache plane, chunk of a slot's elements) reads every

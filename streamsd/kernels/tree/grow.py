@@ -2,7 +2,7 @@
 
 Between two head forwards the growth ranked the level's candidates, gathered the expanded nodes'
 tokens, scores, masks and features, and laid out their window: ~30 small torch kernels a level,
-each a few microseconds of a batch-1 tree step on the H200 plus the gap before the next. Here one
+each a few microseconds of a batch-1 tree step on an H200 plus the gap before the next. Here one
 program per request writes the level's candidates into the tree's buffers (path score, token,
 parent), picks its `M` likeliest (the lowest index first among equal scores) and writes each
 one's token, score, candidate index, feature row, mask, RoPE position and window slot.

@@ -2,7 +2,7 @@
 int8 copy of the lm_head: kernels/sample/topk.py with the GEMM and the norm inside its first launch.
 
 A tree level (spec_decode/eagle/tree.py) ranks each expanded node's children by the head's log-probabilities.
-On SmolLM2-135M the lm_head is 49152 x 576: read in bf16 it cost 17 us a level on the H200, and a norm
+On SmolLM2-135M the lm_head is 49152 x 576: read in bf16 it cost 17 us a level on an H200, and a norm
 and a chunked top-k came on top, four levels a step. Here one program takes a block of rows and a block
 of vocabulary ids: it multiplies the rows, times the norm's weight, by the int8 rows of its ids (a scale
 per id), scales each row by its 1 / rms, and keeps per row the block's best, its sum of exp(x - best),
@@ -15,7 +15,7 @@ kernels/sample/topk.py needs a max, an argmax and a gather each time.
 The second launch, a program per row, finds the row's k best from the blocks' bests alone: a block
 holding one of the k best has a best at least that good, and only k blocks can, so the k blocks with the
 best bests hold all k. It ranks those k blocks' values again. Keeping only the bests in the first launch
-made it 3.3-3.8 us shorter a level on the H200 than keeping each block's k best (k rounds of a max over
+made it 3.3-3.8 us shorter a level on an H200 than keeping each block's k best (k rounds of a max over
 the block), at 1 and 6 rows.
 
 The int8 rows only rank drafts: the target verifies whatever the tree holds, so the output stays exact;

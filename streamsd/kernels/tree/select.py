@@ -63,7 +63,7 @@ def select(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n:
     out_tok = torch.empty(b, n, dtype=torch.int64, device=scores.device)
     out_par = torch.empty(b, n, dtype=torch.int64, device=scores.device)
     # A program per (request, block of 32 candidates): one program ranking all 114 of a 4,6,6,24 tree
-    # took 10 us of a step on the H200, a chain of 4 blocks of comparisons.
+    # took 10 us of a step on an H200, a chain of 4 blocks of comparisons.
     block = min(32, triton.next_power_of_2(c))
     nb = triton.cdiv(c, block)
     _select_kernel[(b, nb)](scores.contiguous(), tokens.contiguous(), parents.contiguous(), out_tok, out_par, c, n,

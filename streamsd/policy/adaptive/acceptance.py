@@ -70,7 +70,7 @@ class AcceptanceConfig:
     # fixed depth (an EAGLE head's evaluation report), where no depth was drafted only while estimated
     # high. Empty: alike. Conditional acceptance rises with depth (the shipped head: 0.67, 0.70, 0.78,
     # 0.81 greedy), since a prefix that survived is an easy stretch; read flat, a fresh request at batch 1
-    # priced k = 4 at 1.97 tokens against fixed k = 4's 2.41 and never speculated on the H200.
+    # priced k = 4 at 1.97 tokens against fixed k = 4's 2.41 and never speculated on an H200.
     # By running prior (a head's greedy and sampled requests): (name, steps) pairs.
     depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = ()
     depth_ceiling: float = 0.95  # the most a depth step may raise a prior to
@@ -189,7 +189,7 @@ class AcceptanceEstimator:
         state.pending_idle = 0
         prior = self.prior(state.proposer)
         prior.observed = True
-        # The crowd's prior, not the most observed request's: on the H200 at B = 128, alpha 0.9, a
+        # The crowd's prior, not the most observed request's: on an H200 at B = 128, alpha 0.9, a
         # synthetic request whose drafts all failed was alone for the last 20 steps of a wave and,
         # at full weight, left the prior at 0.67 for the next wave, which then decoded plain where
         # fixed k = 1 ran 1.3x.

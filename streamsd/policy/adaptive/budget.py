@@ -54,7 +54,7 @@ class Search:
 
         ``keep_depth``: the depth limit of the last plan, kept unless another beats it by ``margin``:
         a step queued ahead (worker/lookahead.py) has the last plan's shape, and a new depth drops it, a
-        whole GPU step wasted (on the H200 at B = 64 the plan flipped between near-tied k = 1 and 2).
+        whole GPU step wasted (on an H200 at B = 64 the plan flipped between near-tied k = 1 and 2).
         A deeper one must also beat it by ``deepen_margin`` (the planner's: what pays for the switch
         before the batch ends).
         """
@@ -122,7 +122,7 @@ class Search:
 
     def hopeless(self, caps: list[int], safe_floor: float, mean_floor: float) -> float | None:
         """The ceiling of the expected rate when no budget can pass the gate (`run`'s floors), else None.
-        A batch that plain decoding wins by far (B = 256 on the H200) is then planned in O(B + K²)
+        A batch that plain decoding wins by far (B = 256 on an H200) is then planned in O(B + K²)
         instead of ranking its B·K drafts: 4 ms of Python a plan there, beside 9 ms steps, and each
         plan's step read slower. ``caps``: each request's k cap."""
         drafting = [(r.alphas[:cap], (r.alphas if r.mean_alphas is None else r.mean_alphas)[:cap])

@@ -39,14 +39,14 @@ alone: optimistic on purpose, since a shape priced too high is never chosen and 
 speculating), while one priced too low costs the few steps that teach it.  Only plain decode steps
 move the global ratio: a speculative step's error is mostly its own host work (proposer, rejection sampler) that the profile never timed, and
 were it drift, it would also raise the predicted price of plain decoding, the very step the planner
-compares speculation against (on the H200 at B = 64, alpha 0.3, that made speculation look cheap and
+compares speculation against (on an H200 at B = 64, alpha 0.3, that made speculation look cheap and
 cost 47 % of the throughput).
 
 Outliers: each correction follows the median of its key's last three samples, the current
 estimate counting as the first two, so one odd step moves nothing and a real change is learnt
 from its second step.  One stall — a kernel compile, a collection pause, a slow host turn — must
 not teach the table that a speculative shape costs 4× (or 1.6×): the planner would avoid that shape
-from then on, so no later step could correct it (on the H200 a batch of 4 never speculated again
+from then on, so no later step could correct it (on an H200 a batch of 4 never speculated again
 after one compile inside its first speculative step, and at B = 64 one slow step sent a batch
 plain for 8 steps).
 A tail that recurs is priced, though: where two or more of a key's last 12 samples are slow (but not the
@@ -141,7 +141,7 @@ class CostTable:
     tails: dict[CorrectionKey, list[float]] = field(default_factory=dict)  # the last TAIL_WINDOW samples per key
     # The first FIRST_KEPT samples (measured / raw) per key. A key priced high by its first steps is never
     # chosen again, so never corrected: these say whether those steps were steady or a pass's start-up
-    # transients (on the H200 at B = 64 three early steps priced k = 1 at 1.38x its profile for good).
+    # transients (on an H200 at B = 64 three early steps priced k = 1 at 1.38x its profile for good).
     first: dict[CorrectionKey, list[float]] = field(default_factory=dict)
 
     @classmethod
@@ -267,7 +267,7 @@ class CostTable:
                 # A step with a prompt chunk runs eagerly, priced by the token table, whose error there
                 # is the chunk's, the same whatever the drafts: one key for every k. Per k, the drafting
                 # steps that fill a batch learnt 0.32 while k = 0 kept its 1.08 from one early sample,
-                # so on the H200 drafts looked to make a 50 ms admission step 3x cheaper, and every
+                # so on an H200 drafts looked to make a 50 ms admission step 3x cheaper, and every
                 # admission step at B = 256 verified a draft (TTFT +5-10 %, TPOT -1 %).
                 return (-1, self.verify.bucket(verify_tokens))
             if not shape.covers(batch_size, draft_steps_k + 1):

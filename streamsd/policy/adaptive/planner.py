@@ -42,7 +42,7 @@ guard against — speculating while slower than plain — outside it.  Entering 
 itself before the batch ends: an excursion costs about ``entry_steps`` plain steps beyond its
 own (the entering step proposes without verifying, and the steps around a switch wait for the
 host), so a gain g needs ``left · (1 − 1/g) ≥ entry_steps`` with ``left`` the median tokens the
-batch's requests may still emit (on the H200 at B = 256, alpha 0.9, a 14 % gain entered 14 tokens
+batch's requests may still emit (on an H200 at B = 256, alpha 0.9, a 14 % gain entered 14 tokens
 before its requests' end and lost 1-16 % of the pass).  Deeper drafts, where steps queue ahead, are
 such a switch too (the queued step is dropped, the step that deepens waits for the host): a new depth
 must pay for itself the same way (at B = 256, alpha 0.9, k = 1 went to 2 ten tokens before the end
@@ -58,7 +58,7 @@ unseen speculative shape priced them at a fraction of their cost, and they took 
 running prior is ``cold`` (no evidence yet, or forgotten) every request may probe, at once: a CUDA
 graph pads the batch to its widest request, so at B = 128 four probes cost the step of 128 and one
 step of them all is what teaches the prior; without it a large batch that the default prior keeps
-plain never learnt that its drafts were good (B = 128 at alpha 0.9 on the H200). Such a batch does not
+plain never learnt that its drafts were good (B = 128 at alpha 0.9 on an H200). Such a batch does not
 enter speculation before that probe's evidence is in: the default prior is a guess, and on a CPU at
 B = 32 (a width-2 step 1.25 plain ones, width 5 two) a fresh batch entered at k = 2 on it while n-gram
 drafts of chat were accepted a quarter of the time. The probe is the cheapest step that teaches (one
@@ -70,10 +70,10 @@ Small batches.  Up to ``small_batch`` requests, a plan passes when its *expected
 floor and its pessimistic rate loses at most ``small_batch_loss`` against plain (unless the
 running prior has never held evidence, ``guessing``: its means are then only the configured
 default).  Forgotten evidence does not count as none here: at batch 1 the prior forgets within ~60
-steps, so on the H200 it was cold nearly always and adaptive eagle still stayed plain.  A request with no
+steps, so on an H200 it was cold nearly always and adaptive eagle still stayed plain.  A request with no
 evidence of its own reads as the crowd's lower quarter, and a small batch's step is decided by a
 few such requests: with a speculative step costing ~1.9 plain ones (the shipped EAGLE head at batch
-1 on the H200) the quartiles needed more certainty than one request's life gathers, so adaptive
+1 on an H200) the quartiles needed more certainty than one request's life gathers, so adaptive
 eagle stayed plain (1.01x) where fixed k = 4 ran 1.44x at T = 0.  Each request's own observations
 correct its means within a few steps, so a misjudged one loses at most the bound for those steps.
 A large batch keeps the strict gate: it feeds the running prior B observations a step, always
