@@ -146,11 +146,11 @@ async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) ->
     except Exception as exc:
         worker.shutdown(wait=False)
         log.error("loading the model failed: %s", exc)
-        state.load_error = f"loading the model failed: {exc}"
+        state.fail(f"loading the model failed: {exc}")
         return
     group = core.rt.group
     if group is not None:  # a follower rank that exits ends the server (serve.py exits on load_error)
-        group.on_lost.append(lambda message: setattr(state, "load_error", message))
+        group.on_lost.append(state.fail)
     engine = AsyncEngine(core, worker)
     metrics.engine_loaded(core)
     engine.observers.append(metrics.observe)

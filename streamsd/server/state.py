@@ -64,6 +64,11 @@ class ServerState:
     draining: bool = False
     started: float = field(default_factory=time.time)
 
+    def fail(self, message: str) -> None:
+        """The engine cannot serve (it failed to load, or a rank of its group was lost): /health says
+        why, and the server exits."""
+        self.load_error = message
+
     def ready_engine(self) -> AsyncEngine:
         if self.draining:
             raise ApiError(503, "the server is shutting down")
