@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.server_util import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 BASE_IMAGE = os.environ.get("STREAMSD_CI_BASE_IMAGE", "localhost/debian:bookworm-min")
 IMAGE = os.environ.get("STREAMSD_CI_IMAGE", "localhost/streamsd:ci")
@@ -188,12 +190,6 @@ def image(base_image, pip_mounts) -> str:
     return build(IMAGE, base_image, pip_mounts)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny_models() -> Iterator[Path]:
     """Target and draft written to a world-readable directory: the image's uid 10001 must read
@@ -291,7 +287,7 @@ def serving(image: str, container: str, flags: list[str], log_path: Path,
     """Run the image's entrypoint plus `flags` (what a user appends after the image name in
     `docker run`) in `container`, wait for /health 200, yield a client for it, then stop it
     the way `docker stop` does and check that it drained and exited cleanly."""
-    port = _free_port()
+    port = free_port()
     # `buildah run` ignores ENTRYPOINT, so run the image's own one.
     entrypoint = json.loads(inspect(image, "{{json .Config.Entrypoint}}"))
     cmd = ["buildah", "run", "--isolation=chroot", "--network=host",

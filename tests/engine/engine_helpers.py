@@ -36,14 +36,14 @@ def greedy_params():
     return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
 
 
-def _assert_free(llm: LLM) -> None:
+def assert_free(llm: LLM) -> None:
     s = llm.core.scheduler
     assert s.blocks.num_free == s.blocks.total, "KV blocks leaked"
     assert len(s.q_slots_free) == s.q_slots_total, "q slots leaked"
     assert not s.running and not s.waiting and not llm.core.trackers
 
 
-def _target_next_token_probs(model_dir, ids, temperature, top_k, top_p, min_p, penalised=None):
+def target_next_token_probs(model_dir, ids, temperature, top_k, top_p, min_p, penalised=None):
     """The target's warped p after `ids`; `penalised`: (prompt length, params) whose bias and penalties
     apply first (the tokens past the prompt count as output)."""
     from streamsd.sample.warp import WarpParams, warp
@@ -66,11 +66,11 @@ def assert_pairs_follow_target(model_dir, prompt: list[int], res: list, warp: tu
     n = len(res)
     pairs = [tuple(r.outputs[0].token_ids[:2]) for r in res]
     penalised = None if params is None else (len(prompt), params)
-    p1 = _target_next_token_probs(model_dir, prompt, *warp, penalised=penalised)
+    p1 = target_next_token_probs(model_dir, prompt, *warp, penalised=penalised)
     firsts = sorted({a for a, _ in pairs} | set((p1 > 0.01).nonzero().flatten().tolist()))
     observed, expected = [], []
     for a in firsts:
-        p2 = _target_next_token_probs(model_dir, prompt + [a], *warp, penalised=penalised)
+        p2 = target_next_token_probs(model_dir, prompt + [a], *warp, penalised=penalised)
         for b in range(p2.numel()):
             e = n * p1[a].item() * p2[b].item()
             o = sum(1 for x in pairs if x == (a, b))

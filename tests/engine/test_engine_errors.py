@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from streamsd import LLM, SamplingParams
-from tests.engine.engine_helpers import PROMPTS, _assert_free, greedy_params
+from tests.engine.engine_helpers import PROMPTS, assert_free, greedy_params
 
 
 def test_abort_and_finish_mix_frees_every_block(tiny_model_dir, close_draft_dir):
@@ -29,7 +29,7 @@ def test_abort_and_finish_mix_frees_every_block(tiny_model_dir, close_draft_dir)
                 finished[out.request_id] = out.finish_reason or ""
     assert len(finished) == 12
     assert {finished[f"r{i}"] for i in range(0, 12, 3)} == {"cancelled"}
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_a_crashing_step_fails_only_its_requests(tiny_model_dir, close_draft_dir, reference):
@@ -48,7 +48,7 @@ def test_a_crashing_step_fails_only_its_requests(tiny_model_dir, close_draft_dir
     assert outs and outs[0].error and "injected fault" in outs[0].error and outs[0].finish_reason == "error"
     res = llm.generate(PROMPTS, greedy_params())
     assert [r.outputs[0].token_ids for r in res] == reference
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_out_of_range_params_are_clear_errors():
@@ -68,7 +68,7 @@ def test_prompt_longer_than_context_is_refused(tiny_model_dir):
     llm = LLM(str(tiny_model_dir))
     with pytest.raises(ValueError, match="context window"):
         llm.generate([[5] * 4000], SamplingParams(max_tokens=200))
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streamsd import LLM
-from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, _assert_free, greedy_params, hf_greedy
+from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, assert_free, greedy_params, hf_greedy
 
 
 @pytest.mark.parametrize("k", [1, 4, 7])
@@ -15,7 +15,7 @@ def test_greedy_draft_model_is_token_identical(tiny_model_dir, close_draft_dir, 
     assert [r.outputs[0].token_ids for r in res] == reference
     stats = [r.spec_stats for r in res]
     assert sum(s.accepted for s in stats) > 0 and sum(s.drafted - s.accepted for s in stats) > 0
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_greedy_plain_and_ngram_and_random_draft_are_token_identical(tiny_model_dir, tiny_draft_dir, reference):
@@ -23,7 +23,7 @@ def test_greedy_plain_and_ngram_and_random_draft_are_token_identical(tiny_model_
         llm = LLM(str(tiny_model_dir), **kw)
         res = llm.generate(PROMPTS, greedy_params())
         assert [r.outputs[0].token_ids for r in res] == reference, kw
-        _assert_free(llm)
+        assert_free(llm)
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
@@ -41,7 +41,7 @@ def test_chains_gated_by_the_batch_stay_exact(tiny_model_dir, close_draft_dir, r
     if method == "draft":  # a close draft model, caught up, is accepted (n-gram guesses on this text fail)
         assert res[2].spec_stats.accepted > 0
     assert all(d == 0 for d, n in zip(drafted, MAX_TOKENS, strict=True) if n <= 17), drafted
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_qwen2_target_with_llama_draft(qwen_target_dir, tiny_draft_dir):
@@ -78,7 +78,7 @@ def test_tiny_kv_pool_preempts_repeatedly_and_stays_exact(tiny_model_dir, close_
     # A preempted request verifies the very drafts it held when it was preempted.
     with_drafts = [(rid, d) for rid, d in preempted_drafts if d]
     assert with_drafts and any(pair in verified_after for pair in with_drafts)
-    _assert_free(llm)
+    assert_free(llm)
 
 
 @pytest.mark.parametrize("kw", [{"speculative_method": "ngram"}, {"draft_model": "close"}], ids=["ngram", "draft"])
@@ -90,4 +90,4 @@ def test_adaptive_policy_keeps_greedy_output_identical(tiny_model_dir, close_dra
     policy = llm.core.scheduler.policy
     assert policy.record.steps > 0 and sum(policy.record.chosen_k.values()) > 0
     assert policy.record.last_measured > 0 and policy.cost.verify.keys  # profiled at start, corrected online
-    _assert_free(llm)
+    assert_free(llm)

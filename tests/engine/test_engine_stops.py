@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from streamsd import LLM, SamplingParams
 from streamsd.request import FinishReason
-from tests.engine.engine_helpers import PROMPTS, _assert_free, greedy_params
+from tests.engine.engine_helpers import PROMPTS, assert_free, greedy_params
 
 
 def test_stop_string_spanning_tokens(tiny_model_dir):
@@ -20,7 +20,7 @@ def test_stop_string_spanning_tokens(tiny_model_dir):
     assert o.text == base.text[:cut]
     assert o.finish_reason == FinishReason.STOP
     assert "".join(t.text for t in o.tokens) == o.text
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_stop_token_ids_min_tokens_and_eos(tiny_model_dir):
@@ -70,7 +70,7 @@ def test_pipelined_steps_match_sequential_steps_with_stop_strings(tiny_model_dir
     sequential = []
     while llm.core.has_work:
         sequential.append(llm.core.step())
-    _assert_free(llm)
+    assert_free(llm)
     submit("p")
     settled: list = []
     real_settle = llm.core.settle
@@ -83,7 +83,7 @@ def test_pipelined_steps_match_sequential_steps_with_stop_strings(tiny_model_dir
     llm.core.settle = counting_settle
     pipelined = collect(turn.outputs for turn in llm.core.run())
     assert settled, "no stop string was found under a running step: the deferred path went untested"
-    _assert_free(llm)
+    assert_free(llm)
     sequential = collect(sequential)
     stopped = 0
     for i in range(len(PROMPTS)):
@@ -123,4 +123,4 @@ def test_a_step_failing_under_a_deferred_stop_ends_each_request_once(tiny_model_
             if o.finished:
                 finals.setdefault(o.request_id, []).append(o.finish_reason)
     assert finals == {"stopper": ["stop"], "bystander": ["error"]}
-    _assert_free(llm)
+    assert_free(llm)

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamsd import LLM, SamplingParams
-from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, _assert_free, assert_pairs_follow_target
+from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, assert_free, assert_pairs_follow_target
 
 # Ids the tiny tokenizer uses in these answers (the byte-level alphabet and early merges).
 BIAS = {70: 4.0, 88: -100.0, 300: 2.5}
@@ -45,7 +45,7 @@ def test_penalised_greedy_is_hf_generate_with_the_same_repetition_penalty_and_bi
     for kw in ({}, {"speculative_method": "ngram"}, {"draft_model": str(close_draft_dir), "num_speculative_tokens": 4}):
         llm = LLM(str(tiny_model_dir), **kw)
         assert _answers(llm, params) == want, kw
-        _assert_free(llm)
+        assert_free(llm)
 
 
 @pytest.mark.parametrize("kw", [
@@ -62,7 +62,7 @@ def test_speculative_greedy_with_penalties_equals_plain_greedy(tiny_model_dir, c
     if "num_speculative_tokens" in kw:  # drafts were both accepted and rejected against the penalised target
         assert sum(r.spec_stats.accepted for r in res) > 0
         assert sum(r.spec_stats.drafted - r.spec_stats.accepted for r in res) > 0
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_penalised_and_plain_requests_share_a_batch_exactly(tiny_model_dir, close_draft_dir, plain_penalised):
@@ -72,7 +72,7 @@ def test_penalised_and_plain_requests_share_a_batch_exactly(tiny_model_dir, clos
     llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3)
     res = llm.generate(PROMPTS * 2, _greedy(**PENALTIES) + _greedy())
     assert [r.outputs[0].token_ids for r in res] == plain_penalised + unpenalised
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_steps_queued_ahead_leave_penalised_requests_out_and_stay_exact(tiny_model_dir, plain_penalised):
@@ -85,7 +85,7 @@ def test_steps_queued_ahead_leave_penalised_requests_out_and_stay_exact(tiny_mod
     res = llm.generate(PROMPTS * 2, _greedy(**PENALTIES) + longer)
     assert [r.outputs[0].token_ids for r in res] == plain_penalised + unpenalised
     assert llm.core.rt.worker.lookahead.taken > 0
-    _assert_free(llm)
+    assert_free(llm)
 
 
 # Penalties that reward repeating (this random model rarely repeats a token by itself): the second

@@ -20,9 +20,9 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def eagle_head(tiny_model_dir, tmp_path_factory):
-    from tests.spec_decode.eagle_helpers import _train_head
+    from tests.spec_decode.eagle_helpers import train_tiny_head
 
-    return _train_head(tiny_model_dir, tmp_path_factory.mktemp("prefix_head"), "eagle3", epochs=5)
+    return train_tiny_head(tiny_model_dir, tmp_path_factory.mktemp("prefix_head"), "eagle3", epochs=5)
 
 
 def _engine(model_dir, method: str, draft_dir, head_dir, cache: bool, **kw) -> LLM:

@@ -11,6 +11,6 @@ from tests.kernels.interpret import CUDA
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32]
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out).all(), "NaN/inf in the kernel output"
     return float((out.double() - ref.double()).norm() / ref.double().norm())

@@ -10,7 +10,7 @@ import streamsd.kernels.attention.paged as pa
 import streamsd.model.attention as ta
 from streamsd.kernels.attention.prefill import prefill_tiles
 from streamsd.model.kv_cache import BatchLayout
-from tests.kernels.kernel_helpers import DTYPES, _rel
+from tests.kernels.kernel_helpers import DTYPES, rel_error
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
@@ -52,7 +52,7 @@ def test_paged_attention_matches_reference(dtype, case, splits):
         out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
         pa.decode_attention(q, kc, vc, layout.block_table, layout.context_lens_t, layout.query_starts_t,
                            dim**-0.5, max(counts), out=out, splits=splits)
-        assert _rel(out, ref) < TOL[dtype]
+        assert rel_error(out, ref) < TOL[dtype]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: a cache of more than 2**31 elements")
@@ -88,7 +88,7 @@ def test_prompt_chunks_and_verify_windows_in_one_step_match_reference(dtype, cas
     counts, extra, kvh, heads, dim = PREFILL_CASES[case]
     q, kc, vc, layout = _random_batch(counts, extra, kvh, heads, dim, dtype, 3 + case)
     ref = ta.paged_attention(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
-    assert _rel(pa.paged_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
+    assert rel_error(pa.paged_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
 
 
 TREE_CASES = [  # per sequence: (tokens before the window, cached before them, tree parents or None), kv, heads, dim
@@ -117,8 +117,8 @@ def test_tree_windows_match_reference(dtype, case, splits, per):
     pa.decode_attention(q, kc, vc, layout.block_table, layout.context_lens_t, layout.query_starts_t, dim**-0.5,
                        max(counts), out=out, splits=splits, tree_bits=layout.tree_bits, tree_start=layout.tree_start,
                        rows_per_program=per)
-    assert _rel(out, ref) < TOL[dtype]
-    assert _rel(pa.paged_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
+    assert rel_error(out, ref) < TOL[dtype]
+    assert rel_error(pa.paged_attention(q, kc, vc, layout, dim**-0.5), ref) < TOL[dtype]
 
 
 def test_prefill_tiles_cover_each_long_query_once():

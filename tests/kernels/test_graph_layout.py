@@ -10,11 +10,7 @@ import torch
 from tests.kernels.interpret import CUDA, DEV  # isort: skip (first: it sets the interpreter up)
 import streamsd.kernels.attention.paged as pa
 from streamsd.model.kv_cache import BatchLayout
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(out).all(), "NaN/inf in the output"
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
+from tests.kernels.kernel_helpers import rel_error
 
 
 def test_padded_graph_step_matches_eager_forward(tiny_model_dir):
@@ -56,7 +52,7 @@ def test_padded_graph_step_matches_eager_forward(tiny_model_dir):
         block_table[: table.shape[0], : table.shape[1]] = torch.from_numpy(table)
         ids_t, layout = static_layout(torch.from_numpy(host), block_table, 4, 4, scratch)
         out = model(ids_t, layout, cache, torch.arange(16)).logits[: len(rows)]
-    assert _rel(out, ref) < 1e-4
+    assert rel_error(out, ref) < 1e-4
     assert torch.allclose(cache.data[:, :, :scratch], written[:, :, :scratch], atol=1e-5)
 
 
@@ -96,7 +92,7 @@ def test_prompt_graph_matches_eager_prefill(tiny_model_dir, start, count):
         for _ in range(2):
             cache.data.copy_(before)
             out = runner.run(key, ids, [start], [count], [table], [count - 1]).clone()
-            assert _rel(out, ref) < 1e-4
+            assert rel_error(out, ref) < 1e-4
     else:
         n_tiles = prompt_tile_count(32, model.args.num_heads, model.args.num_kv_heads)
         host, live = pack_step(ids, [start], [count], [table], 1, 32, scratch, bs)
@@ -105,7 +101,7 @@ def test_prompt_graph_matches_eager_prefill(tiny_model_dir, start, count):
         ids_t, layout = static_layout(torch.from_numpy(host), block_table, 1, 32, scratch)
         tiles = torch.from_numpy(prompt_tiles(start, count, 32, n_tiles)).to(torch.int32)
         out = model(ids_t, replace(layout, prompt_tiles=tiles), cache, torch.tensor([count - 1])).logits
-        assert _rel(out, ref) < 1e-4
+        assert rel_error(out, ref) < 1e-4
     assert torch.allclose(cache.data[:, :, :scratch], written[:, :, :scratch], atol=1e-5)
 
 
@@ -156,7 +152,7 @@ def test_packed_prompt_graph_matches_eager_mixed_step(tiny_model_dir):
         for _ in range(2):
             cache.data.copy_(before)
             out = runner.run(key, ids, before_lens, counts, tables, rows).clone()
-            assert _rel(out, ref) < 1e-4
+            assert rel_error(out, ref) < 1e-4
     else:
         cache.data.copy_(before)
         per = tokens_per_tile(model.args.num_heads, model.args.num_kv_heads)
@@ -170,7 +166,7 @@ def test_packed_prompt_graph_matches_eager_mixed_step(tiny_model_dir):
         n = packed_size(8, 64, 64)
         tiles = packed[n + 8 :].to(torch.int32)
         out = model(ids_t, replace(layout, prompt_tiles=tiles), cache, packed[n : n + 8]).logits[: len(rows)]
-        assert _rel(out, ref) < 1e-4
+        assert rel_error(out, ref) < 1e-4
     assert torch.allclose(cache.data[:, :, :scratch], written[:, :, :scratch], atol=1e-5)
 
 

@@ -12,7 +12,7 @@ import streamsd.model.attention as ta
 from streamsd.kernels.attention.prefill import prefill_attention, prefill_tiles, tokens_per_tile
 from streamsd.model.kv_cache import BatchLayout
 from streamsd.sample import rng
-from tests.kernels.kernel_helpers import _rel
+from tests.kernels.kernel_helpers import rel_error
 
 
 def _assert_fast_matches_reference(results: list) -> None:
@@ -20,8 +20,8 @@ def _assert_fast_matches_reference(results: list) -> None:
     (ref, ref_cache), (out, out_cache) = results
     tol = 2e-2 if CUDA else 1e-5
     for a, b in zip(out, ref, strict=True):
-        assert a.shape == b.shape and _rel(a, b) < tol
-    assert _rel(out_cache, ref_cache) < tol
+        assert a.shape == b.shape and rel_error(a, b) < tol
+    assert rel_error(out_cache, ref_cache) < tol
 
 
 # -- the whole engine on CUDA: graphs + kernels keep greedy speculation exact ----------------------
@@ -129,7 +129,7 @@ def test_graph_replay_returns_the_eager_hidden_streams(tiny_model_dir):
         cache.data.copy_(before)
         logits, hidden = runner.run_hidden(key, ids, lens, counts, tables, rows)
         assert hidden.shape == ref_hidden.shape
-        assert _rel(logits, ref.logits) < 1e-4 and _rel(hidden, ref_hidden) < 1e-4
+        assert rel_error(logits, ref.logits) < 1e-4 and rel_error(hidden, ref_hidden) < 1e-4
     assert runner.replays == 2 and len(runner.graphs) == 1
 
 

@@ -9,7 +9,7 @@ from tests.kernels.interpret import CUDA, DEV  # isort: skip (first: it sets the
 import streamsd.kernels.sample.rejection as rj
 from streamsd.sample import rng
 from streamsd.sample.rejection import VerifyInput, rejection_sample
-from tests.kernels.kernel_helpers import DTYPES, _rel
+from tests.kernels.kernel_helpers import DTYPES, rel_error
 
 
 # -- warping and plain sampling --------------------------------------------------------------------
@@ -39,10 +39,10 @@ def test_warp_kernel_matches_the_torch_warp(vocab, chunked):
     want = warp(logits, wp)  # the CPU path: torch ops
     got = kernel.warp(logits.to(DEV), temperature.to(DEV), min_p.to(DEV)).cpu()
     assert torch.equal(got == 0, want == 0) and (want == 0).any()
-    assert _rel(got, want) < 1e-5
+    assert rel_error(got, want) < 1e-5
     reps = kernel.warp(logits.to(DEV), temperature[::2].to(DEV), min_p[::2].to(DEV), reps=2).cpu()
     pairs = warp(logits, WarpParams(temperature[::2], wp.top_k[::2], wp.top_p[::2], min_p[::2], False), reps=2)
-    assert _rel(reps, pairs) < 1e-5
+    assert rel_error(reps, pairs) < 1e-5
 
 
 def test_sample_kernel_keeps_a_row_of_nan_inside_the_vocabulary():

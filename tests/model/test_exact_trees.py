@@ -9,7 +9,7 @@ import torch
 
 from streamsd import LLM, SamplingParams
 from tests.model.test_exact_forward import PROMPTS, _greedy, _sampled
-from tests.spec_decode.eagle_helpers import _train_head
+from tests.spec_decode.eagle_helpers import train_tiny_head
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -20,7 +20,7 @@ LONG = "one two three four five six seven eight nine ten " * 5
 
 @pytest.fixture(scope="module")
 def head(tiny_model_dir, tmp_path_factory):
-    return _train_head(tiny_model_dir, tmp_path_factory.mktemp("exact_tree_head"), "eagle3_norm_first")
+    return train_tiny_head(tiny_model_dir, tmp_path_factory.mktemp("exact_tree_head"), "eagle3_norm_first")
 
 
 def test_exact_mode_takes_draft_trees(tiny_model_dir, head):

@@ -21,7 +21,7 @@ def entry_gain(views: list[RequestView], cost: CostTable, max_k: int) -> float:
 
 
 # -- step-shape tables (the engine's own B x (1 + k) shape; CUDA graphs on a GPU) ------------------
-def _graph_shape() -> ShapeTable:
+def graph_shape() -> ShapeTable:
     """Graph replay times of an 8B-like target with widths (1, K + 1) = (1, 5) captured."""
     samples = {(b, w): 4e-3 + 2e-5 * b * w for b in (1, 2, 4, 8, 16, 32, 64) for w in (1, 5)}
     return ShapeTable.from_samples(samples, padded=True)

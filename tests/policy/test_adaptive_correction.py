@@ -8,7 +8,7 @@ from statistics import median
 import pytest
 
 from streamsd.policy.adaptive import CostTable
-from tests.policy.adaptive_helpers import _graph_shape, h200_cost
+from tests.policy.adaptive_helpers import graph_shape, h200_cost
 
 
 def test_cost_corrector_learns_drift_and_bucket_errors() -> None:
@@ -28,7 +28,7 @@ def test_cost_corrector_learns_drift_and_bucket_errors() -> None:
 def test_a_step_with_a_prompt_chunk_learns_one_correction_for_every_k() -> None:
     # Steps carrying a prompt chunk run eagerly and the token table's error there is the chunk's: what a
     # drafting one teaches must price the plain one too, or drafts seem to make the chunk cheaper.
-    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape())
+    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=graph_shape())
     chunk = 2048
     raw_spec = cost.predict_raw(64, 64 + 64 + chunk, 1, prefill_tokens=chunk)
     for _ in range(6):
@@ -44,7 +44,7 @@ def test_correction_learns_each_graph_within_a_few_steps() -> None:
     """The true step costs what the graph costs plus host work the profile did not see (more for a
     speculative step: the rejection sampler and the proposer), with 1% noise: after a few steps of
     each kind, the corrected prediction is within 2%."""
-    shape = _graph_shape()
+    shape = graph_shape()
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
     rng = random.Random(7)
     errors: list[float] = []
@@ -66,7 +66,7 @@ def test_speculative_host_work_does_not_raise_the_price_of_plain_steps() -> None
     more than the graph table says (host work it never timed). Learnt as global drift, that surplus
     also inflated the predicted plain step, so speculation looked cheap next to it. After a few plain
     steps and many speculative ones, both kinds are priced right."""
-    shape = _graph_shape()
+    shape = graph_shape()
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
     true_plain, true_spec = shape(64, 64, 1) * 1.05, shape(64, 128, 5) * 1.5
     for k, true in [(0, true_plain)] * 3 + [(1, true_spec)] * 60:
@@ -81,7 +81,7 @@ def test_one_slow_step_does_not_price_its_shape_out_for_good() -> None:
     stalled on a kernel compile, measured at the clamp (4x), and the planner never chose that shape
     again, so no step could correct it; at B = 64 one step 1.6x slow sent the batch plain. A lone odd
     step moves nothing; a change that repeats is learnt from its second step."""
-    shape = _graph_shape()
+    shape = graph_shape()
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
     before = cost.predict(4, 20, 4)
     cost.observe(cost.predict_raw(4, 20, 4), 0.3, verify_tokens=20, draft_steps_k=4, batch_size=4)  # a 300 ms stall
@@ -109,7 +109,7 @@ def test_a_key_learnt_before_the_plain_calibration_keeps_its_price() -> None:
     steps, then plain steps taught the global ratio 1.7x (the plain step's own host work). Read as
     drift, that priced the speculative step at 2.1 x 1.7 its profile, and speculation never ran again.
     While the global ratio calibrates, learnt keys keep their prices; after it, its moves are drift."""
-    shape = _graph_shape()
+    shape = graph_shape()
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
     spec_true, plain_true = 2.1 * cost.predict(1, 5, 4), 1.7 * cost.predict(1, 1, 0)
     for _ in range(3):
@@ -129,7 +129,7 @@ def test_a_step_learnt_a_step_late_reads_its_ratio_from_the_raw_prediction() -> 
     used is no longer the table's. Read as measured x current / corrected prediction, a sample carried
     the corrections learnt in between a second time (12 % over the truth here); measured / raw is the
     ratio the step shows."""
-    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape())
+    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=graph_shape())
     truth = 1.3 * cost.predict_raw(64, 320, 4)
     pending: list[float] = []
     seen = []
@@ -146,7 +146,7 @@ def test_a_recurring_tail_of_slow_steps_is_priced_and_a_lone_stall_is_not() -> N
     slow host turn). The median of three never sees such a tail: priced at it, B = 256 at alpha 0.9
     entered speculation for a predicted +10 % that its mean step time did not have. The key's price
     follows its mean, less the largest recent sample, so one stall among steady steps moves nothing."""
-    shape = _graph_shape()
+    shape = graph_shape()
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
     steady = 1.2 * cost.predict_raw(64, 128, 1)
     times = [2 * steady if i % 8 == 7 else steady for i in range(48)]
@@ -171,7 +171,7 @@ def test_a_recurring_tail_of_slow_steps_is_priced_and_a_lone_stall_is_not() -> N
 def test_a_keys_first_samples_are_kept_for_the_summary() -> None:
     """A key priced high by its first steps is never chosen again (H200, B = 64: k = 1 at 1.38x its profile
     from three early steps): the summary shows those steps, measured / raw, and only the first few."""
-    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=_graph_shape())
+    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=graph_shape())
     raw = cost.predict_raw(64, 128, 1)
     ratios = [1.8, 0.7, 2.2, 1.1, 1.0, 1.05, 1.3, 0.9]
     for r in ratios:

@@ -7,7 +7,7 @@ import pytest
 from streamsd.policy.adaptive import CostTable, RooflineModel
 from streamsd.policy.adaptive.cost import StepTable
 from streamsd.policy.adaptive.shape import ShapeTable
-from tests.policy.adaptive_helpers import _graph_shape
+from tests.policy.adaptive_helpers import graph_shape
 
 
 def test_cost_table_is_monotone_and_flat_within_buckets() -> None:
@@ -30,7 +30,7 @@ def test_roofline_ridge_near_200_tokens() -> None:
 
 
 def test_graph_table_prices_the_graph_a_step_replays() -> None:
-    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape())
+    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=graph_shape())
     # Any speculation replays the width-5 graph: k = 1 costs what k = 4 costs, flat within a bucket.
     assert cost.predict(64, 65, 1) == cost.predict(64, 320, 4) == pytest.approx(4e-3 + 2e-5 * 320)
     assert cost.predict(33, 33, 0) == cost.predict(64, 64, 0) == pytest.approx(4e-3 + 2e-5 * 64)

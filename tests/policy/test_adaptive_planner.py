@@ -16,7 +16,7 @@ from streamsd.policy.adaptive import (
 )
 from streamsd.policy.adaptive.planner import expected_tokens
 from streamsd.policy.adaptive.shape import ShapeTable
-from tests.policy.adaptive_helpers import _graph_shape, entry_gain, h200_cost
+from tests.policy.adaptive_helpers import entry_gain, graph_shape, h200_cost
 
 
 @pytest.mark.parametrize("alpha", [0.2, 0.5, 0.7, 0.9])
@@ -74,7 +74,7 @@ def test_probes_only_when_speculation_could_pay() -> None:
 def test_probes_are_spaced_by_what_they_cost() -> None:
     # A padded graph makes a probe of 4 requests cost the whole batch the wide graph: here (B = 8) 4.8 ms
     # against a 4.16 ms plain step, 15 % more, so at a 0.5 % budget one probe per 31 steps, not per 16.
-    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=_graph_shape())
+    cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=graph_shape())
     st = PlannerState()
     views = [RequestView(i, 4, [0.05] * 4, probe=True) for i in range(8)]
     probed = [step for step in range(200) if any(plan(views, cost, 4, state=st))]

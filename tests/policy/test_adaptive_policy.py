@@ -6,7 +6,7 @@ import pytest
 
 from streamsd.policy.adaptive import CostTable, RequestView, plan
 from streamsd.policy.adaptive.cost import StepTable
-from tests.policy.adaptive_helpers import _graph_shape, entry_gain, h200_cost
+from tests.policy.adaptive_helpers import entry_gain, graph_shape, h200_cost
 
 
 def test_an_eagle_heads_settled_lag_is_no_catch_up() -> None:
@@ -37,7 +37,7 @@ def test_plain_steps_between_plans_keep_the_table_calibrated() -> None:
     from streamsd.policy.policy import AdaptivePolicy, StepShape, acceptance_class
     from streamsd.request import Request, SamplingParams
 
-    shape = _graph_shape()
+    shape = graph_shape()
     cost = CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=shape)
     policy = AdaptivePolicy(4, cost, draft_has_cache=False, plan_budget=0.0)  # every REPLAN_EVERY, however slow
     built = StepShape(batch=64, verify_tokens=64, draft_steps=0, draft_batch=0, prefill_tokens=0, verify_width=1)
@@ -113,7 +113,7 @@ def test_an_idle_batchs_backoff_plans_fit_the_plan_budget_too() -> None:
     from streamsd.policy.policy import AdaptivePolicy, acceptance_class
     from streamsd.request import Request, SamplingParams
 
-    policy = AdaptivePolicy(4, CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=_graph_shape()),
+    policy = AdaptivePolicy(4, CostTable.from_samples({1: 4e-3, 256: 9e-3}, shape=graph_shape()),
                             draft_has_cache=False)
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=500), seed=i, arrival=0.0, spec_k=4)
             for i in range(64)]
@@ -152,7 +152,7 @@ def test_a_step_entering_speculation_is_priced_as_the_plain_graph_plus_drafting_
     and learnt, it taught the speculative key that speculation is cheap."""
     from streamsd.policy.policy import AdaptivePolicy, Decision, StepShape
 
-    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape(), spec_overhead_s=3e-4)
+    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=graph_shape(), spec_overhead_s=3e-4)
     plain_graph, spec_graph = 4e-3 + 2e-5 * 64, 4e-3 + 2e-5 * 320
     assert cost.predict_with_raw(64, 64, 4, verify_width=1)[0] == pytest.approx(plain_graph + 3e-4)
     assert cost.predict_with_raw(64, 320, 0, verify_width=5)[0] == pytest.approx(spec_graph)  # leaving it
@@ -173,7 +173,7 @@ def test_the_first_speculative_step_after_plain_ones_teaches_no_key() -> None:
     also waits for the dropped queued step (2x)."""
     from streamsd.policy.policy import AdaptivePolicy, Decision, StepShape
 
-    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=_graph_shape())
+    cost = CostTable.from_samples({1: 4e-3, 64: 4.5e-3, 256: 9e-3}, shape=graph_shape())
     policy = AdaptivePolicy(4, cost, draft_has_cache=False)
     spec_key = cost.key(320, 4, batch_size=64)
     shapes = {"plain": StepShape(64, 64, 0, 0, 0, 1), "entering": StepShape(64, 64, 4, 64, 0, 1),

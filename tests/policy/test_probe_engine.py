@@ -11,7 +11,7 @@ import pytest
 from streamsd import LLM, SamplingParams
 from streamsd.policy.adaptive import CostTable
 from streamsd.policy.policy import AdaptivePolicy
-from tests.engine.engine_helpers import PROMPTS, _assert_free, hf_greedy
+from tests.engine.engine_helpers import PROMPTS, assert_free, hf_greedy
 
 MAX_TOKENS = 40
 
@@ -49,4 +49,4 @@ def test_a_granted_probe_is_verified_and_teaches_the_prior(tiny_model_dir, close
     assert granted, "no probe was granted: the prices above no longer make the planner probe"
     assert all(verified.get(rid, 0) > 0 for rid in granted), (granted, verified)
     assert policy.estimator.informed("greedy")  # the probes' evidence reached the running prior
-    _assert_free(llm)
+    assert_free(llm)

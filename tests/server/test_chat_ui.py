@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.server import web_ui_helpers as web_ui
-from tests.server.web_ui_helpers import _record_ws, _send, _serve, _set_settings, expect
+from tests.server.web_ui_helpers import expect, record_ws, send_message, serve_for_ui, set_settings
 
 # The browser, the live server and the page factory are web_ui_helpers.py's fixtures.
 browser = web_ui.browser
@@ -35,7 +35,7 @@ def _open(page, base: str) -> None:
 
 def _ask(page, text: str, n: int):
     """Send `text` as the n-th question of the conversation on screen; wait for its reply."""
-    _send(page, text)
+    send_message(page, text)
     expect(page.get_by_test_id("assistant-message")).to_have_count(n)
     reply = page.get_by_test_id("assistant-message").last
     expect(reply).to_have_attribute("data-status", "done", timeout=DONE_S)
@@ -49,7 +49,7 @@ def _dones(frames: dict) -> list[dict]:
 def test_conversations_are_kept_across_a_reload_and_reopen_with_their_messages(new_page, live_server):
     page = new_page()
     _open(page, live_server)
-    _set_settings(page, max_tokens=12, temperature=0.8)
+    set_settings(page, max_tokens=12, temperature=0.8)
     first = _ask(page, "Tell me about rivers", 1).locator(".md").inner_text()
     _ask(page, "And lakes?", 2)
     page.get_by_test_id("new-chat").click()
@@ -86,7 +86,7 @@ def test_conversations_are_kept_across_a_reload_and_reopen_with_their_messages(n
 def test_conversations_export_to_json_and_import_in_another_browser(new_page, live_server, tmp_path):
     page = new_page()
     _open(page, live_server)
-    _set_settings(page, max_tokens=6, temperature=0)
+    set_settings(page, max_tokens=6, temperature=0)
     page.get_by_test_id("system-prompt").fill("Be brief.")
     reply = _ask(page, "Export me", 1).locator(".md").inner_text()
     with page.expect_download() as download:
@@ -111,9 +111,9 @@ def test_conversations_export_to_json_and_import_in_another_browser(new_page, li
 
 def test_regenerate_replaces_the_last_answer_with_a_new_one(new_page, live_server):
     page = new_page()
-    frames = _record_ws(page)
+    frames = record_ws(page)
     _open(page, live_server)
-    _set_settings(page, max_tokens=24, temperature=1.0)
+    set_settings(page, max_tokens=24, temperature=1.0)
     _ask(page, "Once upon a time", 1)
     before = "".join(f["text"] for f in frames["received"] if f["type"] == "delta")
     page.get_by_test_id("regenerate").click()
@@ -129,9 +129,9 @@ def test_regenerate_replaces_the_last_answer_with_a_new_one(new_page, live_serve
 
 def test_editing_the_first_question_replaces_the_later_turns(new_page, live_server):
     page = new_page()
-    frames = _record_ws(page)
+    frames = record_ws(page)
     _open(page, live_server)
-    _set_settings(page, max_tokens=8, temperature=0.8)
+    set_settings(page, max_tokens=8, temperature=0.8)
     _ask(page, "First question", 1)
     _ask(page, "Second question", 2)
     page.get_by_test_id("edit-message").first.click()
@@ -148,9 +148,9 @@ def test_editing_the_first_question_replaces_the_later_turns(new_page, live_serv
 
 def test_the_system_prompt_reaches_the_model(new_page, live_server):
     page = new_page()
-    frames = _record_ws(page)
+    frames = record_ws(page)
     _open(page, live_server)
-    _set_settings(page, max_tokens=4, temperature=0)
+    set_settings(page, max_tokens=4, temperature=0)
     _ask(page, "Hello", 1)
     page.get_by_test_id("new-chat").click()
     page.get_by_test_id("system-prompt").fill("You are a pirate who answers in rhymes about the sea.")
@@ -170,10 +170,10 @@ def test_the_system_prompt_reaches_the_model(new_page, live_server):
 
 def test_speculation_view_charts_acceptance_by_position_and_the_steps(new_page, live_server):
     page = new_page()
-    frames = _record_ws(page)
+    frames = record_ws(page)
     _open(page, live_server)
     expect(page.get_by_test_id("spec-proposer")).to_contain_text("draft model")
-    _set_settings(page, max_tokens=60, temperature=0, spec_k=4)
+    set_settings(page, max_tokens=60, temperature=0, spec_k=4)
     _ask(page, "Once upon a time", 1)
     done = _dones(frames)[0]
     spec = done["usage"]["speculative"]
@@ -219,14 +219,14 @@ def test_readme_screenshots(new_page, tmp_path):
     system prompt and two finished turns, provenance on, from the embedded default model
     (SmolLM2-135M-Instruct; pulled on first use). A real model, because the tiny random one only
     produces noise; slow, because on a CPU it runs at ~10 tokens/s."""
-    with _serve(["--device", "cpu"], tmp_path / "serve.log", ready_timeout_s=900) as base:
+    with serve_for_ui(["--device", "cpu"], tmp_path / "serve.log", ready_timeout_s=900) as base:
         page = new_page(color_scheme="light", viewport={"width": 1180, "height": 760})
         _open(page, base)
-        _set_settings(page, temperature=0, max_tokens=60)
+        set_settings(page, temperature=0, max_tokens=60)
         _ask(page, "What is a haiku?", 1)
         page.get_by_test_id("new-chat").click()
         page.get_by_test_id("system-prompt").fill("You are a helpful Python assistant.")
-        _set_settings(page, max_tokens=160)
+        set_settings(page, max_tokens=160)
         for n, text in enumerate(SCREENSHOT_TURNS, start=1):
             _ask(page, text, n)
         page.get_by_test_id("provenance-toggle").click()

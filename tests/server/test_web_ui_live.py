@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tests.server import web_ui_helpers as web_ui
-from tests.server.web_ui_helpers import _models, _record_ws, _send, _set_settings, expect
+from tests.server.web_ui_helpers import expect, get_models, record_ws, send_message, set_settings
 
 # The browser, the servers and the page factory are web_ui_helpers.py's fixtures.
 browser = web_ui.browser
@@ -27,11 +27,11 @@ def _alnum(text: str) -> str:
 
 def test_message_streams_and_stats_fill_in(new_page, live_server):
     page = new_page()
-    frames = _record_ws(page)
+    frames = record_ws(page)
     page.goto(live_server)
     expect(page.locator("#conn")).to_have_attribute("data-state", "open")
-    _set_settings(page, max_tokens=64, temperature=0.8)
-    _send(page, "Once upon a time")
+    set_settings(page, max_tokens=64, temperature=0.8)
+    send_message(page, "Once upon a time")
 
     reply = page.get_by_test_id("assistant-message").last
     expect(reply).to_have_attribute("data-status", "done", timeout=60_000)
@@ -61,7 +61,7 @@ def test_message_streams_and_stats_fill_in(new_page, live_server):
         assert STAT_NUMBER.search(stats.locator('[data-stat="reply-mean"]').inner_text())
 
     # The second turn sends the whole conversation again.
-    _send(page, "And then?")
+    send_message(page, "And then?")
     expect(page.get_by_test_id("assistant-message")).to_have_count(2)
     expect(page.get_by_test_id("assistant-message").last).to_have_attribute(
         "data-status", "done", timeout=60_000
@@ -74,7 +74,7 @@ def test_message_streams_and_stats_fill_in(new_page, live_server):
 
 def test_stop_cancels_the_reply(new_page, live_server):
     page = new_page()
-    frames = _record_ws(page)
+    frames = record_ws(page)
 
     # The tiny model may pick end-of-sequence at any step; ignore_eos (a server extension the UI
     # does not expose) keeps it talking until the test stops it. The page's frames still go to
@@ -93,8 +93,8 @@ def test_stop_cancels_the_reply(new_page, live_server):
     page.route_web_socket(re.compile(r".*/v1/ws.*"), proxy)
     page.goto(live_server)
     expect(page.locator("#conn")).to_have_attribute("data-state", "open")
-    _set_settings(page, max_tokens=400)
-    _send(page, "Count")
+    set_settings(page, max_tokens=400)
+    send_message(page, "Count")
 
     reply = page.get_by_test_id("assistant-message").last
     expect(page.get_by_test_id("stop")).to_be_visible()
@@ -119,8 +119,8 @@ def test_provenance_tints_draft_tokens(new_page, live_server):
     expect(page.locator("#conn")).to_have_attribute("data-state", "open")
     # Greedy: the same reply every run (an unseeded T=1 reply once held no target token the page could
     # show), and the close draft is accepted often enough that 150 tokens hold many drafts.
-    _set_settings(page, max_tokens=150, temperature=0)
-    _send(page, "Once upon a time")
+    set_settings(page, max_tokens=150, temperature=0)
+    send_message(page, "Once upon a time")
     reply = page.get_by_test_id("assistant-message").last
     expect(reply).to_have_attribute("data-status", "done", timeout=60_000)
 
@@ -168,11 +168,11 @@ def test_provenance_tints_visible_text_and_words_read_continuous(new_page, live_
     """A token's leading whitespace is not tinted, and a word made of several tokens shows no seam:
     the spans of adjacent tokens touch, with no padding, margin, border or rounding between them."""
     page = new_page(color_scheme="light")
-    frames = _record_ws(page)
+    frames = record_ws(page)
     page.goto(live_server)
     expect(page.locator("#conn")).to_have_attribute("data-state", "open")
-    _set_settings(page, max_tokens=150, temperature=0)
-    _send(page, "Once upon a time")
+    set_settings(page, max_tokens=150, temperature=0)
+    send_message(page, "Once upon a time")
     reply = page.get_by_test_id("assistant-message").last
     expect(reply).to_have_attribute("data-status", "done", timeout=60_000)
     page.get_by_test_id("provenance-toggle").click()
@@ -193,7 +193,7 @@ def test_provenance_tints_visible_text_and_words_read_continuous(new_page, live_
 
 
 def test_legend_names_the_draft_model_the_server_runs(new_page, live_server, close_draft_dir):
-    assert _models(live_server)["speculation"] == {
+    assert get_models(live_server)["speculation"] == {
         "method": "draft", "num_tokens": 4, "draft_model": close_draft_dir.name, "tree": None, "exact": False,
     }
     page = new_page()

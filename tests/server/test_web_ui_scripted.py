@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tests.server import web_ui_helpers as web_ui
-from tests.server.web_ui_helpers import MODELS, _send, _set_settings, expect
+from tests.server.web_ui_helpers import MODELS, expect, send_message, set_settings
 
 # The browser, the servers and the page factory are web_ui_helpers.py's fixtures.
 browser = web_ui.browser
@@ -75,7 +75,7 @@ def test_markdown_reply_renders_code_and_keeps_script_as_text(new_page, static_s
 
     page, _ = _scripted_page(new_page, static_server, script)
     expect(page.locator("#model-name")).to_have_text("tiny")
-    _send(page, "Show me markdown")
+    send_message(page, "Show me markdown")
     reply = page.get_by_test_id("assistant-message").last
     expect(reply).to_have_attribute("data-status", "done")
 
@@ -117,7 +117,7 @@ def test_error_frame_is_shown_and_the_message_can_be_retried(new_page, static_se
 
     script.failed = False
     page, _ = _scripted_page(new_page, static_server, script)
-    _send(page, "Hello")
+    send_message(page, "Hello")
     reply = page.get_by_test_id("assistant-message").last
     expect(reply).to_have_attribute("data-status", "failed")
     expect(reply.locator(".error")).to_have_text("queue is full")
@@ -141,7 +141,7 @@ def test_connection_loss_reconnects_and_retry_works(new_page, static_server):
             _stream(ws, frame["id"], "Back again.")
 
     page, connections = _scripted_page(new_page, static_server, script)
-    _send(page, "Hello")
+    send_message(page, "Hello")
     reply = page.get_by_test_id("assistant-message").last
     expect(reply).to_have_attribute("data-status", "failed")
     expect(reply.locator(".error")).to_contain_text("lost")
@@ -190,7 +190,7 @@ def test_keyboard_new_chat_and_settings(new_page, static_server):
     prompt.press_sequentially("line two")
     expect(prompt).to_have_value("line one\nline two")
     page.locator("#spec_enabled").uncheck()
-    _set_settings(page, top_p=0.9)
+    set_settings(page, top_p=0.9)
     prompt.press("Enter")
     expect(page.get_by_test_id("assistant-message")).to_have_attribute("data-status", "done")
     generate = received[-1]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.server import web_ui_helpers as web_ui
-from tests.server.web_ui_helpers import _models, _send, _serve, _set_settings, expect
+from tests.server.web_ui_helpers import expect, get_models, send_message, serve_for_ui, set_settings
 from tests.tls import self_signed, trusting
 
 # The browser, the servers and the page factory are web_ui_helpers.py's fixtures.
@@ -42,8 +42,8 @@ PROPOSERS = {
 
 def test_the_empty_chat_says_what_the_exact_mode_guarantees(new_page, tiny_model_dir, close_draft_dir, tmp_path):
     args = ["--model", str(tiny_model_dir), "--device", "cpu", "--draft-model", str(close_draft_dir), "--exact"]
-    with _serve(args, tmp_path / "serve.log") as base:
-        assert _models(base)["speculation"]["exact"] is True
+    with serve_for_ui(args, tmp_path / "serve.log") as base:
+        assert get_models(base)["speculation"]["exact"] is True
         page = new_page()
         page.goto(base)
         claim = page.get_by_test_id("claim")
@@ -56,8 +56,8 @@ def test_the_empty_chat_says_what_the_exact_mode_guarantees(new_page, tiny_model
 def test_legend_names_the_proposer_the_server_runs(new_page, tiny_model_dir, tiny_head_dir, tmp_path, kind):
     args, wanted = PROPOSERS[kind]
     args = [a.format(head=tiny_head_dir) for a in args]
-    with _serve(["--model", str(tiny_model_dir), "--device", "cpu", *args], tmp_path / "serve.log") as base:
-        spec = _models(base)["speculation"]
+    with serve_for_ui(["--model", str(tiny_model_dir), "--device", "cpu", *args], tmp_path / "serve.log") as base:
+        spec = get_models(base)["speculation"]
         method = kind.split("-")[0]
         assert spec["method"] == method and spec["draft_model"] is None
         assert spec["tree"] == ("3,2,2,5" if kind == "eagle-tree" else None)
@@ -82,7 +82,7 @@ def test_ui_asks_for_the_api_key_over_https_and_never_puts_it_in_an_address(new_
     args = ["--model", str(tiny_model_dir), "--device", "cpu", "--api-key", f"ui:{key}",
             "--ssl-certfile", str(cert), "--ssl-keyfile", str(tls_key)]
     urls: list[str] = []
-    with _serve(args, log, tls=trusting(cert)) as base:
+    with serve_for_ui(args, log, tls=trusting(cert)) as base:
         # The browser logs each 401 the page's probe gets while it has no (right) key.
         page = new_page(expected_errors=r"status of 401", ignore_https_errors=True)
         page.on("request", lambda r: urls.append(r.url))
@@ -101,8 +101,8 @@ def test_ui_asks_for_the_api_key_over_https_and_never_puts_it_in_an_address(new_
         expect(dialog).to_be_hidden()
         expect(page.locator("#conn")).to_have_attribute("data-state", "open")
         expect(page.locator("#model-name")).to_have_text(tiny_model_dir.name)
-        _set_settings(page, max_tokens=8)
-        _send(page, "Hello there")
+        set_settings(page, max_tokens=8)
+        send_message(page, "Hello there")
         expect(page.get_by_test_id("assistant-message").last).to_have_attribute("data-status", "done",
                                                                                  timeout=60_000)
         # This tab keeps the key: a reload asks nothing.
@@ -119,7 +119,7 @@ def test_ui_asks_for_the_api_key_over_https_and_never_puts_it_in_an_address(new_
         assert other.url == f"{base}/"
         expect(other.locator("#conn")).to_have_attribute("data-state", "open")
         expect(other.get_by_role("dialog", name="API key")).to_be_hidden()
-        _send(other, "Hi")
+        send_message(other, "Hi")
         expect(other.get_by_test_id("assistant-message").last).to_have_attribute("data-status", "done",
                                                                                   timeout=60_000)
         page.close()  # before the server goes: their reconnects would log errors

@@ -24,7 +24,6 @@ import http.server
 import json
 import os
 import re
-import socket
 import ssl
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.server_util import free_port
 
 sync_api = pytest.importorskip("playwright.sync_api")
 expect = sync_api.expect
@@ -54,12 +55,6 @@ CHROMIUM_ARGS = [
 VIEWPORT = {"width": 1200, "height": 800}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def browser():
     if not os.access(CHROMIUM, os.X_OK):
@@ -71,10 +66,10 @@ def browser():
 
 
 @contextlib.contextmanager
-def _serve(args: list[str], log_path: Path, ready_timeout_s: float = 120, tls: ssl.SSLContext | None = None):
+def serve_for_ui(args: list[str], log_path: Path, ready_timeout_s: float = 120, tls: ssl.SSLContext | None = None):
     """Run ``streamsd serve ARGS`` on a free loopback port until /health answers 200; yield its URL.
     ``tls``: the server speaks https (its certificate in ARGS), trusted through this context."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "streamsd.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -113,7 +108,7 @@ def live_server(tiny_model_dir, close_draft_dir, tmp_path_factory):
     for the provenance tint or the acceptance figures to show."""
     args = ["--model", str(tiny_model_dir), "--draft-model", str(close_draft_dir)]
     args += ["--speculative-method", "draft", "--speculation-policy", "fixed", "--device", "cpu"]
-    with _serve(args, tmp_path_factory.mktemp("serve") / "serve.log") as base:
+    with serve_for_ui(args, tmp_path_factory.mktemp("serve") / "serve.log") as base:
         yield base
 
 
@@ -158,17 +153,17 @@ def new_page(browser):
     assert not errors, "the page logged errors:\n" + "\n".join(errors)
 
 
-def _set_settings(page, **values) -> None:
+def set_settings(page, **values) -> None:
     for name, value in values.items():
         page.locator(f"#settings-form [name={name}]").fill(str(value))
 
 
-def _send(page, text: str) -> None:
+def send_message(page, text: str) -> None:
     page.get_by_test_id("prompt").fill(text)
     page.get_by_test_id("prompt").press("Enter")
 
 
-def _record_ws(page) -> dict:
+def record_ws(page) -> dict:
     """Frames the page sends and receives on its sockets, parsed."""
     frames: dict = {"sent": [], "received": []}
 
@@ -180,7 +175,7 @@ def _record_ws(page) -> dict:
     return frames
 
 
-def _models(base: str) -> dict:
+def get_models(base: str) -> dict:
     with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
         return json.load(r)["data"][0]
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.spec_decode.eagle_helpers import _train_head
+from tests.spec_decode.eagle_helpers import train_tiny_head
 
 
 @pytest.fixture(scope="package")
 def heads(tiny_model_dir, tmp_path_factory):
-    return {kind: _train_head(tiny_model_dir, tmp_path_factory.mktemp(kind), kind)
+    return {kind: train_tiny_head(tiny_model_dir, tmp_path_factory.mktemp(kind), kind)
             for kind in ("eagle3", "eagle1", "eagle3_norm_first")}
 
 
 @pytest.fixture(scope="package")
 def head(tiny_model_dir, tmp_path_factory):
-    return _train_head(tiny_model_dir, tmp_path_factory.mktemp("tree_head"), "eagle3_norm_first")
+    return train_tiny_head(tiny_model_dir, tmp_path_factory.mktemp("tree_head"), "eagle3_norm_first")

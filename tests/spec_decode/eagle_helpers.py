@@ -20,15 +20,15 @@ from tests.tiny import CORPUS
 CPU = torch.device("cpu")
 
 
-def _target(model_dir):
+def tiny_target(model_dir):
     return load_model(str(model_dir), CPU, torch.float32)[0]
 
 
-def _config(model_dir) -> dict:
+def tiny_config(model_dir) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def _train_head(model_dir, out: Path, kind: str, epochs: float = 30) -> Path:
+def train_tiny_head(model_dir, out: Path, kind: str, epochs: float = 30) -> Path:
     """A head that has seen the target's continuations of the test prompts: some drafts pass, some fail.
     "eagle3_norm_first": an EAGLE-3 head whose residual starts from the normalised fused states (the
     shipped head's layout)."""
@@ -47,10 +47,10 @@ def _train_head(model_dir, out: Path, kind: str, epochs: float = 30) -> Path:
     attach_streams(target, samples, head.input_layers)
     train(head, target, samples, draft_ids or list(range(target.args.vocab_size)),
           TrainConfig(epochs=epochs, lr=1e-2, batch_tokens=1024))
-    return save_head(head, out, _config(model_dir), torch.float32)
+    return save_head(head, out, tiny_config(model_dir), torch.float32)
 
 
-def _tensor_layout(layout):
+def tensor_layout(layout):
     """A graph's layout (its host lists are placeholders) with host lists read from its tensors, so the
     CPU reference attention can run what the graph body computes."""
     from streamsd.model.kv_cache import BatchLayout
@@ -62,7 +62,7 @@ def _tensor_layout(layout):
                        layout.context_lens_t, layout.query_starts_t)
 
 
-def _chained_engine(model_dir, head_dir, k: int = 4, past_max_tokens: bool = False, **kwargs) -> LLM:
+def chained_engine(model_dir, head_dir, k: int = 4, past_max_tokens: bool = False, **kwargs) -> LLM:
     """An eagle engine whose propose calls run the graph bodies eagerly on the CPU (no capture), so the
     worker's chained path (the head queued behind the verify) runs here as it does on CUDA.
     `past_max_tokens`: near max_tokens requests keep the batch's k, as where chained steps queue ahead
@@ -77,7 +77,7 @@ def _chained_engine(model_dir, head_dir, k: int = 4, past_max_tokens: bool = Fal
     proposer = worker.proposer
 
     def run_layer(ids, feats, layout):
-        return proposer.head.run_layer(ids, feats, layout.positions, proposer._attend(_tensor_layout(layout)))
+        return proposer.head.run_layer(ids, feats, layout.positions, proposer._attend(tensor_layout(layout)))
 
     proposer.graphs = EagleGraphs(proposer.head, run_layer, worker.cache.block_size, worker.cache.data.shape[2] - 1,
                                   max_blocks=64, width=k + 1, stream_dtype=torch.float32, device=CPU,

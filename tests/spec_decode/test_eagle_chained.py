@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from streamsd import LLM, SamplingParams
-from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, _assert_free, greedy_params
-from tests.spec_decode.eagle_helpers import _chained_engine
+from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, assert_free, greedy_params
+from tests.spec_decode.eagle_helpers import chained_engine
 
 
 @pytest.mark.parametrize("kind,policy", [("eagle3", "fixed"), ("eagle1", "fixed"), ("eagle3", "adaptive")])
@@ -23,9 +23,9 @@ def test_chained_drafts_equal_drafts_proposed_after_the_read(tiny_model_dir, hea
     there only the output and the cleanup are compared)."""
     eager = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads[kind]),
                 speculation_policy=policy)
-    after_read = _chained_engine(tiny_model_dir, heads[kind], speculation_policy=policy)
+    after_read = chained_engine(tiny_model_dir, heads[kind], speculation_policy=policy)
     after_read.core.rt.worker._chain = lambda entries, hidden: None  # every propose call through `run`
-    chained = _chained_engine(tiny_model_dir, heads[kind], speculation_policy=policy)
+    chained = chained_engine(tiny_model_dir, heads[kind], speculation_policy=policy)
     counts = []
     graphs = chained.core.rt.worker.proposer.graphs
     run_chained = graphs.run_chained
@@ -35,7 +35,7 @@ def test_chained_drafts_equal_drafts_proposed_after_the_read(tiny_model_dir, hea
         res = llm.generate(PROMPTS, greedy_params())
         assert [r.outputs[0].token_ids for r in res] == reference
         runs.append([(r.spec_stats.drafted, r.spec_stats.accepted, list(r.spec_stats.accepted_per_pos)) for r in res])
-        _assert_free(llm)
+        assert_free(llm)
     assert after_read.core.rt.worker.proposer.graphs.replays > 0 and graphs.chained == len(counts) > 0
     assert any(len(set(c)) > 1 for c in counts)  # some steps verified different numbers of drafts per request
     if policy == "fixed":
@@ -52,10 +52,10 @@ def test_chained_sampled_drafts_equal_drafts_proposed_after_the_read(tiny_model_
               for i, n in enumerate(MAX_TOKENS)]
     runs = []
     for llm in (LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"])),
-                _chained_engine(tiny_model_dir, heads["eagle3"])):
+                chained_engine(tiny_model_dir, heads["eagle3"])):
         res = llm.generate(PROMPTS, params)
         runs.append([(r.outputs[0].token_ids, r.spec_stats.drafted, r.spec_stats.accepted) for r in res])
-        _assert_free(llm)
+        assert_free(llm)
     assert runs[0] == runs[1]
     assert sum(r[2] for r in runs[0]) > 0 and sum(r[1] - r[2] for r in runs[0]) > 0
 
@@ -67,7 +67,7 @@ def test_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads, refere
     sampled drafts (T = 1, top-k + top-p + min-p, min_tokens, EOS allowed) give the same tokens and
     per-request drafted / accepted counts as the engine that reads each step first; queued steps
     were really taken; nothing leaked."""
-    ahead = _chained_engine(tiny_model_dir, heads[kind], pipeline=True)
+    ahead = chained_engine(tiny_model_dir, heads[kind], pipeline=True)
     cfg = ahead.core.scheduler.cfg
     assert (cfg.drafting_reserve, cfg.drafting_keep) == (5, 15)  # k = 4: the verify queued behind, its reach
     la = ahead.core.rt.worker.lookahead
@@ -76,7 +76,7 @@ def test_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads, refere
     assert la.taken >= taken + 1, (la.taken, la.dropped)
     kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.9, top_k=20, top_p=0.8, min_p=0.05)]
     runs = []
-    for llm in (_chained_engine(tiny_model_dir, heads[kind], past_max_tokens=True), ahead):
+    for llm in (chained_engine(tiny_model_dir, heads[kind], past_max_tokens=True), ahead):
         out = []
         for i, kw in enumerate(kinds):  # batch 1: every step of the answer can be queued ahead
             p = SamplingParams(max_tokens=60, seed=100 + i, min_tokens=3 * i, **kw)
@@ -84,7 +84,7 @@ def test_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads, refere
                     for r in llm.generate(PROMPTS[i:i + 1], p)]
         res = llm.generate(PROMPTS * 2, [SamplingParams(max_tokens=40, seed=i, **kinds[i % 3]) for i in range(12)])
         runs.append(out + [(r.outputs[0].token_ids, r.spec_stats.drafted, r.spec_stats.accepted) for r in res])
-        _assert_free(llm)
+        assert_free(llm)
     assert runs[0] == runs[1]
     assert la.taken >= taken + 15 and sum(r[-1] for r in runs[0]) > 0, (la.taken, la.dropped)
 
@@ -100,7 +100,7 @@ def test_chained_steps_stay_queued_up_to_max_tokens(tiny_model_dir, heads, refer
     counts: dict[bool, tuple[int, int]] = {}
 
     def run(past: bool) -> tuple[LLM, list]:
-        llm = _chained_engine(tiny_model_dir, heads["eagle3"], pipeline=True)
+        llm = chained_engine(tiny_model_dir, heads["eagle3"], pipeline=True)
         sched, la = llm.core.scheduler, llm.core.rt.worker.lookahead
         counts[past] = la.taken, la.dropped  # the start-up's warm-up requests'
         assert sched.cfg.drafts_past_max_tokens and la.past_max_tokens_within == sched.cfg.max_model_len
@@ -111,7 +111,7 @@ def test_chained_steps_stay_queued_up_to_max_tokens(tiny_model_dir, heads, refer
         for prompt, params in zip(PROMPTS, greedy_params(), strict=True):  # batch 1: every step may queue
             out += llm.generate([prompt], params)
         assert la.queued is None
-        _assert_free(llm)
+        assert_free(llm)
         return llm, out
 
     (on, got), (off, want) = run(True), run(False)
@@ -141,11 +141,11 @@ def test_dropped_queued_chains_leave_the_next_verify_intact(tiny_model_dir, head
                                  SamplingParams(temperature=1.0, max_tokens=30, seed=n))
             for o in turn.outputs:
                 got.setdefault(o.request_id, []).extend(o.token_ids)
-        _assert_free(llm)
+        assert_free(llm)
         return got, core.totals.accepted
 
-    ahead = _chained_engine(tiny_model_dir, heads["eagle3"], pipeline=True)
-    assert drive(ahead) == drive(_chained_engine(tiny_model_dir, heads["eagle3"], past_max_tokens=True))
+    ahead = chained_engine(tiny_model_dir, heads["eagle3"], pipeline=True)
+    assert drive(ahead) == drive(chained_engine(tiny_model_dir, heads["eagle3"], past_max_tokens=True))
     la = ahead.core.rt.worker.lookahead
     assert la.dropped >= 3 and la.taken >= 5, (la.taken, la.dropped)
     # Directly: the replacing verify reads the q rows the queued one read (the last read step's).
@@ -169,7 +169,7 @@ def test_dropped_queued_chains_leave_the_next_verify_intact(tiny_model_dir, head
     assert torch.equal(seen[-1][1], seen[-2][1])
     while core.has_work:
         core.step()
-    _assert_free(ahead)
+    assert_free(ahead)
 
 
 @pytest.mark.gpu
@@ -191,7 +191,7 @@ def test_cuda_chained_steps_queued_ahead_change_nothing(tiny_model_dir, heads):
         runs.append(out)
         la = llm.core.rt.worker.lookahead
         assert (la.taken > 20) == pipeline, (la.taken, la.dropped)
-        _assert_free(llm)
+        assert_free(llm)
     assert runs[0] == runs[1]
 
 

@@ -9,8 +9,8 @@ from streamsd import LLM, SamplingParams
 from streamsd.policy.policy import AdaptivePolicy, FixedPolicy
 from streamsd.train.data import Sample, attach_streams
 from streamsd.train.loop import ttt_outputs
-from tests.engine.engine_helpers import PROMPTS, _assert_free, assert_pairs_follow_target, greedy_params
-from tests.spec_decode.eagle_helpers import _chained_engine
+from tests.engine.engine_helpers import PROMPTS, assert_free, assert_pairs_follow_target, greedy_params
+from tests.spec_decode.eagle_helpers import chained_engine
 
 
 @pytest.mark.parametrize("kind,k", [("eagle3", 1), ("eagle3", 4), ("eagle1", 4), ("eagle3_norm_first", 4)])
@@ -20,7 +20,7 @@ def test_greedy_eagle_is_token_identical(tiny_model_dir, heads, reference, kind,
     assert [r.outputs[0].token_ids for r in res] == reference
     stats = [r.spec_stats for r in res]
     assert sum(s.accepted for s in stats) > 0 and sum(s.drafted - s.accepted for s in stats) > 0
-    _assert_free(llm)
+    assert_free(llm)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1", "eagle3_norm_first"])
@@ -95,7 +95,7 @@ def test_a_head_resuming_after_plain_steps_catches_up_from_the_stream_store(tiny
     head's training-time test predicts at that slot, as if it had followed every step; greedy output
     equal to the target's; nothing leaked."""
     graph_body = engine == "graph_body"  # on CUDA: real graphs, the store written inside the target's
-    make = _chained_engine if graph_body else (lambda d, h, **kw: LLM(
+    make = chained_engine if graph_body else (lambda d, h, **kw: LLM(
         str(d), speculative_method="eagle", draft_model=str(h), num_speculative_tokens=4, **kw))
     cuda = dict(device="cuda", dtype="float32", kv_cache_tokens=4096) if engine == "cuda" else {}
     llm = make(tiny_model_dir, heads["eagle3"], pipeline=True, **cuda)
@@ -119,7 +119,7 @@ def test_a_head_resuming_after_plain_steps_catches_up_from_the_stream_store(tiny
         assert proposer.graphs.width < 6  # so each resume took the eager catch-up, then the graph
     checked = _check_drafts_against_ttt(llm, {r.request_id: r for r in out}, resumed)
     assert checked[0] >= 4 and checked[1] > 0, checked
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_eagle_under_preemption_and_mixed_batch(tiny_model_dir, heads, reference):
@@ -128,7 +128,7 @@ def test_eagle_under_preemption_and_mixed_batch(tiny_model_dir, heads, reference
     res = llm.generate(PROMPTS * 2, greedy_params() + sampled)
     assert [r.outputs[0].token_ids for r in res[: len(PROMPTS)]] == reference
     assert sum(r.spec_stats.accepted for r in res) > 0
-    _assert_free(llm)
+    assert_free(llm)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])  # dense q above the greedy threshold, one-hot below
@@ -141,7 +141,7 @@ def test_end_to_end_eagle_sampling_matches_target_distribution(tiny_model_dir, h
     res = llm.generate([prompt] * n, params)
     assert sum(r.spec_stats.accepted for r in res) > 0 and sum(r.spec_stats.drafted for r in res) > 0
     assert_pairs_follow_target(tiny_model_dir, prompt, res, (temperature, 0, 1.0, 0.0))
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_adaptive_k_keeps_eagle_exact(tiny_model_dir, heads, reference):
@@ -150,7 +150,7 @@ def test_adaptive_k_keeps_eagle_exact(tiny_model_dir, heads, reference):
               speculation_policy="adaptive")
     res = llm.generate(PROMPTS, greedy_params())
     assert [r.outputs[0].token_ids for r in res] == reference
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_adaptive_k_keeping_no_streams_while_plain_stays_exact(tiny_model_dir, heads, reference):
@@ -171,7 +171,7 @@ def test_adaptive_k_keeping_no_streams_while_plain_stays_exact(tiny_model_dir, h
     res = llm.generate(PROMPTS, greedy_params())
     assert [r.outputs[0].token_ids for r in res] == reference
     print(f"{len(restored)} catch-ups over unkept streams")
-    _assert_free(llm)
+    assert_free(llm)
 
 
 @pytest.mark.gpu
@@ -190,4 +190,4 @@ def test_cuda_eagle_greedy_is_exact_through_graphs(tiny_model_dir, heads):
         assert worker.graphs.hidden_layers == worker.proposer.hidden_layers and worker.graphs.replays > 0
         assert worker.target.fast is not None
         assert worker.verifier.graph_greedy > 10  # verified by the graph itself (sample/greedy.py)
-        _assert_free(llm)
+        assert_free(llm)

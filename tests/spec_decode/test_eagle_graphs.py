@@ -8,8 +8,8 @@ import torch
 
 from streamsd import LLM, SamplingParams
 from streamsd.spec_decode.eagle.checkpoint import load_head
-from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, _assert_free, greedy_params
-from tests.spec_decode.eagle_helpers import CPU, _target
+from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, assert_free, greedy_params
+from tests.spec_decode.eagle_helpers import CPU, tiny_target
 
 
 @pytest.mark.gpu
@@ -37,7 +37,7 @@ def test_cuda_eagle_graph_drafts_equal_eager_drafts(tiny_model_dir, heads, kind)
         if graphs:  # the head on the fused kernels, mostly queued behind the verify (chained)
             assert proposer.graphs.chained > 0 and proposer.fast is not None
             assert len({k[1] for k in proposer.graphs.graphs}) > 1
-        _assert_free(llm)
+        assert_free(llm)
     assert stats[True] == stats[False] and sum(s[1] for s in stats[True]) > 0
 
 
@@ -65,7 +65,7 @@ def test_cuda_eagle_sampled_graph_drafts_equal_eager_drafts(tiny_model_dir, head
         runs[graphs] = [(r.outputs[0].token_ids, r.spec_stats.drafted, r.spec_stats.accepted) for r in res]
         if graphs:
             assert any(mode != GREEDY for _, _, mode in proposer.graphs.graphs) and proposer.graphs.chained > 0
-        _assert_free(llm)
+        assert_free(llm)
     assert runs[True] == runs[False]
     assert sum(r[2] for r in runs[True]) > 0 and sum(r[1] - r[2] for r in runs[True]) > 0
 
@@ -77,7 +77,7 @@ def test_graph_chain_steps_write_only_where_a_draft_is_wanted(tiny_model_dir, he
     scratch block (its KV past its reservation is not its own), and so do the bucket's padding rows."""
     from streamsd.spec_decode.eagle.graphs import GREEDY, EagleGraphs
 
-    head = load_head(heads["eagle3"], _target(tiny_model_dir), CPU, torch.float32)
+    head = load_head(heads["eagle3"], tiny_target(tiny_model_dir), CPU, torch.float32)
     graphs = EagleGraphs(head, None, 16, scratch=9, max_blocks=8, width=5, stream_dtype=torch.float32, device=CPU)
     g = graphs._load((4, 4, GREEDY), [1, 2, 3], [17, 5], [2, 1], [[3, 4], [5]], np.array([1, 2]), [20, 7],
                      [4, 1], None)
@@ -114,4 +114,4 @@ def test_cuda_graphs_are_captured_before_the_first_request(tiny_model_dir, heads
         llm.generate(PROMPTS[i], SamplingParams(max_tokens=13 + i, seed=i, ignore_eos=True, **kw))
         llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=9 + j, seed=j, ignore_eos=True, **kw) for j in range(3)])
     assert counts() == before
-    _assert_free(llm)
+    assert_free(llm)

@@ -12,20 +12,20 @@ from streamsd.model.loader import ModelLoadError
 from streamsd.spec_decode.eagle.checkpoint import load_head, new_head, save_head
 from streamsd.train.data import Sample, attach_streams
 from streamsd.train.loop import ttt_outputs
-from tests.engine.engine_helpers import PROMPTS, _assert_free, greedy_params
-from tests.spec_decode.eagle_helpers import CPU, _config, _target
+from tests.engine.engine_helpers import PROMPTS, assert_free, greedy_params
+from tests.spec_decode.eagle_helpers import CPU, tiny_config, tiny_target
 
 
 @pytest.mark.parametrize("kind,norm_first", [("eagle3", False), ("eagle3", True), ("eagle1", False)])
 def test_layouts_round_trip(tiny_model_dir, tmp_path, kind, norm_first):
-    target = _target(tiny_model_dir)
+    target = tiny_target(tiny_model_dir)
     head = new_head(target, kind=kind, draft_ids=list(range(0, 384, 2)) if kind == "eagle3" else None,
                     norm_before_residual=norm_first)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    save_head(head, tmp_path, _config(tiny_model_dir), torch.float32)
-    cfg = _config(tmp_path)
+    save_head(head, tmp_path, tiny_config(tiny_model_dir), torch.float32)
+    cfg = tiny_config(tmp_path)
     assert cfg["num_hidden_layers"] == 1 and cfg["target_hidden_size"] == 64 and cfg["vocab_size"] == 384
     from safetensors import safe_open
 
@@ -59,20 +59,20 @@ def test_eagle3_head_without_a_draft_vocabulary_drafts_through_the_targets_lm_he
                                                                                    reference):
     """`train-draft --draft-vocab-size 0`: no lm_head of its own (the file holds no vocabulary-sized
     matrix), the target's frozen one serves every id; it saves, loads and stays exact."""
-    target = _target(tiny_model_dir)
+    target = tiny_target(tiny_model_dir)
     head = new_head(target, kind="eagle3")
     assert not hasattr(head, "lm_head") and not head.has_draft_vocab
-    save_head(head, tmp_path, _config(tiny_model_dir), torch.float32)
+    save_head(head, tmp_path, tiny_config(tiny_model_dir), torch.float32)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert not any(n.startswith("lm_head") for n in f.keys())
-    assert _config(tmp_path)["draft_vocab_size"] == 384
+    assert tiny_config(tmp_path)["draft_vocab_size"] == 384
     loaded = load_head(tmp_path, target, CPU, torch.float32)
     assert loaded.draft_logits(torch.randn(2, 64)).shape == (2, 384)
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(tmp_path))
     assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, greedy_params())] == reference
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_mismatched_heads_are_refused(tiny_model_dir, tiny_draft_dir, heads, tmp_path):
@@ -80,13 +80,13 @@ def test_mismatched_heads_are_refused(tiny_model_dir, tiny_draft_dir, heads, tmp
 
     with pytest.raises(ModelLoadError, match="hidden states of size 64, the target's are 32"):
         LLM(str(tiny_draft_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]))
-    target = _target(tiny_model_dir)
+    target = tiny_target(tiny_model_dir)
     for change, message in [({"vocab_size": 500}, "vocabulary of 500 tokens"),
                             ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 9]}}, "layers \\[0, 1, 9\\]"),
                             ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]}}, "fc takes 192 inputs")]:
         bad = tmp_path / message[:6].replace(" ", "_")
         shutil.copytree(heads["eagle3"], bad)
-        (bad / "config.json").write_text(json.dumps({**_config(heads["eagle3"]), **change}))
+        (bad / "config.json").write_text(json.dumps({**tiny_config(heads["eagle3"]), **change}))
         with pytest.raises(ModelLoadError, match=message):
             load_head(bad, target, CPU, torch.float32)
     with pytest.raises(ModelLoadError, match="no EAGLE head is shipped"):

@@ -14,8 +14,8 @@ from streamsd.spec_decode.eagle.checkpoint import new_head, save_head
 from streamsd.train.data import Sample, attach_streams
 from streamsd.train.eval import evaluate
 from streamsd.train.prompts import is_degenerate, read_prompts, user_prefix
-from tests.engine.engine_helpers import _assert_free
-from tests.spec_decode.eagle_helpers import _config, _target
+from tests.engine.engine_helpers import assert_free
+from tests.spec_decode.eagle_helpers import tiny_config, tiny_target
 from tests.tiny import CORPUS, build_model
 
 
@@ -50,7 +50,7 @@ def test_training_lowers_loss_and_raises_tau(bigram_target, tmp_path):
     assert last < 0.5 * first
     # Answers kept out of training: the bigram target is learnable, so the head drafts them well too.
     assert meta["validation"]["answers"] >= 1 and meta["validation"]["match_0"] > 0.5, meta["validation"]
-    untrained = save_head(new_head(_target(bigram_target)), tmp_path / "untrained", _config(bigram_target))
+    untrained = save_head(new_head(tiny_target(bigram_target)), tmp_path / "untrained", tiny_config(bigram_target))
     before = evaluate(str(bigram_target), untrained, meta["held_out"], 40, 4, None, 0)
     tau_before, tau_after = before["results"]["T=0"]["tau"], report["results"]["T=0"]["tau"]
     assert tau_after > tau_before + 0.5, (tau_before, tau_after)
@@ -95,7 +95,7 @@ def test_samples_cache_trains_a_second_head_on_the_same_answers(bigram_target, t
     # "auto" (a): the tiny target's streams are nowhere near SmolLM2's ~2e4, so the residual starts from fc;
     # the bare flag (b) turns it on.
     assert first["stream_peak"] < 1e3 and not first["norm_before_residual"] and second["norm_before_residual"]
-    assert _config(tmp_path / "b")["norm_before_residual"] and not _config(tmp_path / "a")["norm_before_residual"]
+    assert tiny_config(tmp_path / "b")["norm_before_residual"] and not tiny_config(tmp_path / "a")["norm_before_residual"]
     # Answers of one target do not train another's head: refused with the reason, nothing written.
     other = build_model(tmp_path / "other", seed=3, hidden=32, heads=2, kv_heads=1, intermediate=64)
     args = build_parser().parse_args(["train-draft", "--out", str(tmp_path / "c"), *common, "--model", str(other)])
@@ -147,7 +147,7 @@ def test_recorded_streams_equal_a_second_pass_also_after_preemption_and_a_deadli
     assert preempted and len(full) == len(prompts)
     cut = answer(llm, prompts, 40, 0, (0.0, 1.0), (0, 1), dtype=torch.float32,
                  deadline=time.monotonic() + elapsed / 8)
-    _assert_free(llm)
+    assert_free(llm)
     assert 0 < sum(len(s.ids) for s in cut) < sum(len(s.ids) for s in full)
     assert worker.lookahead.taken == taken
     for got in full + cut:
@@ -179,7 +179,7 @@ def test_in_waves_admits_a_quarter_batch_at_a_time(tiny_model_dir):
     # Later admissions start only with a quarter (2) of the 8 slots free.
     starts = [n for prev, n in zip(live_at_admission[7:], live_at_admission[8:], strict=False) if n <= prev]
     assert starts and all(n <= 6 for n in starts)
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_self_written_prompts_start_from_varied_openers(tiny_model_dir, tiny_tokenizer):

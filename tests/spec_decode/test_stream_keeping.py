@@ -10,15 +10,15 @@ import torch
 from streamsd import LLM, SamplingParams
 from streamsd.policy.policy import FixedPolicy
 from streamsd.worker.stream_catchup import Span, recompute_streams
-from tests.engine.engine_helpers import PROMPTS, _assert_free
-from tests.spec_decode.eagle_helpers import _train_head
+from tests.engine.engine_helpers import PROMPTS, assert_free
+from tests.spec_decode.eagle_helpers import train_tiny_head
 
 SHAPE = "4,3,3,10"
 
 
 @pytest.fixture(scope="module")
 def head(tiny_model_dir, tmp_path_factory):
-    return _train_head(tiny_model_dir, tmp_path_factory.mktemp("keep_head"), "eagle3_norm_first")
+    return train_tiny_head(tiny_model_dir, tmp_path_factory.mktemp("keep_head"), "eagle3_norm_first")
 
 
 class _Stretches(FixedPolicy):
@@ -117,7 +117,7 @@ def test_streams_skipped_by_plain_steps_are_recomputed_exactly_when_the_head_res
         assert missing_seen > 0 and compared > 0
     assert sum(recomputed) > 0  # heads resumed over skipped positions
     for llm in (kept, skipping):
-        _assert_free(llm)
+        assert_free(llm)
 
 
 def test_recomputed_streams_are_the_kept_ones_and_leave_the_target_cache_alone(tiny_model_dir, head):
@@ -150,7 +150,7 @@ def test_recomputed_streams_are_the_kept_ones_and_leave_the_target_cache_alone(t
     assert torch.equal(cache.data[:, :, :scratch], before[:, :, :scratch])
     while core.has_work:
         core.step()
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_prompts_reach_the_prefix_cache_while_plain_steps_keep_no_streams(tiny_model_dir, head):
@@ -167,6 +167,6 @@ def test_prompts_reach_the_prefix_cache_while_plain_steps_keep_no_streams(tiny_m
         again = llm.generate([prompt], params)[0]
         cached.append(again.num_cached_tokens)
         answers.append([first.outputs[0].token_ids, again.outputs[0].token_ids])
-        _assert_free(llm)
+        assert_free(llm)
     assert cached[0] > 16 and cached[1] == cached[0]
     assert answers[0] == answers[1]

@@ -13,15 +13,15 @@ from streamsd.policy.adaptive import CostTable
 from streamsd.policy.adaptive.cost import StepTable
 from streamsd.policy.chooser import TreeChooser
 from streamsd.policy.policy import Decision
-from tests.engine.engine_helpers import PROMPTS, _assert_free
-from tests.spec_decode.eagle_helpers import _train_head
+from tests.engine.engine_helpers import PROMPTS, assert_free
+from tests.spec_decode.eagle_helpers import train_tiny_head
 
 SHAPE = "4,3,3,10"
 
 
 @pytest.fixture(scope="module")
 def head(tiny_model_dir, tmp_path_factory):
-    return _train_head(tiny_model_dir, tmp_path_factory.mktemp("chooser_head"), "eagle3_norm_first")
+    return train_tiny_head(tiny_model_dir, tmp_path_factory.mktemp("chooser_head"), "eagle3_norm_first")
 
 
 class _Priced(TreeChooser):
@@ -85,7 +85,7 @@ def test_trees_chosen_by_cost_switch_with_plain_steps_mid_request_exactly(tiny_m
         assert all(b > 4 for b, trees in chooser.picked if not trees and b)
         summary = chooser.summary()
         assert summary["tree_steps"] > 0 and summary["plain_steps"] > 0 and summary["switches"] >= 2
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_a_tree_engine_with_the_adaptive_policy_profiles_its_tree_steps_on_the_cpu(tiny_model_dir, head, caplog):
@@ -104,4 +104,4 @@ def test_a_tree_engine_with_the_adaptive_policy_profiles_its_tree_steps_on_the_c
     assert len(logged) == 1 and str(chooser.switch_points()) in logged[0], logged
     print(logged[0])
     assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS[:3], params)] == want
-    _assert_free(llm)
+    assert_free(llm)

@@ -12,11 +12,11 @@ from streamsd.model.tree_layout import ROOT
 from tests.engine.engine_helpers import (
     MAX_TOKENS,
     PROMPTS,
-    _assert_free,
+    assert_free,
     assert_pairs_follow_target,
     greedy_params,
 )
-from tests.spec_decode.eagle_helpers import _chained_engine
+from tests.spec_decode.eagle_helpers import chained_engine
 
 
 def test_a_chain_shaped_tree_drafts_the_chain(tiny_model_dir, head):
@@ -50,7 +50,7 @@ def test_greedy_tree_speculation_is_token_identical(tiny_model_dir, head, refere
     assert [r.outputs[0].token_ids for r in res] == reference
     stats = [r.spec_stats for r in res]
     assert sum(s.accepted for s in stats) > 0 and sum(s.drafted - s.accepted for s in stats) > 0
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_trees_beat_a_chain_of_their_depth(tiny_model_dir, head):
@@ -74,7 +74,7 @@ def test_seeded_tree_sampling_is_plain_sampling_token_for_token(tiny_model_dir, 
     a, b = plain.generate(PROMPTS, params), tree.generate(PROMPTS, params)
     assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
     assert sum(r.spec_stats.accepted for r in b) > 0
-    _assert_free(tree)
+    assert_free(tree)
 
 
 def test_penalised_trees_and_chains_are_plain_decoding_token_for_token(tiny_model_dir, head):
@@ -95,15 +95,15 @@ def test_penalised_trees_and_chains_are_plain_decoding_token_for_token(tiny_mode
     res = tree.generate(PROMPTS * 2, greedy + sampled)
     assert [r.outputs[0].token_ids for r in res] == want
     assert sum(r.spec_stats.accepted for r in res) > 0
-    _assert_free(tree)
+    assert_free(tree)
     longer = [SamplingParams(temperature=0.0, max_tokens=n + 24, ignore_eos=True) for n in MAX_TOKENS]
     unpenalised = [r.outputs[0].token_ids for r in plain.generate(PROMPTS, longer)]
-    chain = _chained_engine(tiny_model_dir, head, pipeline=True)  # the head queued behind the verify, as on CUDA
+    chain = chained_engine(tiny_model_dir, head, pipeline=True)  # the head queued behind the verify, as on CUDA
     res = chain.generate(PROMPTS * 2, greedy + longer)
     assert [r.outputs[0].token_ids for r in res] == want[:6] + unpenalised
     assert sum(r.spec_stats.accepted for r in res[:6]) > 0
     assert chain.core.rt.worker.lookahead.taken > 0  # once the penalised requests are done
-    _assert_free(chain)
+    assert_free(chain)
 
 
 @pytest.mark.gpu
@@ -125,11 +125,11 @@ def test_cuda_penalised_requests_verify_eagerly_beside_graphs(tiny_model_dir, he
     tree = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10", **kw)
     assert [r.outputs[0].token_ids for r in tree.generate(PROMPTS * 2 + PROMPTS[:3], greedy + longer + sampled)] == want
     assert tree.core.rt.worker.tree_graphs.replays > 0
-    _assert_free(tree)
+    assert_free(tree)
     chain = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), num_speculative_tokens=4, **kw)
     assert [r.outputs[0].token_ids for r in chain.generate(PROMPTS * 2, greedy + longer)] == want[:12]
     assert chain.core.rt.worker.lookahead.taken > 0 and chain.core.rt.worker.verifier.graph_greedy > 0
-    _assert_free(chain)
+    assert_free(chain)
 
 
 def test_end_to_end_tree_sampling_matches_target_distribution(tiny_model_dir, head):
@@ -141,7 +141,7 @@ def test_end_to_end_tree_sampling_matches_target_distribution(tiny_model_dir, he
     res = llm.generate([prompt] * n, params)
     assert sum(r.spec_stats.accepted for r in res) > 0
     assert_pairs_follow_target(tiny_model_dir, prompt, res, (temperature, 0, 1.0, 0.0))
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_trees_under_preemption_stops_and_logprobs(tiny_model_dir, head, reference):
@@ -166,7 +166,7 @@ def test_trees_under_preemption_stops_and_logprobs(tiny_model_dir, head, referen
         assert len(y.outputs[0].logprobs) == len(y.outputs[0].token_ids)
         assert np.allclose(x.outputs[0].logprobs, y.outputs[0].logprobs, atol=1e-4)
     assert not set(b[0].outputs[0].token_ids[:10]) & set(eos)
-    _assert_free(llm)
+    assert_free(llm)
 
 
 CUDA_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -208,7 +208,7 @@ def test_trees_gated_by_the_batch_switch_with_plain_steps_exactly(tiny_model_dir
         assert all(r.spec_stats.drafted == 0 for r, n in zip(b, MAX_TOKENS, strict=True) if n <= 17)
     if device == "cuda":
         assert llm.core.rt.worker.tree_graphs.replays > 0
-    _assert_free(llm)
+    assert_free(llm)
     with pytest.raises(ValueError, match="adaptive"):
         SpecConfig(method="eagle", max_batch=2, policy="adaptive")
 
@@ -241,7 +241,7 @@ def test_gated_trees_under_aborts_free_everything(tiny_model_dir, head):
     assert False in gates[:10] and all(gates[12:16]), gates
     plain = LLM(str(tiny_model_dir)).generate([PROMPTS[5]], [params[11]])[0]
     assert tokens["r11"] == plain.outputs[0].token_ids
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_cli_generates_with_a_tree_and_refuses_a_bad_one(tiny_model_dir, head, reference, capsys):
@@ -282,4 +282,4 @@ def test_constrained_requests_take_plain_steps_beside_trees_with_plain_decodings
     res = tree.generate(PROMPTS[:3], params)
     assert [r.outputs[0].token_ids for r in res] == want
     assert [r.spec_stats.drafted for r in res][:2] == [0, 0] and res[2].spec_stats.drafted > 0
-    _assert_free(tree)
+    assert_free(tree)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from streamsd import LLM, SamplingParams
-from tests.engine.engine_helpers import PROMPTS, _assert_free
+from tests.engine.engine_helpers import PROMPTS, assert_free
 
 
 @pytest.mark.parametrize(("temperature", "shape", "cut"), [(0.0, "4,3,3,10", {}), (0.9, "4,3,3,10", {}),
@@ -45,7 +45,7 @@ def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temp
             assert bool((g.row_top_p[3 * width :] == 1.0).all()) and bool((g.row_top_k[3 * width :] == 0).all())
     assert w.tree_graphs.replays > 0 and w.lookahead.taken > 0
     assert sum(r.spec_stats.accepted for r in b) > 0
-    _assert_free(llm)
+    assert_free(llm)
 
 
 @pytest.mark.gpu
@@ -80,7 +80,7 @@ def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, h
     after = compiled_by_kernel()
     assert len(w.tree_graphs.graphs) == graphs
     assert after == compiled, {k: after[k] - compiled[k] for k in after if after[k] != compiled[k]}
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_tree_graph_modes_follow_the_batch_sampling():
@@ -129,4 +129,4 @@ def test_trees_grown_through_grow_graphs_equal_eager_ones(tiny_model_dir, head, 
     # batch 1: a catch-up (the prompt's, on a CPU every step's) and its growth in one replay; batch 3: growths
     assert p.grow_graphs.replays >= 2 and {(1, temperature > 0, 32), (4, temperature > 0, 0)} <= keys
     assert all(sampled == (temperature > 0) for _, sampled, _ in keys)
-    _assert_free(engines[1])
+    assert_free(engines[1])

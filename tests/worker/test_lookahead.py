@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from streamsd import LLM, SamplingParams
-from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, _assert_free, greedy_params, hf_greedy
+from tests.engine.engine_helpers import MAX_TOKENS, PROMPTS, assert_free, greedy_params, hf_greedy
 from tests.scripted_policy import ScriptedPolicy
 
 
@@ -44,7 +44,7 @@ def test_greedy_pipelined_plain_is_token_identical_to_hf(tiny_model_dir, referen
     # of them (subset plans) rather than dropping every queued step.
     assert la.taken >= max(MAX_TOKENS) - 2, (la.taken, la.dropped)
     assert la.queued is None or la.queued.requests  # nothing else left behind
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_sampled_stops_and_min_tokens_match_unpipelined(tiny_model_dir):
@@ -58,7 +58,7 @@ def test_sampled_stops_and_min_tokens_match_unpipelined(tiny_model_dir):
     assert {r.outputs[0].finish_reason for r in want} == {"stop", "length"}  # both kinds of end happened
     assert on.core.rt.worker.lookahead.taken > 10
     assert off.core.rt.worker.lookahead.taken == 0
-    _assert_free(on)
+    assert_free(on)
 
 
 def test_arrivals_aborts_and_stop_strings_under_the_engine_loop(tiny_model_dir):
@@ -83,7 +83,7 @@ def test_arrivals_aborts_and_stop_strings_under_the_engine_loop(tiny_model_dir):
                 ids.extend(o.token_ids)
                 if o.finished:
                     got[o.request_id] = (ids, o.finish_reason)
-        _assert_free(llm)
+        assert_free(llm)
         return got
 
     on, off = LLM(str(tiny_model_dir), pipeline=True), LLM(str(tiny_model_dir), pipeline=False)
@@ -100,7 +100,7 @@ def test_adaptive_speculation_with_pipelined_plain_steps_stays_exact(tiny_model_
         kw = {"draft_model": str(close_draft_dir)}
     llm = LLM(str(tiny_model_dir), speculation_policy="adaptive", pipeline=True, **kw)
     assert _ids(llm.generate(PROMPTS, greedy_params())) == reference
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_tiny_pool_preempts_and_stays_exact(tiny_model_dir, reference):
@@ -119,7 +119,7 @@ def test_tiny_pool_preempts_and_stays_exact(tiny_model_dir, reference):
     assert _ids(llm.generate(PROMPTS, greedy_params())) == reference
     la = llm.core.rt.worker.lookahead
     assert len(preempted) >= 2 and la.taken > 10, (preempted, la.taken)
-    _assert_free(llm)
+    assert_free(llm)
 
 
 def test_a_failing_step_drops_the_queued_one(tiny_model_dir):
@@ -138,7 +138,7 @@ def test_a_failing_step_drops_the_queued_one(tiny_model_dir):
     assert {o.request_id for o in outs if o.finished} <= {"x", "y"}
     while core.has_work:
         core.step()
-    _assert_free(llm)
+    assert_free(llm)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -148,7 +148,7 @@ def test_cuda_pipelined_steps_match_unpipelined(tiny_model_dir):
     off = LLM(str(tiny_model_dir), device="cuda", dtype="float32", pipeline=False, kv_cache_tokens=8192)
     assert _ids(on.generate(prompts, _mixed_params())) == _ids(off.generate(prompts, _mixed_params()))
     assert on.core.rt.worker.lookahead.taken > 10
-    _assert_free(on)
+    assert_free(on)
 
 
 def test_switches_take_the_step_queued_ahead(tiny_model_dir):

@@ -18,6 +18,7 @@ from streamsd.model.loader import ModelLoadError
 from streamsd.model.parallel import RankLost
 from streamsd.request import SamplingParams
 from streamsd.worker.tp import TensorGroup
+from tests.engine.engine_helpers import assert_free
 from tests.tiny import build_model, build_tokenizer
 
 CPU = torch.device("cpu")
@@ -33,12 +34,6 @@ def outputs(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
     res = llm.generate(PROMPTS, params)
     assert all(r.error is None for r in res)
     return [r.outputs[0].token_ids for r in res]
-
-
-def assert_free(llm: LLM) -> None:
-    s = llm.core.scheduler
-    assert s.blocks.num_free == s.blocks.total, "KV blocks leaked"
-    assert not s.running and not s.waiting and not llm.core.trackers
 
 
 @pytest.fixture(scope="module")

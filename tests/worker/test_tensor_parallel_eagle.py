@@ -14,10 +14,10 @@ from streamsd.model.stream_store import StreamStore
 from streamsd.request import SamplingParams
 from streamsd.spec_decode.eagle.checkpoint import load_head
 from streamsd.worker.tp import TensorGroup
-from tests.spec_decode.eagle_helpers import _train_head
+from tests.engine.engine_helpers import assert_free
+from tests.spec_decode.eagle_helpers import train_tiny_head
 from tests.worker.test_tensor_parallel import (
     MAX_TOKENS,
-    assert_free,
     greedy,
     outputs,
     preempt_then_abort,
@@ -31,7 +31,7 @@ ENGINE = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 1024, "max_num
 def heads(tiny_model_dir, tmp_path_factory):
     """EAGLE-3 with its own draft-vocabulary lm_head (it borrows the embedding), EAGLE-1 (it borrows
     the embedding and the lm_head)."""
-    return {kind: _train_head(tiny_model_dir, tmp_path_factory.mktemp(kind), kind, epochs=10)
+    return {kind: train_tiny_head(tiny_model_dir, tmp_path_factory.mktemp(kind), kind, epochs=10)
             for kind in ("eagle3", "eagle1")}
 
 
