@@ -139,14 +139,14 @@ class EagleHead(nn.Module):
 
     @property
     def has_draft_vocab(self) -> bool:
-        return hasattr(self, "lm_head") and self.spec.draft_vocab_size != self.spec.vocab_size
+        return self.own_lm_head and self.spec.draft_vocab_size != self.spec.vocab_size
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.embed_table())
 
     def embed_table(self) -> torch.Tensor:
         """[V, H]: the head's own embedding, or the target's."""
-        if hasattr(self, "embed_tokens"):
+        if self.own_embed:
             return self.embed_tokens.weight
         assert self.shared is not None and self.shared.embed is not None  # attach() lends what it lacks
         return self.shared.embed.weight
@@ -193,7 +193,7 @@ class EagleHead(nn.Module):
 
     def output_head(self) -> nn.Linear:
         """The head's own lm_head, or the target's."""
-        if hasattr(self, "lm_head"):
+        if self.own_lm_head:
             return self.lm_head
         assert self.shared is not None and self.shared.lm_head is not None  # attach() lends what it lacks
         return self.shared.lm_head
