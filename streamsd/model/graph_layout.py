@@ -1,7 +1,7 @@
 """Where a CUDA graph's step lives in its static buffers: the packed host values of a step
 (ids | positions | slots | context lengths | query starts), the layout a graph reads them through,
 and a prompt graph's tail (the row it returns, its attention tiles). Shared by the target's graphs
-(worker/graphs.py), the tree graphs (worker/tree_graphs.py) and the head's (spec_decode/eagle/graphs.py,
+(model/graphs.py), the tree graphs (worker/tree_graphs.py) and the head's (spec_decode/eagle/graphs.py,
 spec_decode/eagle/grow_graphs.py)."""
 
 from __future__ import annotations

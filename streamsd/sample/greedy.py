@@ -1,6 +1,6 @@
 """Greedy verification of a packed verify step, in torch ops a CUDA graph captures.
 
-A graph that runs a verify forward also emits this step's greedy result (worker/graphs.py): for
+A graph that runs a verify forward also emits this step's greedy result (model/graphs.py): for
 steps where every request is greedy, the worker reads it instead of queueing the sampler (the
 argmax, the per-request integers, the rejection kernel: ~0.2 ms of host time a step, which bounds
 an EAGLE step on a small target). It is the rejection sampler's greedy rule exactly: accept draft

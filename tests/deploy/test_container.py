@@ -5,7 +5,7 @@ How podman and buildah work on these machines (no Docker engine, no image regist
 isolation, a bootstrapped Debian base, the CPU torch wheel from this disk) is described in
 shared/CONTAINERS.md; .ci/container.sh installs the tools and runs this file:
 
-    pytest -m container -p no:cacheprovider -s tests/test_container.py
+    pytest -m container -p no:cacheprovider -s tests/deploy/test_container.py
 
 Takes minutes cold (torch alone is large); podman's layer cache makes a rebuild after a source
 change take well under a minute.

@@ -2,7 +2,7 @@
 Kubernetes JSON schemas (kubernetes-validate), the compose file's structure, the Dockerfile
 through hadolint and against the contract the container CI stage and the manifests rely on.
 
-Nothing here builds or runs anything; tests/test_container.py does that in its own stage.
+Nothing here builds or runs anything; tests/deploy/test_container.py does that in its own stage.
 """
 
 from __future__ import annotations
