@@ -17,7 +17,8 @@ import torch
 
 from streamsd.config import BLOCK_SIZE, EngineConfig, SchedulerConfig, TreeShape
 from streamsd.engine.generation_defaults import GenerationDefaults
-from streamsd.engine.kv_sizing import kv_blocks
+from streamsd.engine.kv_sizing import context_length, kv_blocks
+from streamsd.engine.proposers import build_proposer, load_drafters, q_pool_for
 from streamsd.engine.warm_up import warm_up, warm_up_chat_prompt
 from streamsd.model.arch import ModelArgs
 from streamsd.model.exact_forward import enable_exact_reference
@@ -34,21 +35,16 @@ from streamsd.model.loader import (
     resolve_model,
     streamsd_home,
 )
-from streamsd.model.stream_store import StreamStore
 from streamsd.policy.adaptive import CostTable
 from streamsd.policy.chooser import TreeChooser
 from streamsd.policy.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
 from streamsd.sample.grammar import Grammars
-from streamsd.spec_decode.draft_model import DraftModelProposer
-from streamsd.spec_decode.eagle.checkpoint import head_dir, load_head, measured_depth_steps
-from streamsd.spec_decode.eagle.proposer import EagleProposer
-from streamsd.spec_decode.ngram import NgramProposer
 from streamsd.spec_decode.proposer import Proposer
 from streamsd.worker.lookahead import KVMargin, kv_margin
 from streamsd.worker.tp import TensorGroup, default_threads, use_kernels
 from streamsd.worker.worker import Worker
 
-GC_YOUNG_THRESHOLD = 10_000  # see build_runtime
+GC_YOUNG_THRESHOLD = 10_000  # see _freeze_heap
 log = logging.getLogger("streamsd")
 T = TypeVar("T")
 
@@ -194,66 +190,56 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     loading = in_background(load_tokenizer, path)
     defaults = GenerationDefaults.read(path, cfg.generation_config)
     defaults.log_at_load(path / "generation_config.json")
-    args = target.args
-    draft: Transformer | None = None
-    model_dirs = [path]  # what the cost profile ran (its cache key)
-    if cfg.spec.method == "draft":
-        assert cfg.spec.draft_model
-        draft, draft_path = load_model(cfg.spec.draft_model, device, dtype)
-        check_vocab(loading.result(), load_tokenizer(draft_path), args, draft.args)
-        model_dirs.append(draft_path)
-    head = None
-    depth_steps: tuple[tuple[str, tuple[float, ...]], ...] = ()
-    if cfg.spec.method == "eagle":
-        hdir = head_dir(cfg.spec.draft_model, cfg.model)
-        head, depth_steps = load_head(hdir, target, device, dtype, path), measured_depth_steps(hdir)
-        model_dirs.append(Path(hdir))
-    extra = draft.args if draft else head.spec.args if head else None
-    # Under tensor parallelism each rank's cache holds its own kv heads: this rank's bytes a token.
-    per_token = target.layer_args.kv_bytes_per_token(dtype) + (extra.kv_bytes_per_token(dtype) if extra else 0)
-    if head is not None:  # the head's streams per KV slot (model/stream_store.py)
-        per_token += StreamStore.bytes_per_token(head.input_layers, args.hidden_size, dtype)
-    num_blocks = kv_blocks(cfg, per_token, device)
+    args, tree = target.args, cfg.spec.tree
+    drafters = load_drafters(cfg, target, path, device, dtype, load_model, loading.result)
+    num_blocks = kv_blocks(cfg, drafters.kv_bytes_per_token(target, dtype), device)
     # One block more than the scheduler counts: the scratch block CUDA-graph padding writes to.
     cache = group.kv_cache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype) if group is not None \
         else PagedKVCache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype, device)
-    limits = {"the model's context": args.max_position, "the KV cache": num_blocks * BLOCK_SIZE}
-    if draft is not None:
-        limits["the draft model's context"] = draft.args.max_position
-    max_len = min(*limits.values(), cfg.context_cap or args.max_position)
-    if cfg.max_model_len is not None:
-        if cfg.max_model_len > max_len:
-            raise ValueError(f"--max-model-len {cfg.max_model_len} is more than this engine can hold: {max_len} tokens ("
-                             + ", ".join(f"{name} {n}" for name, n in limits.items()) + ")")
-        max_len = cfg.max_model_len
-    tree = cfg.spec.tree
-    # A tree's drafts are one-hot whatever the temperature (sample/tree_verify.py): no dense q to keep.
-    q_slots = cfg.max_num_seqs if (draft is not None or head is not None) and tree is None else 0
-    # One row more than the scheduler hands out: graph-captured drafting writes the q of its greedy and
-    # padding rows there (spec_decode/eagle/graphs.py).
-    # A verify queued ahead (worker/lookahead.py) drafts into each request's second half of the pool, so that
-    # dropping it leaves the q the next verify reads intact: two rows a slot then.
+    max_len = context_length(cfg, args, num_blocks, drafters.draft.args if drafters.draft else None)
     # Speculative steps queue ahead (worker/lookahead.py): an EAGLE head's chains or trees.
-    ahead = head is not None and (device.type == "cuda" if cfg.pipeline is None else cfg.pipeline)
+    ahead = drafters.head is not None and (device.type == "cuda" if cfg.pipeline is None else cfg.pipeline)
     queues_ahead = ahead and tree is None  # chains draft into each request's second q row meanwhile
-    halves = 2 if queues_ahead else 1
-    q_pool = torch.zeros(halves * q_slots + 1, cfg.spec.num_tokens, args.vocab_size, device=device) if q_slots else None
-    if tree is not None:
-        q_pool = torch.zeros(1, 1, args.vocab_size, device=device)  # the proposer's q rows nobody reads
-    proposer: Proposer | None = None
-    if draft is not None and q_pool is not None:
-        proposer = DraftModelProposer(draft, PagedKVCache(draft.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
-                                      q_pool, args.vocab_size)
-    elif head is not None and q_pool is not None:
-        store = StreamStore(head.input_layers, args.hidden_size, (num_blocks + 1) * BLOCK_SIZE, dtype, device)
-        proposer = EagleProposer(head, target, PagedKVCache(head.spec.args, num_blocks + 1, BLOCK_SIZE, dtype, device),
-                                 q_pool, store, depth_steps, tree=tree, int8_lm_head=cfg.spec.int8_draft_head)
-    elif cfg.spec.method == "ngram":
-        proposer = NgramProposer(cfg.spec.ngram_max, cfg.spec.ngram_min)
-    elif cfg.spec.method is not None:
-        raise ValueError(f"speculative method {cfg.spec.method!r} is not available here")
+    q_slots, q_pool = q_pool_for(cfg, drafters, args.vocab_size, device, queues_ahead)
+    proposer = build_proposer(cfg, drafters, target, q_pool, num_blocks, device, dtype)
     margin = kv_margin(cfg.spec.num_tokens) if ahead else KVMargin(0, 0)  # what steps queued ahead write
-    sched = SchedulerConfig(
+    sched = scheduler_config(cfg, num_blocks, max_len, margin, proposer)
+    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree, scratch_block=num_blocks,
+                    exact=cfg.exact)
+    if cfg.exact and device.type != "cuda":
+        enable_exact_reference(target)
+    if queues_ahead:
+        sched = queue_chains(worker, sched, cfg.spec.num_tokens)
+    if device.type == "cuda" and group is not None and drafters.draft is not None:
+        use_kernels(drafters.draft, device)  # the target has them already (worker/tp.py); no graphs under tensor parallelism
+    if device.type == "cuda" and group is None:
+        worker.enable_cuda(scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs,
+                           tree_max_batch=cfg.spec.max_batch, exact=cfg.exact)
+        if cfg.cuda_graphs:
+            from streamsd.worker.cuda import capture_all
+
+            t1 = time.perf_counter()
+            log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
+                     time.perf_counter() - t1)
+    policy = build_policy(cfg, worker, sched, (path, *drafters.dirs))
+    tokenizer = loading.result()
+    eos_ids = eos_ids_of(path, tokenizer, args)
+    template = chat_template_of(cfg.chat_template, tokenizer)
+    warm = warm_up(worker, sched, cfg.spec, eos_ids, q_slots, warm_up_chat_prompt(tokenizer, template))
+    log.info("warmed up in %.2fs: %d steps, %d drafts", warm.seconds, warm.steps, warm.drafted)
+    seconds = time.perf_counter() - t0
+    _log_loaded(cfg, path, device, dtype, seconds, num_blocks, max_len, q_pool, q_slots, args.vocab_size)
+    _freeze_heap()
+    return Runtime(worker, tokenizer, args, sched, path, eos_ids, q_slots, seconds, policy,
+                   Grammars(tokenizer, args.vocab_size), defaults, group, cfg.exact, template, cfg.seed)
+
+
+def scheduler_config(cfg: EngineConfig, num_blocks: int, max_len: int, margin: KVMargin,
+                     proposer: Proposer | None) -> SchedulerConfig:
+    """The scheduler's limits for this engine: its KV blocks and context, the KV its drafts and the
+    steps queued ahead write (`margin`), and what its prefix cache keeps for the proposer."""
+    tree = cfg.spec.tree
+    return SchedulerConfig(
         num_blocks=num_blocks,
         max_model_len=max_len,
         max_num_seqs=cfg.max_num_seqs,
@@ -268,49 +254,31 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
         prefix_streams=proposer is not None and proposer.store is not None,
         prefix_next_tokens=proposer.kv_next_tokens if proposer is not None else 0,
     )
-    worker = Worker(target, cache, proposer, q_pool, device, pipeline=cfg.pipeline, tree=tree, scratch_block=num_blocks,
-                    exact=cfg.exact)
-    if cfg.exact and device.type != "cuda":
-        enable_exact_reference(target)
-    if queues_ahead:
-        sched = queue_chains(worker, sched, cfg.spec.num_tokens)
-    if device.type == "cuda" and group is not None and draft is not None:
-        use_kernels(draft, device)  # the target has them already (worker/tp.py); no graphs under tensor parallelism
-    if device.type == "cuda" and group is None:
-        worker.enable_cuda(scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs,
-                           tree_max_batch=cfg.spec.max_batch, exact=cfg.exact)
-        if cfg.cuda_graphs:
-            from streamsd.worker.cuda import capture_all
 
-            t1 = time.perf_counter()
-            log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
-                     time.perf_counter() - t1)
-    policy = build_policy(cfg, worker, sched, tuple(model_dirs))
-    tokenizer = loading.result()
-    eos_ids = eos_ids_of(path, tokenizer, args)
-    template = chat_template_of(cfg.chat_template, tokenizer)
-    warm = warm_up(worker, sched, cfg.spec, eos_ids, q_slots, warm_up_chat_prompt(tokenizer, template))
-    log.info("warmed up in %.2fs: %d steps, %d drafts", warm.seconds, warm.steps, warm.drafted)
-    seconds = time.perf_counter() - t0
+
+def _log_loaded(cfg: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype, seconds: float,
+                num_blocks: int, max_len: int, q_pool: torch.Tensor | None, q_slots: int, vocab: int) -> None:
     q_bytes = q_pool.numel() * q_pool.element_size() if q_pool is not None else 0
     log.info("loaded %s on %s (%s) in %.2fs: %d KV blocks, context %d, q pool %d slots x %d x %d = %.1f MiB; "
              "speculation: %s", path, device, dtype, seconds, num_blocks, max_len, q_slots, cfg.spec.num_tokens,
-             args.vocab_size, q_bytes / 2**20,
+             vocab, q_bytes / 2**20,
              f"{cfg.spec.method}, k <= {cfg.spec.num_tokens}, {cfg.spec.policy}"
              + (f", trees {cfg.spec.tree}" if cfg.spec.tree else "")
              + (f", while at most {cfg.spec.max_batch} requests decode" if cfg.spec.max_batch else "")
              if cfg.spec.enabled else "none")
-    # Everything loaded so far (modules, the tokenizer's vocabulary, graphs) lives as long as the
-    # process: frozen, a full collection no longer walks it, which made it a step-sized pause.
+
+
+def _freeze_heap() -> None:
+    """Everything loaded so far (modules, the tokenizer's vocabulary, graphs) lives as long as the
+    process: frozen, a full collection no longer walks it, which made it a step-sized pause.
+
+    A step allocates thousands of short-lived containers (per-request lists, outputs, token infos)
+    that are freed by reference counting; at the default 700 net allocations the young generation
+    was collected ~130 times per 64-token pass at B = 256, 20-37 ms per pass on an H200's host
+    (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly."""
     gc.collect()
     gc.freeze()
-    # A step allocates thousands of short-lived containers (per-request lists, outputs, token infos)
-    # that are freed by reference counting; at the default 700 net allocations the young generation
-    # was collected ~130 times per 64-token pass at B = 256, 20-37 ms per pass on an H200's host
-    # (2-3 % of it). Nearly everything dies young, so a larger threshold collects rarely, and briefly.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    return Runtime(worker, tokenizer, args, sched, path, eos_ids, q_slots, seconds, policy,
-                   Grammars(tokenizer, args.vocab_size), defaults, group, cfg.exact, template, cfg.seed)
 
 
 def queue_chains(worker: Worker, sched: SchedulerConfig, k: int) -> SchedulerConfig:
@@ -368,16 +336,3 @@ def adaptive_policy(max_k: int, cost: CostTable, worker: Worker) -> AdaptivePoli
                           queues_ahead=worker.lookahead.queues_speculative,
                           depth_steps=proposer.depth_steps if proposer is not None else (),
                           short_drafts_fail=proposer is not None and proposer.may_propose_fewer)
-
-
-def check_vocab(target_tok: Any, draft_tok: Any, target: ModelArgs, draft: ModelArgs) -> None:
-    """Drafts are token ids: they mean the same only if both tokenizers map text to ids alike."""
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-    mismatched = [t for t, i in tv.items() if dv.get(t) != i]
-    if mismatched:
-        raise ModelLoadError(
-            f"the draft model's vocabulary does not match the target's ({len(mismatched)} of {len(tv)} tokens "
-            f"differ, e.g. {mismatched[:3]}); use a draft from the same model family"
-        )
-    if draft.vocab_size < len(tv):
-        raise ModelLoadError("the draft model's embedding is smaller than the target's vocabulary")

@@ -1,10 +1,12 @@
-"""How much KV cache an engine gets: tokens given, a share of the GPU's memory, or a CPU default."""
+"""How much KV cache an engine gets (tokens given, a share of the GPU's memory, or a CPU default), and
+so the longest sequence it holds."""
 
 from __future__ import annotations
 
 import torch
 
 from streamsd.config import BLOCK_SIZE, EngineConfig
+from streamsd.model.arch import ModelArgs
 
 CPU_DEFAULT_KV_TOKENS = 16384
 
@@ -44,3 +46,18 @@ def kv_cache_bytes(free: int, total: int, utilization: float | None, fraction: f
         raise ValueError(f"--gpu-memory-utilization {utilization} leaves no memory for the KV cache: "
                          f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use already")
     return int(budget * fraction)
+
+
+def context_length(cfg: EngineConfig, args: ModelArgs, num_blocks: int, draft: ModelArgs | None = None) -> int:
+    """The longest sequence (prompt + answer) this engine holds: the least of the model's context, the
+    KV pool's tokens, a draft model's context and the configured cap; `--max-model-len` may only lower it."""
+    limits = {"the model's context": args.max_position, "the KV cache": num_blocks * BLOCK_SIZE}
+    if draft is not None:
+        limits["the draft model's context"] = draft.max_position
+    max_len = min(*limits.values(), cfg.context_cap or args.max_position)
+    if cfg.max_model_len is None:
+        return max_len
+    if cfg.max_model_len > max_len:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} is more than this engine can hold: {max_len} tokens ("
+                         + ", ".join(f"{name} {n}" for name, n in limits.items()) + ")")
+    return cfg.max_model_len
