@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from streamsd.config import EngineConfig, SpecConfig, TreeShape
+from streamsd.config import EngineConfig, SpecConfig, SpecMethod, TreeShape
 from streamsd.engine.builder import build_runtime
 from streamsd.engine.core import EngineCore, RequestOutput
 from streamsd.engine.detokenizer import TokenInfo
@@ -45,7 +45,7 @@ class LLM:
         self,
         model: str,
         draft_model: str | None = None,
-        speculative_method: str | None = None,
+        speculative_method: SpecMethod | None = None,
         num_speculative_tokens: int = 4,
         draft_greedy_threshold: float = 0.75,
         device: str | None = None,
@@ -53,7 +53,7 @@ class LLM:
         kv_cache_tokens: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
-        speculation_policy: str = "fixed",
+        speculation_policy: Literal["adaptive", "fixed"] = "fixed",
         pipeline: bool | None = None,
         speculative_tree: str | TreeShape | None = None,
         int8_draft_head: bool = True,
@@ -72,9 +72,9 @@ class LLM:
         tree = TreeShape.parse(speculative_tree) if isinstance(speculative_tree, str) else speculative_tree
         if tree is not None:
             num_speculative_tokens = tree.nodes  # a tree verifies all its nodes
-        spec = SpecConfig(method=speculative_method, num_tokens=num_speculative_tokens,  # type: ignore[arg-type]
+        spec = SpecConfig(method=speculative_method, num_tokens=num_speculative_tokens,
                           draft_model=draft_model, draft_greedy_threshold=draft_greedy_threshold,
-                          policy=speculation_policy, tree=tree, int8_draft_head=int8_draft_head,  # type: ignore[arg-type]
+                          policy=speculation_policy, tree=tree, int8_draft_head=int8_draft_head,
                           max_batch=speculative_max_batch)
         cfg = EngineConfig(model=model, spec=spec, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -7,11 +7,14 @@ itself (the head loaded from its directory, as a server would), so it measures w
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from streamsd.config import SpecMethod
 
 
 def evaluate(model: str, head_dir: Path, prompts: list[str], max_new_tokens: int, k: int, device: str | None,
-             seed: int, temperatures: tuple[float, ...] = (0.0, 0.7), method: str = "eagle",
+             seed: int, temperatures: tuple[float, ...] = (0.0, 0.7), method: SpecMethod = "eagle",
              cuda_graphs: bool = True) -> dict[str, Any]:
     """tau and per-depth acceptance of a proposer on chat prompts, greedy and sampled."""
     from streamsd import LLM, SamplingParams
