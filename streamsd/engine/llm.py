@@ -66,6 +66,7 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         chat_template: str | None = None,
         seed: int | None = None,
+        cuda_graphs: bool = True,
     ):
         if speculative_method is None and draft_model is not None:
             speculative_method = "draft"
@@ -81,7 +82,8 @@ class LLM:
                            max_queue=1 << 40, pipeline=pipeline,  # offline: every prompt waits its turn
                            generation_config=generation_config, enable_prefix_caching=enable_prefix_caching,
                            exact=exact, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
-                           gpu_memory_utilization=gpu_memory_utilization, chat_template=chat_template, seed=seed)
+                           gpu_memory_utilization=gpu_memory_utilization, chat_template=chat_template, seed=seed,
+                           cuda_graphs=cuda_graphs)
         self.core = EngineCore(build_runtime(cfg), spec)
         self.tokenizer = self.core.tokenizer
         self._ids = itertools.count()

@@ -124,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
     # Every answer's prompt is computed in full: its streams are training data (no prefix cache).
     llm = LLM(args.model, device=args.device, max_num_seqs=1 if reuse else gen_batch,
               kv_cache_tokens=args.max_new_tokens + 320 if reuse else gen_batch * (args.max_new_tokens + 320),
-              enable_prefix_caching=False)
-    if args.no_cuda_graphs:
-        llm.core.rt.worker.graphs = None
+              enable_prefix_caching=False, cuda_graphs=not args.no_cuda_graphs)
     target = llm.core.rt.worker.target
     if target.rope_cos.device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the float32 head: its loss is a soft CE

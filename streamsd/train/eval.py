@@ -21,9 +21,7 @@ def evaluate(model: str, head_dir: Path, prompts: list[str], max_new_tokens: int
 
     llm = LLM(model, speculative_method=method, draft_model=str(head_dir) if method == "eagle" else None,
               num_speculative_tokens=k, device=device, max_num_seqs=64,
-              kv_cache_tokens=len(prompts) * (max_new_tokens + 640))
-    if not cuda_graphs:
-        llm.core.rt.worker.graphs = None
+              kv_cache_tokens=len(prompts) * (max_new_tokens + 640), cuda_graphs=cuda_graphs)
     convs = [[{"role": "user", "content": p}] for p in prompts]
     results = {}
     for temp in temperatures:
