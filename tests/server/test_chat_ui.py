@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.server import web_ui_helpers as web_ui
-from tests.server.web_ui_helpers import expect, record_ws, send_message, serve_for_ui, set_settings
+from tests.server.web_ui_helpers import ask, expect, open_chat, record_ws, serve_for_ui, set_settings
 
 # The browser, the live server and the page factory are web_ui_helpers.py's fixtures.
 browser = web_ui.browser
@@ -28,33 +28,19 @@ SCREENSHOT_TURNS = [
 ]
 
 
-def _open(page, base: str) -> None:
-    page.goto(base)
-    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
-
-
-def _ask(page, text: str, n: int):
-    """Send `text` as the n-th question of the conversation on screen; wait for its reply."""
-    send_message(page, text)
-    expect(page.get_by_test_id("assistant-message")).to_have_count(n)
-    reply = page.get_by_test_id("assistant-message").last
-    expect(reply).to_have_attribute("data-status", "done", timeout=DONE_S)
-    return reply
-
-
 def _dones(frames: dict) -> list[dict]:
     return [f for f in frames["received"] if f["type"] == "done"]
 
 
 def test_conversations_are_kept_across_a_reload_and_reopen_with_their_messages(new_page, live_server):
     page = new_page()
-    _open(page, live_server)
+    open_chat(page, live_server)
     set_settings(page, max_tokens=12, temperature=0.8)
-    first = _ask(page, "Tell me about rivers", 1).locator(".md").inner_text()
-    _ask(page, "And lakes?", 2)
+    first = ask(page, "Tell me about rivers", 1).locator(".md").inner_text()
+    ask(page, "And lakes?", 2)
     page.get_by_test_id("new-chat").click()
     expect(page.get_by_test_id("assistant-message")).to_have_count(0)
-    _ask(page, "Name a mountain", 1)
+    ask(page, "Name a mountain", 1)
 
     page.reload()
     expect(page.locator("#conn")).to_have_attribute("data-state", "open")
@@ -85,10 +71,10 @@ def test_conversations_are_kept_across_a_reload_and_reopen_with_their_messages(n
 
 def test_conversations_export_to_json_and_import_in_another_browser(new_page, live_server, tmp_path):
     page = new_page()
-    _open(page, live_server)
+    open_chat(page, live_server)
     set_settings(page, max_tokens=6, temperature=0)
     page.get_by_test_id("system-prompt").fill("Be brief.")
-    reply = _ask(page, "Export me", 1).locator(".md").inner_text()
+    reply = ask(page, "Export me", 1).locator(".md").inner_text()
     with page.expect_download() as download:
         page.get_by_test_id("export-chats").click()
     path = tmp_path / "chats.json"
@@ -99,7 +85,7 @@ def test_conversations_export_to_json_and_import_in_another_browser(new_page, li
     assert [t["user"] for t in conv["turns"]] == ["Export me"] and conv["turns"][0]["text"] == reply
 
     other = new_page()  # a fresh context: its own, empty IndexedDB
-    _open(other, live_server)
+    open_chat(other, live_server)
     expect(other.get_by_test_id("conversation-item")).to_have_count(0)
     other.locator("#import-chats").set_input_files(path)
     expect(other.get_by_test_id("conversation-item")).to_have_count(1)
@@ -112,9 +98,9 @@ def test_conversations_export_to_json_and_import_in_another_browser(new_page, li
 def test_regenerate_replaces_the_last_answer_with_a_new_one(new_page, live_server):
     page = new_page()
     frames = record_ws(page)
-    _open(page, live_server)
+    open_chat(page, live_server)
     set_settings(page, max_tokens=24, temperature=1.0)
-    _ask(page, "Once upon a time", 1)
+    ask(page, "Once upon a time", 1)
     before = "".join(f["text"] for f in frames["received"] if f["type"] == "delta")
     page.get_by_test_id("regenerate").click()
     reply = page.get_by_test_id("assistant-message").last
@@ -130,10 +116,10 @@ def test_regenerate_replaces_the_last_answer_with_a_new_one(new_page, live_serve
 def test_editing_the_first_question_replaces_the_later_turns(new_page, live_server):
     page = new_page()
     frames = record_ws(page)
-    _open(page, live_server)
+    open_chat(page, live_server)
     set_settings(page, max_tokens=8, temperature=0.8)
-    _ask(page, "First question", 1)
-    _ask(page, "Second question", 2)
+    ask(page, "First question", 1)
+    ask(page, "Second question", 2)
     page.get_by_test_id("edit-message").first.click()
     box = page.get_by_label("Edit your question")
     expect(box).to_be_focused()
@@ -149,12 +135,12 @@ def test_editing_the_first_question_replaces_the_later_turns(new_page, live_serv
 def test_the_system_prompt_reaches_the_model(new_page, live_server):
     page = new_page()
     frames = record_ws(page)
-    _open(page, live_server)
+    open_chat(page, live_server)
     set_settings(page, max_tokens=4, temperature=0)
-    _ask(page, "Hello", 1)
+    ask(page, "Hello", 1)
     page.get_by_test_id("new-chat").click()
     page.get_by_test_id("system-prompt").fill("You are a pirate who answers in rhymes about the sea.")
-    _ask(page, "Hello", 1)
+    ask(page, "Hello", 1)
     sent = [f for f in frames["sent"] if f["type"] == "generate"]
     assert sent[1]["messages"][0] == {"role": "system", "content": "You are a pirate who answers in rhymes about the sea."}
     plain, with_system = (d["usage"]["prompt_tokens"] for d in _dones(frames))
@@ -171,10 +157,10 @@ def test_the_system_prompt_reaches_the_model(new_page, live_server):
 def test_speculation_view_charts_acceptance_by_position_and_the_steps(new_page, live_server):
     page = new_page()
     frames = record_ws(page)
-    _open(page, live_server)
+    open_chat(page, live_server)
     expect(page.get_by_test_id("spec-proposer")).to_contain_text("draft model")
     set_settings(page, max_tokens=60, temperature=0, spec_k=4)
-    _ask(page, "Once upon a time", 1)
+    ask(page, "Once upon a time", 1)
     done = _dones(frames)[0]
     spec = done["usage"]["speculative"]
     assert spec["accepted"] > 0 and len(spec["drafted_per_position"]) == 4
@@ -196,7 +182,7 @@ def test_speculation_view_charts_acceptance_by_position_and_the_steps(new_page, 
 
 def test_the_page_fits_a_phone(new_page, live_server):
     page = new_page(viewport={"width": 375, "height": 740})
-    _open(page, live_server)
+    open_chat(page, live_server)
     page.get_by_test_id("prompt").fill("Hello")
     page.keyboard.press("Enter")
     expect(page.get_by_test_id("assistant-message")).to_have_attribute("data-status", "done", timeout=DONE_S)
@@ -221,14 +207,14 @@ def test_readme_screenshots(new_page, tmp_path):
     produces noise; slow, because on a CPU it runs at ~10 tokens/s."""
     with serve_for_ui(["--device", "cpu"], tmp_path / "serve.log", ready_timeout_s=900) as base:
         page = new_page(color_scheme="light", viewport={"width": 1180, "height": 760})
-        _open(page, base)
+        open_chat(page, base)
         set_settings(page, temperature=0, max_tokens=60)
-        _ask(page, "What is a haiku?", 1)
+        ask(page, "What is a haiku?", 1)
         page.get_by_test_id("new-chat").click()
         page.get_by_test_id("system-prompt").fill("You are a helpful Python assistant.")
         set_settings(page, max_tokens=160)
         for n, text in enumerate(SCREENSHOT_TURNS, start=1):
-            _ask(page, text, n)
+            ask(page, text, n)
         page.get_by_test_id("provenance-toggle").click()
         expect(page.locator("[data-testid=assistant-message] .tok.draft").first).to_be_attached()
         page.locator("#prompt").blur()

@@ -8,7 +8,15 @@ import re
 import pytest
 
 from tests.server import web_ui_helpers as web_ui
-from tests.server.web_ui_helpers import expect, get_models, record_ws, send_message, set_settings
+from tests.server.web_ui_helpers import (
+    ask,
+    expect,
+    get_models,
+    open_chat,
+    record_ws,
+    send_message,
+    set_settings,
+)
 
 # The browser, the servers and the page factory are web_ui_helpers.py's fixtures.
 browser = web_ui.browser
@@ -28,13 +36,9 @@ def _alnum(text: str) -> str:
 def test_message_streams_and_stats_fill_in(new_page, live_server):
     page = new_page()
     frames = record_ws(page)
-    page.goto(live_server)
-    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+    open_chat(page, live_server)
     set_settings(page, max_tokens=64, temperature=0.8)
-    send_message(page, "Once upon a time")
-
-    reply = page.get_by_test_id("assistant-message").last
-    expect(reply).to_have_attribute("data-status", "done", timeout=60_000)
+    reply = ask(page, "Once upon a time")
     deltas = [f for f in frames["received"] if f["type"] == "delta"]
     done = [f for f in frames["received"] if f["type"] == "done"]
     assert len(deltas) >= 2, "the reply should arrive in several delta frames"
@@ -61,11 +65,7 @@ def test_message_streams_and_stats_fill_in(new_page, live_server):
         assert STAT_NUMBER.search(stats.locator('[data-stat="reply-mean"]').inner_text())
 
     # The second turn sends the whole conversation again.
-    send_message(page, "And then?")
-    expect(page.get_by_test_id("assistant-message")).to_have_count(2)
-    expect(page.get_by_test_id("assistant-message").last).to_have_attribute(
-        "data-status", "done", timeout=60_000
-    )
+    ask(page, "And then?", n=2)
     second = [f for f in frames["sent"] if f["type"] == "generate"][1]
     assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
     assert second["messages"][1]["content"] == streamed
@@ -91,8 +91,7 @@ def test_stop_cancels_the_reply(new_page, live_server):
         ws.on_message(to_server)
 
     page.route_web_socket(re.compile(r".*/v1/ws.*"), proxy)
-    page.goto(live_server)
-    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+    open_chat(page, live_server)
     set_settings(page, max_tokens=400)
     send_message(page, "Count")
 
@@ -115,14 +114,11 @@ def test_stop_cancels_the_reply(new_page, live_server):
 
 def test_provenance_tints_draft_tokens(new_page, live_server):
     page = new_page(color_scheme="light")
-    page.goto(live_server)
-    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+    open_chat(page, live_server)
     # Greedy: the same reply every run (an unseeded T=1 reply once held no target token the page could
     # show), and the close draft is accepted often enough that 150 tokens hold many drafts.
     set_settings(page, max_tokens=150, temperature=0)
-    send_message(page, "Once upon a time")
-    reply = page.get_by_test_id("assistant-message").last
-    expect(reply).to_have_attribute("data-status", "done", timeout=60_000)
+    reply = ask(page, "Once upon a time")
 
     draft = reply.locator(".tok.draft").first
     expect(draft).to_be_attached()
@@ -169,12 +165,9 @@ def test_provenance_tints_visible_text_and_words_read_continuous(new_page, live_
     the spans of adjacent tokens touch, with no padding, margin, border or rounding between them."""
     page = new_page(color_scheme="light")
     frames = record_ws(page)
-    page.goto(live_server)
-    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+    open_chat(page, live_server)
     set_settings(page, max_tokens=150, temperature=0)
-    send_message(page, "Once upon a time")
-    reply = page.get_by_test_id("assistant-message").last
-    expect(reply).to_have_attribute("data-status", "done", timeout=60_000)
+    reply = ask(page, "Once upon a time")
     page.get_by_test_id("provenance-toggle").click()
     page.wait_for_timeout(300)
 

@@ -184,3 +184,19 @@ MODELS = {
     "object": "list",
     "data": [{"id": "tiny", "object": "model", "owned_by": "streamsd", "max_model_len": 512}],
 }
+
+
+def open_chat(page, base: str) -> None:
+    """Load the chat page from `base` and wait for its socket to open."""
+    page.goto(base)
+    expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+
+
+def ask(page, text: str, n: int | None = None, timeout: float = 60_000):
+    """Send `text` (the n-th question of the conversation on screen, when given) and wait for its reply."""
+    send_message(page, text)
+    if n is not None:
+        expect(page.get_by_test_id("assistant-message")).to_have_count(n)
+    reply = page.get_by_test_id("assistant-message").last
+    expect(reply).to_have_attribute("data-status", "done", timeout=timeout)
+    return reply
