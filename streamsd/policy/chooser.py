@@ -242,7 +242,7 @@ class TreeChooser:
         plain at the wave's size, would drop them all; a request reaching an idle engine grows its
         first tree with its prompt."""
         margin = 1.0 if self.speculating else 1.0 + self.hysteresis
-        pays = self._class(acceptance_class(r)).value > self.break_even(max(batch, 1)) * margin
+        pays = self._class(acceptance_class(r)).value > self.break_even(batch) * margin
         return cap_k(r) if pays else 0
 
     def commit(self, decision: Decision, plan: StepPlan) -> None:
