@@ -30,7 +30,7 @@ from streamsd.model.loader import (
     check_architecture,
     eos_ids_of,
     load_config,
-    load_state_dict,
+    load_model,
     load_tokenizer,
     resolve_model,
     streamsd_home,
@@ -99,22 +99,6 @@ def native_cpu_bf16() -> bool:
     """The CPU has bf16 matrix instructions (torch's own probe; False where torch has none)."""
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(probe() for probe in probes if probe is not None)
-
-
-def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, Path]:
-    from streamsd.model.presets import build_preset, is_preset
-
-    if is_preset(spec):  # random weights of a real shape, made on the device (benchmarks)
-        return build_preset(spec, device, dtype)
-    path = resolve_model(spec)
-    config = load_config(path)
-    check_architecture(config)
-    args = ModelArgs.from_config(config)
-    weights = load_state_dict(path, dtype=dtype, device=device)
-    try:
-        return Transformer.build(args, weights, device, dtype), path
-    except (RuntimeError, KeyError) as exc:
-        raise ModelLoadError(f"the weights in {path} do not fit its config.json: {exc}") from exc
 
 
 def load_parallel(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
@@ -191,7 +175,7 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     defaults = GenerationDefaults.read(path, cfg.generation_config)
     defaults.log_at_load(path / "generation_config.json")
     args, tree = target.args, cfg.spec.tree
-    drafters = load_drafters(cfg, target, path, device, dtype, load_model, loading.result)
+    drafters = load_drafters(cfg, target, path, device, dtype, loading.result)
     num_blocks = kv_blocks(cfg, drafters.kv_bytes_per_token(target, dtype), device)
     # One block more than the scheduler counts: the scratch block CUDA-graph padding writes to.
     cache = group.kv_cache(target.layer_args, num_blocks + 1, BLOCK_SIZE, dtype) if group is not None \

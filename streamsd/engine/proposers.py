@@ -15,7 +15,7 @@ from streamsd.config import BLOCK_SIZE, EngineConfig
 from streamsd.model.arch import ModelArgs
 from streamsd.model.kv_cache import PagedKVCache
 from streamsd.model.llama import Transformer
-from streamsd.model.loader import ModelLoadError, load_tokenizer
+from streamsd.model.loader import ModelLoadError, load_model, load_tokenizer
 from streamsd.model.stream_store import StreamStore
 from streamsd.spec_decode.draft_model import DraftModelProposer
 from streamsd.spec_decode.eagle.checkpoint import head_dir, load_head, measured_depth_steps
@@ -23,8 +23,6 @@ from streamsd.spec_decode.eagle.head import EagleHead
 from streamsd.spec_decode.eagle.proposer import EagleProposer
 from streamsd.spec_decode.ngram import NgramProposer
 from streamsd.spec_decode.proposer import Proposer
-
-LoadModel = Callable[[str, torch.device, torch.dtype], tuple[Transformer, Path]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +45,7 @@ class Drafters:
 
 
 def load_drafters(cfg: EngineConfig, target: Transformer, path: Path, device: torch.device, dtype: torch.dtype,
-                  load_model: LoadModel, target_tokenizer: Callable[[], Any]) -> Drafters:
+                  target_tokenizer: Callable[[], Any]) -> Drafters:
     """The draft model (its vocabulary checked against the target's tokenizer) or the EAGLE head
     `cfg.spec` names, on `device`."""
     if cfg.spec.method == "draft":

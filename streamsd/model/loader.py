@@ -5,7 +5,7 @@ safetensors, tokenizer files): the embedded default, a directory, a `.gguf` file
 and cached) or a hub id. `load_state_dict` reads the safetensors straight into tensors with HF
 names; `load_config` and `check_architecture` read and vet config.json; `load_tokenizer`,
 `eos_ids_of` and `chat_template_of` give the tokenizer, every id that ends a generation and the chat
-template a user passed, checked.
+template a user passed, checked; `load_model` puts all of it together into a Transformer on a device.
 
 Every failure a user can cause is a `ModelLoadError` whose message is one sentence saying what is
 wrong and what to do; the CLI prints it without a traceback.
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from streamsd.model.arch import ModelArgs
+from streamsd.model.llama import Transformer
 
 # architectures entry -> model_type; SmolLM and SmolLM2 are plain Llama.
 SUPPORTED_ARCHITECTURES = MappingProxyType({
@@ -251,3 +252,20 @@ def chat_template_of(given: str | None, tokenizer: Any) -> str | None:
     except Exception as exc:  # jinja's and transformers' own errors
         raise ValueError(f"--chat-template does not render a conversation: {exc}") from exc
     return template
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, Path]:
+    """A model by name, directory, .gguf file or hub id (or a preset's random weights), on `device`."""
+    from streamsd.model.presets import build_preset, is_preset  # presets read configs through this module
+
+    if is_preset(spec):  # random weights of a real shape, made on the device (benchmarks)
+        return build_preset(spec, device, dtype)
+    path = resolve_model(spec)
+    config = load_config(path)
+    check_architecture(config)
+    args = ModelArgs.from_config(config)
+    weights = load_state_dict(path, dtype=dtype, device=device)
+    try:
+        return Transformer.build(args, weights, device, dtype), path
+    except (RuntimeError, KeyError) as exc:
+        raise ModelLoadError(f"the weights in {path} do not fit its config.json: {exc}") from exc

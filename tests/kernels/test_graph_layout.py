@@ -17,10 +17,10 @@ def test_padded_graph_step_matches_eager_forward(tiny_model_dir):
     """A verify-shaped step packed for a (bucket 4, width 4) graph: real rows equal the eager
     forward's, padding writes only the scratch block. On CUDA through a captured graph; on a CPU
     the same packed buffers run through the interpreted kernel, without capture."""
-    from streamsd.engine.builder import load_model
     from streamsd.model.graph_layout import pack_step, static_layout
     from streamsd.model.graphs import GraphConfig, GraphRunner
     from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.model.loader import load_model
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
     scratch, bs = 12, 16
@@ -64,10 +64,10 @@ def test_prompt_graph_matches_eager_prefill(tiny_model_dir, start, count):
     through the interpreted kernels, without capture."""
     from dataclasses import replace
 
-    from streamsd.engine.builder import load_model
     from streamsd.model.graph_layout import pack_step, prompt_tile_count, prompt_tiles, static_layout
     from streamsd.model.graphs import GraphConfig, GraphRunner
     from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.model.loader import load_model
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
     model.attend = pa.paged_attention
@@ -113,7 +113,6 @@ def test_packed_prompt_graph_matches_eager_mixed_step(tiny_model_dir):
     buffer and tiles run through the interpreted kernels, without capture."""
     from dataclasses import replace
 
-    from streamsd.engine.builder import load_model
     from streamsd.kernels.attention.prefill import tokens_per_tile
     from streamsd.model.graph_layout import (
         pack_step,
@@ -124,6 +123,7 @@ def test_packed_prompt_graph_matches_eager_mixed_step(tiny_model_dir):
     )
     from streamsd.model.graphs import GraphConfig, GraphRunner
     from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.model.loader import load_model
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
     model.attend = pa.paged_attention

@@ -51,9 +51,9 @@ def test_fast_forward_matches_reference_forward(tiny_model_dir):
     logits, captured residual streams (what an EAGLE head reads: the embedding, a middle layer's
     input, the final pre-norm stream) and cache contents, over a prefill (SDPA) and a
     verify-shaped step (the kernel); and streams written straight into a stream store."""
-    from streamsd.engine.builder import load_model
     from streamsd.model.fast_forward import enable_fast_forward
     from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.model.loader import load_model
 
     dtype = torch.bfloat16 if CUDA else torch.float32
     model, _ = load_model(str(tiny_model_dir), DEV, dtype)
@@ -98,10 +98,10 @@ def test_fast_forward_matches_reference_forward(tiny_model_dir):
 def test_graph_replay_returns_the_eager_hidden_streams(tiny_model_dir):
     """A runner that captures an EAGLE head's streams: its replay's logits and streams equal the
     eager (fast) forward's, for a verify-shaped step padded into a (bucket 4, width 4) graph."""
-    from streamsd.engine.builder import load_model
     from streamsd.model.fast_forward import enable_fast_forward
     from streamsd.model.graphs import GraphConfig, GraphRunner
     from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.model.loader import load_model
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.float32)
     model.attend = pa.paged_attention
@@ -139,8 +139,8 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
     """After the start-up warm-up, steps of any batch size, draft count, query width and block-table
     width compile nothing (a compile inside a step stalled it for a few hundred ms on an H200)."""
     import streamsd.kernels.sample.rng as krng
-    from streamsd.engine.builder import load_model
     from streamsd.kernels.warmup import compiled_variants, warm_up
+    from streamsd.model.loader import load_model
     from streamsd.sample.rejection import VerifyInput
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.bfloat16)
@@ -203,8 +203,8 @@ def test_fast_eagle_head_matches_its_reference_layer(tiny_model_dir, kind, norm_
     output, head KV and draft logits, over a prompt chunk (the prefill kernel) and then a catch-up of
     a verify's rows and a one-token chain step (the decode kernel), for both EAGLE-3 residuals and EAGLE-1;
     the second step takes its hidden inputs by row index, as a tree level does."""
-    from streamsd.engine.builder import load_model
     from streamsd.model.kv_cache import PagedKVCache
+    from streamsd.model.loader import load_model
     from streamsd.spec_decode.eagle.checkpoint import new_head
     from streamsd.spec_decode.eagle.fast import fast_head
 

@@ -86,7 +86,7 @@ def test_exact_eagle_chains_equal_plain_decoding_greedy_and_seeded(tiny_model_di
     """An EAGLE head reads the target's residual streams, which the exact forward captures too."""
     import json
 
-    from streamsd.engine.builder import load_model
+    from streamsd.model.loader import load_model
     from streamsd.spec_decode.eagle.checkpoint import new_head, save_head
 
     device = torch.device("cuda" if CUDA else "cpu")

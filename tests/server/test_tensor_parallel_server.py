@@ -81,7 +81,7 @@ def untrained_head(tiny_model_dir, tmp_path_factory) -> Path:
 
     import torch
 
-    from streamsd.engine.builder import load_model
+    from streamsd.model.loader import load_model
     from streamsd.spec_decode.eagle.checkpoint import new_head, save_head
 
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from streamsd import LLM, SamplingParams
-from streamsd.engine.builder import load_model
+from streamsd.model.loader import load_model
 from streamsd.spec_decode.eagle.checkpoint import new_head, save_head
 from streamsd.train.data import Sample, attach_streams
 from streamsd.train.loop import TrainConfig, train

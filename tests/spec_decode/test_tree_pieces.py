@@ -7,9 +7,9 @@ import torch
 from scipy.stats import chisquare
 
 from streamsd.config import SpecConfig, TreeShape
-from streamsd.engine.builder import load_model
 from streamsd.model.attention import paged_attention
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.loader import load_model
 from streamsd.model.tree_layout import NONE, ROOT, Race
 from streamsd.sample import rng
 from streamsd.sample.sampler import sample_keyed

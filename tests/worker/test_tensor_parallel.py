@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamsd.engine.builder import load_model
 from streamsd.engine.llm import LLM
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
-from streamsd.model.loader import ModelLoadError
+from streamsd.model.loader import ModelLoadError, load_model
 from streamsd.model.parallel import RankLost
 from streamsd.request import SamplingParams
 from streamsd.worker.tp import TensorGroup

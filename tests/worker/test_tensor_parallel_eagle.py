@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamsd.engine.builder import load_model
 from streamsd.engine.llm import LLM
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache
+from streamsd.model.loader import load_model
 from streamsd.model.stream_store import StreamStore
 from streamsd.request import SamplingParams
 from streamsd.spec_decode.eagle.checkpoint import load_head
