@@ -197,14 +197,15 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
     if device.type == "cuda" and group is not None and drafters.draft is not None:
         use_kernels(drafters.draft, device)  # the target has them already (worker/tp.py); no graphs under tensor parallelism
     if device.type == "cuda" and group is None:
-        worker.enable_cuda(scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens, graphs=cfg.cuda_graphs,
-                           tree_max_batch=cfg.spec.max_batch, exact=cfg.exact)
-        if cfg.cuda_graphs:
+        kernels = worker.enable_cuda(scratch_block=num_blocks, max_len=max_len, k=cfg.spec.num_tokens,
+                                     graphs=cfg.cuda_graphs, tree_max_batch=cfg.spec.max_batch, exact=cfg.exact)
+        if cfg.cuda_graphs:  # while a first start's child processes compile the kernels' variants
             from streamsd.worker.cuda import capture_all
 
             t1 = time.perf_counter()
             log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
                      time.perf_counter() - t1)
+        log.info("compiled %d Triton kernel variants in %.1fs", *kernels.finish())
     policy = build_policy(cfg, worker, sched, (path, *drafters.dirs))
     tokenizer = loading.result()
     eos_ids = eos_ids_of(path, tokenizer, args)

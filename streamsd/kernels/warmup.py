@@ -21,8 +21,9 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from streamsd.kernels.attention.prefill import (
 )
 from streamsd.kernels.exact.attention import _exact_attn_kernel, exact_paged_attention
 from streamsd.kernels.model.device_layout import _restart, restart
-from streamsd.kernels.precompile import device_name, mark_compiled, marker, precompile
+from streamsd.kernels.precompile import Compiling, device_name, mark_compiled, marker, start
 from streamsd.kernels.sample import warp, warp_chunked
 from streamsd.kernels.sample.rejection import _rejection_kernel, rejection_sample
 from streamsd.kernels.sample.rng import _exponentials_kernel, _uniforms_kernel, exponentials, uniforms
@@ -83,22 +84,21 @@ def compiled_by_kernel() -> dict[str, int]:
 
 def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab: int, max_k: int,
             device: torch.device, trees: bool = False, exact: Any | None = None) -> tuple[int, float]:
-    """Compiles the attention kernel of each model (head layout; with `trees` its draft-tree
-    variants too), the exact attention of the `exact` model (its tree variant with `trees`), the
-    rejection sampler for every k ≤ ``max_k`` and the sampling noise; returns (variants compiled, seconds).
+    """`begin_warm_up`, then `WarmUp.finish` at once: returns (variants compiled, seconds)."""
+    return begin_warm_up(models, cache_dtype, block_size, vocab, max_k, device, trees, exact).finish()
 
-    Each variant is a task of its own, and the tasks compile on a thread pool as wide as the machine:
-    Triton's compiler runs in worker threads by design (its own AsyncCompileMode does so), most of a
-    compile releases the GIL (12 variants of a small kernel compiled 1.7x faster on 2 threads than on
-    one, on 2 CPU cores), and a first start compiles about a hundred variants. What is not thread-safe
-    is a kernel's first launch on a device, which creates its variant cache: the sampling kernels and
-    one variant of every other kernel launch first, on this thread, so that the threads only ever add
-    variants to caches that exist. The device is set in each thread: a new thread starts on device 0.
-    On a first start, child processes compile the same tasks first (kernels/precompile.py)."""
-    t0, before = time.perf_counter(), compiled_variants()
+
+def begin_warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab: int, max_k: int,
+                  device: torch.device, trees: bool = False, exact: Any | None = None) -> WarmUp:
+    """The warm-up of the attention kernel of each model (head layout; with `trees` its draft-tree
+    variants too), the exact attention of the `exact` model (its tree variant with `trees`), the
+    rejection sampler for every k ≤ ``max_k`` and the sampling noise. On a first start child
+    processes begin compiling them now (kernels/precompile.py); `WarmUp.finish` completes the warm-up
+    once they are needed, and whatever runs in between (the CUDA-graph capture) overlaps them."""
     layouts = sorted({(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in models})
     sampling = partial(_sampling_variants, vocab, cache_dtype, device)
     firsts: list[partial[None]] = [
+        sampling,
         partial(_paged_variant, layouts[0], cache_dtype, block_size, device, 1, 2, False),  # the split-merge kernel too
         partial(_prefill_variant, layouts[0], cache_dtype, block_size, device),
         partial(_rejection_variant, 1, False, False, vocab, device),
@@ -114,22 +114,49 @@ def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab:
              *[partial(_rejection_variant, k, has_p, has_q, vocab, device) for k in range(1, max_k + 1)
                for has_p, has_q in ((False, False), (True, False), (True, True))],
              *[partial(_restart_variant, k, device) for k in range(2, max_k + 1)]]
-    every = [sampling, *firsts, *tasks]
+    every = [*firsts, *tasks]
     done = marker(every, device_name(device))  # read once: it hashes the kernels' source
-    precompile(every, device, done)
-    for first in [sampling, *firsts]:
-        first()
+    return WarmUp(firsts, tasks, device, done, start(every, device, done))
 
-    def run(task: Callable[[], None]) -> None:
-        with torch.cuda.device(device):
-            task()
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(tasks), os.cpu_count() or 1, MAX_THREADS))) as pool:
-        for future in [pool.submit(run, t) for t in tasks]:
-            future.result()  # a compile error surfaces here, as it would have inline
-    torch.cuda.synchronize(device)
-    mark_compiled(done)
-    return compiled_variants() - before, time.perf_counter() - t0
+@dataclass(frozen=True)
+class WarmUp:
+    """A warm-up begun (`begin_warm_up`): its tasks, and the children compiling them on a first start."""
+
+    firsts: list[partial[None]]  # one variant of every kernel: launched first, on the caller's thread
+    tasks: list[partial[None]]
+    device: torch.device
+    done: Path | None  # the marker of the whole set (kernels/precompile.py)
+    compiling: Compiling | None
+
+    def finish(self) -> tuple[int, float]:
+        """Waits for the children, then runs every task here, where each loads its variant from disk
+        or (a child failed, or none ran) compiles it; returns (variants compiled here, seconds).
+
+        The tasks compile on a thread pool as wide as the machine: Triton's compiler runs in worker
+        threads by design (its own AsyncCompileMode does so), most of a compile releases the GIL (12
+        variants of a small kernel compiled 1.7x faster on 2 threads than on one, on 2 CPU cores), and
+        a first start compiles about a hundred variants. What is not thread-safe is a kernel's first
+        launch on a device, which creates its variant cache: the sampling kernels and one variant of
+        every other kernel launch first, on this thread, so that the threads only ever add variants to
+        caches that exist. The device is set in each thread: a new thread starts on device 0."""
+        t0, before = time.perf_counter(), compiled_variants()
+        if self.compiling is not None:
+            self.compiling.wait()
+        for first in self.firsts:
+            first()
+        device = self.device
+
+        def run(task: Callable[[], None]) -> None:
+            with torch.cuda.device(device):
+                task()
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(self.tasks), os.cpu_count() or 1, MAX_THREADS))) as pool:
+            for future in [pool.submit(run, t) for t in self.tasks]:
+                future.result()  # a compile error surfaces here, as it would have inline
+        torch.cuda.synchronize(device)
+        mark_compiled(self.done)
+        return compiled_variants() - before, time.perf_counter() - t0
 
 
 def _rejection_variant(k: int, has_p: bool, has_q: bool, vocab: int, device: torch.device) -> None:

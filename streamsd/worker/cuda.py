@@ -11,6 +11,7 @@ from streamsd.model.graph_layout import PROMPT_SEQS, PROMPT_WIDTHS
 from streamsd.model.graphs import GraphConfig, GraphRunner
 
 if TYPE_CHECKING:
+    from streamsd.kernels.warmup import WarmUp
     from streamsd.worker.tree_graphs import TreeGraphs
     from streamsd.worker.worker import Worker
 
@@ -42,9 +43,11 @@ def capture_all(worker: Worker, max_batch: int) -> int:
 
 
 def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: bool,
-           exact: bool = False) -> GraphRunner | None:
-    """The Triton attention and fused layers for the target and a draft model, every kernel variant
-    compiled, the proposer moved onto them; returns the target's graph runner (None: eager steps).
+           exact: bool = False) -> tuple[GraphRunner | None, WarmUp]:
+    """The Triton attention and fused layers for the target and a draft model, the proposer moved
+    onto them; returns the target's graph runner (None: eager steps) and the kernels' warm-up, begun:
+    finish it (`WarmUp.finish`) after capturing the graphs, which a first start's compiles in child
+    processes then overlap.
 
     `scratch_block` is a cache block the scheduler never hands out (every cache has one more block
     than the scheduler counts): padding tokens of a graph write there. `exact`: the target runs the
@@ -52,7 +55,7 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
     """
     from streamsd.kernels.attention.paged import paged_attention
     from streamsd.kernels.exact.attention import exact_cuda_attention
-    from streamsd.kernels.warmup import warm_up
+    from streamsd.kernels.warmup import begin_warm_up
     from streamsd.model.exact_forward import enable_exact_reference
     from streamsd.model.fast_forward import enable_fast_forward
 
@@ -71,14 +74,13 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
         elif exact_here:
             enable_exact_reference(model)
     trees = worker.tree is not None  # drafts are trees: worker/tree_graphs.py verifies them
-    n, seconds = warm_up(kernel_models, worker.cache.data.dtype, worker.cache.block_size, worker.vocab,
+    warm = begin_warm_up(kernel_models, worker.cache.data.dtype, worker.cache.block_size, worker.vocab,
                          1 if trees else k, worker.device, trees=trees,
                          exact=worker.target if exact and worker.target in kernel_models else None)
-    log.info("compiled %d Triton kernel variants in %.1fs", n, seconds)
     if not graphs:
         if proposer is not None:
             proposer.enable_cuda(None, scratch_block)
-        return None
+        return None, warm
     bs = worker.cache.block_size
     # Narrow verify widths too: at large batch the planner drafts 1 or 2 tokens, and a step replays
     # the narrowest graph that holds its longest query, so without them k = 1 pays for k = K.
@@ -92,4 +94,4 @@ def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: 
         proposer.enable_cuda(cfg, scratch_block)
     # An EAGLE head reads the target's streams at every verified token: its graphs return them too.
     return GraphRunner(worker.target, worker.cache, scratch_block, cfg, worker.device,
-                       hidden_layers=worker.hidden_layers, store=worker.store)
+                       hidden_layers=worker.hidden_layers, store=worker.store), warm

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -38,6 +38,9 @@ from streamsd.worker.steps.chain import ChainStep
 from streamsd.worker.steps.full import FullStep
 from streamsd.worker.steps.plain import PlainStep
 from streamsd.worker.steps.tree import TreeStep
+
+if TYPE_CHECKING:
+    from streamsd.kernels.warmup import WarmUp
 from streamsd.worker.stream_catchup import Span, recompute_streams
 from streamsd.worker.tree_graphs import TreeGraphs, tree_graphs_for
 
@@ -119,14 +122,17 @@ class Worker:
             self.stream_sink = None
 
     def enable_cuda(self, *, scratch_block: int, max_len: int, k: int, graphs: bool, tree_max_batch: int,
-                    exact: bool = False) -> None:
+                    exact: bool = False) -> WarmUp:
         """Move onto the CUDA kernels and, with `graphs`, CUDA graphs (worker/cuda.py), before any step;
-        `exact`: the target's batch-invariant ones."""
+        `exact`: the target's batch-invariant ones. Returns the kernels' warm-up, begun: finish it
+        (after capturing the graphs) before the first step."""
         from streamsd.worker.cuda import set_up
 
-        self.graphs = set_up(self, scratch_block=scratch_block, max_len=max_len, k=k, graphs=graphs, exact=exact)
+        self.graphs, warm = set_up(self, scratch_block=scratch_block, max_len=max_len, k=k, graphs=graphs,
+                                   exact=exact)
         if self.tree is not None and graphs and isinstance(self.proposer, EagleProposer):
             self.tree_graphs = tree_graphs_for(self, self.proposer, scratch_block, max_len, tree_max_batch)
+        return warm
 
     @property
     def store(self) -> StreamStore | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -77,10 +78,34 @@ def test_children_run_their_tasks_and_never_the_callers_script(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("task*")) == ["task0", "task1", "task2", "task3"]
 
 
+def _wait_for(flag: str, then: str) -> None:
+    """A child's task: waits (at most 60 s) for the file `flag`, then writes `then`."""
+    deadline = time.monotonic() + 60
+    while not Path(flag).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(flag)
+        time.sleep(0.01)
+    Path(then).touch()
+
+
+def test_the_caller_works_while_the_children_compile(tmp_path, monkeypatch):
+    """`start` returns with the children running: each child's task waits for a file the caller
+    writes after `start` (the capture, in a server), and all of them are done once `wait` returns."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.chdir(ROOT)  # the children import this module from here
+    tasks = [partial(_wait_for, str(tmp_path / "go"), str(tmp_path / f"done{i}")) for i in range(4)]
+    compiling = pc.start(tasks, CPU, pc.marker(tasks, "CPU"), processes=2)
+    assert compiling is not None and len(compiling.children) == 2
+    (tmp_path / "go").touch()
+    assert compiling.wait()[0] == 2
+    assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done1", "done2", "done3"]
+
+
 def test_a_marked_set_spawns_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     pc.mark_compiled(pc.marker(_tasks(), "GPU (9, 0)"))
     assert pc.precompile(_tasks(), torch.device("cuda", 0), pc.marker(_tasks(), "GPU (9, 0)"), processes=2) == (0, 0.0)
+    assert pc.start(_tasks(), torch.device("cuda", 0), pc.marker(_tasks(), "GPU (9, 0)"), processes=2) is None
 
 
 def test_processes_stay_within_half_the_cores_and_the_cap():
