@@ -203,8 +203,12 @@ def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtyp
             from streamsd.worker.cuda import capture_all
 
             t1 = time.perf_counter()
-            log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
-                     time.perf_counter() - t1)
+            try:
+                log.info("captured %d CUDA graphs in %.1fs", capture_all(worker, sched.max_num_seqs),
+                         time.perf_counter() - t1)
+            except BaseException:
+                kernels.cancel()
+                raise
         log.info("compiled %d Triton kernel variants in %.1fs", *kernels.finish())
     policy = build_policy(cfg, worker, sched, (path, *drafters.dirs))
     tokenizer = loading.result()

@@ -93,6 +93,16 @@ class Compiling:
             log.info("compiled %d kernel variant tasks in %d processes in %.1fs", self.tasks, n, seconds)
         return n, seconds
 
+    def stop(self) -> None:
+        """Ends every child still running (a start that failed meanwhile): none outlives the server
+        holding GPU memory that a restart would size its KV cache without."""
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+            if child.stderr is not None:
+                child.stderr.close()
+
 
 def start(tasks: Sequence[partial[None]], device: torch.device, done: Path | None,
           processes: int | None = None) -> Compiling | None:

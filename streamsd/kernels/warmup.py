@@ -158,6 +158,11 @@ class WarmUp:
         mark_compiled(self.done)
         return compiled_variants() - before, time.perf_counter() - t0
 
+    def cancel(self) -> None:
+        """Ends the children of a warm-up that will not be finished (the start failed before)."""
+        if self.compiling is not None:
+            self.compiling.stop()
+
 
 def _rejection_variant(k: int, has_p: bool, has_q: bool, vocab: int, device: torch.device) -> None:
     vi = _verify_input(k, vocab, has_p, has_q, device)

@@ -101,6 +101,22 @@ def test_the_caller_works_while_the_children_compile(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done1", "done2", "done3"]
 
 
+def test_children_of_a_start_that_failed_are_ended(tmp_path, monkeypatch):
+    """A start that fails while the children compile (say, out of memory capturing the graphs) ends
+    them: each child's task here waits for a file nobody writes, and `stop` returns with every child
+    gone, none of them having finished, and no marker."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.chdir(ROOT)
+    tasks = [partial(_wait_for, str(tmp_path / "never"), str(tmp_path / f"done{i}")) for i in range(4)]
+    compiling = pc.start(tasks, CPU, pc.marker(tasks, "CPU"), processes=2)
+    assert compiling is not None and all(c.poll() is None for c in compiling.children)
+    started = time.monotonic()
+    compiling.stop()
+    assert time.monotonic() - started < 10  # not the tasks' 60 s
+    assert all(c.returncode is not None for c in compiling.children)
+    assert not list(tmp_path.glob("done*")) and not pc.marker(tasks, "CPU").exists()
+
+
 def test_a_marked_set_spawns_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     pc.mark_compiled(pc.marker(_tasks(), "GPU (9, 0)"))
