@@ -190,8 +190,18 @@ def _never_ran(out: RequestOutput) -> bool:
 NEVER_RAN = "the server shut down before this request ran; send it again"
 
 
+# Python's str.splitlines, which httpx's `iter_lines` (and requests' with `decode_unicode`) reads a stream
+# with, also ends a line at NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR, which JSON leaves raw inside
+# strings: a token holding one would cut its event in two there. Escaped, any JSON parser reads the same.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + encoder.encode(obj) + b"\n\n"
+    data = encoder.encode(obj)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:  # UTF-8 lead bytes: these sequences are those characters and nothing else
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 async def _serve(request: Request, chat: bool) -> Response:

@@ -262,3 +262,17 @@ def test_tokenising_a_huge_prompt_does_not_stall_other_streams(tiny_model_dir, t
         assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
     finally:
         s.stop()
+
+
+def test_streamed_text_with_unicode_line_breaks_reads_one_event_a_line(server):
+    """NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR in streamed text (here the echoed prompt) stay inside
+    their event for a client that splits the stream as Python's splitlines does (httpx's iter_lines)."""
+    prompt = "one\u2028two\x85three\u2029four"
+    body = {"prompt": prompt, "echo": True, "max_tokens": 2, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).startswith(prompt)
