@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +151,19 @@ def parse_sse_line(line: str) -> dict | str | None:
     return json.loads(payload) if payload else None
 
 
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an event stream as SSE ends them (LF or CR LF). Not httpx's `aiter_lines`: like
+    str.splitlines it also ends a line at NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR, which a server
+    may send raw inside a chunk's JSON strings, and the chunk would read as two broken ones."""
+    rest = b""
+    async for data in resp.aiter_bytes():
+        *lines, rest = (rest + data).split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r").decode("utf-8", "replace")
+    if rest:
+        yield rest.removesuffix(b"\r").decode("utf-8", "replace")
+
+
 def chunk_text(chunk: dict) -> tuple[str, int, str | None]:
     """(text, token count, finish_reason) of one chat or completions chunk's first choice."""
     choices = chunk.get("choices") or []
@@ -179,7 +193,7 @@ async def stream_sse(
             if resp.status_code != 200:
                 raw = await resp.aread()
                 return trace.result("error", str(resp.status_code), error_message(raw))
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 event = parse_sse_line(line)
                 if event == "[DONE]":
                     if trace.error is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import httpx
@@ -47,6 +48,33 @@ def _delta(text: str) -> dict:
 
 USAGE = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
                                   "speculative": {"drafted": 4, "accepted": 2, "mean_accepted_length": 1.5}}}
+
+
+def test_stream_sse_keeps_unicode_line_breaks_inside_their_chunk() -> None:
+    """A server that sends NEL, LINE SEPARATOR or PARAGRAPH SEPARATOR raw inside a chunk's JSON (valid
+    JSON; SSE ends lines at LF and CR LF only), with CR LF line ends, split across network reads."""
+    text = "one\u2028two\x85three\u2029four é"
+    body = f"data: {json.dumps(_delta(text), ensure_ascii=False)}\r\n\r\ndata: [DONE]\r\n\r\n".encode()
+    inside = body.index("\u2028".encode()) + 1  # a read that ends inside a multi-byte character
+    cuts = [0, 9, inside, len(body) - 3, len(body)]  # and one between the CR and the LF of a line end
+
+    async def go() -> RequestResult:
+        stream = _Chunks([body[a:b] for a, b in itertools.pairwise(cuts)])
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=stream))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await stream_sse(client, "http://test", RequestSpec("chat", "m", "hello", 8))
+
+    result = asyncio.run(go())
+    assert result.ok and result.text == text
+
+
+class _Chunks(httpx.AsyncByteStream):
+    def __init__(self, chunks: list[bytes]):
+        self.chunks = chunks
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            yield chunk
 
 
 def test_stream_sse_outcomes() -> None:
