@@ -38,11 +38,11 @@ from streamsd.worker.steps.chain import ChainStep
 from streamsd.worker.steps.full import FullStep
 from streamsd.worker.steps.plain import PlainStep
 from streamsd.worker.steps.tree import TreeStep
+from streamsd.worker.stream_catchup import Span, recompute_streams
+from streamsd.worker.tree_graphs import TreeGraphs, tree_graphs_for
 
 if TYPE_CHECKING:
     from streamsd.kernels.warmup import WarmUp
-from streamsd.worker.stream_catchup import Span, recompute_streams
-from streamsd.worker.tree_graphs import TreeGraphs, tree_graphs_for
 
 #: Receives a step's entries and the target's streams at every token it computed.
 StreamSink = Callable[[list[Scheduled], torch.Tensor], None]
