@@ -123,14 +123,6 @@ def start(tasks: Sequence[partial[None]], device: torch.device, done: Path | Non
     return Compiling(children, len(tasks), t0)
 
 
-def precompile(tasks: Sequence[partial[None]], device: torch.device, done: Path | None,
-               processes: int | None = None) -> tuple[int, float]:
-    """`start`, then `Compiling.wait`: returns (processes spawned, seconds); (0, 0.0) where nothing
-    was started."""
-    compiling = start(tasks, device, done, processes)
-    return compiling.wait() if compiling is not None else (0, 0.0)
-
-
 def mark_compiled(done: Path | None) -> None:
     """After a warm-up ran every task of marker `done` here: the next start need not spawn children
     for them."""

@@ -82,12 +82,6 @@ def compiled_by_kernel() -> dict[str, int]:
     return counts
 
 
-def warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab: int, max_k: int,
-            device: torch.device, trees: bool = False, exact: Any | None = None) -> tuple[int, float]:
-    """`begin_warm_up`, then `WarmUp.finish` at once: returns (variants compiled, seconds)."""
-    return begin_warm_up(models, cache_dtype, block_size, vocab, max_k, device, trees, exact).finish()
-
-
 def begin_warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, vocab: int, max_k: int,
                   device: torch.device, trees: bool = False, exact: Any | None = None) -> WarmUp:
     """The warm-up of the attention kernel of each model (head layout; with `trees` its draft-tree

@@ -139,13 +139,13 @@ def test_warm_up_compiles_every_variant_a_step_can_reach(tiny_model_dir):
     """After the start-up warm-up, steps of any batch size, draft count, query width and block-table
     width compile nothing (a compile inside a step stalled it for a few hundred ms on an H200)."""
     import streamsd.kernels.sample.rng as krng
-    from streamsd.kernels.warmup import compiled_variants, warm_up
+    from streamsd.kernels.warmup import begin_warm_up, compiled_variants
     from streamsd.model.loader import load_model
     from streamsd.sample.rejection import VerifyInput
 
     model, _ = load_model(str(tiny_model_dir), DEV, torch.bfloat16)
     a, vocab, bs, max_k = model.args, model.args.vocab_size, 16, 4
-    warm_up([model], torch.bfloat16, bs, vocab, max_k, DEV)
+    begin_warm_up([model], torch.bfloat16, bs, vocab, max_k, DEV).finish()
     before = compiled_variants()
     g = torch.Generator().manual_seed(0)
     for b in (1, 3, 4, 7, 16):

@@ -45,7 +45,7 @@ def test_the_marker_changes_with_the_tasks_and_the_device(tmp_path, monkeypatch)
 def test_no_cache_directory_no_marker_and_no_children(monkeypatch):
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert pc.marker(_tasks(), "GPU (9, 0)") is None
-    assert pc.precompile(_tasks(), CPU, pc.marker(_tasks(), "GPU (9, 0)"), processes=2) == (0, 0.0)
+    assert pc.start(_tasks(), CPU, pc.marker(_tasks(), "GPU (9, 0)"), processes=2) is None
 
 
 def test_children_that_fail_leave_a_warning_and_no_marker(tmp_path, monkeypatch, caplog):
@@ -53,8 +53,9 @@ def test_children_that_fail_leave_a_warning_and_no_marker(tmp_path, monkeypatch,
     tries again."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="streamsd"):
-        spawned, _ = pc.precompile(_tasks(), torch.device("cuda", 99), pc.marker(_tasks(), "GPU (9, 0)"),
-                                   processes=2)
+        compiling = pc.start(_tasks(), torch.device("cuda", 99), pc.marker(_tasks(), "GPU (9, 0)"), processes=2)
+        assert compiling is not None
+        spawned, _ = compiling.wait()
     assert spawned == 2
     assert "compiling them here" in caplog.text
     assert not pc.marker(_tasks(), "GPU (9, 0)").exists()
@@ -70,7 +71,7 @@ def test_children_run_their_tasks_and_never_the_callers_script(tmp_path):
         "from streamsd.kernels import precompile as pc\n"
         f"open({str(tmp_path / 'runs')!r}, 'a').write('run\\n')\n"
         f"tasks = [partial(pc.mark_compiled, pc.Path({str(tmp_path)!r}) / f'task{{i}}') for i in range(4)]\n"
-        "print(pc.precompile(tasks, torch.device('cpu'), pc.marker(tasks, 'CPU'), processes=2))\n")
+        "print(pc.start(tasks, torch.device('cpu'), pc.marker(tasks, 'CPU'), processes=2).wait())\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, cwd=ROOT,
                          env={"TRITON_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}).stdout
     assert out.startswith("(2, ")
@@ -120,7 +121,6 @@ def test_children_of_a_start_that_failed_are_ended(tmp_path, monkeypatch):
 def test_a_marked_set_spawns_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     pc.mark_compiled(pc.marker(_tasks(), "GPU (9, 0)"))
-    assert pc.precompile(_tasks(), torch.device("cuda", 0), pc.marker(_tasks(), "GPU (9, 0)"), processes=2) == (0, 0.0)
     assert pc.start(_tasks(), torch.device("cuda", 0), pc.marker(_tasks(), "GPU (9, 0)"), processes=2) is None
 
 
