@@ -162,6 +162,9 @@ class TensorGroup:
         self.on_lost: list[Callable[[str], None]] = []  # told once, from the monitor thread
         self._closing = threading.Event()
         self._lock = threading.Lock()
+        # The monitor and a failed collective both reap exited followers: two threads in waitpid for
+        # one child leave one of them with ECHILD and an exit code of None, the exit unseen.
+        self._reaping = threading.Lock()
 
     @staticmethod
     def start(model_dir: Path, world: int, device: torch.device, dtype: torch.dtype, threads: int,
@@ -281,16 +284,17 @@ class TensorGroup:
 
     def _note_exits(self) -> bool:
         """Records the first follower found exited; True when the group is (newly or already) lost."""
-        ended = set(multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=0))
-        for proc in self.procs:
-            if proc.sentinel in ended:
-                # The sentinel closes as the process exits, a moment before its exit status exists:
-                # join (waitpid) reads it, where exitcode alone may still say None.
-                proc.join(timeout=5.0)
-        for rank, proc in enumerate(self.procs, start=1):
-            if self.lost is None and proc.exitcode is not None:
-                self._lose(f"tensor-parallel rank {rank} exited (exit code {proc.exitcode}); the engine cannot "
-                           "continue")
+        with self._reaping:
+            ended = set(multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=0))
+            for proc in self.procs:
+                if proc.sentinel in ended:
+                    # The sentinel closes as the process exits, a moment before its exit status exists:
+                    # join (waitpid) reads it, where exitcode alone may still say None.
+                    proc.join(timeout=5.0)
+            for rank, proc in enumerate(self.procs, start=1):
+                if self.lost is None and proc.exitcode is not None:
+                    self._lose(f"tensor-parallel rank {rank} exited (exit code {proc.exitcode}); the engine "
+                               "cannot continue")
         return self.lost is not None
 
     def _lose(self, message: str) -> None:

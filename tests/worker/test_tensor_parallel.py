@@ -3,8 +3,10 @@ one rank computes, through the forward and through the whole engine."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -171,6 +173,25 @@ def test_a_follower_killed_mid_generation_ends_the_engine_with_an_error_naming_i
         assert time.monotonic() - t0 < 30, "the engine waited on the lost rank"
     finally:
         llm.close()
+
+
+def test_a_follower_exit_seen_by_the_monitor_and_a_failed_collective_at_once_is_named():
+    # Both reap the exited follower; unserialised, one thread's waitpid found the child already
+    # reaped (ECHILD), read no exit code and reported a bare collective failure (a few rounds in 1,000).
+    fork = multiprocessing.get_context("fork")
+    for _ in range(1000):
+        group = TensorGroup(2, CPU, timeout_s=60.0)
+        follower = fork.Process(target=time.sleep, args=(60,), daemon=True)
+        follower.start()
+        group.procs.append(follower)
+        monitor = threading.Thread(target=group._monitor)
+        failed_collective = threading.Thread(target=group.diagnose, args=(RuntimeError("connection reset"),))
+        monitor.start()
+        failed_collective.start()
+        os.kill(follower.pid, signal.SIGKILL)
+        monitor.join(timeout=30)
+        failed_collective.join(timeout=30)
+        assert group.lost is not None and "rank 1 exited (exit code -9)" in str(group.lost)
 
 
 def test_the_synthetic_proposer_is_refused_with_tensor_parallelism_and_eagle_is_not():
