@@ -162,8 +162,8 @@ class TensorGroup:
         self.on_lost: list[Callable[[str], None]] = []  # told once, from the monitor thread
         self._closing = threading.Event()
         self._lock = threading.Lock()
-        # The monitor and a failed collective both reap exited followers: two threads in waitpid for
-        # one child leave one of them with ECHILD and an exit code of None, the exit unseen.
+        # The monitor, a failed collective and close all reap followers: two threads in waitpid for one
+        # child leave one of them with ECHILD and an exit code of None, the exit unseen.
         self._reaping = threading.Lock()
 
     @staticmethod
@@ -256,11 +256,12 @@ class TensorGroup:
                 self._broadcast(torch.tensor([_STOP, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.device))
             except Exception as exc:  # a follower gone meanwhile: it is reaped below
                 log.warning("tensor parallel: stopping the followers: %s", exc)
-        for proc in self.procs:
-            proc.join(timeout=10.0)
-            if proc.is_alive():
-                proc.kill()  # a follower ignores SIGTERM (follower_main)
-                proc.join(timeout=5.0)
+        with self._reaping:
+            for proc in self.procs:
+                proc.join(timeout=10.0)
+                if proc.is_alive():
+                    proc.kill()  # a follower ignores SIGTERM (follower_main)
+                    proc.join(timeout=5.0)
         self.comm = None
 
     def _broadcast(self, t: torch.Tensor) -> None:
