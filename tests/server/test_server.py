@@ -155,7 +155,7 @@ def test_disconnect_mid_stream_frees_everything(server):
         for _ in range(6):
             next(lines)
         assert metric(server.url, "streamsd:num_requests_running") == 1
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + 10.0  # the wait ends as soon as it is freed; a loaded machine may take a while
     while time.monotonic() < deadline and metric(server.url, "streamsd:num_requests_running") > 0:
         time.sleep(0.02)
     assert metric(server.url, "streamsd:num_requests_running") == 0
@@ -372,7 +372,7 @@ def test_pipelined_server_streams_equal_the_offline_engine(tiny_model_dir, tmp_p
         offline = LLM(str(tiny_model_dir))
         want = offline.generate(prompts, [SamplingParams(ignore_eos=True, **kw) for kw in params])
         assert texts == [r.outputs[0].text for r in want]
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and metric(s.url, "streamsd:num_requests_running") > 0:
             time.sleep(0.02)
         assert metric(s.url, "streamsd:kv_cache_usage_perc") == 0
