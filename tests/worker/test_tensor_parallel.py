@@ -176,8 +176,8 @@ def test_a_follower_killed_mid_generation_ends_the_engine_with_an_error_naming_i
 
 
 def test_a_follower_exit_seen_by_the_monitor_and_a_failed_collective_at_once_is_named():
-    # Both reap the exited follower; unserialised, one thread's waitpid found the child already
-    # reaped (ECHILD), read no exit code and reported a bare collective failure (a few rounds in 1,000).
+    # Both reap the exited follower. Two threads in waitpid at once leave one with ECHILD and no exit
+    # code, which must not become a bare collective failure; unserialised, a few rounds in 1,000 do.
     fork = multiprocessing.get_context("fork")
     for _ in range(1000):
         group = TensorGroup(2, CPU, timeout_s=60.0)
