@@ -53,19 +53,20 @@ def test_help_does_not_import_torch(argv):
 def test_exact_mode_on_cuda_drafts_chains_by_default_and_takes_a_tree_asked_for():
     """`--exact` on CUDA: the default model's head drafts chains unless a tree is named, which is taken
     (the exact mode verifies trees as it does chains)."""
-    from streamsd.cli import DEFAULT_MODEL, _engine_config, build_parser
+    from streamsd.cli import build_parser
+    from streamsd.engine.args import DEFAULT_MODEL, engine_config
 
-    cfg = _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact"]))
+    cfg = engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact"]))
     assert cfg.exact and cfg.model == DEFAULT_MODEL and cfg.spec.method == "eagle" and cfg.spec.tree is None
-    cfg = _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact", "--speculative-tree",
+    cfg = engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--exact", "--speculative-tree",
                                                     "3,4,4,12"]))
     assert cfg.exact and str(cfg.spec.tree) == "3,4,4,12"
 
 
 def _config(*argv: str):
-    from streamsd.cli import _engine_config
+    from streamsd.engine.args import engine_config
 
-    return _engine_config(build_parser().parse_args(["serve", *argv]))
+    return engine_config(build_parser().parse_args(["serve", *argv]))
 
 
 def test_vllms_speculative_config_maps_onto_the_speculation_flags():

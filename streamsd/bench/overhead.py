@@ -1,73 +1,92 @@
-"""`streamsd bench overhead`: what the HTTP/SSE layer costs, measured side by side in one run.
+"""`streamsd bench overhead`: what serving over HTTP costs, measured side by side in one run.
 
-The same model, the same greedy requests at batch 1, alternating: one through the engine core in
-this process (no server), the same one through `streamsd serve` (a subprocess on 127.0.0.1) over
-SSE, so both see the same machine load. Reports median TTFT and TPOT for both and the difference.
+Two copies of the same engine, built from the same `streamsd serve` flags (`--serve-args`, read by
+engine/args.py as the server reads them): one in this process behind the asyncio engine the server
+runs (its event loop and worker thread, no HTTP), one inside `streamsd serve` on 127.0.0.1, read
+over SSE. The same greedy requests at batch 1 alternate between them, so both see the same machine
+load. Reported: median TTFT and TPOT of each and the difference, and how many answers came out
+token for token alike (always, in float32 on a CPU; in bf16 on a GPU two engines whose policies
+timed their steps differently can verify different widths, and near-ties may part).
+
+On a GPU the two engines share the device: unless the flags size the KV cache
+(`--gpu-memory-utilization`, `--kv-cache-tokens`), each is given GPU_SHARE of its memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+if TYPE_CHECKING:
+    from streamsd.engine.async_engine import AsyncEngine
+
 PROMPTS = ["Tell me about the history of Paris.", "Write a short poem about the sea.",
            "Explain speculative decoding in two sentences.", "List five prime numbers and why they are prime."]
+GPU_SHARE = 0.4  # of the GPU's memory for each engine, when the flags leave the KV cache unsized
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="the model to serve and run")
-    p.add_argument("--speculative-method", default="ngram", choices=["ngram", "none"], help="speculation of both runs")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--serve-args", default="", metavar="FLAGS",
+                   help="the `streamsd serve` engine flags both sides are built from, as one string, e.g. "
+                        "\"--speculative-tree 5,8,8,40\" (default: none, the server's own defaults)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="measured passes over the prompt set (after one warm-up)")
     p.add_argument("--port", type=int, default=8787, help="port of the server it starts")
     p.add_argument("--output-json", default=None, help="write the figures as JSON here")
 
 
-def _offline_core(args: argparse.Namespace):
-    from streamsd.config import EngineConfig, SpecConfig
-    from streamsd.engine.builder import build_runtime
-    from streamsd.engine.core import EngineCore
-
-    spec = SpecConfig(method=None if args.speculative_method == "none" else args.speculative_method)
-    return EngineCore(build_runtime(EngineConfig(model=args.model, spec=spec, device=args.device)), spec)
+@dataclass(frozen=True, slots=True)
+class Timing:
+    ttft_s: float
+    tpot_s: float
+    tokens: list[int]
 
 
-def _offline_one(core, prompt: str, max_tokens: int, rid: str) -> tuple[float, float]:
-    from streamsd.request import SamplingParams
+def engine_flags(serve_args: str) -> tuple[list[str], argparse.Namespace]:
+    """The flags for both sides (GPU_SHARE added on CUDA where they leave the KV cache unsized) and
+    their reading; a flag that is not an engine flag (--port is the benchmark's) is refused."""
+    from streamsd.engine.args import DEFAULT_MODEL, add_engine_args
+    from streamsd.engine.builder import pick_device
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    core.add_request(rid, core.encode_chat([{"role": "user", "content": prompt}]), params)
-    first = last = None
-    n = 0
-    while core.has_work:
-        for out in core.step():
-            if out.token_ids:
-                first = first or time.perf_counter()
-                last = time.perf_counter()
-                n += len(out.token_ids)
-    assert first is not None and last is not None
-    return first - t0, (last - first) / max(n - 1, 1)
+    parser = argparse.ArgumentParser(prog="--serve-args", exit_on_error=False)
+    add_engine_args(parser, model_default=DEFAULT_MODEL)
+    flags = shlex.split(serve_args)
+    try:
+        ns, unknown = parser.parse_known_args(flags)
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"--serve-args: {exc}") from exc
+    if unknown:
+        raise ValueError(f"--serve-args takes the engine flags of `streamsd serve`; not {' '.join(unknown)}")
+    if pick_device(ns.device).type == "cuda" and ns.gpu_memory_utilization is None and ns.kv_cache_tokens is None:
+        flags += ["--gpu-memory-utilization", str(GPU_SHARE)]
+        ns = parser.parse_args(flags)
+    return flags, ns
 
 
-def _start_server(args: argparse.Namespace) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "streamsd.cli", "--log-level", "warning", "serve", "--model", args.model,
-           "--speculative-method", args.speculative_method, "--port", str(args.port)]
-    if args.device:
-        cmd += ["--device", args.device]
-    proc = subprocess.Popen(cmd)
+def _start_server(flags: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    """`streamsd serve` with `flags`, its output into `log` (quoted in the error if it never gets ready)."""
+    cmd = [sys.executable, "-m", "streamsd.cli", "--log-level", "warning", "serve", *flags, "--port", str(port)]
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready: " + " | ".join(tail))
         try:
-            if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
@@ -76,51 +95,114 @@ def _start_server(args: argparse.Namespace) -> subprocess.Popen:
     raise RuntimeError("the server did not become healthy")
 
 
-def _served_one(client: httpx.Client, prompt: str, max_tokens: int) -> tuple[float, float]:
+async def _build_engine(ns: argparse.Namespace) -> AsyncEngine:
+    """The engine as the server builds it: on the worker thread its steps then run on."""
+    from streamsd.engine.args import engine_config
+    from streamsd.engine.async_engine import AsyncEngine, worker_thread
+    from streamsd.engine.builder import build_runtime
+    from streamsd.engine.core import EngineCore
+
+    cfg = engine_config(ns)
+    worker = worker_thread()
+    core = await asyncio.get_running_loop().run_in_executor(worker, lambda: EngineCore(build_runtime(cfg), cfg.spec))
+    engine = AsyncEngine(core, worker)
+    await engine.start()
+    return engine
+
+
+async def _engine_one(engine: AsyncEngine, prompt: str, max_tokens: int) -> Timing:
+    from streamsd.request import SamplingParams
+
+    ids = engine.core.encode_chat([{"role": "user", "content": prompt}])
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    first = last = 0.0
+    tokens: list[int] = []
+    async for out in engine.generate(ids, params):
+        if out.error:
+            raise RuntimeError(f"the engine failed a request: {out.error}")
+        if out.token_ids:
+            last = time.perf_counter()
+            first = first or last
+            tokens += out.token_ids
+    return _timing(t0, first, last, tokens)
+
+
+async def _served_one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> Timing:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        for line in r.iter_lines():
+    first = last = 0.0
+    tokens: list[int] = []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            k = len(chunk["choices"][0]["streamsd"]["tokens"]) if chunk["choices"] else 0
-            if k:
-                first = first or time.perf_counter()
+            ids = [t["id"] for t in chunk["choices"][0]["streamsd"]["tokens"]] if chunk["choices"] else []
+            if ids:
                 last = time.perf_counter()
-                n += k
-    assert first is not None and last is not None
-    return first - t0, (last - first) / max(n - 1, 1)
+                first = first or last
+                tokens += ids
+    return _timing(t0, first, last, tokens)
 
 
-def run(args: argparse.Namespace) -> int:
-    proc = _start_server(args)
-    offline, served = [], []
+def _timing(t0: float, first: float, last: float, tokens: list[int]) -> Timing:
+    if not tokens:
+        raise RuntimeError("a request produced no tokens")
+    return Timing(first - t0, (last - first) / max(len(tokens) - 1, 1), tokens)
+
+
+async def measure(ns: argparse.Namespace, port: int, max_tokens: int, repeats: int) -> tuple[list[Timing], list[Timing]]:
+    """(engine, server) timings of every measured request, the two alternating."""
+    engine = await _build_engine(ns)
+    offline: list[Timing] = []
+    served: list[Timing] = []
     try:
-        core = _offline_core(args)
-        with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=300) as client:
-            for i, prompt in enumerate(PROMPTS * (args.repeats + 1)):
-                o = _offline_one(core, prompt, args.max_tokens, f"o{i}")
-                s = _served_one(client, prompt, args.max_tokens)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
+            for i, prompt in enumerate(PROMPTS * (repeats + 1)):
+                o = await _engine_one(engine, prompt, max_tokens)
+                s = await _served_one(client, prompt, max_tokens)
                 if i >= len(PROMPTS):  # the first pass warms both up
                     offline.append(o)
                     served.append(s)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        await engine.close()
+    return offline, served
+
+
+def summarize(offline: list[Timing], served: list[Timing]) -> dict[str, Any]:
     rows: dict[str, dict[str, float]] = {}
-    for name, timings in (("offline engine", offline), ("SSE server", served)):
-        rows[name] = {"ttft_ms": 1e3 * statistics.median(x for x, _ in timings),
-                      "tpot_ms": 1e3 * statistics.median(y for _, y in timings)}
-    off, sse = rows["offline engine"], rows["SSE server"]
-    rows["HTTP overhead"] = {"ttft_ms": sse["ttft_ms"] - off["ttft_ms"], "tpot_ms": sse["tpot_ms"] - off["tpot_ms"]}
-    print(f"{'':18}{'TTFT ms':>10}{'TPOT ms':>10}   ({args.model}, batch 1, {args.speculative_method}, "
-          f"{args.max_tokens} tokens, median of {len(served)})")
-    for name, r in rows.items():
-        print(f"{name:18}{r['ttft_ms']:10.2f}{r['tpot_ms']:10.3f}")
+    for name, timings in (("engine", offline), ("server (SSE)", served)):
+        rows[name] = {"ttft_ms": 1e3 * statistics.median(t.ttft_s for t in timings),
+                      "tpot_ms": 1e3 * statistics.median(t.tpot_s for t in timings)}
+    eng, sse = rows["engine"], rows["server (SSE)"]
+    rows["server adds"] = {"ttft_ms": sse["ttft_ms"] - eng["ttft_ms"], "tpot_ms": sse["tpot_ms"] - eng["tpot_ms"]}
+    identical = sum(o.tokens == s.tokens for o, s in zip(offline, served, strict=True))
+    return {"rows": rows, "requests": len(served), "identical": identical}
+
+
+def run(args: argparse.Namespace) -> int:
+    flags, ns = engine_flags(args.serve_args)
+    with tempfile.TemporaryDirectory(prefix="streamsd-overhead-") as tmp:
+        try:
+            proc = _start_server(flags, args.port, Path(tmp) / "serve.log")
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        try:
+            offline, served = asyncio.run(measure(ns, args.port, args.max_tokens, args.repeats))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    doc = summarize(offline, served)
+    print(f"{'':14}{'TTFT ms':>10}{'TPOT ms':>10}   (serve {' '.join(flags) or '(defaults)'}; batch 1, "
+          f"{args.max_tokens} tokens, median of {doc['requests']})")
+    for name, r in doc["rows"].items():
+        print(f"{name:14}{r['ttft_ms']:10.2f}{r['tpot_ms']:10.3f}")
+    print(f"identical answers: {doc['identical']} of {doc['requests']}")
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({"model": args.model, "rows": rows}, indent=2))
+        Path(args.output_json).write_text(json.dumps({"serve_args": flags, "max_tokens": args.max_tokens, **doc},
+                                                     indent=2))
     return 0

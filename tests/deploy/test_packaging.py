@@ -23,7 +23,7 @@ def test_installed_ui_dir_has_the_page():
 def test_default_speculation_follows_the_model_and_the_device():
     """The embedded default model speculates with its shipped EAGLE head on CUDA and with n-gram lookup
     on a CPU; a draft model given means draft; any other model speculates only when asked."""
-    from streamsd.cli import DEFAULT_MODEL, default_speculation
+    from streamsd.engine.args import DEFAULT_MODEL, default_speculation
 
     assert default_speculation(DEFAULT_MODEL, None, "cuda") == "eagle"
     assert default_speculation(DEFAULT_MODEL, None, "cpu") == "ngram"
@@ -36,10 +36,11 @@ def test_default_model_on_cuda_drafts_trees_chosen_step_by_step():
     tree or a plain one as the step chooser prices them (the adaptive policy, no batch gate); a gate given
     makes it the fixed policy's; a chain setting asked for (policy, K), a tree given or 'none', another
     model or a CPU keep their own speculation."""
-    from streamsd.cli import DEFAULT_MODEL, DEFAULT_TREE, _engine_config, build_parser
+    from streamsd.cli import build_parser
+    from streamsd.engine.args import DEFAULT_MODEL, DEFAULT_TREE, engine_config
 
     def spec(*argv: str):
-        return _engine_config(build_parser().parse_args(["serve", *argv])).spec
+        return engine_config(build_parser().parse_args(["serve", *argv])).spec
 
     cuda = spec("--device", "cuda")
     assert (cuda.method, str(cuda.tree), cuda.policy, cuda.max_batch) == ("eagle", DEFAULT_TREE, "adaptive", 0)

@@ -158,9 +158,10 @@ def test_preemption_and_abort_with_eagle_at_two_ranks_free_every_block(tiny_mode
 def test_the_default_model_on_cuda_keeps_its_eagle_head_at_two_ranks_drafting_chains():
     """Split over GPUs the default model drafts with its shipped head, in chains: a tree step's
     start-up profile replays CUDA graphs, which the follower ranks cannot follow."""
-    from streamsd.cli import _engine_config, build_parser
+    from streamsd.cli import build_parser
+    from streamsd.engine.args import engine_config
 
-    cfg = _engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--tensor-parallel-size", "2"]))
+    cfg = engine_config(build_parser().parse_args(["serve", "--device", "cuda", "--tensor-parallel-size", "2"]))
     assert cfg.spec.method == "eagle" and cfg.spec.tree is None and cfg.tensor_parallel_size == 2
 
 
