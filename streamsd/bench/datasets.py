@@ -21,6 +21,11 @@ _WORDS = (
 ).split()
 
 
+# Short everyday chat requests with a follow-up each, in MT-Bench's format, written apart from MT-Bench
+# (which the shipped EAGLE head's evaluation uses): prompts nothing in the project was tuned on.
+CHAT_PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "bench" / "chat-prompts.jsonl"
+
+
 @dataclass(frozen=True)
 class BenchPrompt:
     """One request's prompt; `output_len` (tokens) only when the dataset prescribes one."""

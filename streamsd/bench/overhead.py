@@ -3,7 +3,8 @@
 Two copies of the same engine, built from the same `streamsd serve` flags (`--serve-args`, read by
 engine/args.py as the server reads them): one in this process behind the asyncio engine the server
 runs (its event loop and worker thread, no HTTP), one inside `streamsd serve` on 127.0.0.1, read
-over SSE. The same greedy requests at batch 1 alternate between them, so both see the same machine
+over SSE. The same greedy chat requests (by default the shipped held-out prompts) at batch 1
+alternate between them, so both see the same machine
 load. Reported: median TTFT and TPOT of each and the difference, and how many answers came out
 token for token alike (always, in float32 on a CPU; in bf16 on a GPU two engines whose policies
 timed their steps differently can verify different widths, and near-ties may part).
@@ -29,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from streamsd.bench.datasets import CHAT_PROMPTS, load_dataset
+
 if TYPE_CHECKING:
     from streamsd.engine.async_engine import AsyncEngine
 
-PROMPTS = ["Tell me about the history of Paris.", "Write a short poem about the sea.",
-           "Explain speculative decoding in two sentences.", "List five prime numbers and why they are prime."]
 GPU_SHARE = 0.4  # of the GPU's memory for each engine, when the flags leave the KV cache unsized
 
 
@@ -41,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-args", default="", metavar="FLAGS",
                    help="the `streamsd serve` engine flags both sides are built from, as one string, e.g. "
                         "\"--speculative-tree 5,8,8,40\" (default: none, the server's own defaults)")
+    p.add_argument("--dataset", default=str(CHAT_PROMPTS),
+                   help="the prompts (first turns), as `bench serve` reads them (default: the shipped held-out chat prompts)")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per pass, from the dataset's start")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="measured passes over the prompt set (after one warm-up)")
     p.add_argument("--port", type=int, default=8787, help="port of the server it starts")
@@ -154,17 +158,18 @@ def _timing(t0: float, first: float, last: float, tokens: list[int]) -> Timing:
     return Timing(first - t0, (last - first) / max(len(tokens) - 1, 1), tokens)
 
 
-async def measure(ns: argparse.Namespace, port: int, max_tokens: int, repeats: int) -> tuple[list[Timing], list[Timing]]:
+async def measure(ns: argparse.Namespace, prompts: list[str], port: int, max_tokens: int,
+                  repeats: int) -> tuple[list[Timing], list[Timing]]:
     """(engine, server) timings of every measured request, the two alternating."""
     engine = await _build_engine(ns)
     offline: list[Timing] = []
     served: list[Timing] = []
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-            for i, prompt in enumerate(PROMPTS * (repeats + 1)):
+            for i, prompt in enumerate(prompts * (repeats + 1)):
                 o = await _engine_one(engine, prompt, max_tokens)
                 s = await _served_one(client, prompt, max_tokens)
-                if i >= len(PROMPTS):  # the first pass warms both up
+                if i >= len(prompts):  # the first pass warms both up
                     offline.append(o)
                     served.append(s)
     finally:
@@ -185,6 +190,7 @@ def summarize(offline: list[Timing], served: list[Timing]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     flags, ns = engine_flags(args.serve_args)
+    prompts = [p.text for p in load_dataset(args.dataset, args.num_prompts)]
     with tempfile.TemporaryDirectory(prefix="streamsd-overhead-") as tmp:
         try:
             proc = _start_server(flags, args.port, Path(tmp) / "serve.log")
@@ -192,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         try:
-            offline, served = asyncio.run(measure(ns, args.port, args.max_tokens, args.repeats))
+            offline, served = asyncio.run(measure(ns, prompts, args.port, args.max_tokens, args.repeats))
         finally:
             proc.terminate()
             proc.wait(60)

@@ -7,27 +7,38 @@ from pathlib import Path
 
 import pytest
 
+from streamsd.bench.datasets import CHAT_PROMPTS, load_dataset
 from streamsd.bench.overhead import engine_flags
 from streamsd.cli import main
+from tests.bench.bench_helpers import MT_BENCH
 from tests.server_util import free_port
 
 
 def test_both_sides_answer_alike_and_each_is_timed(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "overhead.json"
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("the cat sat", "a dog ran", "we sang")))
     flags = f"--model {tiny_model_dir} --device cpu --dtype float32 --speculative-method ngram"
-    rc = main(["bench", "overhead", "--serve-args", flags, "--max-tokens", "12", "--repeats", "1",
-               "--port", str(free_port()), "--output-json", str(out)])
+    rc = main(["bench", "overhead", "--serve-args", flags, "--dataset", str(dataset), "--num-prompts", "3",
+               "--max-tokens", "12", "--repeats", "2", "--port", str(free_port()), "--output-json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["serve_args"] == flags.split() and doc["max_tokens"] == 12
     # float32 on a CPU: the server's engine and this process's one decode the same greedy tokens
-    assert doc["requests"] == 4 and doc["identical"] == 4
+    assert doc["requests"] == 6 and doc["identical"] == 6
     rows = doc["rows"]
     for side in ("engine", "server (SSE)"):
         assert rows[side]["ttft_ms"] > 0 and rows[side]["tpot_ms"] > 0
     assert rows["server adds"]["ttft_ms"] == pytest.approx(rows["server (SSE)"]["ttft_ms"] - rows["engine"]["ttft_ms"])
     printed = capsys.readouterr().out
-    assert "server adds" in printed and "identical answers: 4 of 4" in printed
+    assert "server adds" in printed and "identical answers: 6 of 6" in printed
+
+
+def test_the_default_prompts_are_held_out_from_mt_bench() -> None:
+    texts = [p.text for p in load_dataset(str(CHAT_PROMPTS), 4)]
+    assert len(set(texts)) == 4  # four different requests, not one file line cycled
+    if MT_BENCH.is_file():  # the head's evaluation set, where the checkout has it
+        assert not set(texts) & {p.text for p in load_dataset(str(MT_BENCH), 80)}
 
 
 def test_the_flags_are_the_servers_engine_flags_only(capsys) -> None:
