@@ -4,10 +4,11 @@ Two copies of the same engine, built from the same `streamsd serve` flags (`--se
 engine/args.py as the server reads them): one in this process behind the asyncio engine the server
 runs (its event loop and worker thread, no HTTP), one inside `streamsd serve` on 127.0.0.1, read
 over SSE. The same greedy chat requests (by default the shipped held-out prompts) at batch 1
-alternate between them, so both see the same machine
-load. Reported: median TTFT and TPOT of each and the difference, and how many answers came out
-token for token alike (always, in float32 on a CPU; in bf16 on a GPU two engines whose policies
-timed their steps differently can verify different widths, and near-ties may part).
+alternate between them, so both see the same machine load. Reported: median TTFT and TPOT of each
+and the difference (the server's TTFT includes the HTTP request, the chat template and the
+tokenizer; the engine's starts from token ids), and how many answers came out token for token alike
+(always, in float32 on a CPU; in bf16 on a GPU two engines whose policies timed their steps
+differently can verify different widths, and near-ties may part).
 
 On a GPU the two engines share the device: unless the flags size the KV cache
 (`--gpu-memory-utilization`, `--kv-cache-tokens`), each is given GPU_SHARE of its memory.
