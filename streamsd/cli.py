@@ -91,8 +91,8 @@ def _generate(core: EngineCore, a: argparse.Namespace, cfg: EngineConfig) -> int
     ids = core.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat else core.encode_prompt(a.prompt)
     core.add_request("cli", ids, params)
     t0, first, n, stats = time.perf_counter(), None, 0, None
-    while core.has_work:
-        for out in core.step():
+    for turn in core.run():  # pipelined as a server's steps are: each step's text while the next one runs
+        for out in turn.outputs:
             if out.error:
                 print(f"\nerror: {out.error}", file=sys.stderr)
                 return 1

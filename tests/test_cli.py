@@ -123,3 +123,23 @@ def test_the_http_clients_request_lines_show_at_debug_only():
         assert httpx_log.isEnabledFor(logging.INFO)
     finally:
         httpx_log.setLevel(level)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_generate_streams_what_the_engine_decodes(tiny_model_dir, capsys, method):
+    """`streamsd generate` prints the greedy text the offline engine decodes for the same prompt, then
+    its summary line."""
+    from streamsd.cli import main
+    from streamsd.engine.llm import LLM
+    from streamsd.request import SamplingParams
+
+    flags = ["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32"]
+    assert main(["generate", *flags, "--speculative-method", method, "--prompt", "the cat sat on",
+                 "--max-tokens", "12", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32")
+    (want,) = llm.generate("the cat sat on", SamplingParams(temperature=0, max_tokens=12))
+    text, summary = printed.rsplit("\n[", 1)
+    assert text == want.outputs[0].text
+    assert summary.startswith(f"{len(want.outputs[0].token_ids)} tokens in ")
+    assert summary.rstrip().endswith("(plain)]" if method == "none" else "(ngram)]")
