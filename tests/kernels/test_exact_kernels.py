@@ -14,6 +14,8 @@ from streamsd.kernels.exact.matmul import (
     GROUPS,
     N_TILES,
     SPLITS,
+    WIDE_M,
+    block_m,
     block_n,
     exact_linear,
     group_tiles,
@@ -36,7 +38,7 @@ def test_exact_linear_gives_a_row_the_same_bits_at_any_batch_and_place(dtype, ti
     b = torch.randn(n, generator=g).to(DEV, dtype)
     row = torch.randn(1, k, generator=g).to(DEV, dtype)
     alone = exact_linear(row, w, b, tile_n, splits)[0]
-    for m in (1, 5, 25, BLOCK_M, BLOCK_M + 3):
+    for m in (1, 5, 25, BLOCK_M, BLOCK_M + 3, WIDE_M + 5):  # past BLOCK_M a 64-wide tile takes WIDE_M rows
         for where in sorted({0, m // 2, m - 1}):
             x = torch.randn(m, k, generator=g).to(DEV, dtype)
             x[where] = row[0]
@@ -69,6 +71,11 @@ def test_exact_linear_groups_tiles_only_past_one_m_tile_and_while_every_sm_has_a
     assert group_tiles(BLOCK_M + 1, 4096, 16, 1, cpu) == 4
     assert group_tiles(BLOCK_M + 1, 4096, 64, 1, cpu) == 2  # 128 columns at most
     assert group_tiles(BLOCK_M + 1, 128, 32, 1, cpu) == 2  # 2 M tiles x 2 groups fill 4 SMs; groups of 4 would not
+
+
+def test_exact_linear_takes_wide_m_tiles_only_for_64_wide_n_tiles_past_one_m_tile():
+    assert [block_m(m, 64) for m in (1, BLOCK_M, BLOCK_M + 1, 4 * WIDE_M)] == [BLOCK_M, BLOCK_M, WIDE_M, WIDE_M]
+    assert [block_m(BLOCK_M + 1, t) for t in (32, 16)] == [BLOCK_M, BLOCK_M]
 
 
 def test_exact_linear_splits_only_a_long_reduction():
