@@ -21,8 +21,9 @@ Past one M tile (a verify of a large batch, a prompt chunk), narrow tiles would 
 re-read its 64 rows of x over the whole K: an 8B layer's 16-wide tiles read x 256 times. There a program
 takes a group of up to four adjacent N tiles (at most 128 columns), each with its own accumulator and
 its own dot per K block, exactly as a program of one tile computes it, so the group shares x's loads and
-changes no bit. Split weights keep an fp32 workspace of 8 x M x N. `streamsd bench offline --exact`
-measures the price.
+changes no bit. A 64-wide tile there also takes 128 rows of x (`block_m`): two warp groups, each the
+64-row program's products in its order. Split weights keep an fp32 workspace of 8 x M x N.
+`streamsd bench offline --exact` measures the price.
 """
 
 from __future__ import annotations
