@@ -160,6 +160,7 @@ async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) ->
     # task group is: ~20 ms of imports that would otherwise land in the first user's time to first token.
     await anyio.sleep(0)
     state.prompts = PromptEncoder(core, metrics.tokenize.observe)
+    await state.prompts.warm()
     state.system_fingerprint = system_fingerprint(core, state.served_model_name)
     state.engine = engine
     log.info("ready: serving %s", state.served_model_name)
