@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from streamsd.bench.client import parse_sse_line, sse_lines
 from streamsd.bench.datasets import CHAT_PROMPTS, load_dataset
 
 if TYPE_CHECKING:
@@ -141,10 +142,10 @@ async def _served_one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     tokens: list[int] = []
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
+        async for line in sse_lines(r):
+            chunk = parse_sse_line(line)
+            if not isinstance(chunk, dict):
                 continue
-            chunk = json.loads(line[6:])
             ids = [t["id"] for t in chunk["choices"][0]["streamsd"]["tokens"]] if chunk["choices"] else []
             if ids:
                 last = time.perf_counter()
