@@ -292,10 +292,10 @@ class TensorGroup:
                     # The sentinel closes as the process exits, a moment before its exit status exists:
                     # join (waitpid) reads it, where exitcode alone may still say None.
                     proc.join(timeout=5.0)
-            for rank, proc in enumerate(self.procs, start=1):
-                if self.lost is None and proc.exitcode is not None:
-                    self._lose(f"tensor-parallel rank {rank} exited (exit code {proc.exitcode}); the engine "
-                               "cannot continue")
+            exited = next(((rank, proc.exitcode) for rank, proc in enumerate(self.procs, start=1)
+                           if proc.exitcode is not None), None)
+        if exited is not None:  # told outside the lock: a listener may close the group, which reaps too
+            self._lose(f"tensor-parallel rank {exited[0]} exited (exit code {exited[1]}); the engine cannot continue")
         return self.lost is not None
 
     def _lose(self, message: str) -> None:
