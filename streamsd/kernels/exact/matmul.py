@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 64
-WIDE_M = 128  # the M tile of 64-wide N tiles past one BLOCK_M (wide_m)
+WIDE_M = 128  # the M tile of 64-wide N tiles past one BLOCK_M (block_m)
 N_TILES = (64, 32, 16)  # widest first; tl.dot takes 16 columns or more
 SPLITS = 8  # K ranges of a split weight
 SPLIT_TILE = 64  # its N tile: 8 ranges give the programs already
