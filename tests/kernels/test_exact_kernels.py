@@ -15,10 +15,12 @@ from streamsd.kernels.exact.matmul import (
     N_TILES,
     SPLITS,
     WIDE_M,
+    WIDE_TILE,
     block_m,
     block_n,
     exact_linear,
     group_tiles,
+    plan,
     split_k,
 )
 from streamsd.model.attention import paged_attention
@@ -76,6 +78,21 @@ def test_exact_linear_groups_tiles_only_past_one_m_tile_and_while_every_sm_has_a
 def test_exact_linear_takes_wide_m_tiles_only_for_64_wide_n_tiles_past_one_m_tile():
     assert [block_m(m, 64) for m in (1, BLOCK_M, BLOCK_M + 1, 4 * WIDE_M)] == [BLOCK_M, BLOCK_M, WIDE_M, WIDE_M]
     assert [block_m(BLOCK_M + 1, t) for t in (32, 16)] == [BLOCK_M, BLOCK_M]
+
+
+def test_exact_linear_tiles_16_bit_unsplit_weights_128_wide_past_one_m_tile():
+    """The wide plan: 64 rows a program while the grid leaves at most two programs an SM, else 128; split,
+    float32 and explicitly grouped weights keep the grouped plan; within one M tile nothing changes."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16  # the CPU is taken as 4 SMs: 8 programs at most
+    assert plan(BLOCK_M, 512, 256, bf16, cpu) == plan(1, 512, 256, bf16, cpu)
+    assert plan(1, 512, 256, bf16, cpu).tile == block_n(512, cpu)
+    small, big = plan(BLOCK_M + 1, 512, 256, bf16, cpu), plan(2 * BLOCK_M + 1, 512, 256, bf16, cpu)
+    assert (small.rows, small.tile, small.warps, small.group) == (BLOCK_M, WIDE_TILE, 4, 1)  # 2 x 4 programs
+    assert (big.rows, big.tile, big.warps) == (WIDE_M, WIDE_TILE, 8)  # 3 x 4 at 64 rows would be 12
+    assert plan(BLOCK_M + 1, 512, 256, torch.float32, cpu).tile == block_n(512, cpu)
+    assert plan(BLOCK_M + 1, 512, 2048, bf16, cpu).splits == SPLITS
+    assert plan(BLOCK_M + 1, 512, 2048, bf16, cpu).tile != WIDE_TILE
+    assert plan(BLOCK_M + 1, 512, 256, bf16, cpu, group=2).group == 2
 
 
 def test_exact_linear_splits_only_a_long_reduction():
@@ -193,7 +210,7 @@ def test_exact_linear_gives_8b_shaped_rows_the_same_bits_at_any_batch(name):
     w = (torch.randn(n, k, generator=g, device=DEV) * k**-0.5).to(torch.bfloat16)
     row = torch.randn(1, k, generator=g, device=DEV).to(torch.bfloat16)
     alone = exact_linear(row, w)[0]
-    for m in (1, 5, 25, 64, 80, 256, 320):
+    for m in (1, 5, 25, 64, 80, 256, 320, 1000):  # past 64 rows the wide plan, 64 or 128 rows a program
         for where in sorted({0, m // 2, m - 1}):
             x = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
             x[where] = row[0]

@@ -1,15 +1,21 @@
 """A batch-invariant GEMM, y = x W^T (+ b), in Triton: the exact mode's every target linear on CUDA.
 
 cuBLAS picks its tiles, its split-K and even its kernel by the shape, so a row's bits depend on how
-many rows share the call. Here every M of a weight runs one compiled kernel with one plan: fixed
-BLOCK_M x BLOCK_N output tiles, each reduced over K in one sequential loop of BLOCK_K steps, or, for a
-long K, in a fixed number of such loops over fixed K ranges whose fp32 partials a second kernel adds in
-order. An output element is then the same chain of tensor-core products and fp32 adds wherever its row
-sits in whatever M; rows past M are masked loads that touch no other row. M is kept out of Triton's
-specialisation (an M of 1, or one divisible by 16, would otherwise compile another variant).
+many rows share the call. Here each output tile is reduced over K in one sequential loop of K blocks,
+or, for a long K, in a fixed number of such loops over fixed K ranges whose fp32 partials a second
+kernel adds in order. An output element is then the same chain of tensor-core products and fp32 adds
+wherever its row sits in whatever M; rows past M are masked loads that touch no other row. M is kept
+out of Triton's specialisation (an M of 1, or one divisible by 16, would otherwise compile another
+variant).
 
-The plan is a property of the weight (N, K, dtype) and the device, never of M. At decode sizes
-(M <= 64) the GEMM is a read of W spread over its programs:
+What a row's bits depend on is the order of its products and sums: tl.dot adds a tile's K block
+into its fp32 accumulator 16 deep at a time (one tensor-core instruction per 16), in increasing k,
+whatever the tile's width, height or K block; the tile shape only changes which elements share an
+instruction. So the K ranges (`split_k`) are the weight's and never change; the tiles may follow M.
+Across 8B shapes on an H100, tiles of 16-128 columns, 64 or 128 rows, 4 or 8 warps, K blocks of 64
+or 128 gave every row the bits of that row alone.
+
+At decode sizes (M <= 64) the GEMM is a read of W spread over its programs:
 - `block_n` takes the widest N tile of 64, 32 and 16 whose grid fills the SMs once: a 64-wide tile gave
   an 8B model's 4096-wide layers 64 programs for 132 SMs;
 - `split_k` cuts a K of three times N or more (an MLP's down projection: 14336 into 4096 on an 8B
@@ -17,18 +23,23 @@ The plan is a property of the weight (N, K, dtype) and the device, never of M. A
   cuBLAS's speed on an H200, 512 programs within a tenth of it;
 - unsplit 16-bit weights stream through 128-deep K blocks four stages deep (a third less time than 64
   deep and three stages on an H200); split and float32 ones keep 64 and three.
-Past one M tile (a verify of a large batch, a prompt chunk), narrow tiles would have every program
-re-read its 64 rows of x over the whole K: an 8B layer's 16-wide tiles read x 256 times. There a program
-takes a group of up to four adjacent N tiles (at most 128 columns), each with its own accumulator and
-its own dot per K block, exactly as a program of one tile computes it, so the group shares x's loads and
-changes no bit. A 64-wide tile there also takes 128 rows of x (`block_m`): two warp groups, each the
-64-row program's products in its order. Split weights keep an fp32 workspace of 8 x M x N.
-`streamsd bench offline --exact` measures the price.
+Past one M tile (a verify of a large batch, a prompt chunk) the GEMM computes more than it reads:
+- an unsplit 16-bit weight takes 128-wide N tiles in 64-deep K blocks (`wide_plan`), 64 rows a program
+  while that leaves at most two programs an SM, else 128 (two warp groups). On an H100 at 320 rows
+  (an 8B verify of 64 requests) q/k/v 51 -> 30 us, o 52 -> 30, gate/up 195 -> 160; at 2,048 rows
+  o 226 -> 115;
+- a split or float32 weight keeps its N tile, and a program takes a group of up to four adjacent
+  tiles (at most 128 columns), each with its own accumulator and its own dot per K block, so the group
+  shares x's loads; a 64-wide tile there also takes 128 rows of x (`block_m`). Split weights keep an
+  fp32 workspace of 8 x M x N, summed in order by a second kernel.
+A grid whose tiles cover N and K exactly loads without masks on them (`EVEN`); rows past M are always
+masked. `streamsd bench offline --exact` measures the price.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -41,13 +52,18 @@ SPLITS = 8  # K ranges of a split weight
 SPLIT_TILE = 64  # its N tile: 8 ranges give the programs already
 GROUPS = (4, 2)  # N tiles a program may take past one M tile, widest first
 GROUP_WIDTH = 128  # columns a group spans at most (its K blocks' weight tiles share the shared memory)
+WIDE_TILE = 128  # an unsplit 16-bit weight's N tile past one BLOCK_M (wide_plan)
+WIDE_BLOCK_K = 64
 
 
 @triton.jit
-def _tile_step(acc, a, w_ptr, cols, ks, k0, k_end, n, sw_n, IEEE: tl.constexpr):
+def _tile_step(acc, a, w_ptr, cols, ks, k0, k_end, n, sw_n, IEEE: tl.constexpr, EVEN: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W[cols, k0:k0 + BLOCK_K]^T: one K block of one N tile."""
-    b = tl.load(w_ptr + cols[None, :] * sw_n + (k0 + ks)[:, None], mask=(cols < n)[None, :] & (k0 + ks < k_end)[:, None],
-                other=0.0)  # [BLOCK_K, BLOCK_N]
+    if EVEN:  # the grid covers N and the K range exactly
+        b = tl.load(w_ptr + cols[None, :] * sw_n + (k0 + ks)[:, None])  # [BLOCK_K, BLOCK_N]
+    else:
+        b = tl.load(w_ptr + cols[None, :] * sw_n + (k0 + ks)[:, None],
+                    mask=(cols < n)[None, :] & (k0 + ks < k_end)[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
     if IEEE:
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
@@ -66,7 +82,7 @@ def _tile_store(y_ptr, acc, b_ptr, rows, cols, m, n, sy_m, HAS_BIAS: tl.constexp
 
 @triton.jit(do_not_specialize=["m"])
 def _exact_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, k_range, sx_m, sw_n, sy_m, sy_split,
-                         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (i, j, s): rows i, the GROUP N tiles from j GROUP, K range s ([s k_range, (s + 1) k_range) of
     [0, k)) into y + s sy_split. One range: y is the output; several: they are fp32 partials
@@ -84,14 +100,18 @@ def _exact_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, k_range, sx_m, sw_
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(pid_k * k_range, k_end, BLOCK_K):
-        a = tl.load(x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :], mask=(rows < m)[:, None] & (k0 + ks < k_end)[None, :],
-                    other=0.0)  # [BLOCK_M, BLOCK_K]
-        acc0 = _tile_step(acc0, a, w_ptr, cols, ks, k0, k_end, n, sw_n, IEEE)
+        if EVEN:
+            a = tl.load(x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :], mask=(rows < m)[:, None],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+        else:
+            a = tl.load(x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :],
+                        mask=(rows < m)[:, None] & (k0 + ks < k_end)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        acc0 = _tile_step(acc0, a, w_ptr, cols, ks, k0, k_end, n, sw_n, IEEE, EVEN)
         if GROUP > 1:
-            acc1 = _tile_step(acc1, a, w_ptr, cols + BLOCK_N, ks, k0, k_end, n, sw_n, IEEE)
+            acc1 = _tile_step(acc1, a, w_ptr, cols + BLOCK_N, ks, k0, k_end, n, sw_n, IEEE, EVEN)
         if GROUP > 2:
-            acc2 = _tile_step(acc2, a, w_ptr, cols + 2 * BLOCK_N, ks, k0, k_end, n, sw_n, IEEE)
-            acc3 = _tile_step(acc3, a, w_ptr, cols + 3 * BLOCK_N, ks, k0, k_end, n, sw_n, IEEE)
+            acc2 = _tile_step(acc2, a, w_ptr, cols + 2 * BLOCK_N, ks, k0, k_end, n, sw_n, IEEE, EVEN)
+            acc3 = _tile_step(acc3, a, w_ptr, cols + 3 * BLOCK_N, ks, k0, k_end, n, sw_n, IEEE, EVEN)
     y_ptr += pid_k * sy_split
     _tile_store(y_ptr, acc0, b_ptr, rows, cols, m, n, sy_m, HAS_BIAS)
     if GROUP > 1:
@@ -131,11 +151,9 @@ def split_k(n: int, k: int) -> int:
 
 
 def block_m(m: int, tile: int) -> int:
-    """The M tile: BLOCK_M, or WIDE_M (two warp groups, 8 warps) for 64-wide N tiles past one BLOCK_M.
-    Each warp group runs the same 64-row products over the same K blocks in the same order as a
-    program of BLOCK_M rows, so a row's bits do not change; the weight's tiles are read half as often.
-    On an H100, 8B shapes at 80 and 320 rows: the MLP's gate/up 107 -> 89 us at 80 rows, its split down
-    projection 65 -> 55 and 129 -> 111 us; narrower tiles (q/k/v, o) were slower so, and keep BLOCK_M."""
+    """The M tile of the grouped plan: BLOCK_M, or WIDE_M (two warp groups, 8 warps) for 64-wide N tiles
+    past one BLOCK_M, which reads the weight's tiles half as often. On an H100, an 8B split down
+    projection at 80 and 320 rows: 65 -> 55 and 129 -> 111 us."""
     return WIDE_M if m > BLOCK_M and tile >= 64 else BLOCK_M
 
 
@@ -158,11 +176,49 @@ def k_plan(dtype: torch.dtype, splits: int, group: int = 1, rows: int = BLOCK_M)
     return 64, 3
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One launch's tiling. Only `splits` is part of a row's arithmetic (the weight's, at every M)."""
+
+    rows: int  # BLOCK_M
+    tile: int  # BLOCK_N
+    group: int  # N tiles a program takes
+    splits: int  # K ranges
+    block_k: int
+    stages: int
+
+    @property
+    def warps(self) -> int:
+        return self.rows // 16
+
+
+def wide_plan(m: int, n: int, device: torch.device) -> Plan:
+    """An unsplit 16-bit weight past one BLOCK_M: 128-wide N tiles, 64-deep K blocks; 64 rows (4 warps,
+    4 stages) while the grid leaves at most two programs an SM, else 128 (8 warps, 3 stages). On an
+    H100 at 320 rows the 8B q/k/v (48 column tiles) took 64 rows, its gate/up (224) 128."""
+    rows = BLOCK_M if triton.cdiv(m, BLOCK_M) * triton.cdiv(n, WIDE_TILE) <= 2 * _sms(device) else WIDE_M
+    return Plan(rows, WIDE_TILE, 1, 1, WIDE_BLOCK_K, 4 if rows == BLOCK_M else 3)
+
+
+def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, tile_n: int | None = None,
+         splits: int | None = None, group: int | None = None) -> Plan:
+    """The tiling of x [m, k] @ W [n, k]^T. `tile_n`: the N tile within one M tile (`block_n` by default);
+    `splits`: the K ranges (`split_k` by default; a weight must keep one); `group`: N tiles per program of
+    the grouped plan, which it then takes past one M tile instead of `wide_plan`."""
+    splits = splits or split_k(n, k)
+    if m > BLOCK_M and splits == 1 and dtype != torch.float32 and group is None:
+        return wide_plan(m, n, device)
+    tile = tile_n or (SPLIT_TILE if splits > 1 else block_n(n, device))
+    group = group or group_tiles(m, n, tile, splits, device)
+    rows = block_m(m, tile)
+    block_k, stages = k_plan(dtype, splits, group, rows)
+    return Plan(rows, tile, group, splits, block_k, stages)
+
+
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  tile_n: int | None = None, splits: int | None = None, group: int | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, each row's bits independent of M.
-    `tile_n`, `splits`: the N tile and the K ranges, by default the weight's (`block_n`, `split_k`); the
-    same weight must keep one plan. `group`: N tiles per program (`group_tiles` by default), free to vary."""
+    `tile_n`, `splits`, `group`: as `plan` takes them."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
@@ -171,24 +227,21 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0:
         return y
-    splits = splits or split_k(n, k)
-    tile = tile_n or (SPLIT_TILE if splits > 1 else block_n(n, x.device))
-    group = group or group_tiles(m, n, tile, splits, x.device)
-    rows = block_m(m, tile)
-    block_k, stages = k_plan(x.dtype, splits, group, rows)
-    k_range = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k  # whole K blocks per range
-    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
-    grid = (triton.cdiv(m, rows), triton.cdiv(n, group * tile), splits)
+    p = plan(m, n, k, x.dtype, x.device, tile_n, splits, group)
+    k_range = triton.cdiv(triton.cdiv(k, p.block_k), p.splits) * p.block_k  # whole K blocks per range
+    out = y if p.splits == 1 else torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
+    grid = (triton.cdiv(m, p.rows), triton.cdiv(n, p.group * p.tile), p.splits)
     _exact_matmul_kernel[grid](
         x, weight, bias if bias is not None else weight, out, m, n, k, k_range,
         x.stride(0), weight.stride(0), n, m * n,
-        HAS_BIAS=bias is not None and splits == 1, IEEE=x.dtype == torch.float32, GROUP=group,
-        BLOCK_M=rows, BLOCK_N=tile, BLOCK_K=block_k, num_warps=rows // 16, num_stages=stages,
+        HAS_BIAS=bias is not None and p.splits == 1, IEEE=x.dtype == torch.float32, GROUP=p.group,
+        EVEN=n % (p.group * p.tile) == 0 and k_range * p.splits == k,
+        BLOCK_M=p.rows, BLOCK_N=p.tile, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
     )
-    if splits > 1:
+    if p.splits > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             out, bias if bias is not None else weight, y, m * n, n,
-            HAS_BIAS=bias is not None, SPLITS=splits, BLOCK=block,
+            HAS_BIAS=bias is not None, SPLITS=p.splits, BLOCK=block,
         )
     return y
