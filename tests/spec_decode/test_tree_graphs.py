@@ -48,6 +48,35 @@ def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temp
     assert_free(llm)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_requests_joining_beside_tree_graph_steps_change_nothing(tiny_model_dir, head, temperature):
+    """Requests join (their prompts) and one decodes plain (speculation off) while others verify whole
+    trees: the trees take the graph's step, the rest their own beside it; every answer is plain
+    decoding's, and nothing is left held."""
+    from streamsd.worker.tree_graphs import tree_graphs_for
+
+    plain = LLM(str(tiny_model_dir))
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10",
+              pipeline=True)
+    core, rt, w = llm.core, llm.core.rt, llm.core.rt.worker
+    w.tree_graphs = tree_graphs_for(w, w.proposer, rt.scheduler_config.num_blocks, rt.scheduler_config.max_model_len)
+    params = [SamplingParams(temperature=temperature, max_tokens=30, seed=s, ignore_eos=True) for s in range(5)]
+    params[3] = SamplingParams(temperature=temperature, max_tokens=30, seed=3, ignore_eos=True, speculative=False)
+    prompts = [core.encode_prompt(p) for p in PROMPTS[:5]]
+    reqs = {}
+    joins = {0: [0, 1], 4: [2], 6: [3], 9: [4]}  # step -> requests added before it
+    step = 0
+    while step <= max(joins) or core.has_work:
+        for i in joins.get(step, []):
+            reqs[i] = core.add_request(f"r{i}", prompts[i], params[i])
+        core.step()
+        step += 1
+    want = plain.generate(prompts, params)
+    assert [reqs[i].output_ids for i in range(5)] == [r.outputs[0].token_ids for r in want]
+    assert w.trees.beside >= 3, w.trees.beside
+    assert_free(llm)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", ["4,3,3,10", "3,8,8,24", "4,6,6,24"])
