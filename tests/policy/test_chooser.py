@@ -77,6 +77,16 @@ def test_the_switch_point_moves_with_the_acceptance():
     assert _trees(TreeChooser(_cost(cost), DEPTH, prior_tau=4.0), _batch(16))  # 4.0 > 3.33
 
 
+def test_no_trees_past_the_largest_batch_the_profile_timed():
+    """Past the tree table's last bucket (the tree graphs' largest on CUDA) a tree step would run eagerly,
+    at many times the graph's cost: neither the batch nor a request joining it takes trees there."""
+    chooser = TreeChooser(_cost({1: 1.1, 2: 1.2, 4: 1.3, 8: 1.4, 16: 1.5}), DEPTH, prior_tau=DEPTH + 1.0)
+    assert _trees(chooser, _batch(16))
+    assert chooser.joining_k(_batch(1)[0], 16) > 0
+    assert not _trees(chooser, _batch(17))
+    assert chooser.joining_k(_batch(1)[0], 17) == 0 and chooser.tree_seconds(17) == float("inf")
+
+
 def test_trees_are_never_chosen_where_their_expected_rate_is_below_plain():
     rng = random.Random(0)
     chosen = 0
