@@ -48,6 +48,24 @@ def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temp
     assert_free(llm)
 
 
+def _staggered(llm: LLM, temperature: float) -> tuple[list[list[int]], list[SamplingParams], list[list[int]]]:
+    """Five requests joining one engine at different steps (one with speculation off): their prompts,
+    params and answers."""
+    core = llm.core
+    params = [SamplingParams(temperature=temperature, max_tokens=30, seed=s, ignore_eos=True) for s in range(5)]
+    params[3] = SamplingParams(temperature=temperature, max_tokens=30, seed=3, ignore_eos=True, speculative=False)
+    prompts = [core.encode_prompt(p) for p in PROMPTS[:5]]
+    reqs = {}
+    joins = {0: [0, 1], 4: [2], 6: [3], 9: [4]}  # step -> requests added before it
+    step = 0
+    while step <= max(joins) or core.has_work:
+        for i in joins.get(step, []):
+            reqs[i] = core.add_request(f"r{i}-{temperature}", prompts[i], params[i])
+        core.step()
+        step += 1
+    return prompts, params, [reqs[i].output_ids for i in range(5)]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_requests_joining_beside_tree_graph_steps_change_nothing(tiny_model_dir, head, temperature):
     """Requests join (their prompts) and one decodes plain (speculation off) while others verify whole
@@ -58,22 +76,28 @@ def test_requests_joining_beside_tree_graph_steps_change_nothing(tiny_model_dir,
     plain = LLM(str(tiny_model_dir))
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="4,3,3,10",
               pipeline=True)
-    core, rt, w = llm.core, llm.core.rt, llm.core.rt.worker
+    rt, w = llm.core.rt, llm.core.rt.worker
     w.tree_graphs = tree_graphs_for(w, w.proposer, rt.scheduler_config.num_blocks, rt.scheduler_config.max_model_len)
-    params = [SamplingParams(temperature=temperature, max_tokens=30, seed=s, ignore_eos=True) for s in range(5)]
-    params[3] = SamplingParams(temperature=temperature, max_tokens=30, seed=3, ignore_eos=True, speculative=False)
-    prompts = [core.encode_prompt(p) for p in PROMPTS[:5]]
-    reqs = {}
-    joins = {0: [0, 1], 4: [2], 6: [3], 9: [4]}  # step -> requests added before it
-    step = 0
-    while step <= max(joins) or core.has_work:
-        for i in joins.get(step, []):
-            reqs[i] = core.add_request(f"r{i}", prompts[i], params[i])
-        core.step()
-        step += 1
-    want = plain.generate(prompts, params)
-    assert [reqs[i].output_ids for i in range(5)] == [r.outputs[0].token_ids for r in want]
+    prompts, params, got = _staggered(llm, temperature)
+    assert got == [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
     assert w.trees.beside >= 3, w.trees.beside
+    assert_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_requests_joining_beside_tree_graphs_equal_plain_decoding(tiny_model_dir, head):
+    """On CUDA the trees replay their graph and the joining prompts (or plain rows) run their own step
+    after it, a prompt graph where one fits: greedy and seeded answers are plain decoding's."""
+    plain = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=8192)
+    llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), device="cuda",
+              dtype="float32", kv_cache_tokens=8192, max_num_seqs=8, speculative_tree="4,6,6,24")
+    w = llm.core.rt.worker
+    assert w.tree_graphs is not None
+    for temperature in (0.0, 1.0):
+        prompts, params, got = _staggered(llm, temperature)
+        assert got == [r.outputs[0].token_ids for r in plain.generate(prompts, params)], temperature
+    assert w.trees.beside >= 3 and w.tree_graphs.replays > 0, (w.trees.beside, w.tree_graphs.replays)
     assert_free(llm)
 
 
