@@ -302,14 +302,16 @@ def build_policy(cfg: EngineConfig, worker: Worker, sched: SchedulerConfig,
              {b: [round(t * 1e3, 2) for t in row] for b, row in zip(shape.batches, shape.values, strict=True)}
              if shape else {})
     if cfg.spec.tree is not None:
-        return tree_chooser(cost, cfg.spec.tree)
+        graphs = worker.tree_graphs  # past its largest bucket a tree step runs eagerly
+        return tree_chooser(cost, cfg.spec.tree, graphs.buckets[-1] if graphs is not None else 0)
     return adaptive_policy(cfg.spec.num_tokens, cost, worker)
 
 
-def tree_chooser(cost: CostTable, tree: TreeShape) -> TreeChooser:
+def tree_chooser(cost: CostTable, tree: TreeShape, max_batch: int = 0) -> TreeChooser:
     """The step chooser of a tree engine (policy/chooser.py), its switch points logged: the τ (tokens
-    per tree step) above which trees beat plain steps, per batch bucket."""
-    chooser = TreeChooser(cost, tree.depth)
+    per tree step) above which trees beat plain steps, per batch bucket; no trees past `max_batch`
+    (0: no limit)."""
+    chooser = TreeChooser(cost, tree.depth, max_batch=max_batch)
     log.info("draft trees %s chosen per step: tree step ms by batch %s; trees pay where tokens per tree step "
              "exceed, by batch, %s; at the prior %.2f, up to batch %d", tree,
              {b: round(t * 1e3, 2) for b, t in zip(cost.tree.keys, cost.tree.values, strict=True)},

@@ -78,6 +78,10 @@ class _Tau:
 class TreeChooser:
     cost: CostTable  # with its `tree` table: the profile's whole tree steps by batch
     depth: int  # the tree's depth D: a tree step emits at most D + 1 tokens a request
+    # The largest batch whose tree step replays a graph (the tree graphs' largest bucket on CUDA), past
+    # which one runs eagerly at many times the cost the profile's table extrapolates; 0: every batch
+    # runs its tree steps alike (a CPU, or CUDA without graphs), and the table's extrapolation holds.
+    max_batch: int = 0
     prior_tau: float = 0.0  # tokens per tree step before any is seen (0: 1 + D / 2)
     settled_lag: int = 1  # an EAGLE head's slot of the pending token waits for its streams
     hysteresis: float = 0.02  # the gain over plain that entering trees needs
@@ -130,11 +134,10 @@ class TreeChooser:
         return t if raw else t * self._ratio(False, batch)
 
     def tree_seconds(self, batch: int, raw: bool = False) -> float:
-        """A tree step's price at `batch`; none (infinite) past the largest batch the profile timed: the
-        tree graphs' buckets on CUDA, past which a tree step runs eagerly (on an H100 host 30-37 ms at
-        batch 32 against 1.8 for the graph's at 16, which extrapolating the table had called 3.4)."""
-        keys = self.cost.tree.keys
-        if not keys or batch > keys[-1]:
+        """A tree step's price at `batch`; none (infinite) past `max_batch`, where a tree step would run
+        eagerly instead of replaying a graph (on an H100 host 30-37 ms at batch 32 against 1.8 for the
+        graph's at 16, which extrapolating the table had called 3.4)."""
+        if not self.cost.tree.keys or (self.max_batch and batch > self.max_batch):
             return float("inf")
         t = self.cost.tree(batch)
         return t if raw else t * self._ratio(True, batch)

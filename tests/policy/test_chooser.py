@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from streamsd.config import SchedulerConfig
 from streamsd.policy.adaptive import CostTable
 from streamsd.policy.adaptive.cost import StepTable
@@ -77,14 +79,18 @@ def test_the_switch_point_moves_with_the_acceptance():
     assert _trees(TreeChooser(_cost(cost), DEPTH, prior_tau=4.0), _batch(16))  # 4.0 > 3.33
 
 
-def test_no_trees_past_the_largest_batch_the_profile_timed():
-    """Past the tree table's last bucket (the tree graphs' largest on CUDA) a tree step would run eagerly,
-    at many times the graph's cost: neither the batch nor a request joining it takes trees there."""
-    chooser = TreeChooser(_cost({1: 1.1, 2: 1.2, 4: 1.3, 8: 1.4, 16: 1.5}), DEPTH, prior_tau=DEPTH + 1.0)
-    assert _trees(chooser, _batch(16))
-    assert chooser.joining_k(_batch(1)[0], 16) > 0
+def test_no_trees_past_the_largest_batch_a_tree_graph_serves():
+    """Past `max_batch` (the tree graphs' largest bucket on CUDA) a tree step would run eagerly, at many
+    times the graph's cost: neither the batch nor a request joining it takes trees there. Without the
+    limit (no graphs: every batch runs alike) the table's extrapolation prices it; within it, so does a
+    bucket the profile left untimed."""
+    tree = {1: 1.1, 2: 1.2, 4: 1.3, 8: 1.4}
+    chooser = TreeChooser(_cost(tree), DEPTH, prior_tau=DEPTH + 1.0, max_batch=16)
+    assert _trees(chooser, _batch(16)) and chooser.joining_k(_batch(1)[0], 16) > 0  # 16 untimed: extrapolated
     assert not _trees(chooser, _batch(17))
     assert chooser.joining_k(_batch(1)[0], 17) == 0 and chooser.tree_seconds(17) == float("inf")
+    unlimited = TreeChooser(_cost(tree), DEPTH, prior_tau=DEPTH + 1.0)
+    assert unlimited.tree_seconds(17) == pytest.approx(1.4e-3 * 17 / 8)
 
 
 def test_trees_are_never_chosen_where_their_expected_rate_is_below_plain():
