@@ -35,32 +35,32 @@ class TreeStep:
     def run(self, entries: list[Scheduled], queue_next: bool = True) -> list[EntryResult]:
         w = self.w
         assert w.tree is not None
-        trees, rest = self._split(entries)
-        if trees and rest:
-            return self._beside(entries, trees, rest)
-        launched = self._launch(entries, whole=not rest)
+        beside = self._beside_split(entries)
+        if beside is not None:
+            return self._beside(entries, *beside)
+        launched = self._launch(entries)
         if launched is None:
             return self.eager(entries)
-        key, whole = launched
+        key, all_rows = launched
         # The graph's own next inputs are row for row those of the step it ran: a step that lost rows
         # (a request stopped) is followed by one with the host's inputs instead.
-        queued_rows = self._queue_next(entries, key) if queue_next and whole else []
+        queued_rows = self._queue_next(entries, key) if queue_next and all_rows else []
         w.launched.set()
         results = self._results(entries, w.readback.wait())
         w.lookahead.place([entries[i].start + 1 + results[i].num_accepted for i in queued_rows])
         return results
 
-    def _launch(self, entries: list[Scheduled], whole: bool) -> tuple[tuple[int, int], bool] | None:
-        """Queues the tree graph's step for `entries` (all of them verifying whole trees: `whole`), or takes
-        the one queued ahead for them, and starts reading its result back. Returns the graph's key and
-        whether the step holds all the rows the graph computed; None where no graph serves them
+    def _launch(self, entries: list[Scheduled], whole: bool = False) -> tuple[tuple[int, int], bool] | None:
+        """Takes the step queued ahead for `entries`, or queues the tree graph's step for them where they
+        all verify whole trees (`whole`: known to), and starts reading its result back. Returns the graph's
+        key and whether the step holds all the rows the graph computed; None where no graph serves them
         (nothing was queued; a step queued ahead was dropped)."""
         w = self.w
         taken = w.lookahead.take(entries)
         graphs = w.tree_graphs
         if taken is None:
             key = graphs.key_for([e.request for e in entries], [e.request.blocks for e in entries]) \
-                if graphs is not None and whole else None
+                if graphs is not None and (whole or self._whole_trees(entries)) else None
             if key is None:
                 return None
             assert graphs is not None
@@ -90,21 +90,17 @@ class TreeStep:
                                        None, row[d1 + 1 + n : d1 + 1 + n + k]))
         return results
 
-    def _split(self, entries: list[Scheduled]) -> tuple[list[int], list[int]]:
-        """(entries verifying whole trees, entries verifying none: prompt chunks, requests decoding
-        plain), by index; ([], all) where some entry verifies a tree the graph cannot take or no graph
-        runs."""
+    def _beside_split(self, entries: list[Scheduled]) -> tuple[list[int], list[int]] | None:
+        """(entries verifying whole trees, entries verifying none: prompt chunks, requests decoding plain),
+        by index, where the step holds both and a graph may take the trees; else None."""
         if self.w.tree_graphs is None:
-            return [], list(range(len(entries)))
-        trees, rest = [], []
-        for i, e in enumerate(entries):
-            if self._whole_tree(e):
-                trees.append(i)
-            elif e.num_drafts == 0:
-                rest.append(i)
-            else:
-                return [], list(range(len(entries)))
-        return trees, rest
+            return None
+        rest = [i for i, e in enumerate(entries) if e.num_drafts == 0]
+        if not rest or len(rest) == len(entries):
+            return None
+        plain = set(rest)
+        trees = [i for i in range(len(entries)) if i not in plain]
+        return (trees, rest) if self._whole_trees([entries[i] for i in trees]) else None
 
     def _beside(self, entries: list[Scheduled], trees: list[int], rest: list[int]) -> list[EntryResult]:
         """Requests joining (their prompt chunks), or decoding plain, beside requests verifying whole trees:
@@ -117,14 +113,10 @@ class TreeStep:
         if self._launch(tree_entries, whole=True) is None:
             return self.eager(entries)
         self.beside += 1
-        self.w.launched.set()
-        others = self.eager([entries[i] for i in rest])
-        results: list[EntryResult | None] = [None] * len(entries)
-        for i, res in zip(trees, self._results(tree_entries, self.w.readback.wait()), strict=True):
-            results[i] = res
-        for i, res in zip(rest, others, strict=True):
-            results[i] = res
-        return [res for res in results if res is not None]
+        others = self.eager([entries[i] for i in rest])  # its verify says when its work is queued
+        by_index = dict(zip(trees, self._results(tree_entries, self.w.readback.wait()), strict=True))
+        by_index.update(zip(rest, others, strict=True))
+        return [by_index[i] for i in range(len(entries))]
 
     def eager(self, entries: list[Scheduled]) -> list[EntryResult]:
         """A tree-masked forward over every entry, the walk, then the proposer (catch-up, growth)."""
@@ -136,17 +128,18 @@ class TreeStep:
         verified = verify_trees(w.verifier, [e for e in entries if e.verifies], logits, w.cache, w.store, w.tree.depth)
         return self.full.propose(entries, verified, scored)
 
-    def _whole_tree(self, e: Scheduled) -> bool:
-        """The entry verifies its pending token and a full tree and wants the next full one (or none:
+    def _whole_trees(self, entries: list[Scheduled]) -> bool:
+        """Every entry verifies its pending token and a full tree and wants the next full one (or none:
         its last step, whose grown tree is dropped), its head caught up to the root, with nothing the
         graph leaves to the eager path."""
         w = self.w
         assert w.tree is not None
         n, room = w.tree.nodes, w.target.args.max_position - 2 * (w.tree.nodes + w.tree.depth + 1)
         # A last step still grows a tree (dropped): only where its positions stay inside the model's.
-        return (e.verifies and e.num_tokens == 1 and e.num_drafts == n and (e.k_next == n or (e.k_next == 0 and e.start < room))
-                and e.request.draft_computed == e.start and e.request.params.logprobs is None
-                and not below_min_tokens(e.request))
+        return bool(entries) and all(
+            e.verifies and e.num_tokens == 1 and e.num_drafts == n and (e.k_next == n or (e.k_next == 0 and e.start < room))
+            and e.request.draft_computed == e.start and e.request.params.logprobs is None
+            and not below_min_tokens(e.request) for e in entries)
 
     def _queue_next(self, entries: list[Scheduled], key: tuple[int, int]) -> list[int]:
         """Replays the graph once more (its inputs are this step's outputs) when every entry may take
