@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from streamsd import LLM, SamplingParams
-from streamsd.policy.policy import FixedPolicy
+from streamsd.policy.policy import Decision, FixedPolicy
 from streamsd.worker.stream_catchup import Span, recompute_streams
 from tests.engine.engine_helpers import PROMPTS, assert_free
 from tests.spec_decode.eagle_helpers import train_tiny_head
@@ -170,3 +170,58 @@ def test_prompts_reach_the_prefix_cache_while_plain_steps_keep_no_streams(tiny_m
         assert_free(llm)
     assert cached[0] > 16 and cached[1] == cached[0]
     assert answers[0] == answers[1]
+
+
+class _OneDrafts(FixedPolicy):
+    """Three speculative steps, seven plain ones that keep no streams after the second, then five in
+    which only request `lead` drafts (the others stay at k = 0), again and again."""
+
+    def __init__(self, lead: str):
+        super().__init__()
+        self.lead, self.steps = lead, 0
+
+    def choose(self, decoding, prefill_tokens, backlog):
+        phase = self.steps % 15
+        self.steps += 1
+        self.speculating = phase < 3 or phase >= 10
+        ks = {r.request_id: 0 for r in decoding if r.request_id != self.lead} if phase >= 10 else {}
+        return Decision(ks, streams=self.speculating or phase < 5)
+
+
+def test_a_head_catches_up_only_requests_with_their_streams_kept_when_another_drafts(tiny_model_dir, head):
+    """A step in which one request drafts catches the others' heads up too, but only where the store
+    holds their streams: a request that skipped them while the batch decoded plain keeps them missing
+    (no target pass over its skipped positions in a step that priced none) until it drafts again.
+    Greedy answers are plain decoding's; nothing leaks."""
+    plain = LLM(str(tiny_model_dir), dtype="float32")
+    llm = _engine(tiny_model_dir, head, tree=False, pipeline=False, keep=None)
+    llm.core.scheduler.policy = _OneDrafts(lead="r0")
+    worker = llm.core.rt.worker
+    restore = worker.restore_streams
+    recomputed: list[str] = []
+
+    def recording_restore(work):
+        recomputed.extend(it.request.request_id for _, it in work
+                          if it.request.streams_missing_from is not None and it.upto > it.draft_computed)
+        restore(work)
+
+    worker.restore_streams = recording_restore
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        llm.core.add_request(f"r{i}", llm.core.encode_prompt(PROMPTS[i]), params)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    lone_steps = 0
+    while llm.core.has_work:
+        phase = llm.core.scheduler.policy.steps % 15
+        recomputed.clear()
+        for out in llm.core.step():
+            got[out.request_id].extend(out.token_ids)
+        if phase >= 10 and llm.core.scheduler.running:
+            lone_steps += 1
+            assert set(recomputed) <= {"r0"}, recomputed
+            others = [r for r in llm.core.scheduler.running if r.request_id != "r0"]
+            assert all(r.streams_missing_from is not None for r in others)
+    assert lone_steps > 0
+    want = [r.outputs[0].token_ids for r in plain.generate(PROMPTS[:3], [params] * 3)]
+    assert [got[f"r{i}"] for i in range(3)] == want
+    assert_free(llm)

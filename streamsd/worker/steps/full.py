@@ -124,6 +124,9 @@ class FullStep:
         owners: list[int] = []
         # A head that reads the store catches every verifying request up whenever the proposer runs
         # anyway (one call for all), and none in a step where nobody drafts: the genuine plain step.
+        # Only requests whose streams the store holds ride along: one that skipped them would have
+        # them recomputed by a target pass over every position it skipped, a cost the step's plan
+        # priced for the requests that draft alone; it pays that when it drafts again.
         catch_up = self.w.store is not None and any(e.k_next > 0 for e in entries)
         v = 0
         for i, e in enumerate(entries):
@@ -143,7 +146,8 @@ class FullStep:
                 v += 1
                 continue
             v += 1
-            if (e.k_next > 0 or (catch_up and r.spec_k > 0)) and not _will_stop(r, new):
+            rides = catch_up and r.spec_k > 0 and r.streams_missing_from is None
+            if (e.k_next > 0 or rides) and not _will_stop(r, new):
                 items.append(ProposeItem(r, [*r.prompt_ids, *r.output_ids, *new], e.k_next, computed,
                                          min(r.draft_computed, computed)))
                 owners.append(i)
