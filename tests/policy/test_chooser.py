@@ -180,6 +180,23 @@ def test_requests_joining_a_speculating_batch_draft_only_if_trees_pay_at_the_bat
     assert chooser.joining_k(new, 1) == 0  # its class no longer pays even alone
 
 
+def test_a_request_joining_a_plain_batch_grows_no_tree_the_next_plain_step_would_drop():
+    """Trees would pay at the batch it joins by the step prices alone, but the batch decodes plain: its
+    next step stays plain unless entering trees pays (`_trees_pay`), and that entering step grows every
+    tree anyway. Alone, or joining a speculating batch, the same request grows its tree."""
+    chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
+    off = _batch(7)
+    for r in off:
+        r.spec_k = 0
+    assert not _trees(chooser, off)
+    (new,) = _batch(1)
+    assert chooser.break_even(8) * (1.0 + chooser.hysteresis) < chooser.prior_tau  # the prices alone say trees
+    assert chooser.joining_k(new, 8) == 0
+    assert chooser.joining_k(new, 1) == NODES
+    assert _trees(chooser, _batch(7))
+    assert chooser.joining_k(new, 8) == NODES
+
+
 def test_a_scheduled_wave_grows_no_trees_its_batch_will_not_verify():
     chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
     sched = Scheduler(SchedulerConfig(num_blocks=256, max_model_len=256, whole_drafts=True), policy=chooser)
