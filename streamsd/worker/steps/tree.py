@@ -98,8 +98,7 @@ class TreeStep:
         rest = [i for i, e in enumerate(entries) if e.num_drafts == 0]
         if not rest or len(rest) == len(entries):
             return None
-        plain = set(rest)
-        trees = [i for i in range(len(entries)) if i not in plain]
+        trees = [i for i, e in enumerate(entries) if e.num_drafts]
         return (trees, rest) if self._whole_trees([entries[i] for i in trees]) else None
 
     def _beside(self, entries: list[Scheduled], trees: list[int], rest: list[int]) -> list[EntryResult]:
