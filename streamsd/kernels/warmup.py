@@ -172,7 +172,8 @@ def _sampling_variants(vocab: int, cache_dtype: torch.dtype, device: torch.devic
         logits = torch.zeros(1, vocab, dtype=dtype, device=device)
         one = torch.ones(1, device=device)
         warp.warp(logits, one, one * 0)
-        warp.sample_keyed(logits, torch.zeros(3, dtype=torch.int64, device=device), one, one * 0, 1)
+        warp.sample_keyed(logits, torch.zeros(3, dtype=torch.int64, device=device), one, one * 0,
+                          torch.zeros(1, dtype=torch.int64, device=device), one, 1)
         warp_chunked.warp(logits, one, one * 0)  # inside graphs (an EAGLE head's sampled chain)
         warp_chunked.row_argmax(logits)
 

@@ -23,11 +23,12 @@ def sample_keyed(logits: torch.Tensor, wp: WarpParams, ints: torch.Tensor) -> to
     """One token per row of logits [N, V] with early stops suppressed: the raw argmax for greedy rows,
     else the race of the warped probabilities against the noise keyed (seed, position, TARGET), which
     is what the rejection sampler races for a bonus token there. ints [3, N]: greedy | seed | position.
-    On CUDA without top-k/top-p, one launch (kernels/sample/warp.py) -> [N]."""
-    if logits.is_cuda and not wp.needs_sort:
+    On CUDA one launch, rows cut by top-k/top-p included (kernels/sample/warp.py) -> [N]."""
+    if logits.is_cuda:
         from streamsd.kernels.sample import warp as kernel
 
-        return kernel.sample_keyed(logits, ints.reshape(-1), wp.temperature, wp.min_p, rng.TARGET)
+        return kernel.sample_keyed(logits, ints.reshape(-1), wp.temperature, wp.min_p, wp.top_k, wp.top_p,
+                                   rng.TARGET)
     noise = rng.exponentials(ints[1], ints[2].unsqueeze(-1), rng.TARGET, logits.shape[-1])[:, 0]  # [N, V]
     return sample_rows(warp(logits, wp), logits, ints[0].bool(), noise)
 

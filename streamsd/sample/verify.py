@@ -17,7 +17,6 @@ import torch
 
 from streamsd.model.kv_cache import h2d
 from streamsd.request import Request
-from streamsd.sample.cut_graphs import CutSampling
 from streamsd.sample.grammar import apply_masks
 from streamsd.sample.greedy import row_argmax
 from streamsd.sample.penalties import penalise
@@ -62,20 +61,10 @@ class Verifier:
         self.rejection = rejection_sample
         self._warp_cache: dict[tuple, WarpParams] = {}
         self.graph_greedy = 0  # verifications read from the graph's greedy result (no sampler queued)
-        self.cut: CutSampling | None = None  # plain steps' top-k/top-p sampling as graphs (`capture_cut_graphs`)
         if device.type == "cuda":
             from streamsd.kernels.sample import rejection as kernel
 
             self.rejection = kernel.rejection_sample  # same decisions as the reference, one launch
-
-    def capture_cut_graphs(self, buckets: list[int], pool: torch.cuda._POOL_HANDLE | None = None) -> int:
-        """CUDA graphs for plain steps whose sampled rows cut (sample/cut_graphs.py); returns how many.
-        None in the exact mode, whose sampling stays the eager path's, at the batch's own size."""
-        if self.coupled:
-            return 0
-        if self.cut is None:
-            self.cut = CutSampling(self.vocab, self.device, pool)
-        return self.cut.capture(buckets)
 
     def verify(self, entries: list[Scheduled], logits: torch.Tensor, chain: Chain | None = None,
                greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> Verified:
@@ -220,8 +209,6 @@ class Verifier:
         the same position, so a seeded request's output does not depend on which path a step took."""
         if all(r.params.greedy for r in reqs):
             return row_argmax(logits)  # [B]
-        if self.cut is not None and self.cut.serves(reqs):
-            return self.cut.sample(reqs, logits, [r.num_tokens + ahead for r in reqs])  # [B]
         ints = h2d([[r.params.greedy for r in reqs], [r.seed for r in reqs], [r.num_tokens + ahead for r in reqs]],
                    torch.int64, self.device)  # [3, B]: greedy, seeds, positions
         return sample_keyed(logits, self.warp_params(reqs), ints)  # [B]

@@ -1,7 +1,8 @@
 """Warping logits into the distribution actually sampled: temperature, top-k, top-p, min-p.
 
 Order: temperature, then top-k, then top-p over the top-k renormalised mass, then min-p
-relative to the most likely token. Every row has its own parameters; rows share one sort.
+relative to the most likely token; top-k and top-p keep or cut equal probabilities together. Every row
+has its own parameters; rows share one sort (CUDA's sampling kernel cuts without one).
 """
 
 from __future__ import annotations
@@ -60,13 +61,21 @@ def warp(logits: torch.Tensor, wp: WarpParams, reps: int = 1) -> torch.Tensor:
 
 
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The cut by threshold, ties kept together: token i survives top-k where fewer than k tokens are
+    likelier, and top-p where the tokens likelier than it hold less than top-p of the top-k mass. Equal
+    probabilities are all kept or all cut, so the cut is a function of the values alone, not of a sort's
+    order among equals: kernels/sample/cut.py finds the same tokens without sorting."""
     vocab = probs.shape[-1]
     sorted_p, order = probs.sort(dim=-1, descending=True)  # [N, V]
-    rank = torch.arange(vocab, device=probs.device).unsqueeze(0)  # [1, V]
+    rank = torch.arange(vocab, device=probs.device).expand_as(sorted_p)  # [N, V]
+    starts = torch.ones_like(sorted_p, dtype=torch.bool)  # [N, V] the first of each run of equal values
+    starts[:, 1:] = sorted_p[:, 1:] != sorted_p[:, :-1]
+    first = torch.where(starts, rank, torch.zeros_like(rank)).cummax(dim=-1).values  # [N, V] its run's start
+    above = (sorted_p.cumsum(dim=-1) - sorted_p).gather(-1, first)  # [N, V] the mass strictly likelier
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)  # [N, 1]
-    sorted_p = torch.where(rank < k, sorted_p, torch.zeros_like(sorted_p))
-    sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [N, V]
-    keep = (mass_before < top_p.unsqueeze(-1)) | (rank == 0)
+    in_k = first < k  # [N, V] fewer than k tokens strictly likelier
+    mass_k = torch.where(in_k, sorted_p, torch.zeros_like(sorted_p)).sum(dim=-1, keepdim=True)  # [N, 1]
+    p = top_p.unsqueeze(-1)  # [N, 1]
+    keep = in_k & ((p >= 1.0) | (above < p * mass_k) | (first == 0))  # top-p 1 cuts nothing, rounding aside
     sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)

@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from streamsd.model.graph_layout import PROMPT_SEQS, PROMPT_WIDTHS
-from streamsd.model.graphs import GraphConfig, GraphRunner, buckets_up_to
+from streamsd.model.graphs import GraphConfig, GraphRunner
 
 if TYPE_CHECKING:
     from streamsd.kernels.warmup import WarmUp
@@ -20,9 +20,8 @@ log = logging.getLogger(__name__)
 
 def capture_all(worker: Worker, max_batch: int) -> int:
     """Every graph a step over at most `max_batch` requests can replay, captured now: the target's
-    (bucket, width) cells, a tree engine's whole steps, its proposer's (a draft model's one-token
-    steps, an EAGLE head's chains at every depth and draw, or its growths), and plain steps' sampling
-    over a top-k/top-p cut. Captured on first use
+    (bucket, width) cells, a tree engine's whole steps, and its proposer's (a draft model's one-token
+    steps, an EAGLE head's chains at every depth and draw, or its growths). Captured on first use
     instead, each would cost a step 5-110 ms, and over a second where the capture compiles attention
     variants for its width. Returns the graphs captured."""
     draft = worker.proposer.draft_model() if worker.proposer is not None else None
@@ -40,10 +39,7 @@ def capture_all(worker: Worker, max_batch: int) -> int:
         worker.graphs.capture_up_to(max_batch)
     if worker.proposer is not None:
         worker.proposer.capture_graphs(max_batch)
-    cut = 0
-    if worker.graphs is not None:
-        cut = worker.verifier.capture_cut_graphs(buckets_up_to(worker.graphs.cfg.buckets, max_batch), worker.graphs.pool)
-    return count() - before + cut
+    return count() - before
 
 
 def set_up(worker: Worker, *, scratch_block: int, max_len: int, k: int, graphs: bool,

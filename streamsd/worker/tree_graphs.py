@@ -13,12 +13,11 @@ only work per step is starting the read of `result` and waiting for it.
 
 Inputs the host writes (a step not queued behind the last): the packed layout (ids | positions |
 slots | context lengths | query starts, as model/graphs.py packs them), the window masks and roots,
-the trees, the block table, and per request its greedy flag, seed, temperature and min-p (SAMPLED
-mode: the Triton race of kernels/sample/warp.py, bit for bit what an eager step draws), and its top-k
-and top-p (CUT mode: sample/warp.py's sort, cut and race, the eager step's own operations; a model's
-generation config gives every request that leaves them out its own, top-p 0.9 for the default model, so
-most sampled requests are cut). A greedy request's top-k/top-p cut nothing from an argmax: it replays in
-GREEDY mode. Requests with penalties, log-probabilities or min_tokens, and batches above the largest
+the trees, the block table, and per request its greedy flag, seed, temperature, min-p, top-k and
+top-p (SAMPLED mode: the Triton race of kernels/sample/warp.py, over a row's top-k/top-p cut where it
+has one, bit for bit what an eager step draws; a model's generation config gives every request that
+leaves them out its own, top-p 0.9 for the default model). A greedy request's top-k/top-p cut nothing
+from an argmax: it replays in GREEDY mode. Requests with penalties, log-probabilities or min_tokens, and batches above the largest
 bucket, take the eager path (sample/tree_verify.py).
 """
 
@@ -44,8 +43,8 @@ from streamsd.sample.warp import WarpParams
 from streamsd.spec_decode.eagle.tree import GrowConsts, HeadLayer, grow
 from streamsd.spec_decode.tree import catch_up, depths, positions_to_slots, walk, window_bits
 
-GREEDY, SAMPLED, CUT = 0, 1, 2  # argmax | the race | the race over the top-k/top-p cut
-MODES = (GREEDY, SAMPLED, CUT)
+GREEDY, SAMPLED = 0, 1  # argmax | the race (over each row's top-k/top-p cut)
+MODES = (GREEDY, SAMPLED)
 TREE_BUCKETS = (1, 2, 4, 8, 16)  # trees pay at small batches; a graph's logits are B x (N + 1) x V floats
 
 
@@ -69,8 +68,8 @@ class _TreeGraph:
     grow: GrowConsts
     rows: torch.Tensor  # [B * W] int64 0, 1, ...: every window row's hidden stream is kept
     catch_starts: torch.Tensor  # [B + 1] int32 the catch-up's query starts (D + 1 rows each)
-    row_top_k: torch.Tensor  # [T] int64 each row's top-k (CUT mode; 0: none)
-    row_top_p: torch.Tensor  # [T] float32 each row's top-p (CUT mode; 1: none)
+    row_top_k: torch.Tensor  # [T] int64 each row's top-k (0: none)
+    row_top_p: torch.Tensor  # [T] float32 each row's top-p (1: none)
     result: torch.Tensor | None = None  # [B, D + 2 + 2N] emitted | accepted | next tokens | next parents
     tables: list[list[int]] | None = None  # what block_table holds (a request gains a block every 16 tokens)
 
@@ -83,11 +82,8 @@ def replayable(p: SamplingParams) -> bool:
 
 def mode_for(params: list[SamplingParams]) -> int:
     """The graph a batch replays: an argmax when all are greedy (a greedy request's top-k/top-p cut nothing
-    from it), the sorted race when a sampled one is cut, else the one-launch race."""
-    sampled = [p for p in params if not p.greedy]
-    if not sampled:
-        return GREEDY
-    return CUT if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else SAMPLED
+    from it), else the race."""
+    return GREEDY if all(p.greedy for p in params) else SAMPLED
 
 
 class TreeGraphs:
@@ -158,7 +154,6 @@ class TreeGraphs:
             g.row_warp.copy_(torch.from_numpy(np.repeat(wf, w, axis=1)), non_blocking=True)
             rows = np.ascontiguousarray(np.repeat(side[:, 1:3], w, axis=0).T)  # [2, T] greedy | seed
             g.row_ints[:2].copy_(torch.from_numpy(rows), non_blocking=True)
-        if g.mode == CUT:  # padding rows uncut
             k, p = np.zeros(g.bucket, dtype=np.int64), np.ones(g.bucket, dtype=np.float32)
             k[:n], p[:n] = [r.params.top_k for r in reqs], [r.params.top_p for r in reqs]
             g.row_top_k.copy_(torch.from_numpy(np.repeat(k, w)), non_blocking=True)
@@ -223,8 +218,8 @@ class TreeGraphs:
             target = row_argmax(logits.view(b, w, -1))  # [B, W]
         else:
             torch.add(layout.positions, 1, out=g.row_ints[2])  # the token each row decides sits one past it
-            wp = WarpParams(g.row_warp[0], g.row_top_k, g.row_top_p, g.row_warp[1], needs_sort=g.mode == CUT)
-            # SAMPLED: kernels/sample/warp.py's race on CUDA; CUT: sample/warp.py's sort, cut and race
+            # kernels/sample/warp.py's race on CUDA (sample/warp.py's sort, cut and race on a CPU)
+            wp = WarpParams(g.row_warp[0], g.row_top_k, g.row_top_p, g.row_warp[1], needs_sort=True)
             target = sample_keyed(logits, wp, g.row_ints).view(b, w)
         tokens, parents = g.tree[:, :n], g.tree[:, n:]
         # The walk, then the head's catch-up on the root and the accepted nodes (D + 1 slots from the root)

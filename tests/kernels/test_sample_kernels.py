@@ -58,10 +58,41 @@ def test_sample_kernel_keeps_a_row_of_nan_inside_the_vocabulary():
     greedy = torch.tensor([0, 1, 0, 0])
     temperature = torch.tensor([1.0, 0.0, 0.0, 1.0])
     ints = torch.cat([greedy, torch.tensor([3, 4, 5, 6]), torch.tensor([10, 11, 12, 13])]).to(DEV)
+    zeros = torch.zeros(4, device=DEV)
     for dtype in DTYPES:
-        got = sample_keyed(logits.to(DEV, dtype), ints, temperature.to(DEV), torch.zeros(4, device=DEV),
-                           rng.TARGET).cpu()
-        assert ((got >= 0) & (got < vocab)).all() and got[3] != 7, got
+        for top_k, top_p in ((0, 1.0), (0, 0.9), (5, 0.8)):  # uncut, and raced over a cut
+            got = sample_keyed(logits.to(DEV, dtype), ints, temperature.to(DEV), zeros, zeros.long() + top_k,
+                               zeros + top_p, rng.TARGET).cpu()
+            assert ((got >= 0) & (got < vocab)).all() and got[3] != 7, (top_k, top_p, got)
+
+
+def test_the_cut_race_draws_the_sorting_paths_tokens():
+    """A row cut by top-k and/or top-p (kernels/sample/cut.py: no sort, a race repeated over the tokens
+    likelier than a winner the cut drops) against sample/warp.py's sort, cut and race with the same
+    noise: the same token at every position, ties at the cut's edge kept together by both (logits on a
+    grid of halves tie often), min-p beside the cut, a greedy row taking its argmax."""
+    from streamsd.kernels.sample import warp as kernel
+    from streamsd.sample.sampler import sample_rows
+    from streamsd.sample.warp import WarpParams, warp
+
+    rows = [(1.0, 0, 0.9, 0.0), (0.7, 40, 1.0, 0.0), (1.3, 20, 0.8, 0.05), (1.0, 0, 0.95, 0.1), (0.5, 3, 0.5, 0.0),
+            (1.0, 1, 1.0, 0.0), (2.0, 0, 0.3, 0.0), (1.0, 5000, 0.9, 0.0), (0.0, 0, 0.9, 0.0)]
+    temperature, top_k, top_p, min_p = (torch.tensor(c) for c in zip(*rows, strict=True))
+    n, vocab = len(rows), 3000
+    wp = WarpParams(temperature, top_k, top_p, min_p, True)
+    greedy = temperature == 0
+    g = torch.Generator().manual_seed(0)
+    for draw in range(8):
+        logits = torch.randn(n, vocab, generator=g) * 3.0
+        if draw % 2:
+            logits = (logits * 2.0).round() / 2.0  # [N, V] many equal logits
+        seeds, pos = torch.randint(0, 2**40, (n,), generator=g), torch.randint(0, 5000, (n,), generator=g)
+        ints = torch.cat([greedy.long(), seeds, pos]).to(DEV)
+        got = kernel.sample_keyed(logits.to(DEV), ints, temperature.to(DEV), min_p.to(DEV), top_k.to(DEV),
+                                  top_p.to(DEV), rng.TARGET).cpu()
+        noise = rng.exponentials(seeds, pos.unsqueeze(1), rng.TARGET, vocab)[:, 0]
+        want = sample_rows(warp(logits, wp), logits, greedy, noise)
+        assert torch.equal(got, want), (draw, got, want)
 
 
 def test_rejection_kernel_keeps_a_row_of_nan_inside_the_vocabulary():
@@ -99,7 +130,9 @@ def test_sample_kernel_races_as_the_rejection_kernel_and_the_torch_path():
         pos = torch.randint(0, 5000, (n,), generator=g)
         greedy = temperature == 0
         ints = torch.cat([greedy.long(), seeds, pos]).to(DEV)
-        got = kernel.sample_keyed(logits.to(DEV), ints, temperature.to(DEV), min_p.to(DEV), rng.TARGET).cpu()
+        got = kernel.sample_keyed(logits.to(DEV), ints, temperature.to(DEV), min_p.to(DEV),
+                                  torch.zeros(n, dtype=torch.int64, device=DEV), torch.ones(n, device=DEV),
+                                  rng.TARGET).cpu()
         # the rejection kernel's bonus race over the warp kernel's probabilities and the noise kernel
         probs = kernel.warp(logits.to(DEV), temperature.to(DEV), min_p.to(DEV))  # [N, V]
         noise = rng.exponentials(seeds.to(DEV), pos.to(DEV).unsqueeze(1), rng.TARGET, vocab)  # [N, 1, V]

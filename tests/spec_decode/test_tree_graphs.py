@@ -15,8 +15,8 @@ from tests.engine.engine_helpers import PROMPTS, assert_free
 def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temperature, shape, cut):
     """The work of a tree graph (worker/tree_graphs.py: verify, walk, moves, catch-up, growth, the next
     replay's inputs), run eagerly on the CPU with steps queued ahead: the same text as plain decoding,
-    and steps queued ahead are taken; requests cut by top-k/top-p replay the sorted race's graph."""
-    from streamsd.worker.tree_graphs import CUT, SAMPLED, tree_graphs_for
+    and steps queued ahead are taken; requests cut by top-k/top-p replay the race's graph with their cut."""
+    from streamsd.worker.tree_graphs import SAMPLED, tree_graphs_for
 
     plain = LLM(str(tiny_model_dir))
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree=shape,
@@ -26,7 +26,6 @@ def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temp
     params = [SamplingParams(temperature=temperature, max_tokens=40, seed=s, ignore_eos=True, **cut) for s in range(4)]
     a, b = plain.generate(PROMPTS[:4], params), llm.generate(PROMPTS[:4], params)
     assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
-    mode = CUT if cut else SAMPLED
     # One request of the batch stops early (a stop id its plain answer reaches at token 12): the
     # queued step then lost a row, and the rows after it must still be their own requests'.
     stop = a[1].outputs[0].token_ids[12]
@@ -36,8 +35,8 @@ def test_tree_graph_steps_queued_ahead_change_nothing(tiny_model_dir, head, temp
     assert len(a[1].outputs[0].token_ids) <= 13
     assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
     if temperature > 0:  # the last steps ran 3 requests in bucket 4: the padding row is greedy, never raced
-        assert {m for _, m in w.tree_graphs.graphs} == {mode}
-        g, width = w.tree_graphs.graphs[(4, mode)], w.tree_graphs.width
+        assert {m for _, m in w.tree_graphs.graphs} == {SAMPLED}
+        g, width = w.tree_graphs.graphs[(4, SAMPLED)], w.tree_graphs.width
         assert g.draws[0, 3].item() == 1 and bool((g.row_ints[0, 3 * width :] == 1).all())
         assert g.warp_f[0, 3].item() == 1.0
         if cut:  # the requests' cut on their rows, none on the padding row's
@@ -138,9 +137,8 @@ def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, h
 
 def test_tree_graph_modes_follow_the_batch_sampling():
     """Greedy batches replay the argmax graph whatever their top-k/top-p (a cut changes nothing of an
-    argmax); sampled ones the one-launch race, or the sorted race once any sampled request is cut;
-    penalised requests take the eager path."""
-    from streamsd.worker.tree_graphs import CUT, GREEDY, SAMPLED, mode_for, replayable
+    argmax); sampled ones the race, cut or not; penalised requests take the eager path."""
+    from streamsd.worker.tree_graphs import GREEDY, SAMPLED, mode_for, replayable
 
     greedy_cut = SamplingParams(temperature=0.0, top_p=0.9, top_k=40)
     uncut, cut_p, cut_k = (SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=1.0, top_p=0.9),
@@ -149,7 +147,7 @@ def test_tree_graph_modes_follow_the_batch_sampling():
     assert not replayable(SamplingParams(temperature=0.0, repetition_penalty=1.2))
     assert mode_for([greedy_cut, greedy_cut]) == GREEDY
     assert mode_for([greedy_cut, uncut]) == SAMPLED
-    assert mode_for([uncut, cut_p]) == mode_for([cut_k]) == mode_for([greedy_cut, cut_k]) == CUT
+    assert mode_for([uncut, cut_p]) == mode_for([cut_k]) == mode_for([greedy_cut, cut_k]) == SAMPLED
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
