@@ -10,7 +10,8 @@ the max of the scaled logits, the softmax denominator, the mass min-p keeps, the
 
 Both kernels share `_row_stats` and `_prob`, so a plain step's race sees bit for bit the
 probabilities a verify's rejection sampler gets from `warp`, and its in-kernel noise is
-kernels/sample/rng.py's: a seeded request samples the same token whichever path a step takes.
+kernels/sample/rng.py's: a seeded request samples the same token whichever path a step takes. A row
+cut by top-k or top-p draws what sample/warp.py's sort, cut and race draw with that noise.
 
 Inside a CUDA graph (an EAGLE head's sampled draft chain), up to MAX_ROWS rows are cut into chunks
 instead (kernels/sample/warp_chunked.py): the same distribution, rounded differently, so the target's own
