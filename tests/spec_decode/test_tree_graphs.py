@@ -105,7 +105,7 @@ def test_cuda_requests_joining_beside_tree_graphs_equal_plain_decoding(tiny_mode
 @pytest.mark.parametrize("shape", ["4,3,3,10", "3,8,8,24", "4,6,6,24"])
 def test_cuda_tree_steps_through_graphs_equal_the_eager_engine(tiny_model_dir, head, shape):
     """On CUDA whole tree steps are graph replays queued one ahead (worker/tree_graphs.py): greedy and
-    seeded answers (top-k/top-p ones through the sorted race's graph) equal plain decoding's, batch 1 and
+    seeded answers (top-k/top-p ones racing over their cut inside the graph) equal plain decoding's, batch 1 and
     4, and nothing is captured or compiled once the engine is built."""
     from streamsd.kernels.warmup import compiled_by_kernel
 
