@@ -17,8 +17,8 @@ the trees, the block table, and per request its greedy flag, seed, temperature, 
 top-p (SAMPLED mode: the Triton race of kernels/sample/warp.py, over a row's top-k/top-p cut where it
 has one, bit for bit what an eager step draws; a model's generation config gives every request that
 leaves them out its own, top-p 0.9 for the default model). A greedy request's top-k/top-p cut nothing
-from an argmax: it replays in GREEDY mode. Requests with penalties, log-probabilities or min_tokens, and batches above the largest
-bucket, take the eager path (sample/tree_verify.py).
+from an argmax: it replays in GREEDY mode. Requests with penalties, log-probabilities or min_tokens,
+and batches above the largest bucket, take the eager path (sample/tree_verify.py).
 """
 
 from __future__ import annotations
