@@ -71,3 +71,10 @@ def exponentials(seeds: torch.Tensor, positions: torch.Tensor, stream: int, voca
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)  # [V]
     h = _mix(keys ^ ((idx * _GOLDEN) & _MASK32))  # [B, P, V]
     return -torch.log(_to_unit(h))
+
+
+def exponentials_at(seeds: torch.Tensor, positions: torch.Tensor, stream: int, ids: torch.Tensor) -> torch.Tensor:
+    """`exponentials`' numbers at some ids of the vocabulary only: seeds and positions [B], ids [B, C]
+    int64 -> [B, C] float32, each the number `exponentials` gives that id at that (seed, position)."""
+    keys = row_keys(seeds, positions.unsqueeze(-1), stream)  # [B, 1]
+    return -torch.log(_to_unit(_mix(keys ^ ((ids * _GOLDEN) & _MASK32))))

@@ -29,8 +29,24 @@ def sample_keyed(logits: torch.Tensor, wp: WarpParams, ints: torch.Tensor) -> to
 
         return kernel.sample_keyed(logits, ints.reshape(-1), wp.temperature, wp.min_p, wp.top_k, wp.top_p,
                                    rng.TARGET)
+    probs, greedy = warp(logits, wp), ints[0].bool()  # [N, V], [N]
+    if wp.needs_sort:
+        kept = int((probs[~greedy] > 0).sum(dim=-1).max()) if not bool(greedy.all()) else 0
+        if 0 < kept <= probs.shape[-1] // 4:
+            return torch.where(greedy, row_argmax(logits), _race_kept(probs, ints, kept))
     noise = rng.exponentials(ints[1], ints[2].unsqueeze(-1), rng.TARGET, logits.shape[-1])[:, 0]  # [N, V]
-    return sample_rows(warp(logits, wp), logits, ints[0].bool(), noise)
+    return sample_rows(probs, logits, greedy, noise)
+
+
+def _race_kept(probs: torch.Tensor, ints: torch.Tensor, kept: int) -> torch.Tensor:
+    """The race of each row's `kept` likeliest tokens: every token a row's cut keeps (a threshold on p),
+    and tokens of p 0 past them. Only their noise is drawn (on a CPU the noise over 32 rows of 49152
+    took longer than the rest of sampling). The same winner as over the whole row, ties to the lowest
+    id. probs [N, V] -> [N]."""
+    values, ids = probs.topk(kept, dim=-1)  # [N, K]
+    ids, order = ids.sort(dim=-1)  # ascending, as the whole row's argmax meets them
+    noise = rng.exponentials_at(ints[1], ints[2], rng.TARGET, ids)  # [N, K]
+    return ids.gather(-1, row_argmax(values.gather(-1, order) / noise).unsqueeze(-1)).squeeze(-1)
 
 
 def token_logprobs(
