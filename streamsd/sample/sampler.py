@@ -23,7 +23,8 @@ def sample_keyed(logits: torch.Tensor, wp: WarpParams, ints: torch.Tensor) -> to
     """One token per row of logits [N, V] with early stops suppressed: the raw argmax for greedy rows,
     else the race of the warped probabilities against the noise keyed (seed, position, TARGET), which
     is what the rejection sampler races for a bonus token there. ints [3, N]: greedy | seed | position.
-    On CUDA one launch, rows cut by top-k/top-p included (kernels/sample/warp.py) -> [N]."""
+    On CUDA one launch, rows cut by top-k/top-p included (kernels/sample/warp.py); elsewhere rows cut to
+    a small share of the vocabulary race their kept tokens alone (`_race_kept`) -> [N]."""
     if logits.is_cuda:
         from streamsd.kernels.sample import warp as kernel
 
