@@ -37,15 +37,16 @@ def rejection_sample(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (tokens [B, K+1] with -1 after the last emitted one, num_accepted [B])."""
     batch, k1 = v.target_argmax.shape
     k = k1 - 1
-    if v.noise is None and v.target_probs is not None and v.seeds is not None and v.positions is not None:
-        v = replace(v, uniforms=rng.uniforms(v.seeds, v.positions[:, :k], rng.ACCEPT),
-                    noise=rng.exponentials(v.seeds, v.positions, rng.TARGET, v.target_probs.shape[-1]))
+    keyed = v.noise is None and v.seeds is not None and v.positions is not None  # `_race` draws the noise
+    if keyed and v.target_probs is not None:
+        assert v.seeds is not None and v.positions is not None
+        v = replace(v, uniforms=rng.uniforms(v.seeds, v.positions[:, :k], rng.ACCEPT))
     pos = torch.arange(k1, device=v.draft_ids.device)  # [K+1]
     live = pos[:k].unsqueeze(0) < v.num_drafts.unsqueeze(-1)  # [B, K]
     draft = v.draft_ids.clamp(min=0)  # [B, K]
     ok = draft == v.target_argmax[:, :k]  # [B, K] greedy rows: accept while the argmax agrees
     corrected = v.target_argmax  # [B, K+1]
-    if v.target_probs is not None and v.noise is not None:
+    if v.target_probs is not None and v.uniforms is not None and (keyed or v.noise is not None):
         random_ok, sampled = _random_rows(v, draft, live)
         ok = torch.where(v.greedy.unsqueeze(-1), ok, random_ok)
         corrected = torch.where(v.greedy.unsqueeze(-1), v.target_argmax, sampled)
@@ -60,7 +61,7 @@ def rejection_sample(v: VerifyInput) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _random_rows(v: VerifyInput, draft: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept tests [B, K] and recovered/bonus samples [B, K+1] for sampled rows."""
-    assert v.target_probs is not None and v.noise is not None and v.uniforms is not None
+    assert v.target_probs is not None and v.uniforms is not None
     p = v.target_probs  # [B, K+1, V]
     batch, k1, vocab = p.shape
     p_d = p[:, : k1 - 1].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
@@ -76,4 +77,24 @@ def _random_rows(v: VerifyInput, draft: torch.Tensor, live: torch.Tensor) -> tup
     # p == q exactly leaves no residual mass; rejection then has probability 0, but keep the race
     # well defined by falling back to p.
     residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0, p, residual)
-    return accept, (residual / v.noise).argmax(dim=-1)
+    return accept, _race(v, residual)
+
+
+def _race(v: VerifyInput, weights: torch.Tensor) -> torch.Tensor:
+    """argmax(w / E) per row of weights [B, K+1, V], E the given noise or the keyed one. Keyed, where
+    every sampled row weighs at most a quarter of the vocabulary (a top-p cut keeps few tokens), only
+    those tokens race, ids ascending, with the noise drawn at them alone: the same winner, ties to the
+    lowest id (on a CPU the noise over a row of 49152 cost ~0.7 ms)."""
+    if v.noise is not None:
+        return (weights / v.noise).argmax(dim=-1)
+    assert v.seeds is not None and v.positions is not None
+    batch, k1, vocab = weights.shape
+    sampled = weights[~v.greedy]
+    kept = int((sampled > 0).sum(dim=-1).max()) if sampled.numel() else 0
+    if not 0 < kept <= vocab // 4:
+        return (weights / rng.exponentials(v.seeds, v.positions, rng.TARGET, vocab)).argmax(dim=-1)
+    values, ids = weights.view(batch * k1, vocab).topk(kept, dim=-1)  # [B(K+1), C]
+    ids, order = ids.sort(dim=-1)
+    noise = rng.exponentials_at(v.seeds.repeat_interleave(k1), v.positions.reshape(-1), rng.TARGET, ids)
+    won = (values.gather(-1, order) / noise).argmax(dim=-1, keepdim=True)  # [B(K+1), 1]
+    return ids.gather(-1, won).view(batch, k1)

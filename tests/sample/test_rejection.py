@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -182,3 +184,31 @@ def test_greedy_verify_of_a_packed_step_equals_the_rejection_sampler(seed):
             None, argmax[rows], drafts, None, torch.zeros(b, dtype=torch.bool), torch.tensor(counts) - 1,
             torch.ones(b, dtype=torch.bool), torch.zeros(b, k), None))
         assert torch.equal(accepted[:b], want_accepted) and torch.equal(tokens[:b], want_tokens)
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense-q", "one-hot-q"])
+def test_keyed_noise_drawn_at_the_kept_tokens_alone_verifies_as_the_whole_rows(dense):
+    """A verify with its noise keyed (seeds and positions, as the engine passes it) emits exactly what
+    the same verify with that noise drawn over the whole vocabulary emits: rows cut by top-p race only
+    their kept tokens, a greedy row beside them, some drafts rejected."""
+    b, k, vocab = 6, 3, 4000
+    g = torch.Generator().manual_seed(int(dense))
+    rows = [(1.0, 0, 0.9, 0.0)] * 3 + [(0.7, 20, 0.95, 0.0), (0.0, 0, 0.9, 0.0), (1.3, 0, 0.5, 0.05)]
+    wp = WarpParams.build([r for r in rows for _ in range(k + 1)], torch.device("cpu"))
+    logits = torch.randn(b * (k + 1), vocab, generator=g) * 3.0
+    p = warp(logits, wp).view(b, k + 1, vocab)  # [B, K+1, V]
+    q = warp(logits[: b * k].view(b, k + 1 - 1, vocab).reshape(-1, vocab) + torch.randn(b * k, vocab, generator=g),
+             WarpParams.build([(1.0, 0, 0.9, 0.0)] * (b * k), torch.device("cpu"))).view(b, k, vocab)  # [B, K, V]
+    greedy = torch.tensor([t == 0.0 for t, _, _, _ in rows])
+    seeds, positions = torch.arange(b) * 7919 + 3, torch.arange(k + 1) + 50 + torch.arange(b).unsqueeze(-1) * 100
+    drafts = (q / rng.exponentials(seeds, positions[:, :k], rng.DRAFT, vocab)).argmax(-1)  # [B, K]
+    drafts[:3] = p[:3, :k].argmax(-1)  # likely ones: accepted with p(draft)
+    base = VerifyInput(target_probs=p, target_argmax=logits.view(b, k + 1, vocab).argmax(-1), draft_ids=drafts,
+                       draft_probs=q if dense else None, dense_q=torch.full((b,), dense), num_drafts=torch.full((b,), k),
+                       greedy=greedy, uniforms=None, noise=None, seeds=seeds, positions=positions)
+    keyed = rejection_sample(base)
+    whole = rejection_sample(replace(base, uniforms=rng.uniforms(seeds, positions[:, :k], rng.ACCEPT),
+                                     noise=rng.exponentials(seeds, positions, rng.TARGET, vocab)))
+    assert torch.equal(keyed[0], whole[0]) and torch.equal(keyed[1], whole[1])
+    assert int((p[~greedy] > 0).sum(-1).max()) <= vocab // 4  # the kept tokens alone raced
+    assert 0 < int(keyed[1].sum()) < b * k  # some drafts accepted, some rejected
