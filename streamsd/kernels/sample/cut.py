@@ -36,6 +36,19 @@ def _q(x, temp, top, total):
 
 
 @triton.jit
+def mass_from(x_row, vocab, temp, top, total, floor, BLOCK: tl.constexpr):
+    """The softmax mass of the row's tokens whose q reaches `floor`."""
+    offs = tl.arange(0, BLOCK)
+    run = tl.zeros([BLOCK], tl.float32)
+    for v0 in range(0, vocab, BLOCK):
+        idx = v0 + offs
+        x = tl.load(x_row + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+        p = _q(x, temp, top, total)
+        run += tl.where(p >= floor, p, 0.0)
+    return tl.sum(run, 0)
+
+
+@triton.jit
 def _above(x_row, vocab, temp, top, total, q, BLOCK: tl.constexpr):
     """(how many tokens have a softmax above q, their mass)."""
     offs = tl.arange(0, BLOCK)
@@ -98,13 +111,7 @@ def cut_race(x_row, vocab, key, temp, top, total, floor, top_k, top_p, BLOCK: tl
         k_floor = tl.full([], 0.0, tl.float32)
         if top_k > 0:
             k_floor = _top_k_floor(x_row, vocab, temp, top, total, top_k, BLOCK)
-        run = tl.zeros([BLOCK], tl.float32)
-        for v0 in range(0, vocab, BLOCK):
-            idx = v0 + offs
-            x = tl.load(x_row + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-            p = _q(x, temp, top, total)
-            run += tl.where(p >= k_floor, p, 0.0)
-        mass_k = tl.sum(run, 0)
+        mass_k = mass_from(x_row, vocab, temp, top, total, k_floor, BLOCK)
     pivot = tl.full([], -1.0, tl.float32)  # the round races the tokens whose q is above it
     best_i = tl.full([], 0, tl.int64)
     searching = tl.full([], 1, tl.int1)

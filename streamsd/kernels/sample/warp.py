@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from streamsd.kernels.sample import warp_chunked
-from streamsd.kernels.sample.cut import _q, cut_race
+from streamsd.kernels.sample.cut import _q, cut_race, mass_from
 from streamsd.kernels.sample.rng import _mix, _row_key, _to_unit, _u32
 from streamsd.kernels.sample.warp_chunked import MAX_ROWS, _param
 
@@ -64,16 +64,9 @@ def _softmax_stats(x_ptr, vocab, temp, BLOCK: tl.constexpr):
 @triton.jit
 def _row_stats(x_ptr, vocab, temp, min_p, BLOCK: tl.constexpr):
     """(max of the scaled logits, softmax denominator, min-p floor, mass above it) of one row."""
-    offs = tl.arange(0, BLOCK)
     top, total = _softmax_stats(x_ptr, vocab, temp, BLOCK)
     floor = min_p * tl.math.div_rn(1.0, total)  # min-p x the largest probability, exp(0) / total
-    run_kept = tl.zeros([BLOCK], tl.float32)
-    for v0 in range(0, vocab, BLOCK):
-        idx = v0 + offs
-        x = tl.load(x_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-        p = _q(x, temp, top, total)
-        run_kept += tl.where(p >= floor, p, 0.0)
-    return top, total, floor, tl.sum(run_kept, 0)
+    return top, total, floor, mass_from(x_ptr, vocab, temp, top, total, floor, BLOCK)
 
 
 @triton.jit
