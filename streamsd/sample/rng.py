@@ -68,13 +68,15 @@ def exponentials(seeds: torch.Tensor, positions: torch.Tensor, stream: int, voca
 
         return kernel.exponentials(seeds, positions, stream, vocab)
     keys = row_keys(seeds, positions, stream).unsqueeze(-1)  # [B, P, 1]
-    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)  # [V]
-    h = _mix(keys ^ ((idx * _GOLDEN) & _MASK32))  # [B, P, V]
-    return -torch.log(_to_unit(h))
+    return _noise(keys, torch.arange(vocab, device=seeds.device, dtype=torch.int64))  # [B, P, V]
 
 
 def exponentials_at(seeds: torch.Tensor, positions: torch.Tensor, stream: int, ids: torch.Tensor) -> torch.Tensor:
     """`exponentials`' numbers at some ids of the vocabulary only: seeds and positions [B], ids [B, C]
     int64 -> [B, C] float32, each the number `exponentials` gives that id at that (seed, position)."""
-    keys = row_keys(seeds, positions.unsqueeze(-1), stream)  # [B, 1]
+    return _noise(row_keys(seeds, positions.unsqueeze(-1), stream), ids)  # keys [B, 1]
+
+
+def _noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Exp(1) per (key, id), broadcast: what the CUDA kernel's bits give."""
     return -torch.log(_to_unit(_mix(keys ^ ((ids * _GOLDEN) & _MASK32))))

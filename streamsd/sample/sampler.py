@@ -24,29 +24,35 @@ def sample_keyed(logits: torch.Tensor, wp: WarpParams, ints: torch.Tensor) -> to
     else the race of the warped probabilities against the noise keyed (seed, position, TARGET), which
     is what the rejection sampler races for a bonus token there. ints [3, N]: greedy | seed | position.
     On CUDA one launch, rows cut by top-k/top-p included (kernels/sample/warp.py); elsewhere rows cut to
-    a small share of the vocabulary race their kept tokens alone (`_race_kept`) -> [N]."""
+    a small share of the vocabulary race their kept tokens alone (`race_kept`) -> [N]."""
     if logits.is_cuda:
         from streamsd.kernels.sample import warp as kernel
 
         return kernel.sample_keyed(logits, ints.reshape(-1), wp.temperature, wp.min_p, wp.top_k, wp.top_p,
                                    rng.TARGET)
     probs, greedy = warp(logits, wp), ints[0].bool()  # [N, V], [N]
-    if wp.needs_sort:
-        kept = int((probs[~greedy] > 0).sum(dim=-1).max()) if not bool(greedy.all()) else 0
-        if 0 < kept <= probs.shape[-1] // 4:
-            return torch.where(greedy, row_argmax(logits), _race_kept(probs, ints, kept))
+    raced = race_kept(probs, greedy, ints[1], ints[2]) if wp.needs_sort else None
+    if raced is not None:
+        return torch.where(greedy, row_argmax(logits), raced)
     noise = rng.exponentials(ints[1], ints[2].unsqueeze(-1), rng.TARGET, logits.shape[-1])[:, 0]  # [N, V]
     return sample_rows(probs, logits, greedy, noise)
 
 
-def _race_kept(probs: torch.Tensor, ints: torch.Tensor, kept: int) -> torch.Tensor:
-    """The race of each row's `kept` likeliest tokens: every token a row's cut keeps (a threshold on p),
-    and tokens of p 0 past them. Only their noise is drawn (on a CPU the noise over 32 rows of 49152
-    took longer than the rest of sampling). The same winner as over the whole row, ties to the lowest
-    id. probs [N, V] -> [N]."""
-    values, ids = probs.topk(kept, dim=-1)  # [N, K]
+def race_kept(weights: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor | None:
+    """argmax(w / E) per row, E the noise keyed (seed, position, TARGET), raced over the tokens of
+    positive weight alone, noise drawn at them only: the whole row's winner, ties to the lowest id (ids
+    raced ascending). On a CPU the noise over 32 rows of 49152 took longer than the rest of sampling,
+    and a top-p cut keeps few tokens. None where a sampled row (`greedy` rows are not read) weighs more
+    than a quarter of the vocabulary: race the whole rows then.
+    weights [R, V], greedy, seeds and positions [R] -> [R]."""
+    vocab = weights.shape[-1]
+    kept = int((weights > 0).sum(dim=-1).masked_fill(greedy, 0).max()) if weights.shape[0] else 0
+    if not 0 < kept <= vocab // 4:
+        return None
+    values, ids = weights.topk(kept, dim=-1)  # [R, C]
     ids, order = ids.sort(dim=-1)  # ascending, as the whole row's argmax meets them
-    noise = rng.exponentials_at(ints[1], ints[2], rng.TARGET, ids)  # [N, K]
+    noise = rng.exponentials_at(seeds, positions, rng.TARGET, ids)  # [R, C]
     return ids.gather(-1, row_argmax(values.gather(-1, order) / noise).unsqueeze(-1)).squeeze(-1)
 
 

@@ -80,7 +80,7 @@ def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     for candidates in (vocab,) if probs.is_cuda else (CANDIDATES, 16 * CANDIDATES, vocab):
         width = vocab if candidates >= vocab else \
             min(vocab, max(candidates, int(k[rows].masked_fill(top_k[rows] <= 0, 0).max()) + 1))
-        part = probs[rows]
+        part = probs if len(rows) == len(probs) else probs[rows]  # [R, V], a copy only once rows are left
         values = part.sort(dim=-1, descending=True).values if width == vocab else part.topk(width, dim=-1).values
         got, found = _cut_floor(values, k[rows], top_k[rows] > 0, top_p[rows], mass[rows], width == vocab)
         floor[rows] = torch.where(found, got, floor[rows])
