@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from streamsd.sched.plan import STEP_KINDS
@@ -77,16 +77,18 @@ def parse_metrics(text: str) -> Snapshot:
     return Snapshot(samples)
 
 
-async def scrape(client: httpx.AsyncClient, base_url: str, headers: dict[str, str] | None = None) -> Snapshot | None:
+async def scrape(client: aiohttp.ClientSession, base_url: str,
+                 headers: dict[str, str] | None = None) -> Snapshot | None:
     """One scrape; None when the server has no usable /metrics (the benchmark still runs)."""
     try:
-        resp = await client.get(base_url.rstrip("/") + "/metrics", headers=headers)
-    except httpx.HTTPError:
+        async with client.get(base_url.rstrip("/") + "/metrics", headers=headers) as resp:
+            text = await resp.text(errors="replace")
+    except (aiohttp.ClientError, TimeoutError):
         return None
-    if resp.status_code != 200:
+    if resp.status != 200:
         return None
     try:
-        return parse_metrics(resp.text)
+        return parse_metrics(text)
     except ValueError:
         return None
 

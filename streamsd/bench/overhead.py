@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import httpx
 
-from streamsd.bench.client import parse_sse_line, sse_lines
+from streamsd.bench.client import parse_sse_line, session, sse_lines
 from streamsd.bench.datasets import CHAT_PROMPTS, load_dataset
 
 if TYPE_CHECKING:
@@ -134,13 +135,13 @@ async def _engine_one(engine: AsyncEngine, prompt: str, max_tokens: int) -> Timi
     return _timing(t0, first, last, tokens)
 
 
-async def _served_one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> Timing:
+async def _served_one(client: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> Timing:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
     first = last = 0.0
     tokens: list[int] = []
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+    async with client.post(url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in sse_lines(r):
             chunk = parse_sse_line(line)
@@ -167,10 +168,10 @@ async def measure(ns: argparse.Namespace, prompts: list[str], port: int, max_tok
     offline: list[Timing] = []
     served: list[Timing] = []
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
+        async with session(1, 300.0) as client:
             for i, prompt in enumerate(prompts * (repeats + 1)):
                 o = await _engine_one(engine, prompt, max_tokens)
-                s = await _served_one(client, prompt, max_tokens)
+                s = await _served_one(client, f"http://127.0.0.1:{port}", prompt, max_tokens)
                 if i >= len(prompts):  # the first pass warms both up
                     offline.append(o)
                     served.append(s)

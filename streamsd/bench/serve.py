@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from streamsd.bench import report
@@ -31,6 +31,7 @@ from streamsd.bench.client import (
     RequestSpec,
     auth_headers,
     first_model,
+    session,
     stream_sse,
 )
 from streamsd.bench.compare import compare
@@ -164,7 +165,7 @@ def request_specs(args: argparse.Namespace, model: str, prompts: Sequence[BenchP
 
 
 async def run_cell(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     base_url: str,
     headers: dict[str, str],
     specs: Sequence[RequestSpec],
@@ -210,7 +211,7 @@ async def run_cell(
     return list(results), duration, [r for r in seconds if r is not None]
 
 
-async def probe(client: httpx.AsyncClient, base_url: str, headers: dict[str, str], spec: RequestSpec) -> None:
+async def probe(client: aiohttp.ClientSession, base_url: str, headers: dict[str, str], spec: RequestSpec) -> None:
     """One short request before measuring, so a wrong URL, model or endpoint fails fast and clearly.
     It leaves out a shared prefix: the first measured request is the one that prefills it."""
     short = RequestSpec(spec.endpoint, spec.model, spec.text, 2, spec.temperature, spec.seed, False, spec.speculative)
@@ -223,9 +224,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
     plans = plan_cells(args)
     headers = auth_headers(args.api_key)
     top = max((p.concurrency or args.num_prompts) for p in plans)
-    limits = httpx.Limits(max_connections=top + 4, max_keepalive_connections=top + 4)
-    # trust_env=False: measure the server itself, never through an environment proxy.
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=30.0), limits=limits, trust_env=False) as client:
+    async with session(top + 4, args.timeout) as client:
         model = args.model or await first_model(client, args.base_url, headers)
         prompts = load_dataset(
             args.dataset, args.num_prompts, seed=args.seed,
@@ -271,7 +270,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
 def run(args: argparse.Namespace) -> int:
     try:
         config, cells = asyncio.run(benchmark(args))
-    except (BenchError, ValueError, OSError, httpx.HTTPError) as exc:
+    except (BenchError, ValueError, OSError, aiohttp.ClientError) as exc:
         print(f"bench serve: {exc}", file=sys.stderr)
         return 1
     report.print_serve(config, cells)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import random
 import sys
 import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from streamsd.bench import report
@@ -25,6 +26,7 @@ from streamsd.bench.client import (
     auth_headers,
     complete,
     first_model,
+    session,
     stream_sse,
 )
 from streamsd.bench.soak_inputs import SOAK_PROMPTS, pick_bad_http, soak_spec
@@ -91,15 +93,14 @@ async def bad_http(ctx: Context, tally: Tally, rng: random.Random) -> None:
     tally.transports["http"] += 1
     url = ctx.base_url.rstrip("/") + bad.route
     headers = {**ctx.headers, "Content-Type": "application/json"}
+    data = bad.body if isinstance(bad.body, bytes) else json.dumps(bad.body).encode()
     try:
-        if isinstance(bad.body, bytes):
-            resp = await ctx.client.post(url, content=bad.body, headers=headers)
-        else:
-            resp = await ctx.client.post(url, json=bad.body, headers=headers)
-    except httpx.HTTPError as exc:
+        async with ctx.client.post(url, data=data, headers=headers) as resp:
+            await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
         tally.unexpected_error("transport", f"{bad.name}: {exc!r}")
         return
-    tally.bad_input_answer(str(resp.status_code), 400 <= resp.status_code < 500, bad.name)
+    tally.bad_input_answer(str(resp.status), 400 <= resp.status < 500, bad.name)
 
 
 async def client_loop(ctx: Context, tally: Tally, cid: int) -> None:
@@ -128,9 +129,7 @@ async def progress(tally: Tally, duration: float, enabled: bool) -> None:
 
 async def soak(args: argparse.Namespace) -> SoakReport:
     headers = auth_headers(args.api_key)
-    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
-    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    async with session(args.clients + 8, args.request_timeout) as client:
         model = args.model or await first_model(client, args.base_url, headers)
         # Known answers: each prompt alone, non-streaming, before any load.
         answers = [await complete(client, args.base_url, soak_spec(i, model, args.max_tokens), headers)
@@ -160,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         result = asyncio.run(soak(args))
-    except (BenchError, OSError, httpx.HTTPError) as exc:
+    except (BenchError, OSError, aiohttp.ClientError) as exc:
         print(f"bench soak: {exc}", file=sys.stderr)
         return 1
     report.print_pairs(f"Soak — {result.model}, {result.clients} clients, {result.duration_s:.0f} s",

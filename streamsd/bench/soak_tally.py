@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from streamsd.bench.client import RequestResult
 from streamsd.bench.metrics_scrape import scrape
@@ -19,7 +19,7 @@ MAX_SAMPLES = 12  # problem descriptions kept for the report; counts are always 
 
 @dataclass(frozen=True)
 class Context:
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     base_url: str
     headers: dict[str, str]
     model: str
@@ -147,7 +147,7 @@ class Tally:
         )
 
 
-async def drain(client: httpx.AsyncClient, base_url: str, headers: dict[str, str], timeout: float) -> DrainState:
+async def drain(client: aiohttp.ClientSession, base_url: str, headers: dict[str, str], timeout: float) -> DrainState:
     """Poll /metrics until nothing runs or waits and the KV cache is empty, or `timeout` passes."""
     start = time.monotonic()
     running = waiting = kv = None
@@ -162,8 +162,9 @@ async def drain(client: httpx.AsyncClient, base_url: str, headers: dict[str, str
             break
         await asyncio.sleep(0.25)
     try:
-        healthy = (await client.get(base_url.rstrip("/") + "/health")).status_code == 200
-    except httpx.HTTPError:
+        async with client.get(base_url.rstrip("/") + "/health") as resp:
+            healthy = resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
         healthy = False
     return DrainState(running, waiting, kv, idle, healthy, time.monotonic() - start)
 

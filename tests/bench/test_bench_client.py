@@ -6,14 +6,13 @@ import asyncio
 import itertools
 import json
 
-import httpx
-
 from streamsd.bench.client import (
     RequestResult,
     RequestSpec,
     chunk_text,
     parse_sse_line,
     sampling_fields,
+    session,
     stream_sse,
 )
 
@@ -32,12 +31,32 @@ def _sse(*events: object) -> bytes:
     return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
 
 
-def _run_sse(payload: bytes, status: int = 200, disconnect_after: int | None = None) -> RequestResult:
+async def _answer_with(parts: list[bytes], status: int, seen: list[bytes]) -> tuple[asyncio.Server, str]:
+    """A server on 127.0.0.1 that reads one HTTP request (into `seen`) and answers it with `status` and a
+    body written in `parts`, each its own write a moment apart, then closes the connection."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+        seen.append(await reader.readexactly(length))
+        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n".encode())
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def _run_sse(payload: bytes | list[bytes], status: int = 200, disconnect_after: int | None = None,
+             seen: list[bytes] | None = None) -> RequestResult:
     async def go() -> RequestResult:
-        transport = httpx.MockTransport(lambda request: httpx.Response(status, content=payload))
-        async with httpx.AsyncClient(transport=transport) as client:
-            spec = RequestSpec("chat", "m", "hello", 8)
-            return await stream_sse(client, "http://test", spec, disconnect_after=disconnect_after)
+        server, url = await _answer_with(payload if isinstance(payload, list) else [payload], status,
+                                         [] if seen is None else seen)
+        async with server, session(4, 10.0) as client:
+            return await stream_sse(client, url, RequestSpec("chat", "m", "hello", 8), disconnect_after=disconnect_after)
 
     return asyncio.run(go())
 
@@ -58,28 +77,15 @@ def test_stream_sse_keeps_unicode_line_breaks_inside_their_chunk() -> None:
     inside = body.index("\u2028".encode()) + 1  # a read that ends inside a multi-byte character
     cuts = [0, 9, inside, len(body) - 3, len(body)]  # and one between the CR and the LF of a line end
 
-    async def go() -> RequestResult:
-        stream = _Chunks([body[a:b] for a, b in itertools.pairwise(cuts)])
-        transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=stream))
-        async with httpx.AsyncClient(transport=transport) as client:
-            return await stream_sse(client, "http://test", RequestSpec("chat", "m", "hello", 8))
-
-    result = asyncio.run(go())
+    result = _run_sse([body[a:b] for a, b in itertools.pairwise(cuts)])
     assert result.ok and result.text == text
-
-
-class _Chunks(httpx.AsyncByteStream):
-    def __init__(self, chunks: list[bytes]):
-        self.chunks = chunks
-
-    async def __aiter__(self):
-        for chunk in self.chunks:
-            yield chunk
 
 
 def test_stream_sse_outcomes() -> None:
     role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-    ok = _run_sse(_sse(role, _delta("a"), _delta("b"), _delta("c"), USAGE, "[DONE]"))
+    seen: list[bytes] = []
+    ok = _run_sse(_sse(role, _delta("a"), _delta("b"), _delta("c"), USAGE, "[DONE]"), seen=seen)
+    assert json.loads(seen[0])["stream_options"] == {"include_usage": True}
     assert ok.ok and ok.text == "abc" and ok.output_tokens == 3 and ok.prompt_tokens == 4
     assert ok.spec == USAGE["usage"]["speculative"] and len(ok.itl) == 2 and ok.ttft is not None
     lost = _run_sse(_sse(_delta("a"), _delta("b")))
