@@ -35,6 +35,22 @@ def _interpreter_shim() -> None:
 
     interp.int = _Int
 
+    # The interpreter's tl.dot is NumPy's matmul, whose BLAS kernels block the rows: a row's sums came out
+    # in another order (other bits) by its place in the tile, on some CPUs and not others. The exact
+    # kernels' tests need what the GPU gives: each element's products added in increasing k, whatever
+    # the tile's other rows hold. float32 dots (the only ones these tests run on a CPU) do that here.
+    matmul_dot = interp.InterpreterBuilder.create_dot
+
+    def ordered_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.data.dtype == b.data.dtype == d.data.dtype == np.float32):
+            return matmul_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.copy()  # [..., M, N]
+        for k in range(a.data.shape[-1]):
+            acc += a.data[..., :, k:k + 1] * b.data[..., k:k + 1, :]  # [..., M, 1] * [..., 1, N]
+        return interp.TensorHandle(acc, d.dtype.scalar)
+
+    interp.InterpreterBuilder.create_dot = ordered_dot
+
 
 if not CUDA:
     _interpreter_shim()
