@@ -90,9 +90,34 @@ def test_exact_linear_tiles_16_bit_unsplit_weights_128_wide_past_one_m_tile():
     assert (small.rows, small.tile, small.warps, small.group) == (BLOCK_M, WIDE_TILE, 4, 1)  # 2 x 4 programs
     assert (big.rows, big.tile, big.warps) == (WIDE_M, WIDE_TILE, 8)  # 3 x 4 at 64 rows would be 12
     assert plan(BLOCK_M + 1, 512, 256, torch.float32, cpu).tile == block_n(512, cpu)
-    assert plan(BLOCK_M + 1, 512, 2048, bf16, cpu).splits == SPLITS
-    assert plan(BLOCK_M + 1, 512, 2048, bf16, cpu).tile != WIDE_TILE
     assert plan(BLOCK_M + 1, 512, 256, bf16, cpu, group=2).group == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_linear_sums_a_split_weights_ranges_in_one_program_past_one_m_tile(dtype):
+    """Within one M tile a split weight's ranges are programs of their own, their fp32 partials summed by a
+    second launch; past it each program sums the ranges itself, in the same order (`ordered`), on the wide
+    plan's tiles, and writes no partials."""
+    cpu = torch.device("cpu")
+    small, big = plan(BLOCK_M, 512, 2048, dtype, cpu), plan(BLOCK_M + 1, 512, 2048, dtype, cpu)
+    assert (small.splits, small.ordered) == (SPLITS, False)
+    assert (big.splits, big.ordered, big.tile, big.block_k) == (SPLITS, True, WIDE_TILE, small.block_k)
+    assert not plan(BLOCK_M + 1, 512, 256, dtype, cpu).ordered  # unsplit
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [3, 4])
+def test_exact_linear_ordered_ranges_sum_every_product_once(dtype, splits):
+    """Small integers make every sum exact whatever its order: the in-program ranges (the last one short,
+    with 4 ranges of a 3-block K one empty) cover K once, add the bias once and mask N's edge."""
+    g = torch.Generator().manual_seed(3)
+    k, n, m = 150, 136, BLOCK_M + 7
+    w = torch.randint(-3, 4, (n, k), generator=g).to(DEV, dtype)
+    b = torch.randint(-9, 10, (n,), generator=g).to(DEV, dtype)
+    x = torch.randint(-3, 4, (m, k), generator=g).to(DEV, dtype)
+    assert plan(m, n, k, dtype, x.device, splits=splits).ordered
+    want = (x.double() @ w.double().T + b.double()).to(dtype)
+    assert torch.equal(exact_linear(x, w, b, splits=splits), want)
 
 
 def test_exact_linear_splits_only_a_long_reduction():

@@ -80,6 +80,44 @@ def _tile_store(y_ptr, acc, b_ptr, rows, cols, m, n, sy_m, HAS_BIAS: tl.constexp
              mask=(rows < m)[:, None] & (cols < n)[None, :])
 
 
+@triton.jit
+def _rows_block(x_ptr, rows, ks, k0, k_end, m, sx_m, EVEN: tl.constexpr):
+    """x[rows, k0:k0 + BLOCK_K], rows past m (and, unless EVEN, columns past k_end) read as 0."""
+    if EVEN:
+        return tl.load(x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :], mask=(rows < m)[:, None], other=0.0)
+    return tl.load(x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :],
+                   mask=(rows < m)[:, None] & (k0 + ks < k_end)[None, :], other=0.0)
+
+
+@triton.jit
+def _range_sum(x_ptr, w_ptr, rows, cols, ks, k_start, k_end, m, n, sx_m, sw_n, IEEE: tl.constexpr,
+               EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows, k_start:k_end] @ W[cols, k_start:k_end]^T from a zero accumulator, K block after K block."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        a = _rows_block(x_ptr, rows, ks, k0, k_end, m, sx_m, EVEN)  # [BLOCK_M, BLOCK_K]
+        acc = _tile_step(acc, a, w_ptr, cols, ks, k0, k_end, n, sw_n, IEEE, EVEN)
+    return acc
+
+
+@triton.jit(do_not_specialize=["m"])
+def _ordered_splits_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, k_range, sx_m, sw_n, sy_m,
+                           HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr, SPLITS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (i, j): rows i, N tile j, every K range in turn, each summed from zero and added to the
+    total in range order: the bits of a split launch's partials summed by _sum_splits_kernel, without the
+    fp32 partials written and read back. Past one M tile the programs need no split of K to fill the SMs."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    total = _range_sum(x_ptr, w_ptr, rows, cols, ks, 0, tl.minimum(k, k_range), m, n, sx_m, sw_n,
+                       IEEE, EVEN, BLOCK_M, BLOCK_N, BLOCK_K)  # [BLOCK_M, BLOCK_N]
+    for s in range(1, SPLITS):
+        total += _range_sum(x_ptr, w_ptr, rows, cols, ks, s * k_range, tl.minimum(k, (s + 1) * k_range), m, n,
+                            sx_m, sw_n, IEEE, EVEN, BLOCK_M, BLOCK_N, BLOCK_K)
+    _tile_store(y_ptr, total, b_ptr, rows, cols, m, n, sy_m, HAS_BIAS)
+
+
 @triton.jit(do_not_specialize=["m"])
 def _exact_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, k_range, sx_m, sw_n, sy_m, sy_split,
                          HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr,
@@ -100,12 +138,7 @@ def _exact_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, k_range, sx_m, sw_
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(pid_k * k_range, k_end, BLOCK_K):
-        if EVEN:
-            a = tl.load(x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :], mask=(rows < m)[:, None],
-                        other=0.0)  # [BLOCK_M, BLOCK_K]
-        else:
-            a = tl.load(x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :],
-                        mask=(rows < m)[:, None] & (k0 + ks < k_end)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        a = _rows_block(x_ptr, rows, ks, k0, k_end, m, sx_m, EVEN)  # [BLOCK_M, BLOCK_K]
         acc0 = _tile_step(acc0, a, w_ptr, cols, ks, k0, k_end, n, sw_n, IEEE, EVEN)
         if GROUP > 1:
             acc1 = _tile_step(acc1, a, w_ptr, cols + BLOCK_N, ks, k0, k_end, n, sw_n, IEEE, EVEN)
@@ -186,28 +219,34 @@ class Plan:
     splits: int  # K ranges
     block_k: int
     stages: int
+    ordered: bool = False  # a program sums every K range itself, in order (_ordered_splits_kernel)
 
     @property
     def warps(self) -> int:
         return self.rows // 16
 
 
-def wide_plan(m: int, n: int, device: torch.device) -> Plan:
-    """An unsplit 16-bit weight past one BLOCK_M: 128-wide N tiles, 64-deep K blocks; 64 rows (4 warps,
-    4 stages) while the grid leaves at most two programs an SM, else 128 (8 warps, 3 stages). On an
-    H100 at 320 rows the 8B q/k/v (48 column tiles) took 64 rows, its gate/up (224) 128."""
-    rows = BLOCK_M if triton.cdiv(m, BLOCK_M) * triton.cdiv(n, WIDE_TILE) <= 2 * _sms(device) else WIDE_M
-    return Plan(rows, WIDE_TILE, 1, 1, WIDE_BLOCK_K, 4 if rows == BLOCK_M else 3)
+def wide_plan(m: int, n: int, device: torch.device, splits: int = 1, dtype: torch.dtype = torch.bfloat16,
+              tile: int = WIDE_TILE) -> Plan:
+    """A 16-bit or a split weight past one BLOCK_M: 128-wide N tiles, 64-deep K blocks; 64 rows (4 warps,
+    4 stages) while the grid leaves at most two programs an SM, else 128 (8 warps, 3 stages). On an H100
+    at 320 rows the 8B q/k/v (48 column tiles) took 64 rows, its gate/up (224) 128. A split weight's
+    program sums its K ranges in order itself (`ordered`): its K blocks are the split's 64 deep already.
+    float32 operands take 3 stages (a stage of 128 rows holds 64 KB of them)."""
+    rows = BLOCK_M if triton.cdiv(m, BLOCK_M) * triton.cdiv(n, tile) <= 2 * _sms(device) else WIDE_M
+    stages = 4 if rows == BLOCK_M and dtype != torch.float32 else 3
+    return Plan(rows, tile, 1, splits, WIDE_BLOCK_K, stages, ordered=splits > 1)
 
 
 def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, tile_n: int | None = None,
          splits: int | None = None, group: int | None = None) -> Plan:
-    """The tiling of x [m, k] @ W [n, k]^T. `tile_n`: the N tile within one M tile (`block_n` by default);
-    `splits`: the K ranges (`split_k` by default; a weight must keep one); `group`: N tiles per program of
-    the grouped plan, which it then takes past one M tile instead of `wide_plan`."""
+    """The tiling of x [m, k] @ W [n, k]^T. `tile_n`: the N tile (by default `block_n` within one M tile,
+    WIDE_TILE or a split's SPLIT_TILE past it); `splits`: the K ranges (`split_k` by default; a weight must
+    keep one); `group`: N tiles per program of the grouped plan, which it then takes past one M tile
+    instead of `wide_plan`."""
     splits = splits or split_k(n, k)
-    if m > BLOCK_M and splits == 1 and dtype != torch.float32 and group is None:
-        return wide_plan(m, n, device)
+    if m > BLOCK_M and (dtype != torch.float32 or splits > 1) and group is None:
+        return wide_plan(m, n, device, splits, dtype, tile_n or WIDE_TILE)
     tile = tile_n or (SPLIT_TILE if splits > 1 else block_n(n, device))
     group = group or group_tiles(m, n, tile, splits, device)
     rows = block_m(m, tile)
@@ -229,6 +268,13 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return y
     p = plan(m, n, k, x.dtype, x.device, tile_n, splits, group)
     k_range = triton.cdiv(triton.cdiv(k, p.block_k), p.splits) * p.block_k  # whole K blocks per range
+    if p.ordered:
+        _ordered_splits_kernel[(triton.cdiv(m, p.rows), triton.cdiv(n, p.tile))](
+            x, weight, bias if bias is not None else weight, y, m, n, k, k_range, x.stride(0), weight.stride(0), n,
+            HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, EVEN=n % p.tile == 0 and k_range * p.splits == k, SPLITS=p.splits,
+            BLOCK_M=p.rows, BLOCK_N=p.tile, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
+        )
+        return y
     out = y if p.splits == 1 else torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
     grid = (triton.cdiv(m, p.rows), triton.cdiv(n, p.group * p.tile), p.splits)
     _exact_matmul_kernel[grid](
