@@ -98,11 +98,13 @@ def test_exact_linear_sums_a_split_weights_ranges_in_one_program_past_one_m_tile
     """Within one M tile a split weight's ranges are programs of their own, their fp32 partials summed by a
     second launch; past it each program sums the ranges itself, in the same order (`ordered`), on the wide
     plan's tiles, and writes no partials."""
-    cpu = torch.device("cpu")
+    cpu = torch.device("cpu")  # taken as 4 SMs
     small, big = plan(BLOCK_M, 512, 2048, dtype, cpu), plan(BLOCK_M + 1, 512, 2048, dtype, cpu)
     assert (small.splits, small.ordered) == (SPLITS, False)
     assert (big.splits, big.ordered, big.tile, big.block_k) == (SPLITS, True, WIDE_TILE, small.block_k)
     assert not plan(BLOCK_M + 1, 512, 256, dtype, cpu).ordered  # unsplit
+    few = plan(BLOCK_M + 1, 128, 2048, dtype, cpu)  # 2 wide tiles for 4 SMs: split over K instead
+    assert (few.splits, few.ordered) == (SPLITS, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -111,7 +113,8 @@ def test_exact_linear_ordered_ranges_sum_every_product_once(dtype, splits):
     """Small integers make every sum exact whatever its order: the in-program ranges (the last one short,
     with 4 ranges of a 3-block K one empty) cover K once, add the bias once and mask N's edge."""
     g = torch.Generator().manual_seed(3)
-    k, n, m = 150, 136, BLOCK_M + 7
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count if CUDA else 4
+    k, n, m = 150, WIDE_TILE * -(-sms // 2) + 8, BLOCK_M + 7  # 2 rows of wide tiles, at least the SMs
     w = torch.randint(-3, 4, (n, k), generator=g).to(DEV, dtype)
     b = torch.randint(-9, 10, (n,), generator=g).to(DEV, dtype)
     x = torch.randint(-3, 4, (m, k), generator=g).to(DEV, dtype)

@@ -28,10 +28,16 @@ Past one M tile (a verify of a large batch, a prompt chunk) the GEMM computes mo
   while that leaves at most two programs an SM, else 128 (two warp groups). On an H100 at 320 rows
   (an 8B verify of 64 requests) q/k/v 51 -> 30 us, o 52 -> 30, gate/up 195 -> 160; at 2,048 rows
   o 226 -> 115;
-- a split or float32 weight keeps its N tile, and a program takes a group of up to four adjacent
+- a split weight takes the same tiles where they are at least as many as the SMs, and each program sums
+  the 8 K ranges itself, one after the other, each from zero and added to the total in range order
+  (`ordered`): the bits of the partials summed by the second kernel, without writing them (8 x M x N
+  fp32) and reading them back. On an H100 the 8B down projection at 320 / 1,000 / 2,048 rows: 130 ->
+  120, 395 -> 276, 819 -> 550 us (cuBLAS 63, 149, 299);
+- an unsplit float32 weight keeps its N tile, and a program takes a group of up to four adjacent
   tiles (at most 128 columns), each with its own accumulator and its own dot per K block, so the group
-  shares x's loads; a 64-wide tile there also takes 128 rows of x (`block_m`). Split weights keep an
-  fp32 workspace of 8 x M x N, summed in order by a second kernel.
+  shares x's loads; a 64-wide tile there also takes 128 rows of x (`block_m`). So does a split weight
+  with fewer wide tiles than SMs; its ranges, as within one M tile, are programs of their own, summed
+  in order by a second kernel.
 A grid whose tiles cover N and K exactly loads without masks on them (`EVEN`); rows past M are always
 masked. `streamsd bench offline --exact` measures the price.
 """
@@ -246,7 +252,11 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, tile_
     instead of `wide_plan`."""
     splits = splits or split_k(n, k)
     if m > BLOCK_M and (dtype != torch.float32 or splits > 1) and group is None:
-        return wide_plan(m, n, device, splits, dtype, tile_n or WIDE_TILE)
+        wide = wide_plan(m, n, device, splits, dtype, tile_n or WIDE_TILE)
+        # Ranges summed in one program leave SMs idle where its tiles are fewer than the SMs: an 8B down
+        # projection at 80 rows (64 tiles) took 102 us so against 66 split over K, on an H100.
+        if not wide.ordered or triton.cdiv(m, wide.rows) * triton.cdiv(n, wide.tile) >= _sms(device):
+            return wide
     tile = tile_n or (SPLIT_TILE if splits > 1 else block_n(n, device))
     group = group or group_tiles(m, n, tile, splits, device)
     rows = block_m(m, tile)
