@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from streamsd.model.capture import capture
 from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.graph_layout import (
     pack_step,
@@ -221,36 +222,25 @@ class GraphRunner:
             n = packed_size(bucket, width, slots)
             rows, tiles = packed[n : n + bucket], torch.empty(4 * n_tiles, dtype=torch.int32, device=dev)
             layout = replace(layout, prompt_tiles=tiles)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
         layers = self.hidden_layers if streams else ()
         store = self.store if streams else None
         qs = layout.query_starts_t
         verifies = width > 1 and self.verifies and not prompt
 
-        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+        def forward() -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
             if tiles is not None:
                 tiles.copy_(packed[-tiles.numel() :])  # inside the graph: the host writes them as int64
             out = self.model(ids, layout, self.cache, rows, hidden_layers=layers, hidden_rows=hidden_rows)
             # [T, layers * hidden] | None, into the store too (padding tokens: the scratch block's rows)
-            return out.logits, keep_streams(out.hidden, layout.slot_mapping, store)
+            hidden = keep_streams(out.hidden, layout.slot_mapping, store)
+            return out.logits, hidden, greedy_verify(out.logits, ids, qs, bucket, width) if verifies else None
 
-        with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels, outside capture
-            logits, _ = forward()
-            if verifies:
-                greedy_verify(logits, ids, qs, bucket, width)
-        torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, hidden = forward()  # [T or 1, V], [T, layers * hidden] | None
-            greedy = greedy_verify(logits, ids, qs, bucket, width) if verifies else None  # [B, Q], [B]
+        logits, hidden, greedy = capture(graph, self.pool, dev, forward)  # [T or 1, V], [T, L * H] | None, [B, Q], [B]
         # Every tensor made outside the capture and read by the graph is kept here: once freed, the
         # caching allocator hands its memory to eager work and the next replay reads garbage.
         g = _Graph(graph, bucket, width, packed, block_table, hidden_rows if prompt else rows, logits, hidden, greedy,
                    tiles)
-        # A graph's first launch uploads it to the device, which costs a request's step about a
-        # millisecond: done now, on the padding the buffers still hold (it writes the scratch block only).
-        graph.replay()
         self._variant(streams)[(bucket, width)] = g
         return g
 

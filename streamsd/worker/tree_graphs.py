@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from streamsd.config import TreeShape
+from streamsd.model.capture import capture
 from streamsd.model.graph_layout import pack_step, static_layout
 from streamsd.model.graphs import buckets_up_to
 from streamsd.model.kv_cache import BatchLayout, PagedKVCache, uniform_starts
@@ -281,17 +282,12 @@ class TreeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         snapshot = [x.clone() for x in (g.packed, g.bits, g.roots, g.tree)]
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
-            self._step(g)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        for x, y in zip((g.packed, g.bits, g.roots, g.tree), snapshot, strict=True):
-            x.copy_(y)  # the warm-up wrote the next inputs: back to all-padding for the capture
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            self._step(g)
-        for x, y in zip((g.packed, g.bits, g.roots, g.tree), snapshot, strict=True):
-            x.copy_(y)
+
+        def reset() -> None:  # a step writes the next step's inputs: back to all padding
+            for x, y in zip((g.packed, g.bits, g.roots, g.tree), snapshot, strict=True):
+                x.copy_(y)
+
+        capture(g.graph, self.pool, dev, lambda: self._step(g), reset)
         return g
 
 

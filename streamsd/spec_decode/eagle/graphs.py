@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from streamsd.model.capture import capture
 from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.graph_layout import pack_step, static_layout
 from streamsd.model.graphs import BUCKETS, buckets_up_to
@@ -272,11 +273,5 @@ class EagleGraphs:
             return g
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
-            self._forward(g)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.drafts = self._forward(g)
+        g.drafts = capture(g.graph, self.pool, dev, lambda: self._forward(g))
         return g

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from streamsd.config import TreeShape
+from streamsd.model.capture import capture
 from streamsd.model.graph_layout import (
     pack_step,
     packed_size,
@@ -162,11 +163,6 @@ class GrowGraphs:
         self.graphs[key] = g
         if g.graph is None:
             return g
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
-            self._grow(g, key)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            self._grow(g, key)
+        assert self.pool is not None
+        capture(g.graph, self.pool, dev, lambda: self._grow(g, key))
         return g
