@@ -32,7 +32,7 @@ def test_pieces_give_the_tokenizers_ids_on_any_text():
     repeated runs: piecewise ids equal whole-text ids, short pieces as well as cached long ones."""
     tok = build_tokenizer()
     cache = PieceCache.build(tok, min_chars=16)
-    assert cache.pattern is not None
+    assert cache.pattern is not None and cache.backend is tok.backend_tokenizer  # pieces through tokenizers
     rng = random.Random(0)
     texts = [_text(rng, rng.randrange(1, 40)) for _ in range(300)]
     for text in texts + texts[:50]:  # the repeats come from the cache
