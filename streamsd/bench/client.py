@@ -2,10 +2,10 @@
 `/v1/ws` WebSocket protocol (docs/PROTOCOL.md). Each request yields one `RequestResult` with its
 timings (TTFT, inter-chunk gaps, end-to-end) and the server's usage, including speculation.
 
-aiohttp, not httpx: a load generator's own time per chunk lands in every latency it reports. 32
-streams of 64 chunks each, against a stand-in server that answers in 6 ms, read a median time to
-first token of 97 ms through httpx (its pure-Python HTTP parsing kept the client's core busy) and
-9 ms through aiohttp, on the same 2 cores.
+aiohttp, not httpx: a load generator's own time per chunk lands in every latency it reports. The
+default server on an H100, 32 chats at a time streaming ~12,000 tokens/s, read a median time to first
+token of 59 ms through httpx (its pure-Python HTTP parsing kept the client's core busy) and 32-35 ms
+through aiohttp, which also read 20 % more tokens/s from it.
 """
 
 from __future__ import annotations
