@@ -44,8 +44,11 @@ def race_kept(weights: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
     positive weight alone, noise drawn at them only: the whole row's winner, ties to the lowest id (ids
     raced ascending). On a CPU the noise over 32 rows of 49152 took longer than the rest of sampling,
     and a top-p cut keeps few tokens. None where a sampled row (`greedy` rows are not read) weighs more
-    than a quarter of the vocabulary: race the whole rows then.
+    than a quarter of the vocabulary: race the whole rows then. None on CUDA too: there the keyed noise
+    of whole rows is one kernel, and counting the kept tokens would wait for the device.
     weights [R, V], greedy, seeds and positions [R] -> [R]."""
+    if weights.is_cuda:
+        return None
     vocab = weights.shape[-1]
     kept = int((weights > 0).sum(dim=-1).masked_fill(greedy, 0).max()) if weights.shape[0] else 0
     if not 0 < kept <= vocab // 4:
