@@ -17,10 +17,7 @@ rather than compiles them).
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -62,7 +59,6 @@ from streamsd.model.device_layout import DeviceStarts
 from streamsd.sample.rejection import VerifyInput
 
 _SPLITS = (1, 2, 4, 8, 16)  # every value pick_splits can return
-MAX_THREADS = 16  # compile threads at most
 
 
 def compiled_variants() -> int:
@@ -91,7 +87,7 @@ def begin_warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, 
     once they are needed, and whatever runs in between (the CUDA-graph capture) overlaps them."""
     layouts = sorted({(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in models})
     sampling = partial(_sampling_variants, vocab, cache_dtype, device)
-    firsts: list[partial[None]] = [
+    firsts: list[partial[None]] = [  # one variant of every kernel, then the rest
         sampling,
         partial(_paged_variant, layouts[0], cache_dtype, block_size, device, 1, 2, False),  # the split-merge kernel too
         partial(_prefill_variant, layouts[0], cache_dtype, block_size, device),
@@ -110,14 +106,13 @@ def begin_warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, 
              *[partial(_restart_variant, k, device) for k in range(2, max_k + 1)]]
     every = [*firsts, *tasks]
     done = marker(every, device_name(device))  # read once: it hashes the kernels' source
-    return WarmUp(firsts, tasks, device, done, start(every, device, done))
+    return WarmUp(every, device, done, start(every, device, done))
 
 
 @dataclass(frozen=True)
 class WarmUp:
     """A warm-up begun (`begin_warm_up`): its tasks, and the children compiling them on a first start."""
 
-    firsts: list[partial[None]]  # one variant of every kernel: launched first, on the caller's thread
     tasks: list[partial[None]]
     device: torch.device
     done: Path | None  # the marker of the whole set (kernels/precompile.py)
@@ -127,28 +122,19 @@ class WarmUp:
         """Waits for the children, then runs every task here, where each loads its variant from disk
         or (a child failed, or none ran) compiles it; returns (variants compiled here, seconds).
 
-        The tasks compile on a thread pool as wide as the machine: Triton's compiler runs in worker
-        threads by design (its own AsyncCompileMode does so), most of a compile releases the GIL (12
-        variants of a small kernel compiled 1.7x faster on 2 threads than on one, on 2 CPU cores), and
-        a first start compiles about a hundred variants. What is not thread-safe is a kernel's first
-        launch on a device, which creates its variant cache: the sampling kernels and one variant of
-        every other kernel launch first, on this thread, so that the threads only ever add variants to
-        caches that exist. The device is set in each thread: a new thread starts on device 0."""
+        One task after another, on this thread: a variant's first launch loads its launcher, a small
+        extension module Triton builds per kernel signature, and every one of them has the same
+        module name. Loaded from several threads at once, a launch can go through another kernel's
+        launcher (Python raises "function takes exactly 46 arguments (26 given)") and the start fails.
+        Compiling in parallel is the children's work (kernels/precompile.py); what is left here is
+        loading from disk, ~100 variants in well under a second."""
         t0, before = time.perf_counter(), compiled_variants()
         if self.compiling is not None:
             self.compiling.wait()
-        for first in self.firsts:
-            first()
-        device = self.device
-
-        def run(task: Callable[[], None]) -> None:
-            with torch.cuda.device(device):
+        with torch.cuda.device(self.device):
+            for task in self.tasks:
                 task()
-
-        with ThreadPoolExecutor(max_workers=max(1, min(len(self.tasks), os.cpu_count() or 1, MAX_THREADS))) as pool:
-            for future in [pool.submit(run, t) for t in self.tasks]:
-                future.result()  # a compile error surfaces here, as it would have inline
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(self.device)
         mark_compiled(self.done)
         return compiled_variants() - before, time.perf_counter() - t0
 

@@ -7,14 +7,16 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 
 from streamsd.kernels import precompile as pc
-from streamsd.kernels.warmup import _paged_variant, _rejection_variant
+from streamsd.kernels.warmup import WarmUp, _paged_variant, _rejection_variant
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,3 +130,15 @@ def test_processes_stay_within_half_the_cores_and_the_cap():
     n = pc.processes_for(1000)
     assert n == 0 or 2 <= n <= pc.MAX_PROCESSES
     assert pc.processes_for(3) == 0  # too few tasks to pay for a child's start
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_warm_up_runs_its_tasks_in_order_on_the_calling_thread(tmp_path):
+    """A variant's first launch loads Triton's launcher for its signature, and every launcher module has
+    the same name: loaded from two threads at once, a launch can go through another kernel's launcher."""
+    seen: list[tuple[int, int]] = []
+    tasks = [partial(lambda i: seen.append((i, threading.get_ident())), i) for i in range(6)]
+    WarmUp(tasks, torch.device("cuda", 0), tmp_path / "marker", None).finish()
+    assert seen == [(i, threading.get_ident()) for i in range(6)]
+    assert (tmp_path / "marker").exists()
