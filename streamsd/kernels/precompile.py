@@ -2,7 +2,8 @@
 
 Most of a Triton compile is Python (the front end walks the kernel's AST and builds its IR) and
 holds the GIL, so threads overlap only the LLVM and ptxas parts: on a 16-core host ~110 variants
-compiled on threads still took 17-29 s of a cold start. Child processes have a GIL each. They run the same variant tasks, whose compiles land in Triton's on-disk cache (shared through
+compiled on threads still took 17-29 s of a cold start. Child processes have a GIL each. They run
+the same variant tasks, whose compiles land in Triton's on-disk cache (shared through
 TRITON_CACHE_DIR, which they inherit); the server's own warm-up then loads each variant from disk
 instead of compiling it. A child is a fresh interpreter running this module (`python -m`), handed
 its tasks pickled on stdin: unlike multiprocessing's spawn it never imports the caller's main script,
