@@ -1,11 +1,11 @@
 """Two short requests through the engine's own step path before the server says it is ready.
 
-The first request after a start used to pay for every first call on its way: on a GPU, CUDA's
+Without them the first request after a start pays for every first call on its way: on a GPU, CUDA's
 lazily loaded kernel modules, cuBLAS's choice of kernels for the prompt's shapes, the draft head's
 eager catch-up over a prompt (the start-up graphs cover decode and verify steps only, and a start
 that reads its cost profile back from disk runs no prompt at all); on a CPU, oneDNN's primitives and
 the allocator's growth. On an H200 the first chat request took 0.31 s where the tenth took 0.09 s,
-and on a 2-core CPU a first prompt twice the TTFT of the next ones.
+and on a 2-core CPU a first prompt took twice the TTFT of the next ones.
 
 Running the same steps once at start-up moves those costs out of every user's way: a greedy and a
 seeded sampled request together, prefilled over two KV blocks and decoded with the engine's own
