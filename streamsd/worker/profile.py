@@ -216,7 +216,9 @@ def profile_key(worker: Worker, max_batch: int, max_tokens: int, max_k: int, mod
 
 
 def device_name(dev: torch.device) -> str:
-    """The accelerator's or the CPU's model name: a profile made on one machine prices nothing on another."""
+    """The accelerator's or the CPU's model name: a profile made on one machine prices nothing on another.
+    A CPU's also names the vector instructions torch's kernels use on it: a virtual machine may call
+    itself just "AMD EPYC" on hosts with and without AVX-512, whose steps differ ~3x in cost."""
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     try:
@@ -226,4 +228,5 @@ def device_name(dev: torch.device) -> str:
         names = []
     import platform
 
-    return f"cpu: {names[0] if names else platform.processor() or platform.machine()} x {os.cpu_count()}"
+    model = names[0] if names else platform.processor() or platform.machine()
+    return f"cpu: {model} x {os.cpu_count()}, {torch.backends.cpu.get_cpu_capability()}"

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from streamsd.config import EngineConfig, SpecConfig
 from streamsd.engine.builder import build_runtime
@@ -129,3 +132,20 @@ def test_triton_keeps_its_kernels_under_the_streamsd_home_unless_told_otherwise(
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     use_triton_cache()
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def _cpu_name(capability: str | None) -> str:
+    env = {**os.environ, **({"ATEN_CPU_CAPABILITY": capability} if capability else {})}
+    code = "import torch; from streamsd.worker.profile import device_name; print(device_name(torch.device('cpu')))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_a_cpu_limited_to_other_vector_instructions_gets_a_profile_of_its_own():
+    """A virtual machine may name its CPU alike on hosts with and without AVX-512: the key says which
+    instructions torch's kernels use (here the same machine told to use none beyond the baseline)."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU has no vector instructions beyond the baseline to turn off")
+    full, baseline = _cpu_name(None), _cpu_name("default")
+    assert full.endswith(torch.backends.cpu.get_cpu_capability()) and baseline.endswith("DEFAULT")
+    assert full.rsplit(",", 1)[0] == baseline.rsplit(",", 1)[0]  # the same model and cores
