@@ -86,27 +86,30 @@ def begin_warm_up(models: list[Any], cache_dtype: torch.dtype, block_size: int, 
     processes begin compiling them now (kernels/precompile.py); `WarmUp.finish` completes the warm-up
     once they are needed, and whatever runs in between (the CUDA-graph capture) overlaps them."""
     layouts = sorted({(m.args.num_heads, m.args.num_kv_heads, m.args.head_dim) for m in models})
-    sampling = partial(_sampling_variants, vocab, cache_dtype, device)
-    firsts: list[partial[None]] = [  # one variant of every kernel, then the rest
-        sampling,
-        partial(_paged_variant, layouts[0], cache_dtype, block_size, device, 1, 2, False),  # the split-merge kernel too
-        partial(_prefill_variant, layouts[0], cache_dtype, block_size, device),
-        partial(_rejection_variant, 1, False, False, vocab, device),
-        partial(_restart_variant, 1, device),
-    ]
     exact_layout = (exact.args.num_heads, exact.args.num_kv_heads, exact.args.head_dim) if exact is not None else None
-    if exact_layout is not None:
-        firsts.append(partial(_exact_variant, exact_layout, cache_dtype, block_size, device, False))
-    tasks = [*_paged_tasks(layouts, cache_dtype, block_size, device, trees),
-             *([partial(_exact_variant, exact_layout, cache_dtype, block_size, device, True)]
-               if exact_layout is not None and trees else []),
-             *[partial(_prefill_variant, layout, cache_dtype, block_size, device) for layout in layouts[1:]],
-             *[partial(_rejection_variant, k, has_p, has_q, vocab, device) for k in range(1, max_k + 1)
-               for has_p, has_q in ((False, False), (True, False), (True, True))],
-             *[partial(_restart_variant, k, device) for k in range(2, max_k + 1)]]
-    every = [*firsts, *tasks]
+    every = variant_tasks(layouts, cache_dtype, block_size, vocab, max_k, device, trees, exact_layout)
     done = marker(every, device_name(device))  # read once: it hashes the kernels' source
     return WarmUp(every, device, done, start(every, device, done))
+
+
+def variant_tasks(layouts: list[tuple[int, int, int]], cache_dtype: torch.dtype, block_size: int, vocab: int,
+                  max_k: int, device: torch.device, trees: bool = False,
+                  exact_layout: tuple[int, int, int] | None = None) -> list[partial[None]]:
+    """One task per kernel variant a step can reach, each once: the sampling noise and warps, the decode
+    and verify attention of every head layout (split-merge included; tree variants with `trees`), its
+    prefill attention, the exact attention of `exact_layout`, the rejection sampler and the queued-ahead
+    restart for every k <= `max_k`."""
+    exact_trees = (False, True) if trees else (False,)
+    return [
+        partial(_sampling_variants, vocab, cache_dtype, device),
+        *_paged_tasks(layouts, cache_dtype, block_size, device, trees),
+        *[partial(_prefill_variant, layout, cache_dtype, block_size, device) for layout in layouts],
+        *([partial(_exact_variant, exact_layout, cache_dtype, block_size, device, tree) for tree in exact_trees]
+          if exact_layout is not None else []),
+        *[partial(_rejection_variant, k, has_p, has_q, vocab, device) for k in range(1, max_k + 1)
+          for has_p, has_q in ((False, False), (True, False), (True, True))],
+        *[partial(_restart_variant, k, device) for k in range(1, max_k + 1)],
+    ]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from streamsd.kernels import precompile as pc
-from streamsd.kernels.warmup import WarmUp, _paged_variant, _rejection_variant
+from streamsd.kernels import warmup as wu
+from streamsd.kernels.warmup import WarmUp, _paged_variant, _rejection_variant, variant_tasks
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,3 +143,17 @@ def test_the_warm_up_runs_its_tasks_in_order_on_the_calling_thread(tmp_path):
     WarmUp(tasks, torch.device("cuda", 0), tmp_path / "marker", None).finish()
     assert seen == [(i, threading.get_ident()) for i in range(6)]
     assert (tmp_path / "marker").exists()
+
+
+@pytest.mark.parametrize("trees", [False, True])
+def test_every_kernel_variant_is_one_task_once(trees):
+    """The warm-up's list names each variant once (a repeat would be loaded twice, and compiled twice by
+    two children) and has a task for every kernel a step launches."""
+    dev = torch.device("cuda", 0)  # only named: nothing runs
+    tasks = variant_tasks([(9, 3, 64), (12, 4, 64)], torch.bfloat16, 16, 49152, 4, dev, trees, (9, 3, 64))
+    keys = [(t.func, t.args) for t in tasks]
+    assert len(keys) == len(set(keys))
+    assert {t.func for t in tasks} == {wu._sampling_variants, wu._paged_variant, wu._prefill_variant,
+                                       wu._exact_variant, wu._rejection_variant, wu._restart_variant}
+    assert sum(t.func is wu._exact_variant for t in tasks) == (2 if trees else 1)
+    assert [t.args[0] for t in tasks if t.func is wu._restart_variant] == [1, 2, 3, 4]
