@@ -33,7 +33,7 @@ class PieceCache:
     def __init__(self, tokenizer: Any, pattern: re.Pattern[str] | None, ids: dict[str, int],
                  min_chars: int = MIN_CHARS, max_chars: int = MAX_CHARS, backend: Any = None):
         """Use `build`; `pattern` None tokenises every text whole. `backend`: the tokenizers library's
-        `Tokenizer` behind a fast `tokenizer`, which tokenises the pieces (None: `tokenizer` does)."""
+        `Tokenizer` behind a fast `tokenizer`, which tokenises the pieces (with a `pattern` only)."""
         self.tokenizer = tokenizer
         self.backend = backend
         self.pattern = pattern
@@ -68,8 +68,6 @@ class PieceCache:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _tokenise(self, piece: str) -> list[int]:
-        if self.backend is None:
-            return self.whole(piece)
         return list(self.backend.encode(piece, add_special_tokens=False).ids)
 
     def encode(self, text: str) -> list[int]:
