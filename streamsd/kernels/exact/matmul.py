@@ -39,7 +39,9 @@ Past one M tile (a verify of a large batch, a prompt chunk) the GEMM computes mo
   with fewer wide tiles than SMs; its ranges, as within one M tile, are programs of their own, summed
   in order by a second kernel.
 A grid whose tiles cover N and K exactly loads without masks on them (`EVEN`); rows past M are always
-masked. `streamsd bench offline --exact` measures the price.
+masked. On Hopper and later, a 16-bit weight past those sizes takes tma.py's kernels instead (`tma_plan`):
+the same sums, loaded by TMA, within a third of cuBLAS's time or better from 320 rows. `streamsd bench
+offline --exact` measures the price.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from streamsd.kernels.exact.tma import fits, has_tma, ordered_linear, persistent_linear
+
 BLOCK_M = 64
 WIDE_M = 128  # the M tile of 64-wide N tiles past one BLOCK_M (block_m)
 N_TILES = (64, 32, 16)  # widest first; tl.dot takes 16 columns or more
@@ -60,6 +64,7 @@ GROUPS = (4, 2)  # N tiles a program may take past one M tile, widest first
 GROUP_WIDTH = 128  # columns a group spans at most (its K blocks' weight tiles share the shared memory)
 WIDE_TILE = 128  # an unsplit 16-bit weight's N tile past one BLOCK_M (wide_plan)
 WIDE_BLOCK_K = 64
+EAGER_TMA_WORK = 2**35  # M N K, ~70 GFLOP: ~100 us of an H100's tensor cores
 
 
 @triton.jit
@@ -226,6 +231,7 @@ class Plan:
     block_k: int
     stages: int
     ordered: bool = False  # a program sums every K range itself, in order (_ordered_splits_kernel)
+    tma: bool = False  # TMA loads (tma.py): a persistent grid unsplit, a program a tile summing the ranges split
 
     @property
     def warps(self) -> int:
@@ -244,13 +250,34 @@ def wide_plan(m: int, n: int, device: torch.device, splits: int = 1, dtype: torc
     return Plan(rows, tile, 1, splits, WIDE_BLOCK_K, stages, ordered=splits > 1)
 
 
+def tma_plan(m: int, n: int, device: torch.device, splits: int = 1) -> Plan:
+    """A 16-bit weight where TMA can load it (tma.py), in 64-deep K blocks: an unsplit one past two M tiles (at 65
+    to 128 rows the pointer kernels were as fast or faster), a split one past one. Unsplit: 128 x 256
+    tiles (two warp groups) while they are at least two for every SM, else 64 x 256 (fewer, larger tiles
+    leave SMs idle); on an H100 at 320 rows, against `wide_plan`, an 8B gate/up projection (336 wide tiles)
+    159 -> 138 us (144 at 64 rows), its o projection 31 -> 25, q/k/v 33 -> 31. Split: 128 x 256 tiles
+    where they nearly fill the SMs once, else 128 x 128; the 8B down projection at 320 / 1,000 / 2,048 rows
+    117 -> 96, 274 -> 157, 536 -> 314 us (cuBLAS 65, 149, 297)."""
+    wide = triton.cdiv(m, 2 * BLOCK_M) * triton.cdiv(n, 2 * WIDE_TILE)
+    if wide >= (2 * _sms(device) if splits == 1 else _sms(device) * 15 // 16):
+        return Plan(2 * BLOCK_M, 2 * WIDE_TILE, 1, splits, WIDE_BLOCK_K, 3, ordered=splits > 1, tma=True)
+    if splits == 1:
+        return Plan(BLOCK_M, 2 * WIDE_TILE, 1, 1, WIDE_BLOCK_K, 4, tma=True)
+    return Plan(2 * BLOCK_M, WIDE_TILE, 1, splits, WIDE_BLOCK_K, 4, ordered=True, tma=True)
+
+
 def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, tile_n: int | None = None,
-         splits: int | None = None, group: int | None = None) -> Plan:
+         splits: int | None = None, group: int | None = None, tma: bool = True) -> Plan:
     """The tiling of x [m, k] @ W [n, k]^T. `tile_n`: the N tile (by default `block_n` within one M tile,
     WIDE_TILE or a split's SPLIT_TILE past it); `splits`: the K ranges (`split_k` by default; a weight must
     keep one); `group`: N tiles per program of the grouped plan, which it then takes past one M tile
-    instead of `wide_plan`."""
+    instead of `wide_plan`; `tma`: whether the operands `fit` TMA, for `tma_plan` on a device that has it."""
     splits = splits or split_k(n, k)
+    if dtype != torch.float32 and tile_n is None and group is None and tma and has_tma(device):
+        if splits == 1 and m > 2 * BLOCK_M:
+            return tma_plan(m, n, device)
+        if splits > 1 and m > BLOCK_M and triton.cdiv(m, BLOCK_M) * triton.cdiv(n, WIDE_TILE) >= _sms(device):
+            return tma_plan(m, n, device, splits)
     if m > BLOCK_M and (dtype != torch.float32 or splits > 1) and group is None:
         wide = wide_plan(m, n, device, splits, dtype, tile_n or WIDE_TILE)
         # Ranges summed in one program leave SMs idle where its tiles are fewer than the SMs: an 8B down
@@ -262,6 +289,15 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, tile_
     rows = block_m(m, tile)
     block_k, stages = k_plan(dtype, splits, group, rows)
     return Plan(rows, tile, group, splits, block_k, stages)
+
+
+def _tma_pays(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether tma.py's kernels may run: TMA can load the operands, and the launch is captured into a CUDA
+    graph or does enough work (EAGER_TMA_WORK) to hide the ~30 us more host time than the pointer kernels
+    that a launch with tensor descriptors costs (on an H100 host: 67 against 39 us for an 8B gate/up)."""
+    if not (has_tma(x.device) and fits(x) and fits(weight) and fits(y)):
+        return False
+    return x.shape[0] * x.shape[1] * weight.shape[0] >= EAGER_TMA_WORK or torch.cuda.is_current_stream_capturing()
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -276,8 +312,15 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0:
         return y
-    p = plan(m, n, k, x.dtype, x.device, tile_n, splits, group)
+    p = plan(m, n, k, x.dtype, x.device, tile_n, splits, group, tma=_tma_pays(x, weight, y))
     k_range = triton.cdiv(triton.cdiv(k, p.block_k), p.splits) * p.block_k  # whole K blocks per range
+    if p.tma and p.ordered:
+        ordered_linear(x, weight, bias, y, p.rows, p.tile, p.warps, p.stages, p.splits, k_range)
+        return y
+    if p.tma:
+        count = triton.cdiv(m, p.rows) * triton.cdiv(n, p.tile)
+        persistent_linear(x, weight, bias, y, p.rows, p.tile, p.warps, p.stages, min(_sms(x.device), count))
+        return y
     if p.ordered:
         _ordered_splits_kernel[(triton.cdiv(m, p.rows), triton.cdiv(n, p.tile))](
             x, weight, bias if bias is not None else weight, y, m, n, k, k_range, x.stride(0), weight.stride(0), n,
