@@ -40,8 +40,8 @@ Past one M tile (a verify of a large batch, a prompt chunk) the GEMM computes mo
   in order by a second kernel.
 A grid whose tiles cover N and K exactly loads without masks on them (`EVEN`); rows past M are always
 masked. On Hopper and later, a 16-bit weight past those sizes takes tma.py's kernels instead (`tma_plan`):
-the same sums, loaded by TMA, within a third of cuBLAS's time or better from 320 rows. `streamsd bench
-offline --exact` measures the price.
+the same sums loaded by TMA, in 5-42 % less time from 160 rows on an H100. `streamsd bench offline
+--exact` measures the price.
 """
 
 from __future__ import annotations
@@ -254,10 +254,10 @@ def tma_plan(m: int, n: int, device: torch.device, splits: int = 1) -> Plan:
     """A 16-bit weight where TMA can load it (tma.py), in 64-deep K blocks: an unsplit one past two M tiles (at 65
     to 128 rows the pointer kernels were as fast or faster), a split one past one. Unsplit: 128 x 256
     tiles (two warp groups) while they are at least two for every SM, else 64 x 256 (fewer, larger tiles
-    leave SMs idle); on an H100 at 320 rows, against `wide_plan`, an 8B gate/up projection (336 wide tiles)
-    159 -> 138 us (144 at 64 rows), its o projection 31 -> 25, q/k/v 33 -> 31. Split: 128 x 256 tiles
-    where they nearly fill the SMs once, else 128 x 128; the 8B down projection at 320 / 1,000 / 2,048 rows
-    117 -> 96, 274 -> 157, 536 -> 314 us (cuBLAS 65, 149, 297)."""
+    leave SMs idle). Split: 128 x 256 tiles where they nearly fill the SMs once, else 128 x 128. Against
+    the pointer kernels on an H100, graph-timed, 8B shapes at 320 rows: gate/up 160 -> 153 us (1,000 rows:
+    447 -> 335), o 30 -> 25, q/k/v 34 -> 31; the split down projection at 320 / 1,000 / 2,048 rows
+    116 -> 96, 275 -> 159, 548 -> 319 (cuBLAS 58, 152, 343)."""
     wide = triton.cdiv(m, 2 * BLOCK_M) * triton.cdiv(n, 2 * WIDE_TILE)
     if wide >= (2 * _sms(device) if splits == 1 else _sms(device) * 15 // 16):
         return Plan(2 * BLOCK_M, 2 * WIDE_TILE, 1, splits, WIDE_BLOCK_K, 3, ordered=splits > 1, tma=True)
