@@ -10,7 +10,7 @@ import torch
 
 from tests.kernels.interpret import CUDA, DEV  # isort: skip (first: it sets the interpreter up)
 from streamsd.kernels.exact.matmul import BLOCK_M, SPLITS, _tma_pays, exact_linear, plan, tma_plan
-from streamsd.kernels.exact.tma import fits, has_tma, ordered_linear, persistent_linear
+from streamsd.kernels.exact.tma import fits, ordered_linear, persistent_linear, takes_tma
 
 # The plan gives these kernels 16-bit weights only: float32 tiles of these sizes overflow a GPU's shared
 # memory. Under the interpreter (no such limit, no bf16 dots) float32 checks the same sums.
@@ -89,9 +89,9 @@ def test_the_tma_plan_takes_the_widest_tiles_only_where_they_fill_the_sms():
 
 def test_the_plan_takes_the_tma_kernels_only_for_16_bit_weights_past_their_m_on_a_device_with_tma():
     cpu = torch.device("cpu")
-    assert not has_tma(cpu)
+    assert not takes_tma(cpu)
     assert not plan(BLOCK_M + 1, 4096, 4096, torch.bfloat16, cpu).tma
-    if not (CUDA and has_tma(DEV)):
+    if not (CUDA and takes_tma(DEV)):
         return
     assert plan(2 * BLOCK_M + 1, 4096, 4096, torch.bfloat16, DEV).tma
     assert not plan(2 * BLOCK_M, 4096, 4096, torch.bfloat16, DEV).tma  # unsplit: within two M tiles
@@ -114,7 +114,7 @@ def test_tma_kernels_run_eagerly_only_for_work_that_hides_their_launch_and_alway
     x = torch.zeros(320, 256, dtype=torch.bfloat16, device=DEV)
     y = torch.empty(320, 256, dtype=torch.bfloat16, device=DEV)
     assert not _tma_pays(x, w, y)  # a CPU has no TMA; on a GPU the work is small
-    if not (CUDA and has_tma(DEV)):
+    if not (CUDA and takes_tma(DEV)):
         return
     assert not _tma_pays(x[:, 1:], w[:, 1:], y)  # rows of 255 values: not on 16 bytes
     graph = torch.cuda.CUDAGraph()

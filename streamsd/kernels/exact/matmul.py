@@ -39,7 +39,7 @@ Past one M tile (a verify of a large batch, a prompt chunk) the GEMM computes mo
   with fewer wide tiles than SMs; its ranges, as within one M tile, are programs of their own, summed
   in order by a second kernel.
 A grid whose tiles cover N and K exactly loads without masks on them (`EVEN`); rows past M are always
-masked. On Hopper and later, a 16-bit weight past those sizes takes tma.py's kernels instead (`tma_plan`):
+masked. On Hopper, a 16-bit weight past those sizes takes tma.py's kernels instead (`tma_plan`):
 the same sums loaded by TMA, in 5-42 % less time from 160 rows on an H100. `streamsd bench offline
 --exact` measures the price.
 """
@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamsd.kernels.exact.tma import fits, has_tma, ordered_linear, persistent_linear
+from streamsd.kernels.exact.tma import fits, ordered_linear, persistent_linear, takes_tma
 
 BLOCK_M = 64
 WIDE_M = 128  # the M tile of 64-wide N tiles past one BLOCK_M (block_m)
@@ -273,7 +273,7 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, tile_
     keep one); `group`: N tiles per program of the grouped plan, which it then takes past one M tile
     instead of `wide_plan`; `tma`: whether the operands `fit` TMA, for `tma_plan` on a device that has it."""
     splits = splits or split_k(n, k)
-    if dtype != torch.float32 and tile_n is None and group is None and tma and has_tma(device):
+    if dtype != torch.float32 and tile_n is None and group is None and tma and takes_tma(device):
         if splits == 1 and m > 2 * BLOCK_M:
             return tma_plan(m, n, device)
         if splits > 1 and m > BLOCK_M and triton.cdiv(m, BLOCK_M) * triton.cdiv(n, WIDE_TILE) >= _sms(device):
@@ -295,7 +295,7 @@ def _tma_pays(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether tma.py's kernels may run: TMA can load the operands, and the launch is captured into a CUDA
     graph or does enough work (EAGER_TMA_WORK) to hide the ~30 us more host time than the pointer kernels
     that a launch with tensor descriptors costs (on an H100 host: 67 against 39 us for an 8B gate/up)."""
-    if not (has_tma(x.device) and fits(x) and fits(weight) and fits(y)):
+    if not (takes_tma(x.device) and fits(x) and fits(weight) and fits(y)):
         return False
     return x.shape[0] * x.shape[1] * weight.shape[0] >= EAGER_TMA_WORK or torch.cuda.is_current_stream_capturing()
 

@@ -1,5 +1,5 @@
-"""The exact GEMM past one M tile on Hopper and later: each K block of x and of W one tensor-memory-accelerator
-(TMA) copy into shared memory.
+"""The exact GEMM past one M tile on Hopper: each K block of x and of W one tensor-memory-accelerator (TMA)
+copy into shared memory.
 
 Past one M tile the GEMM (a verify of a large batch, a prompt chunk) computes more than it reads, and the
 pointer kernels of matmul.py feed the tensor cores through registers. The arithmetic here is theirs: each
@@ -13,9 +13,10 @@ it, so the edges need no masks.
 - A split weight (`ordered_linear`): a program a tile, each summing the K ranges itself (a persistent
   walk was slower here: 314 against 384 us for an 8B down projection at 2,048 rows on an H100).
 
-TMA wants every row of x, W and y to start on 16 bytes (`fits`); an operand that does not, or a device
-before Hopper, keeps the pointer kernels. So do float32 weights: their tiles here would overflow the
-shared memory.
+TMA wants every row of x, W and y to start on 16 bytes (`fits`); an operand that does not keeps the pointer
+kernels. So do float32 weights (their tiles here would overflow the shared memory), and devices other than
+Hopper: on Hopper both kernels' dots are the same warp-group instructions, and the bits were checked equal
+there; a later architecture's tensor-core instructions have not been.
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ def _ordered_kernel(x_desc, w_desc, y_desc, b_ptr, m, n, k, k_range, HAS_BIAS: t
 
 
 @functools.cache
-def has_tma(device: torch.device) -> bool:
-    """Whether `device` copies tensor tiles with TMA (CUDA compute capability 9, Hopper, or later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+def takes_tma(device: torch.device) -> bool:
+    """Whether `device` takes these kernels: a Hopper GPU (CUDA compute capability 9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def fits(t: torch.Tensor) -> bool:
