@@ -64,6 +64,21 @@ def test_the_cache_keeps_at_most_its_characters_least_recently_used_out_first():
     assert list(cache._pieces) == [pieces[4], pieces[0]]
 
 
+def test_short_pieces_are_kept_by_count_least_recently_used_out_first():
+    """A template's short pieces (role headers, separators) recur in every request: they are kept apart
+    from the long pieces, at most `short_pieces` of them, and give the tokenizer's ids."""
+    tok = build_tokenizer()
+    cache = PieceCache.build(tok, short_pieces=3)
+    chat = [{"role": "user", "content": "a question?"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    want = list(tok.encode(text, add_special_tokens=False))
+    assert cache.encode(text) == want and cache.encode(text) == want
+    assert 0 < len(cache._short) <= 3 and not cache._pieces
+    for p in ("one", "two", "three", "two", "four"):
+        assert list(cache.encode(p)) == list(tok.encode(p, add_special_tokens=False))
+    assert list(cache._short) == ["three", "two", "four"]
+
+
 def test_tokenizers_whose_added_tokens_take_spaces_or_normalise_tokenise_whole():
     """An added token that strips the spaces beside it (or is matched after normalisation) is not a
     plain split point: every text is then tokenised whole."""
