@@ -73,10 +73,16 @@ def test_short_pieces_are_kept_by_count_least_recently_used_out_first():
     text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     want = list(tok.encode(text, add_special_tokens=False))
     assert cache.encode(text) == want and cache.encode(text) == want
-    assert 0 < len(cache._short) <= 3 and not cache._pieces
+    assert 0 < cache._short_piece.cache_info().currsize <= 3 and not cache._pieces
     for p in ("one", "two", "three", "two", "four"):
         assert list(cache.encode(p)) == list(tok.encode(p, add_special_tokens=False))
-    assert list(cache._short) == ["three", "two", "four"]
+    info = cache._short_piece.cache_info()
+    assert info.currsize == 3
+    for p in ("three", "two", "four"):  # kept: least recently used out first
+        cache.encode(p)
+    assert cache._short_piece.cache_info().hits == info.hits + 3
+    cache.encode("one")  # evicted
+    assert cache._short_piece.cache_info().misses == info.misses + 1
 
 
 def test_tokenizers_whose_added_tokens_take_spaces_or_normalise_tokenise_whole():
