@@ -271,7 +271,8 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, tile_
     """The tiling of x [m, k] @ W [n, k]^T. `tile_n`: the N tile (by default `block_n` within one M tile,
     WIDE_TILE or a split's SPLIT_TILE past it); `splits`: the K ranges (`split_k` by default; a weight must
     keep one); `group`: N tiles per program of the grouped plan, which it then takes past one M tile
-    instead of `wide_plan`; `tma`: whether the operands `fit` TMA, for `tma_plan` on a device that has it."""
+    instead of `wide_plan`; `tma`: whether tma.py's kernels may run (`_tma_pays`), for `tma_plan` on a
+    device that takes them."""
     splits = splits or split_k(n, k)
     if dtype != torch.float32 and tile_n is None and group is None and tma and takes_tma(device):
         if splits == 1 and m > 2 * BLOCK_M:
@@ -292,10 +293,11 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, tile_
 
 
 def _tma_pays(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether tma.py's kernels may run: TMA can load the operands, and the launch is captured into a CUDA
-    graph or does enough work (EAGER_TMA_WORK) to hide the ~30 us more host time than the pointer kernels
-    that a launch with tensor descriptors costs (on an H100 host: 67 against 39 us for an 8B gate/up)."""
-    if not (takes_tma(x.device) and fits(x) and fits(weight) and fits(y)):
+    """Whether tma.py's kernels may run: past one M tile (below it no plan takes them, and a decode step's
+    launches skip these checks), TMA can load the operands, and the launch is captured into a CUDA graph or
+    does enough work (EAGER_TMA_WORK) to hide the ~30 us more host time than the pointer kernels that a
+    launch with tensor descriptors costs (on an H100 host: 67 against 39 us for an 8B gate/up)."""
+    if not (x.shape[0] > BLOCK_M and takes_tma(x.device) and fits(x) and fits(weight) and fits(y)):
         return False
     return x.shape[0] * x.shape[1] * weight.shape[0] >= EAGER_TMA_WORK or torch.cuda.is_current_stream_capturing()
 
