@@ -35,6 +35,7 @@ from streamsd.model.loader import (
     resolve_model,
     streamsd_home,
 )
+from streamsd.model.tokenizer import Tokenizer
 from streamsd.policy.adaptive import CostTable
 from streamsd.policy.chooser import TreeChooser
 from streamsd.policy.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy
@@ -52,7 +53,7 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class Runtime:
     worker: Worker
-    tokenizer: Any
+    tokenizer: Tokenizer
     args: ModelArgs
     scheduler_config: SchedulerConfig
     model_dir: Path
@@ -169,8 +170,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
 
 def _build(cfg: EngineConfig, t0: float, device: torch.device, dtype: torch.dtype, target: Transformer, path: Path,
            group: TensorGroup | None) -> Runtime:
-    # transformers' tokenizer classes import much of transformers and of torch.distributed (seconds): on a
-    # thread of its own, while the head loads, the kernels compile and the graphs are captured.
+    # On a thread of its own while the head loads, the kernels compile and the graphs are captured: a
+    # tokenizer read directly takes a fraction of a second, one read through transformers seconds
+    # (model/tokenizer.py).
     loading = in_background(load_tokenizer, path)
     defaults = GenerationDefaults.read(path, cfg.generation_config)
     defaults.log_at_load(path / "generation_config.json")

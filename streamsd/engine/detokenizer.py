@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamsd.model.tokenizer import Tokenizer
 
 PROMPT_CONTEXT = 6  # prompt tokens decoded ahead of the output so leading spaces come out right
 
@@ -30,25 +33,6 @@ class _Pending:
     end: int  # offset in the full text where this token's text ends
 
 
-def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """ids -> text without special tokens. Straight to the Rust tokenizer when transformers would add
-    nothing to it: its Python wrapper costs more than the decoding itself, twice per token."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode") and not _cleans_up(tokenizer, backend):
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _cleans_up(tokenizer: Any, backend: Any) -> bool:
-    """Whether transformers' decode would post-process the text: `clean_up_tokenization_spaces`,
-    which it skips for BPE models (SmolLM2 sets the flag) unless forced."""
-    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return False
-    bpe = type(getattr(backend, "model", None)).__name__ == "BPE"
-    return not bpe or bool(getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
-                                   False))
-
-
 @dataclass(slots=True)
 class Detokenizer:
     decode: Callable[[list[int]], str]
@@ -62,9 +46,9 @@ class Detokenizer:
     stopped: bool = False
 
     @staticmethod
-    def for_prompt(tokenizer: Any, prompt_ids: list[int], stops: list[str]) -> Detokenizer:
+    def for_prompt(tokenizer: Tokenizer, prompt_ids: list[int], stops: list[str]) -> Detokenizer:
         tail = prompt_ids[-PROMPT_CONTEXT:]
-        return Detokenizer(text_decoder(tokenizer), stops, list(tail), 0, len(tail))
+        return Detokenizer(tokenizer.text_decoder(), stops, list(tail), 0, len(tail))
 
     def add(self, token: TokenInfo) -> None:
         """Decode one more token; its text may be empty until a character completes."""

@@ -55,10 +55,7 @@ class PieceCache:
     @staticmethod
     def build(tokenizer: Any, min_chars: int = MIN_CHARS, max_chars: int = MAX_CHARS,
               short_pieces: int = SHORT_PIECES) -> PieceCache:
-        from transformers import PreTrainedTokenizerFast  # loaded with the model
-
-        fast = isinstance(tokenizer, PreTrainedTokenizerFast)  # the tokenizers library's split, and no other
-        added = tokenizer.backend_tokenizer.get_added_tokens_decoder() if fast else {}
+        added = tokenizer.backend_tokenizer.get_added_tokens_decoder()
         plain = [t for t in added.values() if not (t.lstrip or t.rstrip or t.single_word or t.normalized)]
         if not added or len(plain) != len(added):
             return PieceCache(tokenizer, None, {})

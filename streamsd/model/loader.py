@@ -25,6 +25,8 @@ import torch
 
 from streamsd.model.arch import ModelArgs
 from streamsd.model.llama import Transformer
+from streamsd.model.tokenizer import Tokenizer
+from streamsd.model.tokenizer import load_tokenizer as read_tokenizer
 
 # architectures entry -> model_type; SmolLM and SmolLM2 are plain Llama.
 SUPPORTED_ARCHITECTURES = MappingProxyType({
@@ -216,16 +218,14 @@ def _download_from_hub(repo_id: str) -> Path:
     return validate_model_dir(path)
 
 
-def load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
+def load_tokenizer(path: Path) -> Tokenizer:
     try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:  # transformers raises many kinds here
+        return read_tokenizer(path)
+    except Exception as exc:  # the tokenizers library and transformers raise many kinds here
         raise ModelLoadError(f"could not load the tokenizer from {path}: {exc}") from exc
 
 
-def eos_ids_of(path: Path, tokenizer: Any, args: ModelArgs) -> frozenset[int]:
+def eos_ids_of(path: Path, tokenizer: Tokenizer, args: ModelArgs) -> frozenset[int]:
     ids = set(args.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -236,7 +236,7 @@ def eos_ids_of(path: Path, tokenizer: Any, args: ModelArgs) -> frozenset[int]:
     return frozenset(ids)
 
 
-def chat_template_of(given: str | None, tokenizer: Any) -> str | None:
+def chat_template_of(given: str | None, tokenizer: Tokenizer) -> str | None:
     """--chat-template as the template's text (read from the file it names, if it names one), checked by
     rendering a short conversation with it."""
     if given is None:
@@ -247,7 +247,7 @@ def chat_template_of(given: str | None, tokenizer: Any) -> str | None:
         is_file = False
     template = Path(given).read_text(encoding="utf-8") if is_file else given
     try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], chat_template=template, tokenize=False,
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], chat_template=template,
                                       add_generation_prompt=True)
     except Exception as exc:  # jinja's and transformers' own errors
         raise ValueError(f"--chat-template does not render a conversation: {exc}") from exc

@@ -30,6 +30,7 @@ import torch
 
 from streamsd.config import helper_threads
 from streamsd.model.kv_cache import h2d
+from streamsd.model.tokenizer import Tokenizer
 from streamsd.request import Constraint, ParamError
 from streamsd.sched.plan import Scheduled
 
@@ -40,10 +41,11 @@ _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is fals
 
 
 class Grammars:
-    """Compiles constraints for one tokenizer; thread-safe. The tokenizer's table of token bytes is
-    built on the first compilation (a fraction of a second for a 49k vocabulary), not at startup."""
+    """Compiles constraints for one tokenizer; thread-safe. The grammar engine, transformers' tokenizer
+    it reads the vocabulary from and the table of token bytes are loaded on the first compilation
+    (seconds, once), not at startup."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler: Any = None
@@ -78,7 +80,7 @@ class Grammars:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.transformers(), vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
             return self._compiler
 

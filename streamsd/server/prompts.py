@@ -42,13 +42,10 @@ class PromptEncoder:
     def __init__(self, core: EngineCore, observe: Observe | None = None):
         """`observe`: called with the seconds each prompt took from its request to its token ids (waiting
         for a thread, rendering, tokenising), for the server's metrics."""
-        from transformers import PreTrainedTokenizerFast  # loaded with the model; not before the port opens
-
         self.core = core
         self.max_len = core.scheduler.cfg.max_model_len
         tok = core.tokenizer
-        self.chars_per_token = max_chars_per_token(tok.backend_tokenizer) \
-            if isinstance(tok, PreTrainedTokenizerFast) else None
+        self.chars_per_token = max_chars_per_token(tok.backend_tokenizer)
         self.observe = observe
         # The first render of a chat template compiles it (4 ms on a CPU core), once per process: the
         # engine's warm-up has rendered this one (engine/warm_up.py, warm_up_chat_prompt).

@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
+from streamsd.model.tokenizer import Tokenizer as ServingTokenizer
 from streamsd.request import Constraint, Request, SamplingParams
 from streamsd.sample import rng
 from streamsd.sample.grammar import Grammars, apply_masks, batch_masks
@@ -30,9 +31,9 @@ CONSTRAINT = Constraint("regex", PATTERN, "guided_regex")
 @pytest.fixture(scope="module")
 def grammars() -> Grammars:
     vocab = {t: i for i, t in enumerate(TOKENS)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<eos>")),
-                                  eos_token="<eos>")
-    return Grammars(tok, V)
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<eos>")),
+                                 eos_token="<eos>")
+    return Grammars(ServingTokenizer(hf.backend_tokenizer, {"eos_token": "<eos>"}, None, None, hf), V)
 
 
 def _allowed(mask_row) -> set[int]:
