@@ -362,7 +362,7 @@ class EngineCore:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         template = self.rt.chat_template  # None: the tokenizer's own
-        if template is None and not getattr(self.tokenizer, "chat_template", None):
+        if template is None and not self.tokenizer.chat_template:
             raise ParamError("messages", "this model has no chat template; use the completions API or --chat-template")
         return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)

@@ -25,8 +25,7 @@ import torch
 
 from streamsd.model.arch import ModelArgs
 from streamsd.model.llama import Transformer
-from streamsd.model.tokenizer import Tokenizer
-from streamsd.model.tokenizer import load_tokenizer as read_tokenizer
+from streamsd.model.tokenizer import Tokenizer, read_tokenizer
 
 # architectures entry -> model_type; SmolLM and SmolLM2 are plain Llama.
 SUPPORTED_ARCHITECTURES = MappingProxyType({

@@ -38,7 +38,7 @@ _INERT_KEYS = frozenset({"backend", "tokenizer_class", "added_tokens_decoder", "
 
 
 class Tokenizer:
-    """Use `load_tokenizer`. `hf`: the transformers tokenizer it was read through, if it was."""
+    """Use `read_tokenizer`. `hf`: the transformers tokenizer it was read through, if it was."""
 
     def __init__(self, backend: RustTokenizer, special: Mapping[str, str], template: str | dict[str, str] | None,
                  path: Path | None, hf: Any = None, extra: Sequence[str] = ()):
@@ -131,7 +131,7 @@ class Tokenizer:
             return self._hf
 
 
-def load_tokenizer(path: Path) -> Tokenizer:
+def read_tokenizer(path: Path) -> Tokenizer:
     """The tokenizer of the model directory `path`, read directly where transformers would read it
     unchanged, else through transformers. Raises OSError or ValueError for a directory without a
     readable tokenizer."""

@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from streamsd.model.chat_template import render
-from streamsd.model.tokenizer import load_tokenizer
+from streamsd.model.tokenizer import read_tokenizer
 
 TEXTS = ["Hello world", "<|im_start|>user\nhi<|im_end|>", " leading space", "Über naïve café 日本語 🚀", "",
          "a\n\n\tb  c<|endoftext|>"]
@@ -25,7 +25,7 @@ CHATS = [
 
 
 def _same_as_transformers(model_dir: Path) -> None:
-    ours, theirs = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+    ours, theirs = read_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
     for text in TEXTS:
         for special in (True, False):
             assert ours.encode(text, add_special_tokens=special) == list(theirs.encode(text, add_special_tokens=special))
@@ -48,7 +48,7 @@ def _same_as_transformers(model_dir: Path) -> None:
 
 
 def test_a_generic_tokenizer_is_read_directly_with_transformers_results(tiny_model_dir: Path) -> None:
-    tok = load_tokenizer(tiny_model_dir)
+    tok = read_tokenizer(tiny_model_dir)
     assert tok.direct
     with pytest.raises(ValueError, match="text only"):
         tok.apply_chat_template(CHATS[0], tokenize=True)
@@ -63,7 +63,7 @@ def test_the_default_model_is_read_directly_with_transformers_results() -> None:
         path = resolve_model(DEFAULT_MODEL_NAME)
     except Exception:
         pytest.skip("the default model is not installed here")
-    assert load_tokenizer(path).direct
+    assert read_tokenizer(path).direct
     _same_as_transformers(path)
 
 
@@ -74,7 +74,7 @@ def test_a_tokenizer_transformers_would_reshape_loads_through_it(tiny_model_dir:
         shutil.copy(tiny_model_dir / name, tmp_path / name)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
-    tok = load_tokenizer(tmp_path)
+    tok = read_tokenizer(tmp_path)
     assert not tok.direct
     _same_as_transformers(tmp_path)
 
@@ -82,13 +82,13 @@ def test_a_tokenizer_transformers_would_reshape_loads_through_it(tiny_model_dir:
 def test_a_family_transformers_gives_its_own_tokenizer_class_loads_through_it(qwen_target_dir: Path) -> None:
     """transformers gives qwen2 models a tokenizer class of its own (it splits digits apart whatever
     tokenizer.json says): such a directory is read through transformers, with its results."""
-    assert not load_tokenizer(qwen_target_dir).direct
+    assert not read_tokenizer(qwen_target_dir).direct
     _same_as_transformers(qwen_target_dir)
 
 
 def test_reading_a_model_and_its_tokenizer_does_not_import_transformers(tiny_model_dir: Path) -> None:
-    code = ("import sys; from pathlib import Path; from streamsd.model.tokenizer import load_tokenizer; "
-            f"t = load_tokenizer(Path({str(tiny_model_dir)!r})); t.apply_chat_template([{{'role': 'user', 'content': 'x'}}]); "
+    code = ("import sys; from pathlib import Path; from streamsd.model.tokenizer import read_tokenizer; "
+            f"t = read_tokenizer(Path({str(tiny_model_dir)!r})); t.apply_chat_template([{{'role': 'user', 'content': 'x'}}]); "
             "assert 'transformers' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -100,7 +100,7 @@ def test_named_templates_render_the_default_or_the_one_asked_for(tiny_model_dir:
     templates = [{"name": "default", "template": "D{{ messages[0].content }}"},
                  {"name": "tool_use", "template": "T{{ messages[0].content }}"}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": templates}))
-    tok = load_tokenizer(tmp_path)
+    tok = read_tokenizer(tmp_path)
     chat = [{"role": "user", "content": "x"}]
     assert tok.apply_chat_template(chat) == "Dx"
     assert tok.apply_chat_template(chat, chat_template="tool_use") == "Tx"
