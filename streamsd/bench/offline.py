@@ -162,9 +162,8 @@ def _prompts(rt: Runtime, n: int, prompt_len: int) -> list[list[int]]:
     out = []
     for i in range(n):
         text = f"(request {i}) {TEXT_PROMPTS[i % len(TEXT_PROMPTS)]}"
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                           add_generation_prompt=True)
+        if tok.chat_template:
+            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
             out.append(list(tok.encode(text, add_special_tokens=False)))
         else:
             out.append(list(tok.encode(text, add_special_tokens=True)))

@@ -364,7 +364,7 @@ class EngineCore:
         template = self.rt.chat_template  # None: the tokenizer's own
         if template is None and not self.tokenizer.chat_template:
             raise ParamError("messages", "this model has no chat template; use the completions API or --chat-template")
-        return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+        return self.tokenizer.apply_chat_template(messages, chat_template=template,
                                                   add_generation_prompt=add_generation_prompt)
 
     def encode_rendered_chat(self, text: str) -> list[int]:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from streamsd.config import SchedulerConfig, SpecConfig
+from streamsd.model.tokenizer import Tokenizer
 from streamsd.policy.policy import FixedPolicy
 from streamsd.request import Request, SamplingParams
 from streamsd.sched.scheduler import Scheduler
@@ -53,12 +53,12 @@ def _fits(prompt: list[int], cfg: SchedulerConfig, k: int) -> bool:
     return need <= min(cfg.max_model_len, cfg.num_blocks * cfg.block_size // 2)
 
 
-def warm_up_chat_prompt(tokenizer: Any, template: str | None) -> list[int] | None:
+def warm_up_chat_prompt(tokenizer: Tokenizer, template: str | None) -> list[int] | None:
     """A first chat request's prompt, for the warm-up; None where the model has no chat template."""
     if template is None and not tokenizer.chat_template:
         return None
     text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}], chat_template=template,
-                                         tokenize=False, add_generation_prompt=True)
+                                         add_generation_prompt=True)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -42,12 +42,14 @@ class Tokenizer:
 
     def __init__(self, backend: RustTokenizer, special: Mapping[str, str], template: str | dict[str, str] | None,
                  path: Path | None, hf: Any = None, extra: Sequence[str] = ()):
-        self.backend = backend
+        self.backend_tokenizer = backend  # transformers' name for it, which callers of either use
         self.special = dict(special)  # bos_token, eos_token, ... -> its text: what templates see
         self.extra = tuple(extra)  # further special tokens the config names
-        self.template = template
+        self.chat_template = template
         self.path = path
         self.direct = hf is None  # read without transformers
+        # transformers' text clean-up after decoding, which only its own decode does
+        self._cleans_up = hf is not None and bool(hf.clean_up_tokenization_spaces)
         self._hf = hf
         self._lock = threading.Lock()
         self.eos_token_id = self._id("eos_token")
@@ -56,35 +58,27 @@ class Tokenizer:
 
     def _id(self, name: str) -> int | None:
         text = self.special.get(name)
-        return self.backend.token_to_id(text) if text is not None else None
-
-    @property
-    def backend_tokenizer(self) -> RustTokenizer:
-        return self.backend
-
-    @property
-    def chat_template(self) -> str | dict[str, str] | None:
-        return self.template
+        return self.backend_tokenizer.token_to_id(text) if text is not None else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The batch call releases the GIL while it works (the single one holds it: a long prompt would
         # stall the engine's thread for as long as it takes).
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        if self._hf is not None and self._hf.clean_up_tokenization_spaces:  # transformers' own text clean-up
+        if self._cleans_up:
             return str(self._hf.decode(ids, skip_special_tokens=skip_special_tokens))
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def text_decoder(self) -> Callable[[list[int]], str]:
         """ids -> text without special tokens, as fast as it goes: straight to the Rust tokenizer (a
         detokenizer decodes twice a token) unless transformers' clean-up applies."""
-        if self._hf is not None and self._hf.clean_up_tokenization_spaces:
+        if self._cleans_up:
             return functools.partial(self.decode, skip_special_tokens=True)
-        return functools.partial(self.backend.decode, skip_special_tokens=True)
+        return functools.partial(self.backend_tokenizer.decode, skip_special_tokens=True)
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        tokens = [self.backend.id_to_token(i) for i in ids]
+        tokens = [self.backend_tokenizer.id_to_token(i) for i in ids]
         if None in tokens:
             raise ValueError("token ids outside the vocabulary")
         return cast(list[str], tokens)
@@ -92,23 +86,20 @@ class Tokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         """The ids of the named special tokens and of the config's extra special tokens."""
-        ids = {self.backend.token_to_id(t) for t in (*self.special.values(), *self.extra)}
+        ids = {self.backend_tokenizer.token_to_id(t) for t in (*self.special.values(), *self.extra)}
         return sorted(i for i in ids if i is not None)
 
     def get_vocab(self) -> dict[str, int]:
-        return self.backend.get_vocab(with_added_tokens=True)
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], chat_template: str | None = None,
-                            add_generation_prompt: bool = False, tokenize: bool = False) -> str:
-        """The conversation as prompt text, by `chat_template` (a template's text, or the name of one of
-        the model's templates) or the model's own. `tokenize` must be False (text is what the engine
-        renders; it tokenises apart): it lets callers call transformers' tokenizers and this one alike."""
-        if tokenize:
-            raise ValueError("apply_chat_template renders text only; encode it apart")
+                            add_generation_prompt: bool = False) -> str:
+        """The conversation as prompt text (the engine tokenises it apart), by `chat_template` (a
+        template's text, or the name of one of the model's templates) or the model's own."""
         return render_chat(self._template(chat_template), messages, self.special, add_generation_prompt)
 
     def _template(self, given: str | None) -> str:
-        own = self.template
+        own = self.chat_template
         if isinstance(own, dict):
             if given is not None:
                 return own.get(given, given)
@@ -136,18 +127,19 @@ def read_tokenizer(path: Path) -> Tokenizer:
     unchanged, else through transformers. Raises OSError or ValueError for a directory without a
     readable tokenizer."""
     config = _read_json(path / "tokenizer_config.json")
-    backend = _direct_backend(path, config)
+    special, extra = _special_tokens(path, config), _extra_special_tokens(config)
+    backend = _direct_backend(path, config, [*special.values(), *extra])
     if backend is None:
         hf = _auto_tokenizer(path)
         special = {k: str(v) for k, v in hf.special_tokens_map.items() if k in SPECIAL_NAMES}
         extra = [hf.convert_ids_to_tokens(i) for i in hf.all_special_ids]
         return Tokenizer(hf.backend_tokenizer, special, hf.chat_template, path, hf, extra)
-    return Tokenizer(backend, _special_tokens(path, config), _chat_template(path, config), path,
-                     extra=_extra_special_tokens(config))
+    return Tokenizer(backend, special, _chat_template(path, config), path, extra=extra)
 
 
-def _direct_backend(path: Path, config: dict[str, Any]) -> RustTokenizer | None:
-    """tokenizer.json as transformers would use it, or None where transformers would change it."""
+def _direct_backend(path: Path, config: dict[str, Any], specials: list[str]) -> RustTokenizer | None:
+    """tokenizer.json as transformers would use it, or None where transformers would change it
+    (`specials`: the special tokens' texts, which must all be in it already)."""
     file = path / "tokenizer.json"
     if not file.is_file() or config.get("tokenizer_class") not in _GENERIC_CLASSES:
         return None
@@ -162,8 +154,7 @@ def _direct_backend(path: Path, config: dict[str, Any]) -> RustTokenizer | None:
     added = {int(i): _text(t) for i, t in (config.get("added_tokens_decoder") or {}).items()}
     if any(backend.token_to_id(text) != i for i, text in added.items()):
         return None  # transformers would add these tokens
-    special = _special_tokens(path, config)
-    if any(backend.token_to_id(t) is None for t in [*special.values(), *_extra_special_tokens(config)]):
+    if any(backend.token_to_id(t) is None for t in specials):
         return None
     backend.no_truncation()
     backend.no_padding()

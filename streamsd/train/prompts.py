@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from streamsd.model.tokenizer import Tokenizer
 from streamsd.request import SamplingParams
 from streamsd.train.waves import in_waves
 
@@ -39,9 +40,9 @@ def read_prompts(path: Path) -> list[str]:
     return out
 
 
-def user_prefix(tokenizer: Any) -> str:
+def user_prefix(tokenizer: Tokenizer) -> str:
     """The chat template's text up to where a user turn's content starts (system prompt included)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}])
     return text[: text.index(_SENTINEL)]
 
 

@@ -74,12 +74,14 @@ def test_the_requests_alone_take_a_real_chats_prompt_where_it_fits(tiny_model_di
     """The requests alone prefill the model's chat template around a short message (a first chat
     request's shape), and the synthetic prompt where the model has no template or the chat does not fit."""
     from streamsd.engine.warm_up import CHAT_MESSAGE, _fits, warm_up_chat_prompt
+    from streamsd.model.tokenizer import read_tokenizer
 
-    chat = warm_up_chat_prompt(tiny_tokenizer, None)
+    ours = read_tokenizer(tiny_model_dir)
+    chat = warm_up_chat_prompt(ours, None)
     text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}], tokenize=False,
                                               add_generation_prompt=True)
     assert chat == list(tiny_tokenizer.encode(text, add_special_tokens=False)) and len(chat) > 16
-    assert warm_up_chat_prompt(tiny_tokenizer, "{{ messages[0]['content'] }}") == list(
+    assert warm_up_chat_prompt(ours, "{{ messages[0]['content'] }}") == list(
         tiny_tokenizer.encode(CHAT_MESSAGE, add_special_tokens=False))
     llm = LLM(str(tiny_model_dir))
     rt = llm.core.rt

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from streamsd import LLM, SamplingParams
+from streamsd.model.tokenizer import read_tokenizer
 from streamsd.spec_decode.eagle.checkpoint import new_head, save_head
 from streamsd.train.data import Sample, attach_streams
 from streamsd.train.eval import evaluate
@@ -102,13 +103,13 @@ def test_samples_cache_trains_a_second_head_on_the_same_answers(bigram_target, t
     assert args.func(args) == 2 and not (tmp_path / "c").exists()
 
 
-def test_prompt_sources(tmp_path, tiny_tokenizer):
+def test_prompt_sources(tmp_path, tiny_model_dir):
     jsonl = tmp_path / "q.jsonl"
     jsonl.write_text('{"turns": ["first turn", "second"]}\n\n{"prompt": "a prompt"}\n')
     text = tmp_path / "q.txt"
     text.write_text("one line\n\nanother line\n")
     assert read_prompts(jsonl) == ["first turn", "a prompt"] and read_prompts(text) == ["one line", "another line"]
-    assert user_prefix(tiny_tokenizer) == "<|im_start|>user\n"
+    assert user_prefix(read_tokenizer(tiny_model_dir)) == "<|im_start|>user\n"
     assert is_degenerate("the the the the the the") and is_degenerate("hi") and is_degenerate("<|im_end|> x y z")
     assert not is_degenerate("Write a short poem about the sea and its colours.")
 
@@ -204,6 +205,6 @@ def test_self_written_prompts_start_from_varied_openers(tiny_model_dir, tiny_tok
     openers = ("Write a Python function that", "Imagine you are", "")
     self_prompts(llm, 2, seed=3, avoid=set(), max_tokens=8, openers=openers)
     assert len(seen) >= 6
-    prefix = user_prefix(tiny_tokenizer)
+    prefix = user_prefix(llm.tokenizer)
     for i, text in enumerate(seen[:6]):
         assert text.startswith(prefix) and text[len(prefix):].strip() == openers[i % 3]
