@@ -65,7 +65,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     cfg = engine_config(a, a.max_queue)
     name = a.served_model_name or (a.model if a.model == DEFAULT_MODEL else Path(a.model).name or a.model)
-    state = ServerState(served_model_name=name, api_keys=keys, max_queue=a.max_queue, drain_timeout=a.drain_timeout)
+    state = ServerState(served_model_name=name, api_keys=keys, max_queue=a.max_queue, drain_timeout=a.drain_timeout,
+                        stream_interval=a.stream_interval)
     web = Path(a.web_dir) if a.web_dir else default_web_dir()
     return serve(state, lambda: EngineCore(build_runtime(cfg), cfg.spec), a.host, a.port, web, a.log_level,
                  access_log_enabled=a.access_log, origins=origins, tls=tls)
@@ -132,6 +133,16 @@ BENCH = {
 }
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamsd", description="Streaming LLM server with lossless speculative decoding")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -147,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the model's name)")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this get 429")
+    s.add_argument("--stream-interval", type=_at_least_one, default=1, metavar="N",
+                   help="stream each answer's tokens N at a time (its first token at once, its last whatever is "
+                        "left): fewer, larger chunks cost the server less at high concurrency (default: 1, every step)")
     s.add_argument("--api-key", action="append", default=None, metavar="[NAME:]KEY",
                    help="require this bearer token on the API (default: no authentication); repeat it for "
                         "several keys; /metrics counts each key's requests under NAME, else key-N (its position)")

@@ -3,12 +3,18 @@
 Each step: schedule on the loop, one hop to the worker thread for `execute`; while it runs, the
 loop detokenises the previous step and hands every request its delta. One hop per step each way,
 never one per token, and the text work hides behind the GPU's.
+
+With a stream interval of N > 1 a request's deltas are handed over once they hold N tokens (its
+first at once, its last whatever it holds): each delta a stream receives costs the loop a wake-up,
+an event to encode and a socket write, which at high concurrency compete with scheduling the next
+step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +35,16 @@ def worker_thread() -> ThreadPoolExecutor:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, executor: ThreadPoolExecutor | None = None):
-        """`executor`: the `worker_thread` the core was built on (the engine shuts it down on close)."""
+    def __init__(self, core: EngineCore, executor: ThreadPoolExecutor | None = None, stream_interval: int = 1):
+        """`executor`: the `worker_thread` the core was built on (the engine shuts it down on close).
+        `stream_interval`: the tokens a request's deltas gather before they are handed over (its first
+        and last go at once)."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, not {stream_interval}")
         self.core = core
+        self.stream_interval = stream_interval
+        self._held: dict[str, RequestOutput] = {}  # request id -> its deltas not handed over yet
+        self._started: set[str] = set()  # requests whose first delta went out
         self._executor = executor or worker_thread()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wake = asyncio.Event()
@@ -136,8 +149,41 @@ class AsyncEngine:
     def _dispatch(self, out: RequestOutput) -> None:
         for observe in self.observers:
             observe(out)
+        if self.stream_interval > 1:
+            gathered = self._gather(out)
+            if gathered is None:
+                return
+            out = gathered
         queue = self._streams.get(out.request_id)
         if queue is not None:
             queue.put_nowait(out)
             if out.finished:
                 del self._streams[out.request_id]
+
+    def _gather(self, out: RequestOutput) -> RequestOutput | None:
+        """`out` joined to the deltas held before it; None while they hold fewer tokens than the
+        interval (and are neither the request's first nor its last)."""
+        rid = out.request_id
+        held = self._held.pop(rid, None)
+        if held is not None:
+            out = merged(held, out)
+        if out.finished or out.error:
+            self._started.discard(rid)
+            return out
+        if rid in self._started and len(out.tokens) < self.stream_interval:
+            self._held[rid] = out
+            return None
+        self._started.add(rid)
+        return out
+
+
+def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of a request as one: the tokens and text of both, the per-step counts
+    summed, what is said once (queueing time, prompt logprobs) from the first, the rest (the state at
+    the end) from the second."""
+    return dataclasses.replace(
+        then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text, tokens=first.tokens + then.tokens,
+        step_drafted=first.step_drafted + then.step_drafted, step_accepted=first.step_accepted + then.step_accepted,
+        queue_seconds=first.queue_seconds if first.queue_seconds is not None else then.queue_seconds,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+    )

@@ -151,7 +151,7 @@ async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) ->
     group = core.rt.group
     if group is not None:  # a follower rank that exits ends the server (serve.py exits on load_error)
         group.on_lost.append(state.fail)
-    engine = AsyncEngine(core, worker)
+    engine = AsyncEngine(core, worker, stream_interval=state.stream_interval)
     metrics.engine_loaded(core)
     engine.observers.append(metrics.observe)
     engine.step_observers.append(metrics.observe_step)

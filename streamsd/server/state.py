@@ -57,6 +57,7 @@ class ServerState:
     api_keys: ApiKeys | None = None
     max_queue: int = 1024
     drain_timeout: float = 30.0
+    stream_interval: int = 1  # tokens a streamed answer's chunks gather (engine/async_engine.py)
     engine: AsyncEngine | None = None
     prompts: PromptEncoder | None = None
     load_error: str | None = None
