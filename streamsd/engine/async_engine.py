@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from streamsd.engine.core import Emission, EngineCore, RequestOutput
+from streamsd.engine.core import Emission, EngineCore, RequestOutput, joined
 from streamsd.request import SamplingParams
 from streamsd.sched.plan import StepPlan
 
@@ -43,7 +42,7 @@ class AsyncEngine:
             raise ValueError(f"stream_interval must be at least 1, not {stream_interval}")
         self.core = core
         self.stream_interval = stream_interval
-        self._held: dict[str, RequestOutput] = {}  # request id -> its deltas not handed over yet
+        self._held: dict[str, list[RequestOutput]] = {}  # request id -> its deltas not handed over yet
         self._started: set[str] = set()  # requests whose first delta went out
         self._executor = executor or worker_thread()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -164,26 +163,13 @@ class AsyncEngine:
         """`out` joined to the deltas held before it; None while they hold fewer tokens than the
         interval (and are neither the request's first nor its last)."""
         rid = out.request_id
-        held = self._held.pop(rid, None)
-        if held is not None:
-            out = merged(held, out)
+        held = self._held.pop(rid, [])
+        held.append(out)
         if out.finished or out.error:
             self._started.discard(rid)
-            return out
-        if rid in self._started and len(out.tokens) < self.stream_interval:
-            self._held[rid] = out
+        elif rid not in self._started:
+            self._started.add(rid)
+        elif sum(len(o.tokens) for o in held) < self.stream_interval:
+            self._held[rid] = held
             return None
-        self._started.add(rid)
-        return out
-
-
-def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of a request as one: the tokens and text of both, the per-step counts
-    summed, what is said once (queueing time, prompt logprobs) from the first, the rest (the state at
-    the end) from the second."""
-    return dataclasses.replace(
-        then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text, tokens=first.tokens + then.tokens,
-        step_drafted=first.step_drafted + then.step_drafted, step_accepted=first.step_accepted + then.step_accepted,
-        queue_seconds=first.queue_seconds if first.queue_seconds is not None else then.queue_seconds,
-        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
-    )
+        return joined(held)

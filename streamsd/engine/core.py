@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from streamsd.config import SpecConfig
@@ -62,6 +62,21 @@ class RequestOutput:
     metrics: RequestMetrics | None = None  # on the last output
     # With prompt_logprobs asked for, on the first output: prompt token i + 1's (logprob, top alternatives).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+def joined(outs: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one: the tokens and text of all, the per-step counts summed,
+    what is said once (queueing time, prompt logprobs) from the delta that says it, the rest (the state
+    at the end) from the last."""
+    if len(outs) == 1:
+        return outs[0]
+    return replace(
+        outs[-1], token_ids=[i for o in outs for i in o.token_ids], text="".join(o.text for o in outs),
+        tokens=[t for o in outs for t in o.tokens], step_drafted=sum(o.step_drafted for o in outs),
+        step_accepted=sum(o.step_accepted for o in outs),
+        queue_seconds=next((o.queue_seconds for o in outs if o.queue_seconds is not None), None),
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
+    )
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from streamsd.engine.async_engine import AsyncEngine
-from streamsd.engine.core import RequestOutput
+from streamsd.engine.core import RequestOutput, joined
 from streamsd.request import SamplingParams
 from streamsd.server.best_of import check_best_of, pick_best, ranked_params
 from streamsd.server.body import read_limited
@@ -138,10 +138,7 @@ class _Completion:
             by_index[self.index[o.request_id]].append(o)
         choices, finals = [], []
         for index, mine in enumerate(by_index):
-            last = mine[-1]
-            tokens = [t for o in mine for t in o.tokens]
-            merged = RequestOutput(last.request_id, [t.id for t in tokens], "".join(o.text for o in mine), tokens,
-                                   prompt_logprobs=next((o.prompt_logprobs for o in mine if o.prompt_logprobs is not None), None))
+            last, merged = mine[-1], joined(mine)
             choice = self._choice(merged, index, True, finish_reason(last))
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": merged.text}
