@@ -384,3 +384,7 @@ class EngineCore:
 
     def encode_rendered_chat(self, text: str) -> list[int]:
         return self.pieces.encode(text)
+
+    def encode_rendered_chat_within(self, text: str, new_chars: int) -> list[int] | None:
+        """The ids where at most `new_chars` of the text need tokenising (the rest remembered), else None."""
+        return self.pieces.encode_within(text, new_chars)

@@ -80,8 +80,21 @@ class PieceCache:
         """The ids of `text` (no special tokens added), as `whole` gives them."""
         if self.pattern is None:
             return self.whole(text)
+        return self._encode_parts(self.pattern.split(text))
+
+    def encode_within(self, text: str, new_chars: int) -> list[int] | None:
+        """`encode(text)` where at most `new_chars` of its characters lie in pieces not remembered; None,
+        having tokenised nothing, where more do. Short pieces count as new (their LRU cannot be asked)."""
+        if self.pattern is None:
+            return self.whole(text) if len(text) <= new_chars else None
+        parts = self.pattern.split(text)
+        with self._lock:
+            new = sum(len(p) for p in parts[::2] if len(p) < self.min_chars or p not in self._pieces)
+        return self._encode_parts(parts) if new <= new_chars else None
+
+    def _encode_parts(self, parts: list[str]) -> list[int]:
         ids: list[int] = []
-        for i, part in enumerate(self.pattern.split(text)):  # odd places hold the added tokens split at
+        for i, part in enumerate(parts):  # odd places hold the added tokens split at
             if i % 2:
                 ids.append(self.ids[part])
             elif part:

@@ -5,7 +5,9 @@ meanwhile. Chat templates are rendered and text is tokenised on a thread pool of
 cores (tokenizers releases the GIL while it encodes: a burst of long prompts, such as 32 chats sharing a
 2,000-token system prompt, would otherwise queue behind two threads for tens of milliseconds before the
 engine sees the last of them), and a prompt whose length in characters already proves it cannot fit
-the context window is refused before any of that (token_bound.py).
+the context window is refused before any of that (token_bound.py). A chat of a few messages whose long
+ones were tokenised before (the piece cache, engine/pieces.py) skips the pool: rendering it and
+tokenising its new characters takes less of the loop than the hop to a thread and back.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ from streamsd.request import ParamError
 from streamsd.server.protocol import ChatMessage
 from streamsd.server.state import ApiError
 from streamsd.server.token_bound import max_chars_per_token
+
+# A chat is rendered on the event loop when it has at most INLINE_MESSAGES messages of INLINE_CHARS
+# characters in all (~0.1 ms of template for 10,000 characters on a 2-core EPYC), and tokenised there
+# when at most INLINE_NEW_CHARS of it are new to the piece cache (0.3 ms); the rest goes to the pool.
+INLINE_MESSAGES = 16
+INLINE_CHARS = 32_768
+INLINE_NEW_CHARS = 512
 
 T = TypeVar("T")
 Tokenized = tuple[list[int], list[str] | None]  # the ids, and their token strings when asked for
@@ -76,7 +85,21 @@ class PromptEncoder:
         return await self._timed(self.core.encode_prompt, prompt)
 
     async def chat(self, messages: list[ChatMessage], max_tokens: int) -> list[int]:
-        return await self._timed(self._chat, _as_dicts(messages), max_tokens)
+        dicts = _as_dicts(messages)
+        if len(dicts) > INLINE_MESSAGES or sum(len(m["content"]) for m in dicts) > INLINE_CHARS:
+            return await self._timed(self._chat, dicts, max_tokens)
+        # A chat whose long messages were seen before (the system prompt, the turns before this one) is
+        # rendered and its few new characters tokenised right here: the hop to a thread and back cost
+        # ~5 ms of waiting at 32 concurrent requests, for ~0.1 ms of work.
+        start = time.monotonic()
+        text = self._render(dicts, add_generation_prompt=True)
+        self._check_length(len(text), max_tokens, "messages")
+        ids = self.core.encode_rendered_chat_within(text, INLINE_NEW_CHARS)
+        if ids is None:
+            ids = await self._run(self.core.encode_rendered_chat, text)
+        if self.observe is not None:
+            self.observe(time.monotonic() - start)
+        return ids
 
     def _chat(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
         """On the pool: render, refuse what cannot fit, tokenise."""

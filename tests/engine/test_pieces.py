@@ -52,6 +52,36 @@ def test_a_chat_repeating_its_system_prompt_tokenises_it_once():
     assert len(cache._pieces) == 1
 
 
+def test_encode_within_tokenises_only_where_few_characters_are_new():
+    """A chat whose long system message was seen before is within a small budget of new characters
+    (its short pieces counted as new) and gives the tokenizer's ids; the first such chat, or a long
+    new message, is not, and nothing of it is tokenised or remembered."""
+    tok = build_tokenizer()
+    cache = PieceCache.build(tok, min_chars=64)
+    system = " ".join(CORPUS) * 3
+    question = [{"role": "system", "content": system}, {"role": "user", "content": "a short question?"}]
+    text = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    assert cache.pattern is not None
+    new = sum(len(p) for p in cache.pattern.split(text)[::2] if system not in p)  # the template's and the question
+    assert cache.encode_within(text, 200) is None and not cache._pieces
+    assert cache.encode_within(text, len(text)) == list(tok.encode(text, add_special_tokens=False))
+    assert cache.encode_within(text, new - 1) is None
+    assert cache.encode_within(text, new) == list(tok.encode(text, add_special_tokens=False))
+    long = [{"role": "system", "content": system}, {"role": "user", "content": system[::-1]}]
+    text = tok.apply_chat_template(long, tokenize=False, add_generation_prompt=True)
+    assert cache.encode_within(text, 200) is None and len(cache._pieces) == 1
+
+
+def test_encode_within_a_cache_that_tokenises_whole_counts_every_character():
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken("<tool>", lstrip=True)])
+    cache = PieceCache.build(tok)
+    assert cache.pattern is None
+    text = "a <tool> b <|im_end|> c"
+    assert cache.encode_within(text, len(text) - 1) is None
+    assert cache.encode_within(text, len(text)) == list(tok.encode(text, add_special_tokens=False))
+
+
 def test_the_cache_keeps_at_most_its_characters_least_recently_used_out_first():
     tok = build_tokenizer()
     cache = PieceCache.build(tok, min_chars=10, max_chars=100)

@@ -1,5 +1,5 @@
-"""The tokeniser pool: its size (half the cores, never fewer than two threads nor more than eight), and
-its warm-up."""
+"""The tokeniser pool: its size (half the cores, never fewer than two threads nor more than eight), its
+warm-up, and the chats that skip it."""
 
 from __future__ import annotations
 
@@ -30,3 +30,33 @@ def test_warm_runs_a_chat_prompt_on_every_thread_of_the_pool(tiny_model_dir):
         assert len(started) == encoder.threads
     finally:
         encoder.close()
+
+
+def test_a_chat_of_seen_messages_is_tokenised_without_the_pool(tiny_model_dir):
+    """A chat whose long messages were tokenised before is rendered and tokenised on the event loop:
+    with the pool shut, it still gets the engine's ids, while a chat with a long new message (or more
+    messages than are rendered inline) needs the pool."""
+    from streamsd.engine.llm import LLM
+    from streamsd.server.prompts import INLINE_MESSAGES, INLINE_NEW_CHARS, PromptEncoder
+    from streamsd.server.protocol import ChatMessage
+
+    core = LLM(str(tiny_model_dir), device="cpu").core
+    timed: list[float] = []
+    encoder = PromptEncoder(core, observe=timed.append)
+    system = "You answer in one short sentence, and only about the weather. " * 40
+    first = [ChatMessage(role="system", content=system), ChatMessage(role="user", content="Is it raining?")]
+    second = [first[0], ChatMessage(role="user", content="And tomorrow?")]
+    fresh = [ChatMessage(role="system", content=system[::-1]), first[1]]
+    many = [ChatMessage(role="user", content="hi")] * (INLINE_MESSAGES + 1)
+    assert len(system) > INLINE_NEW_CHARS
+
+    async def main() -> None:
+        assert await encoder.chat(first, 8) == core.encode_chat([{"role": m.role, "content": m.text()} for m in first])  # on the pool
+        encoder.close()
+        assert await encoder.chat(second, 8) == core.encode_chat([{"role": m.role, "content": m.text()} for m in second])
+        for chat in (fresh, many):
+            with pytest.raises(RuntimeError, match="shutdown"):
+                await encoder.chat(chat, 8)
+
+    asyncio.run(main())
+    assert len(timed) == 2
