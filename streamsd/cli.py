@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from streamsd.config import STREAMS_PER_STEP, StreamInterval
 from streamsd.engine.args import DEFAULT_MODEL, add_engine_args, engine_config
 
 if TYPE_CHECKING:
@@ -133,6 +134,10 @@ BENCH = {
 }
 
 
+def _stream_interval(text: str) -> StreamInterval:
+    return "auto" if text == "auto" else _at_least_one(text)
+
+
 def _at_least_one(text: str) -> int:
     try:
         n = int(text)
@@ -158,9 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the model's name)")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this get 429")
-    s.add_argument("--stream-interval", type=_at_least_one, default=1, metavar="N",
+    s.add_argument("--stream-interval", type=_stream_interval, default=1, metavar="N|auto",
                    help="stream each answer's tokens N at a time (its first token at once, its last whatever is "
-                        "left): fewer, larger chunks cost the server less at high concurrency (default: 1, every step)")
+                        "left): fewer, larger chunks cost the server less at high concurrency; auto: N grows by one "
+                        f"for every {STREAMS_PER_STEP} answers streaming (default: 1, every step)")
     s.add_argument("--api-key", action="append", default=None, metavar="[NAME:]KEY",
                    help="require this bearer token on the API (default: no authentication); repeat it for "
                         "several keys; /metrics counts each key's requests under NAME, else key-N (its position)")

@@ -8,6 +8,8 @@ from typing import Literal
 SpecMethod = Literal["draft", "ngram", "eagle", "synthetic"]
 BLOCK_SIZE = 16
 MAX_TREE_NODES = 62  # a tree's window (its root and nodes) fits one int64 bitmask per row
+StreamInterval = int | Literal["auto"]  # tokens a streamed answer's deltas gather (engine/async_engine.py)
+STREAMS_PER_STEP = 16  # "auto": about this many streams handed a delta per step
 
 
 def helper_threads(cores: int | None) -> int:

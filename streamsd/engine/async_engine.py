@@ -7,7 +7,8 @@ never one per token, and the text work hides behind the GPU's.
 With a stream interval of N > 1 a request's deltas are handed over once they hold N tokens (its
 first at once, its last whatever it holds): each delta a stream receives costs the loop a wake-up,
 an event to encode and a socket write, which at high concurrency compete with scheduling the next
-step.
+step. "auto" sets N by the streams open: one for every STREAMS_PER_STEP of them (1 up to that many),
+so the loop hands over about that many deltas a step at any load.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import itertools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from streamsd.config import STREAMS_PER_STEP, StreamInterval
 from streamsd.engine.core import Emission, EngineCore, RequestOutput, joined
 from streamsd.request import SamplingParams
 from streamsd.sched.plan import StepPlan
@@ -34,12 +36,13 @@ def worker_thread() -> ThreadPoolExecutor:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, executor: ThreadPoolExecutor | None = None, stream_interval: int = 1):
+    def __init__(self, core: EngineCore, executor: ThreadPoolExecutor | None = None,
+                 stream_interval: StreamInterval = 1):
         """`executor`: the `worker_thread` the core was built on (the engine shuts it down on close).
         `stream_interval`: the tokens a request's deltas gather before they are handed over (its first
-        and last go at once)."""
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be at least 1, not {stream_interval}")
+        and last go at once), or "auto" (by the streams open)."""
+        if stream_interval != "auto" and stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1 or 'auto', not {stream_interval}")
         self.core = core
         self.stream_interval = stream_interval
         self._held: dict[str, list[RequestOutput]] = {}  # request id -> its deltas not handed over yet
@@ -148,8 +151,8 @@ class AsyncEngine:
     def _dispatch(self, out: RequestOutput) -> None:
         for observe in self.observers:
             observe(out)
-        if self.stream_interval > 1:
-            gathered = self._gather(out)
+        if self.stream_interval != 1:
+            gathered = self._gather(out, self._interval())
             if gathered is None:
                 return
             out = gathered
@@ -159,9 +162,14 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
 
-    def _gather(self, out: RequestOutput) -> RequestOutput | None:
-        """`out` joined to the deltas held before it; None while they hold fewer tokens than the
-        interval (and are neither the request's first nor its last)."""
+    def _interval(self) -> int:
+        if self.stream_interval == "auto":
+            return max(1, -(-len(self._streams) // STREAMS_PER_STEP))
+        return self.stream_interval
+
+    def _gather(self, out: RequestOutput, interval: int) -> RequestOutput | None:
+        """`out` joined to the deltas held before it; None while they hold fewer tokens than
+        `interval` (and are neither the request's first nor its last)."""
         rid = out.request_id
         held = self._held.pop(rid, [])
         held.append(out)
@@ -169,7 +177,7 @@ class AsyncEngine:
             self._started.discard(rid)
         elif rid not in self._started:
             self._started.add(rid)
-        elif sum(len(o.tokens) for o in held) < self.stream_interval:
+        elif sum(len(o.tokens) for o in held) < interval:
             self._held[rid] = held
             return None
         return joined(held)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streamsd.config import SpecConfig
+from streamsd.config import SpecConfig, StreamInterval
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import RequestOutput
 from streamsd.engine.generation_defaults import GenerationDefaults
@@ -57,7 +57,7 @@ class ServerState:
     api_keys: ApiKeys | None = None
     max_queue: int = 1024
     drain_timeout: float = 30.0
-    stream_interval: int = 1  # tokens a streamed answer's chunks gather (engine/async_engine.py)
+    stream_interval: StreamInterval = 1  # tokens a streamed answer's chunks gather (engine/async_engine.py)
     engine: AsyncEngine | None = None
     prompts: PromptEncoder | None = None
     load_error: str | None = None

@@ -1,6 +1,6 @@
 """`serve --stream-interval N`: streamed answers arrive N tokens a chunk (the first token at once, the
 last chunk whatever is left), the same answers as unstreamed, over SSE and the WebSocket. The first
-chunk holds the prompt step's one token: held back, it would hold N."""
+chunk holds the prompt step's one token: held back, it would hold N. `auto` sets N by the streams open."""
 
 from __future__ import annotations
 
@@ -84,7 +84,44 @@ def test_websocket_deltas_gather_the_interval_and_their_steps_add_up(server):
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "x"])
-def test_a_stream_interval_below_one_is_refused_at_the_command_line(value, capsys):
+def test_a_stream_interval_below_one_or_not_a_number_is_refused_at_the_command_line(value, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", "--stream-interval", value])
     assert exc.value.code == 2 and "--stream-interval" in capsys.readouterr().err
+
+
+def test_auto_hands_every_token_over_alone_below_its_streams_and_gathers_above(tiny_model_dir):
+    """"auto" gathers one token more for every STREAMS_PER_STEP streams open: 4 answers get every token
+    alone; 2 x STREAMS_PER_STEP + 1 answers running together get chunks of at least 3 (the first at once),
+    the same tokens as one by one."""
+    from streamsd import LLM, SamplingParams
+    from streamsd.config import STREAMS_PER_STEP
+    from streamsd.engine.async_engine import AsyncEngine
+
+    llm = LLM(str(tiny_model_dir), max_num_seqs=64)
+    prompt = llm.core.encode_prompt("Once upon a time")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def answers(n: int) -> list[list[list[int]]]:
+        engine = AsyncEngine(llm.core, stream_interval="auto")
+        await engine.start()
+
+        async def one() -> list[list[int]]:
+            return [out.token_ids async for out in engine.generate(prompt, params)]
+
+        try:
+            return list(await asyncio.gather(*(one() for _ in range(n))))
+        finally:
+            await engine.close()
+
+    alone = asyncio.run(answers(4))
+    assert all([len(c) for c in chunks] == [1] * 12 for chunks in alone)
+    want = [t for c in alone[0] for t in c]
+    for chunks in asyncio.run(answers(2 * STREAMS_PER_STEP + 1)):
+        sizes = [len(c) for c in chunks]
+        assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and len(sizes) <= 5, sizes
+        assert [t for c in chunks for t in c] == want
+
+
+def test_auto_is_a_stream_interval_at_the_command_line():
+    assert build_parser().parse_args(["serve", "--stream-interval", "auto"]).stream_interval == "auto"
