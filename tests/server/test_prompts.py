@@ -60,3 +60,20 @@ def test_a_chat_of_seen_messages_is_tokenised_without_the_pool(tiny_model_dir):
 
     asyncio.run(main())
     assert len(timed) == 2
+
+
+def test_a_short_text_prompt_is_tokenised_without_the_pool(tiny_model_dir):
+    from streamsd.engine.llm import LLM
+    from streamsd.server.prompts import INLINE_NEW_CHARS, PromptEncoder
+
+    core = LLM(str(tiny_model_dir), device="cpu").core
+    encoder = PromptEncoder(core)
+    encoder.close()
+    short, long = "Once upon a time", "Once upon a time " * (INLINE_NEW_CHARS // 10)
+
+    async def main() -> None:
+        assert await encoder.text(short, 8) == core.encode_prompt(short)
+        with pytest.raises(RuntimeError, match="shutdown"):
+            await encoder.text(long, 8)
+
+    asyncio.run(main())
