@@ -83,30 +83,27 @@ class PromptEncoder:
 
     async def text(self, prompt: str, max_tokens: int) -> list[int]:
         self._check_length(len(prompt), max_tokens, "prompt")
-        if len(prompt) > INLINE_NEW_CHARS:
-            return await self._timed(self.core.encode_prompt, prompt)
-        start = time.monotonic()  # a short prompt: tokenised here, as a chat's new characters are
-        ids = self.core.encode_prompt(prompt)
-        if self.observe is not None:
-            self.observe(time.monotonic() - start)
-        return ids
+        start = time.monotonic()
+        if len(prompt) <= INLINE_NEW_CHARS:  # tokenised here, as a chat's few new characters are
+            ids = self.core.encode_prompt(prompt)
+        else:
+            ids = await self._run(self.core.encode_prompt, prompt)
+        return self._observed(start, ids)
 
     async def chat(self, messages: list[ChatMessage], max_tokens: int) -> list[int]:
         dicts = _as_dicts(messages)
+        start = time.monotonic()
         if len(dicts) > INLINE_MESSAGES or sum(len(m["content"]) for m in dicts) > INLINE_CHARS:
-            return await self._timed(self._chat, dicts, max_tokens)
+            return self._observed(start, await self._run(self._chat, dicts, max_tokens))
         # A chat whose long messages were seen before (the system prompt, the turns before this one) is
         # rendered and its few new characters tokenised right here: the hop to a thread and back cost
         # ~5 ms of waiting at 32 concurrent requests, for ~0.1 ms of work.
-        start = time.monotonic()
         text = self._render(dicts, add_generation_prompt=True)
         self._check_length(len(text), max_tokens, "messages")
         ids = self.core.encode_rendered_chat_within(text, INLINE_NEW_CHARS)
         if ids is None:
             ids = await self._run(self.core.encode_rendered_chat, text)
-        if self.observe is not None:
-            self.observe(time.monotonic() - start)
-        return ids
+        return self._observed(start, ids)
 
     def _chat(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
         """On the pool: render, refuse what cannot fit, tokenise."""
@@ -156,9 +153,7 @@ class PromptEncoder:
             raise ApiError(400, f"prompt (at least {least} tokens) + max_tokens ({max_tokens}) exceeds the context "
                                 f"window of {self.max_len} tokens", param=param, code="context_length_exceeded")
 
-    async def _timed(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-        start = time.monotonic()
-        ids = await self._run(fn, *args)
+    def _observed(self, start: float, ids: list[int]) -> list[int]:
         if self.observe is not None:
             self.observe(time.monotonic() - start)
         return ids
