@@ -165,8 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this get 429")
     s.add_argument("--stream-interval", type=_stream_interval, default=1, metavar="N|auto",
                    help="stream each answer's tokens N at a time (its first token at once, its last whatever is "
-                        "left): fewer, larger chunks cost the server less at high concurrency; auto: N grows by one "
-                        f"for every {STREAMS_PER_STEP} answers streaming (default: 1, every step)")
+                        "left): fewer, larger chunks cost the server less at high concurrency; auto: 1 while at most "
+                        f"{STREAMS_PER_STEP} answers stream, one more for each further {STREAMS_PER_STEP} "
+                        "(default: 1, every step)")
     s.add_argument("--api-key", action="append", default=None, metavar="[NAME:]KEY",
                    help="require this bearer token on the API (default: no authentication); repeat it for "
                         "several keys; /metrics counts each key's requests under NAME, else key-N (its position)")
