@@ -46,7 +46,6 @@ class AsyncEngine:
         self.core = core
         self.stream_interval = stream_interval
         self._held: dict[str, list[RequestOutput]] = {}  # request id -> its deltas not handed over yet
-        self._started: set[str] = set()  # requests whose first delta went out
         self._executor = executor or worker_thread()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wake = asyncio.Event()
@@ -170,14 +169,10 @@ class AsyncEngine:
     def _gather(self, out: RequestOutput, interval: int) -> RequestOutput | None:
         """`out` joined to the deltas held before it; None while they hold fewer tokens than
         `interval` (and are neither the request's first nor its last)."""
-        rid = out.request_id
-        held = self._held.pop(rid, [])
+        held = self._held.pop(out.request_id, [])
         held.append(out)
-        if out.finished or out.error:
-            self._started.discard(rid)
-        elif rid not in self._started:
-            self._started.add(rid)
-        elif sum(len(o.tokens) for o in held) < interval:
-            self._held[rid] = held
-            return None
-        return joined(held)
+        first = out.queue_seconds is not None  # said by a request's first delta only
+        if out.finished or out.error or first or sum(len(o.tokens) for o in held) >= interval:
+            return joined(held)
+        self._held[out.request_id] = held
+        return None

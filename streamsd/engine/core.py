@@ -57,7 +57,7 @@ class RequestOutput:
     step_drafted: int = 0
     step_accepted: int = 0
     stats: SpecStats | None = None
-    queue_seconds: float | None = None
+    queue_seconds: float | None = None  # on a request's first output only
     arrival: float = 0.0  # time.monotonic() at submission, for latency metrics
     metrics: RequestMetrics | None = None  # on the last output
     # With prompt_logprobs asked for, on the first output: prompt token i + 1's (logprob, top alternatives).

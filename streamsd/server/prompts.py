@@ -98,8 +98,7 @@ class PromptEncoder:
         # A chat whose long messages were seen before (the system prompt, the turns before this one) is
         # rendered and its few new characters tokenised right here: the hop to a thread and back cost
         # ~5 ms of waiting at 32 concurrent requests, for ~0.1 ms of work.
-        text = self._render(dicts, add_generation_prompt=True)
-        self._check_length(len(text), max_tokens, "messages")
+        text = self._rendered(dicts, max_tokens)
         ids = self.core.encode_rendered_chat_within(text, INLINE_NEW_CHARS)
         if ids is None:
             ids = await self._run(self.core.encode_rendered_chat, text)
@@ -107,9 +106,13 @@ class PromptEncoder:
 
     def _chat(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
         """On the pool: render, refuse what cannot fit, tokenise."""
+        return self.core.encode_rendered_chat(self._rendered(messages, max_tokens))
+
+    def _rendered(self, messages: list[dict[str, Any]], max_tokens: int) -> str:
+        """The chat rendered for a reply, refused when its characters prove it cannot fit."""
         text = self._render(messages, add_generation_prompt=True)
         self._check_length(len(text), max_tokens, "messages")
-        return self.core.encode_rendered_chat(text)
+        return text
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:

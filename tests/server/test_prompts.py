@@ -50,10 +50,13 @@ def test_a_chat_of_seen_messages_is_tokenised_without_the_pool(tiny_model_dir):
     many = [ChatMessage(role="user", content="hi")] * (INLINE_MESSAGES + 1)
     assert len(system) > INLINE_NEW_CHARS
 
+    def want(chat: list[ChatMessage]) -> list[int]:
+        return core.encode_chat([{"role": m.role, "content": m.text()} for m in chat])
+
     async def main() -> None:
-        assert await encoder.chat(first, 8) == core.encode_chat([{"role": m.role, "content": m.text()} for m in first])  # on the pool
+        assert await encoder.chat(first, 8) == want(first)  # on the pool
         encoder.close()
-        assert await encoder.chat(second, 8) == core.encode_chat([{"role": m.role, "content": m.text()} for m in second])
+        assert await encoder.chat(second, 8) == want(second)
         for chat in (fresh, many):
             with pytest.raises(RuntimeError, match="shutdown"):
                 await encoder.chat(chat, 8)
