@@ -15,7 +15,10 @@ import asyncio
 import logging
 import signal
 import ssl
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -30,6 +33,22 @@ from streamsd.server.state import ServerState
 
 log = logging.getLogger("streamsd")
 WS_MAX_FRAME = 1 << 20
+# The engine's worker thread and the event loop share one interpreter lock. At Python's default switch
+# interval (5 ms) a loop busy with arriving requests and streamed chunks keeps the worker, and with it
+# the GPU, waiting up to 5 ms whenever the worker needs the interpreter between its launches and reads;
+# 0.5 ms bounds that wait (measured in docs/benchmarks.md, prefix caching).
+SWITCH_INTERVAL_S = 0.0005
+
+
+@contextmanager
+def short_switch_interval(interval: float = SWITCH_INTERVAL_S) -> Iterator[None]:
+    """Python's thread switch interval set to `interval` while the server runs, then restored."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,5 +112,6 @@ def serve(state: ServerState, factory: EngineFactory, host: str, port: int, web_
     )
     access_log.install(access_log_enabled, state.api_keys)
     server = DrainingServer(config, state)
-    server.run()
+    with short_switch_interval():
+        server.run()
     return 1 if state.load_error else 0
