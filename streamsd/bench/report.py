@@ -197,15 +197,29 @@ def _cell_style(cell: CellResult, cells: Sequence[CellResult]) -> dict[str, Any]
     return {"color": colour, "linestyle": "--" if cell.speculative is False else "-"}
 
 
+def _setting(cell: CellResult, axis: str) -> float | None:
+    """The cell's max concurrency (`axis` "concurrency") or its request rate ("rate"); None: unbounded."""
+    return cell.concurrency if axis == "concurrency" else cell.request_rate
+
+
+def _swept(cells: Sequence[CellResult]) -> str | None:
+    """What the sweep figures plot against: max concurrency where it varies, else the request rate."""
+    for axis in ("concurrency", "rate"):
+        if len({_setting(c, axis) for c in cells} - {None}) > 1:
+            return axis
+    return None
+
+
 def plot_serve(path: str | Path, cells: Sequence[CellResult]) -> None:
-    """Latency CDFs per cell; when concurrency was swept, a second row of figures vs concurrency."""
+    """Latency CDFs per cell; when concurrency or the request rate was swept, a second row of figures
+    against it (one series per speculation switch and, where both were swept, per request rate)."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless: never needs a display
     import matplotlib.pyplot as plt
 
-    sweep = len({c.concurrency for c in cells if c.concurrency is not None}) > 1
-    rows = 2 if sweep else 1
+    axis = _swept(cells)
+    rows = 2 if axis else 1
     fig, axes = plt.subplots(rows, 3, figsize=(16, 4.5 * rows), squeeze=False)
     for ax, (key, name) in zip(axes[0], (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E latency")),
                                strict=True):
@@ -217,29 +231,51 @@ def plot_serve(path: str | Path, cells: Sequence[CellResult]) -> None:
         ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small")
-    if sweep:
-        figures = (
-            ("TPOT median (ms)", lambda c: c.tpot_ms.median),
-            ("Output throughput (tok/s)", lambda c: c.throughput.output_tokens_per_s),
-            ("TTFT median (ms)", lambda c: c.ttft_ms.median),
-        )
-        for ax, (name, pick) in zip(axes[1], figures, strict=True):
-            for switch in sorted({c.speculative for c in cells}, key=lambda s: (s is not None, s)):
-                by_c: dict[int, list[float]] = {}
-                for c in cells:
-                    if c.speculative is switch and c.concurrency is not None and pick(c) is not None:
-                        by_c.setdefault(c.concurrency, []).append(pick(c))
-                points = [(n, lower_median(v)) for n, v in sorted(by_c.items())]  # rounds of --repeats: their median
-                if points:
-                    ax.plot(*zip(*points, strict=True), marker="o", label=_series_name(switch))
-            concurrencies = sorted({c.concurrency for c in cells if c.concurrency is not None})
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
-            ax.minorticks_off()
-            ax.set(title=f"{name} vs concurrency", xlabel="max concurrency", ylabel=name)
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize="small")
+    if axis:
+        _plot_sweep(axes[1], cells, axis)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+AXES = {"concurrency": ("concurrency", "max concurrency"), "rate": ("request rate", "requests/s")}
+
+
+def _series_label(switch: bool | None, other: str, setting: float | None, several: bool) -> str:
+    """A sweep series' name: its speculation switch, and its other setting where that varies too."""
+    label = _series_name(switch)
+    if several and setting is not None:
+        label += f", c={setting:g}" if other == "concurrency" else f", {setting:g}/s"
+    return label
+
+
+def _plot_sweep(axes: Sequence[Any], cells: Sequence[CellResult], axis: str) -> None:
+    """TPOT, throughput and TTFT against the swept `axis`, the median of a setting's rounds."""
+    other = "rate" if axis == "concurrency" else "concurrency"
+    figures = (
+        ("TPOT median (ms)", lambda c: c.tpot_ms.median),
+        ("Output throughput (tok/s)", lambda c: c.throughput.output_tokens_per_s),
+        ("TTFT median (ms)", lambda c: c.ttft_ms.median),
+    )
+    xs = sorted({x for c in cells if (x := _setting(c, axis)) is not None})
+    series = sorted(dict.fromkeys((c.speculative, _setting(c, other)) for c in cells),
+                    key=lambda k: (k[0] is not None, bool(k[0]), k[1] is not None, k[1] or 0))
+    several = len({setting for _, setting in series}) > 1
+    title, xlabel = AXES[axis]
+    for ax, (name, pick) in zip(axes, figures, strict=True):
+        for switch, setting in series:
+            by_x: dict[float, list[float]] = {}
+            for c in cells:
+                x, y = _setting(c, axis), pick(c)
+                if c.speculative is switch and _setting(c, other) == setting and x is not None and y is not None:
+                    by_x.setdefault(x, []).append(y)
+            points = [(x, lower_median(v)) for x, v in sorted(by_x.items())]  # rounds of --repeats: their median
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=_series_label(switch, other, setting, several))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.minorticks_off()
+        ax.set(title=f"{name} vs {title}", xlabel=xlabel, ylabel=name)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")

@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-rate", type=float, default=math.inf,
         help="Poisson arrival rate in requests/s (default inf: all at once, bounded by concurrency)",
     )
+    parser.add_argument(
+        "--sweep-request-rate", default=None,
+        help="comma list of requests/s, e.g. 5,10,20: one cell per Poisson arrival rate (instead of --request-rate)",
+    )
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     parser.add_argument(
         "--sweep-concurrency", default=None, help="comma list, e.g. 1,2,4,8: one cell per concurrency"
@@ -111,12 +115,21 @@ def parse_sweep(text: str) -> list[int]:
     return values
 
 
+def parse_rates(text: str) -> list[float]:
+    values = [float(v) for v in text.replace(" ", "").split(",") if v]
+    if not values or any(not (0 < v < math.inf) for v in values):
+        raise ValueError(f"--sweep-request-rate needs positive, finite requests/s, got {text!r}")
+    return values
+
+
 def plan_cells(args: argparse.Namespace) -> list[CellPlan]:
     """Cells in run order; with --compare-speculation off and on run back to back for each setting
     so slow drift (thermal, other load) hits both alike, and with --repeats the order alternates
     from round to round (off, on | on, off | ...) so that it favours neither."""
     if args.sweep_concurrency and args.max_concurrency is not None:
         raise ValueError("--sweep-concurrency and --max-concurrency are alternatives")
+    if args.sweep_request_rate and math.isfinite(args.request_rate):
+        raise ValueError("--sweep-request-rate and --request-rate are alternatives")
     if args.repeats < 1:
         raise ValueError(f"--repeats needs a positive integer, got {args.repeats}")
     if args.num_warmups < 0:
@@ -127,10 +140,11 @@ def plan_cells(args: argparse.Namespace) -> list[CellPlan]:
         raise ValueError(f"--shared-prefix-tokens needs a count >= 0, got {args.shared_prefix_tokens}")
     prefix = args.shared_prefix_tokens or None
     concurrencies = parse_sweep(args.sweep_concurrency) if args.sweep_concurrency else [args.max_concurrency]
+    rates = parse_rates(args.sweep_request_rate) if args.sweep_request_rate else [args.request_rate]
     switches: list[bool | None] = [False, True] if args.compare_speculation else [None]
     numbered = args.repeats > 1
-    return [CellPlan(c, args.request_rate, s, r if numbered else None, shared_prefix_tokens=prefix)
-            for c in concurrencies for r in range(args.repeats)
+    return [CellPlan(c, rate, s, r if numbered else None, shared_prefix_tokens=prefix)
+            for c in concurrencies for rate in rates for r in range(args.repeats)
             for s in (switches if r % 2 == 0 else switches[::-1])]
 
 
@@ -259,6 +273,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict, list[CellResult]]:
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": args.temperature,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,
         "max_concurrency": args.max_concurrency, "sweep_concurrency": args.sweep_concurrency,
+        "sweep_request_rate": args.sweep_request_rate,
         "compare_speculation": args.compare_speculation, "multi_turn": args.multi_turn,
         "shared_prefix_tokens": args.shared_prefix_tokens or None, "repeats": args.repeats,
         "num_warmups": args.num_warmups, "ignore_eos": args.ignore_eos, "seed": args.seed,

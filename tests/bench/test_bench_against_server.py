@@ -138,6 +138,19 @@ def test_serve_sweep_writes_png(server_url: str, tmp_path: Path) -> None:
     assert [c["concurrency"] for c in json.loads(out.read_text())["cells"]] == [1, 1, 2, 2, 4, 4]
 
 
+def test_serve_sweeps_the_request_rate(server_url: str, tmp_path: Path) -> None:
+    plot, out = tmp_path / "rates.png", tmp_path / "rates.json"
+    rc = serve.main(["--base-url", server_url, "--endpoint", "completions", "--dataset", "random:12",
+                     "--num-prompts", "4", "--sweep-request-rate", "20,40", "--max-concurrency", "2",
+                     "--max-tokens", "8", "--plot", str(plot), "--output-json", str(out), "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["sweep_request_rate"] == "20,40"
+    assert [(c["concurrency"], c["request_rate"]) for c in doc["cells"]] == [(2, 20.0), (2, 40.0)]
+    assert all(c["requests"]["completed"] == 4 for c in doc["cells"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _soak(server_url: str, tmp_path: Path, duration: int, clients: int) -> dict:
     out = tmp_path / "soak.json"
     rc = soak.main(["--base-url", server_url, "--duration", str(duration), "--clients", str(clients),

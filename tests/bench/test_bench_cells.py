@@ -47,6 +47,41 @@ def test_plan_cells_interleaves_speculation() -> None:
         serve.parse_sweep("1,0")
 
 
+def test_plan_cells_sweeps_the_request_rate() -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--base-url", "http://x", "--sweep-request-rate", "5,10,2.5"])
+    assert [p.label for p in serve.plan_cells(args)] == ["rate=5/s", "rate=10/s", "rate=2.5/s"]
+    args = parser.parse_args(["--base-url", "http://x", "--sweep-request-rate", "5,10", "--sweep-concurrency", "8,32",
+                              "--compare-speculation"])
+    assert [p.label for p in serve.plan_cells(args)] == [
+        "c=8 rate=5/s spec off", "c=8 rate=5/s spec on", "c=8 rate=10/s spec off", "c=8 rate=10/s spec on",
+        "c=32 rate=5/s spec off", "c=32 rate=5/s spec on", "c=32 rate=10/s spec off", "c=32 rate=10/s spec on"]
+    with pytest.raises(ValueError, match="alternatives"):
+        serve.plan_cells(parser.parse_args(["--base-url", "http://x", "--sweep-request-rate", "5",
+                                            "--request-rate", "5"]))
+    for bad in ("0", "5,-1", "inf", "nan", ","):
+        with pytest.raises(ValueError, match="sweep-request-rate"):
+            serve.parse_rates(bad)
+
+
+def _png_height(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[20:24], "big")  # the IHDR chunk: width, then height
+
+
+def test_a_request_rate_sweep_plots_its_figures_against_the_rate(tmp_path: Path) -> None:
+    results = [_result(), _result()]
+    swept = [build_cell(CellPlan(32, rate, s), results, 1.0 + rate / 100, None) for rate in (5.0, 10.0, 20.0)
+             for s in (False, True)]
+    plot_serve(tmp_path / "sweep.png", swept)
+    plot_serve(tmp_path / "one.png", swept[:2])
+    # The sweep adds the row of figures against the rate to the CDFs: twice the height.
+    assert _png_height(tmp_path / "sweep.png") == 2 * _png_height(tmp_path / "one.png")
+    both = [build_cell(CellPlan(c, rate, None), results, 1.0, None) for c in (8, 32) for rate in (5.0, 10.0)]
+    plot_serve(tmp_path / "both.png", both)
+    assert _png_height(tmp_path / "both.png") == _png_height(tmp_path / "sweep.png")
+
+
 def test_repeats_alternate_the_order_of_off_and_on() -> None:
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
