@@ -245,7 +245,7 @@ def _series_label(switch: bool | None, other: str, setting: float | None, severa
     """A sweep series' name: its speculation switch, and its other setting where that varies too."""
     label = _series_name(switch)
     if several and setting is not None:
-        label += f", c={setting:g}" if other == "concurrency" else f", {setting:g}/s"
+        label += f", c={setting:g}" if other == "concurrency" else f", rate={setting:g}/s"  # as cell labels say
     return label
 
 

@@ -15,11 +15,11 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from tqdm import tqdm
@@ -38,6 +38,8 @@ from streamsd.bench.compare import compare
 from streamsd.bench.datasets import BenchPrompt, load_dataset, shared_prefix
 from streamsd.bench.metrics_scrape import scrape, spec_delta
 from streamsd.bench.results import CellPlan, CellResult, build_cell, run_document
+
+Num = TypeVar("Num", int, float)
 
 DEFAULT_MAX_TOKENS = 128
 FOLLOW_UP = "Please go on."  # --multi-turn's second turn where the dataset has none (random, ShareGPT)
@@ -108,18 +110,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def parse_sweep(text: str) -> list[int]:
-    values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"--sweep-concurrency needs positive integers, got {text!r}")
+def _positives(text: str, convert: Callable[[str], Num], flag: str, what: str) -> list[Num]:
+    """The comma list `text` of `flag`: each value positive and finite, else a ValueError that names it."""
+    try:
+        values = [convert(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        values = []
+    if not values or any(not 0 < v < math.inf for v in values):
+        raise ValueError(f"{flag} needs {what}, got {text!r}")
     return values
+
+
+def parse_sweep(text: str) -> list[int]:
+    return _positives(text, int, "--sweep-concurrency", "positive integers")
 
 
 def parse_rates(text: str) -> list[float]:
-    values = [float(v) for v in text.replace(" ", "").split(",") if v]
-    if not values or any(not (0 < v < math.inf) for v in values):
-        raise ValueError(f"--sweep-request-rate needs positive, finite requests/s, got {text!r}")
-    return values
+    return _positives(text, float, "--sweep-request-rate", "positive, finite requests/s")
 
 
 def plan_cells(args: argparse.Namespace) -> list[CellPlan]:
