@@ -41,10 +41,10 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 @contextmanager
-def short_switch_interval(interval: float = SWITCH_INTERVAL_S) -> Iterator[None]:
-    """Python's thread switch interval set to `interval` while the server runs, then restored."""
+def short_switch_interval() -> Iterator[None]:
+    """Python's thread switch interval set to SWITCH_INTERVAL_S while the server runs, then restored."""
     before = sys.getswitchinterval()
-    sys.setswitchinterval(interval)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         yield
     finally:
