@@ -261,8 +261,9 @@ class Scheduler:
             kept = self._append(r, res.new_tokens)
             r.stats.record(usable, min(res.num_accepted, len(kept), usable), len(kept))
             if r.finished:
-                if r.params.max_tokens == 0:  # a prompt-only request's prompt is cached for others, as a chunk's is
-                    self.prefix.register(r)
+                # Cached before its blocks are released: a request answered in its first step (one token, a
+                # stop at once, a prompt-only score) leaves its prompt for the next one as a longer one does.
+                self.prefix.register(r)
                 self.finish(r, r.finish_reason or FinishReason.STOP)
             else:
                 self._trim(r)

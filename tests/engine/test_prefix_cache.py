@@ -237,3 +237,17 @@ def test_an_eagle_heads_block_is_a_hit_only_when_the_token_after_it_matches_too(
     (plain_ids, plain_acc, _), (ids, acc, cached) = runs
     assert ids == plain_ids and acc == plain_acc and plain_acc > 0
     assert cached == 16
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft", "eagle-tree"])
+def test_a_request_answered_in_its_first_step_leaves_its_prompt_cached(tiny_model_dir, close_draft_dir, request,
+                                                                        method):
+    head = request.getfixturevalue("eagle_head") if method.startswith("eagle") else None
+    llm = _engine(tiny_model_dir, method, close_draft_dir, head, True)
+    prompt = llm.tokenizer.encode(CORPUS[0] + CORPUS[1])[:50]  # three full blocks and two tokens
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    first = llm.generate([prompt], one)[0]
+    again = llm.generate([prompt], one)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 48
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    _assert_released(llm, True)
