@@ -118,7 +118,9 @@ class EngineCore:
         self.last_step_end = -1.0  # perf_counter at the end of the last step
         self.trackers: dict[str, _Tracker] = {}
         self.totals = SpecStats()
-        self._rand = random.Random(runtime.seed) if runtime.seed is not None else random.SystemRandom()
+        # Seeded from the OS once, not read from it per request: each read releases the interpreter lock,
+        # and taking it back on the event loop waits out a busy worker thread's switch interval.
+        self._rand = random.Random(runtime.seed)
         self._stopped: list[tuple[Request, RequestOutput]] = []  # stop strings found under a running step
 
     # -- requests ---------------------------------------------------------------------------
