@@ -155,23 +155,30 @@ class _Completion:
             await rest.aclose()  # an error or a hang-up ends every answer still running, not only one
 
     async def _events(self, head: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+        """The stream's events; the last answer's final chunk, the usage and [DONE] go out as one write
+        (each write is a trip through the ASGI server to the socket on the event loop)."""
         started: set[int] = set()
         finals: list[RequestOutput | None] = [None] * len(self.fanout.rids)
+        tail = b""
         async for out in _chain(head, rest):
             if out.error:
-                yield _event(ApiError(500, out.error).body())
+                tail = _event(ApiError(500, out.error).body())
                 break
             index = self.index[out.request_id]
             first = index not in started
-            if out.text or out.finished or out.tokens or first:
-                yield _event(self.chunk(out, first))
-                started.add(index)
             if out.finished:
                 finals[index] = out
+            if out.text or out.finished or out.tokens or first:
+                started.add(index)
+                event = _event(self.chunk(out, first))
+                if all(f is not None for f in finals):
+                    tail = event
+                else:
+                    yield event
         if self.include_usage and all(f is not None for f in finals):
             done = [f for f in finals if f is not None]
-            yield _event({**self._base(True), "choices": [], "usage": usage(summed(done, self.fanout.n))})
-        yield b"data: [DONE]\n\n"
+            tail += _event({**self._base(True), "choices": [], "usage": usage(summed(done, self.fanout.n))})
+        yield tail + b"data: [DONE]\n\n"
 
 
 async def _chain(head: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -126,6 +126,48 @@ def test_every_response_and_chunk_carries_one_system_fingerprint(client, model):
     assert seen[0].startswith(f"fp_streamsd-{__version__}-") and len(seen[0]) > len(f"fp_streamsd-{__version__}-")
 
 
+def _http_chunks(server, path: str, body: dict) -> list[bytes]:
+    """The response body's HTTP/1.1 chunks as they came (each is one write of the server's)."""
+    import socket
+
+    raw = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {KEY}\r\nContent-Length: {len(raw)}\r\nConnection: close\r\n\r\n"
+                     .encode() + raw)
+        data = b""
+        while block := sock.recv(65536):
+            data += block
+    head, rest = data.split(b"\r\n\r\n", 1)
+    assert b"transfer-encoding: chunked" in head.lower(), head
+    chunks = []
+    while True:
+        size_line, rest = rest.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            return chunks
+        chunks.append(rest[:size])
+        rest = rest[size + 2 :]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_streams_final_chunk_usage_and_done_leave_in_one_write(server, model, include_usage):
+    body = {"model": model, "messages": CHAT, "max_tokens": 5, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": include_usage}}
+    chunks = _http_chunks(server, "/v1/chat/completions", body)
+    *streamed, last = chunks
+    assert all(c.count(b"data: ") == 1 and b"[DONE]" not in c for c in streamed), chunks
+    events = [e for e in last.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and len(events) == 2 + include_usage, events
+    final = json.loads(events[0][len(b"data: "):])
+    assert final["choices"][0]["finish_reason"] == "length"
+    if include_usage:
+        assert json.loads(events[1][len(b"data: "):])["usage"]["completion_tokens"] == 5
+    tokens = [t for c in [*streamed, events[0]] for e in c.split(b"\n\n") if e
+              for t in json.loads(e[len(b"data: "):])["choices"][0]["streamsd"]["tokens"]]
+    assert len(tokens) == 5
+
+
 # -- validation -----------------------------------------------------------------------------------
 
 # OpenAI fields another part of the server is to implement: an entry goes when its field is honoured.
