@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import httpx
 import openai
@@ -128,8 +129,6 @@ def test_every_response_and_chunk_carries_one_system_fingerprint(client, model):
 
 def _http_chunks(server, path: str, body: dict) -> list[bytes]:
     """The response body's HTTP/1.1 chunks as they came (each is one write of the server's)."""
-    import socket
-
     raw = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
