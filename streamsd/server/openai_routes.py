@@ -158,7 +158,8 @@ class _Completion:
         """The stream's events; the last answer's final chunk, the usage and [DONE] go out as one write
         (each write is a trip through the ASGI server to the socket on the event loop)."""
         started: set[int] = set()
-        finals: list[RequestOutput | None] = [None] * len(self.fanout.rids)
+        finals: list[RequestOutput | None] = [None] * len(self.fanout.rids)  # in choice order: summed reads it so
+        running = len(finals)
         tail = b""
         async for out in _chain(head, rest):
             if out.error:
@@ -168,14 +169,15 @@ class _Completion:
             first = index not in started
             if out.finished:
                 finals[index] = out
+                running -= 1
             if out.text or out.finished or out.tokens or first:
                 started.add(index)
                 event = _event(self.chunk(out, first))
-                if all(f is not None for f in finals):
+                if not running:
                     tail = event
                 else:
                     yield event
-        if self.include_usage and all(f is not None for f in finals):
+        if self.include_usage and not running:
             done = [f for f in finals if f is not None]
             tail += _event({**self._base(True), "choices": [], "usage": usage(summed(done, self.fanout.n))})
         yield tail + b"data: [DONE]\n\n"
