@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 
+import h11
 import httpx
 import openai
 import pytest
@@ -128,25 +129,28 @@ def test_every_response_and_chunk_carries_one_system_fingerprint(client, model):
 
 
 def _http_chunks(server, path: str, body: dict) -> list[bytes]:
-    """The response body's HTTP/1.1 chunks as they came (each is one write of the server's)."""
+    """The response body's HTTP/1.1 chunks as they came (each is one write of the server's), read by h11."""
+    conn = h11.Connection(h11.CLIENT)
     raw = json.dumps(body).encode()
+    headers = [("Host", "127.0.0.1"), ("Content-Type", "application/json"), ("Authorization", f"Bearer {KEY}"),
+               ("Content-Length", str(len(raw))), ("Connection", "close")]
+    chunks, part = [], b""
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     f"Authorization: Bearer {KEY}\r\nContent-Length: {len(raw)}\r\nConnection: close\r\n\r\n"
-                     .encode() + raw)
-        data = b""
-        while block := sock.recv(65536):
-            data += block
-    head, rest = data.split(b"\r\n\r\n", 1)
-    assert b"transfer-encoding: chunked" in head.lower(), head
-    chunks = []
-    while True:
-        size_line, rest = rest.split(b"\r\n", 1)
-        size = int(size_line, 16)
-        if size == 0:
-            return chunks
-        chunks.append(rest[:size])
-        rest = rest[size + 2 :]
+        sock.sendall(conn.send(h11.Request(method="POST", target=path, headers=headers)) + conn.send(h11.Data(data=raw))
+                     + conn.send(h11.EndOfMessage()))
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(sock.recv(65536))
+            elif isinstance(event, h11.Response):
+                assert dict(event.headers).get(b"transfer-encoding") == b"chunked", event.headers
+            elif isinstance(event, h11.Data):
+                part += event.data
+                if event.chunk_end:
+                    chunks.append(part)
+                    part = b""
+            elif isinstance(event, h11.EndOfMessage):
+                return chunks
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
