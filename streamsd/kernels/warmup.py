@@ -33,9 +33,11 @@ from streamsd.kernels.attention.paged import (
     decode_attention,
 )
 from streamsd.kernels.attention.prefill import (
+    _merge_tiles_kernel,
     _prefill_attn_kernel,
     prefill_attention,
     prefill_tiles,
+    tiles_tensor,
     tokens_per_tile,
 )
 from streamsd.kernels.exact.attention import _exact_attn_kernel, exact_paged_attention
@@ -69,7 +71,8 @@ def compiled_variants() -> int:
 def compiled_by_kernel() -> dict[str, int]:
     """compiled_variants by kernel name (which one compiled inside a step)."""
     counts = {}
-    for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel, _exact_attn_kernel,
+    for fn in (_rejection_kernel, _paged_attn_kernel, _merge_splits_kernel, _prefill_attn_kernel, _merge_tiles_kernel,
+               _exact_attn_kernel,
                _exponentials_kernel, _uniforms_kernel, _restart, _warp_kernel, _sample_kernel,
                _chunk_stats_kernel, _chunk_kept_kernel, _warp_out_kernel, _merge_best_kernel, _argmax_chunk_kernel,
                _walk_kernel, _move_kernel, _next_step_kernel, _chunk_topk_kernel, _merge_topk_kernel,
@@ -218,7 +221,9 @@ def _prefill_variant(layout: tuple[int, int, int], dtype: torch.dtype, page: int
     chunk = KERNEL_MAX_QUERY + 1
     q = torch.zeros(chunk, heads, dim, dtype=dtype, device=device)  # [T, H, D]
     tiles = prefill_tiles([0], [chunk], [chunk], KERNEL_MAX_QUERY, tokens_per_tile(heads, kv_heads))
-    prefill_attention(q, cache, cache, table, tiles, 1.0, torch.empty_like(q))
+    prefill_attention(q, cache, cache, table, tiles, 1.0, torch.empty_like(q))  # an eager step's, no split
+    split = [(*tiles[0][:4], s, 2) for s in range(2)]  # a prompt graph's tiles: split or not, merged on the device
+    prefill_attention(q, cache, cache, table, tiles_tensor(split, device), 1.0, torch.empty_like(q))
 
 
 def _verify_input(k: int, vocab: int, has_p: bool, has_q: bool, device: torch.device) -> VerifyInput:

@@ -17,6 +17,9 @@ PROMPT_WIDTHS = (32, 64, 128, 256, 512, 1024)  # a prompt step's tokens pad to t
 # Sequences a packed prompt graph holds (prompt chunks and the one-token rows beside them): the
 # prompt steps of a loaded server admit a few requests among many decoding ones.
 PROMPT_SEQS = 64
+# A prompt step's attention tile (kernels/attention/prefill.py): (sequence, first row, tokens, first position,
+# split, splits).
+TILE_INTS = 6
 
 
 def packed_size(bucket: int, width: int, slots: int | None = None) -> int:
@@ -71,26 +74,28 @@ def with_prompt_tail(host: np.ndarray, start: int, count: int, width: int, n_til
 
 
 def prompt_tiles(start: int, count: int, width: int, n_tiles: int) -> np.ndarray:
-    """A prompt graph's tiles [n_tiles * 4] (kernels/attention/prefill.py's (sequence, first row,
-    tokens, first position)) for `count` tokens from position `start`, padded to `width` rows: the
-    tiles past the chunk hold no tokens and see no keys."""
+    """A prompt graph's tiles [n_tiles * TILE_INTS] (kernels/attention/prefill.py's (sequence, first row,
+    tokens, first position, split 0 of 1)) for `count` tokens from position `start`, padded to `width`
+    rows: the tiles past the chunk hold no tokens and see no keys."""
     per = -(-width // n_tiles)
     off = np.arange(n_tiles, dtype=np.int64) * per
     tokens = np.clip(count - off, 0, per)
-    return np.stack([np.zeros_like(off), off, tokens, np.where(tokens > 0, start + off, 0)], axis=1).reshape(-1)
+    zero = np.zeros_like(off)
+    return np.stack([zero, off, tokens, np.where(tokens > 0, start + off, 0), zero, zero + 1], axis=1).reshape(-1)
 
 
 def packed_prompt_tail(host: np.ndarray, starts: list[int], counts: list[int], rows: list[int], bucket: int,
-                       per_tile: int, n_tiles: int) -> np.ndarray:
+                       per_tile: int, n_tiles: int, kv_heads: int, sms: int) -> np.ndarray:
     """A packed prompt graph's host values: pack_step's, then the `bucket` rows whose logits it
     returns (those asked for, then row 0 again) and the tiles of every sequence's tokens,
-    `per_tile` tokens a tile (kernels/attention/prefill.py's (sequence, first row, tokens, first
-    position)), padded with empty tiles to `n_tiles`."""
-    from streamsd.kernels.attention.prefill import prefill_tiles  # the eager prompt step's tiles, padded
+    `per_tile` tokens a tile (kernels/attention/prefill.py's, their keys split as `split_tiles` does
+    for `kv_heads` and `sms`), padded with empty tiles to `n_tiles`."""
+    from streamsd.kernels.attention.prefill import prefill_tiles, split_tiles  # the eager step's tiles
 
     firsts = [0, *itertools.accumulate(counts)][:-1]  # each sequence's first row in the packed slots
     found = prefill_tiles(firsts, counts, [s + c for s, c in zip(starts, counts, strict=True)], 0, per_tile)
-    tiles = np.zeros((n_tiles, 4), dtype=np.int64)
+    found = split_tiles(found, kv_heads, sms, n_tiles)
+    tiles = np.zeros((n_tiles, TILE_INTS), dtype=np.int64)
     tiles[: len(found)] = found
     row_tail = np.zeros(bucket, dtype=np.int64)
     row_tail[: len(rows)] = rows

@@ -39,6 +39,7 @@ import torch
 from streamsd.model.capture import capture
 from streamsd.model.device_layout import DeviceStarts, restart
 from streamsd.model.graph_layout import (
+    TILE_INTS,
     pack_step,
     packed_prompt_tail,
     packed_prompt_tiles,
@@ -76,7 +77,7 @@ class _Graph:
     hidden: torch.Tensor | None = None  # [T, layers * hidden] the captured streams, when the runner has layers
     # The step's greedy verification, computed in the graph (sample/greedy.py), when Q > 1:
     greedy: tuple[torch.Tensor, torch.Tensor] | None = None  # tokens [B, Q], accepted [B]
-    # A prompt graph's attention tiles [n_tiles * 4] int32 (its logits are then those of the B rows
+    # A prompt graph's attention tiles [n_tiles * TILE_INTS] int32 (its logits are then those of the B rows
     # the host wrote after the packed values)
     tiles: torch.Tensor | None = None
 
@@ -97,9 +98,11 @@ class GraphRunner:
         # A runner with hidden_layers: its graphs that capture no streams (plain steps keeping none).
         self.streamless: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        from streamsd.kernels.attention.prefill import tokens_per_tile  # CUDA only, as this class
+        from streamsd.kernels.attention.paged import sm_count  # CUDA only, as this class
+        from streamsd.kernels.attention.prefill import tokens_per_tile
 
         self.per_tile = tokens_per_tile(model.args.num_heads, model.args.num_kv_heads)  # a prompt graph's tile rows
+        self.kv_heads, self.sms = model.args.num_kv_heads, sm_count(device)  # how its tiles' keys split
         self.replays = 0
         self.last: _Graph | None = None  # the graph replayed last
 
@@ -157,7 +160,8 @@ class GraphRunner:
                                 g.bucket, g.width, self.scratch, self.cache.block_size, slots)
         if g.tiles is not None:  # a prompt graph: its logits rows and its tiles follow the packed values
             assert rows is not None and len(rows) <= g.bucket and device_starts is None
-            host = packed_prompt_tail(host, starts, counts, rows, g.bucket, self.per_tile, g.tiles.numel() // 4)
+            host = packed_prompt_tail(host, starts, counts, rows, g.bucket, self.per_tile,
+                                      g.tiles.numel() // TILE_INTS, self.kv_heads, self.sms)
         # Pageable non-blocking copies: staged by the driver at once, queued in stream order (see h2d).
         g.packed.copy_(torch.from_numpy(host), non_blocking=True)
         # Only the live columns: the kernel never reads past a sequence's context.
@@ -215,12 +219,12 @@ class GraphRunner:
         tiles = None
         if prompt:  # | the logits rows | the tiles (int32 values, int64 here like the rest of the buffer)
             n_tiles = packed_prompt_tiles(t_all, bucket, self.per_tile)
-            packed = torch.cat([packed, torch.zeros(bucket + 4 * n_tiles, dtype=torch.int64, device=dev)])
+            packed = torch.cat([packed, torch.zeros(bucket + TILE_INTS * n_tiles, dtype=torch.int64, device=dev)])
         ids, layout = static_layout(packed, block_table, bucket, width, self.scratch, slots)
         rows = hidden_rows = torch.arange(t_all, device=dev)
         if prompt:
             n = packed_size(bucket, width, slots)
-            rows, tiles = packed[n : n + bucket], torch.empty(4 * n_tiles, dtype=torch.int32, device=dev)
+            rows, tiles = packed[n : n + bucket], torch.empty(TILE_INTS * n_tiles, dtype=torch.int32, device=dev)
             layout = replace(layout, prompt_tiles=tiles)
         layers = self.hidden_layers if streams else ()
         store = self.store if streams else None

@@ -53,7 +53,7 @@ class BatchLayout:
     tree_bits: torch.Tensor | None = None  # [T] int64
     tree_start: torch.Tensor | None = None  # [S] int64
     # A prompt graph's tiles (model/graphs.py): every query is one prompt chunk, cut into these tiles
-    # of kernels/attention/prefill.py, [n_tiles * 4] int32 on the device, rewritten before each replay.
+    # of kernels/attention/prefill.py, [n_tiles * TILE_INTS] int32 on the device, rewritten before each replay.
     prompt_tiles: torch.Tensor | None = None
     # What an attention backend derives from the step once and every layer reuses (e.g. the CUDA
     # backend's routing and prompt tiles), keyed by the backend.

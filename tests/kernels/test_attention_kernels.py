@@ -8,7 +8,14 @@ import torch
 from tests.kernels.interpret import CUDA, DEV  # isort: skip (first: it sets the interpreter up)
 import streamsd.kernels.attention.paged as pa
 import streamsd.model.attention as ta
-from streamsd.kernels.attention.prefill import prefill_tiles
+from streamsd.kernels.attention.prefill import (
+    MAX_SPLITS,
+    prefill_attention,
+    prefill_tiles,
+    split_tiles,
+    tiles_tensor,
+    tokens_per_tile,
+)
 from streamsd.model.kv_cache import BatchLayout
 from tests.kernels.kernel_helpers import DTYPES, rel_error
 
@@ -123,7 +130,51 @@ def test_tree_windows_match_reference(dtype, case, splits, per):
 
 def test_prefill_tiles_cover_each_long_query_once():
     tiles = prefill_tiles([0, 40, 43], [40, 3, 20], [40, 53, 53], 16, 16)
-    assert tiles == [(0, 0, 16, 0), (0, 16, 16, 16), (0, 32, 8, 32), (2, 43, 16, 33), (2, 59, 4, 49)]
+    assert tiles == [(0, 0, 16, 0, 0, 1), (0, 16, 16, 16, 0, 1), (0, 32, 8, 32, 0, 1), (2, 43, 16, 33, 0, 1),
+                     (2, 59, 4, 49, 0, 1)]
+
+
+SPLIT_CASES = [  # (query lens, cached tokens before them, kv heads, heads, head dim): chunks after long prefixes
+    ([11], [2025], 3, 9, 64),  # a request sharing a long system prompt: one tile, its keys split 16 ways
+    ([5, 40, 2], [700, 300, 0], 2, 8, 32),  # tiles of several lengths: split unevenly, one not at all
+    ([21], [130], 1, 4, 16),  # a split past some rows' positions (rows see no key there)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
+@pytest.mark.parametrize("graph", [False, True])
+def test_split_prompt_tiles_match_reference(dtype, case, graph):
+    """Prompt tiles whose keys split_tiles spreads over several programs (few tiles for the SMs), merged
+    by the second kernel, give the reference's attention: from an eager step's list (merged only where
+    one is split) and from a tensor of them, as a prompt graph holds (merged on the device, padded with
+    empty tiles)."""
+    counts, extra, kvh, heads, dim = SPLIT_CASES[case]
+    q, kc, vc, layout = _random_batch(counts, extra, kvh, heads, dim, dtype, 60 + case)
+    ref = ta.paged_attention(q.double(), kc.double(), vc.double(), layout, dim**-0.5)
+    found = prefill_tiles(layout.query_starts, layout.query_lens, layout.context_lens, 0, tokens_per_tile(heads, kvh))
+    tiles = split_tiles(found, kvh, 132)
+    assert len(tiles) > len(found) and {t[:4] for t in tiles} == {t[:4] for t in found}
+    out = torch.full_like(q, float("nan"))
+    if graph:
+        padded = tiles + [(0, 0, 0, 0, 0, 0)] * 3
+        prefill_attention(q, kc, vc, layout.block_table, tiles_tensor(padded, q.device), dim**-0.5, out)
+    else:
+        prefill_attention(q, kc, vc, layout.block_table, tiles, dim**-0.5, out)
+    assert rel_error(out, ref) < TOL[dtype]
+
+
+def test_split_tiles_fill_the_sms_within_the_room_and_the_keys():
+    one = [(0, 0, 11, 2025, 0, 1)]
+    assert split_tiles(one, 3, 132) == [(0, 0, 11, 2025, i, MAX_SPLITS) for i in range(MAX_SPLITS)]
+    assert len(split_tiles(one, 3, 132, capacity=5)) == 5  # a prompt graph's buffer holds 5 tiles
+    assert split_tiles([(0, 0, 11, 100, 0, 1)], 3, 132) == [(0, 0, 11, 100, 0, 1)]  # keys for one split
+    wave = [(s, s * 9, 9, 2020, 0, 1) for s in range(31)]  # 31 requests' tiles, 93 programs for 132 SMs
+    split = split_tiles(wave, 3, 132)
+    assert len(split) == 93 and [t[4:] for t in split[:4]] == [(0, 3), (1, 3), (2, 3), (0, 3)]  # 279 programs
+    assert len(split_tiles(wave, 3, 132, capacity=88)) == 62  # a 512-slot prompt graph's 88 tiles: in 2 each
+    long_prompt = [(0, r, 21, r, 0, 1) for r in range(0, 2016, 21)]  # 96 tiles x 3 kv heads: the SMs are full
+    assert split_tiles(long_prompt, 3, 132) == long_prompt
 
 
 def test_pick_splits_fills_the_chip_and_stays_a_power_of_two():

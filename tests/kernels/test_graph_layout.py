@@ -158,7 +158,7 @@ def test_packed_prompt_graph_matches_eager_mixed_step(tiny_model_dir):
         per = tokens_per_tile(model.args.num_heads, model.args.num_kv_heads)
         n_tiles = packed_prompt_tiles(64, 8, per)
         host, live = pack_step(ids, before_lens, counts, tables, 8, 64, scratch, bs, slots=64)
-        host = packed_prompt_tail(host, before_lens, counts, rows, 8, per, n_tiles)
+        host = packed_prompt_tail(host, before_lens, counts, rows, 8, per, n_tiles, model.args.num_kv_heads, 132)
         block_table = torch.full((8, 8), scratch, dtype=torch.int32)
         block_table[: live.shape[0], : live.shape[1]] = torch.from_numpy(live)
         packed = torch.from_numpy(host)
@@ -187,21 +187,26 @@ def test_packed_prompt_tiles_cover_every_token_once_within_their_bound(seed):
         counts[rng.randrange(seqs)] += 1
     starts = [rng.randint(0, 100) for _ in counts]
     n_tiles = packed_prompt_tiles(64, 8, per)
-    tail = packed_prompt_tail(np.zeros(0, dtype=np.int64), starts, counts, list(range(seqs)), 8, per, n_tiles)
+    sms = rng.choice([1, 16, 132])  # 1: no tile splits its keys; 132: the few tiles of a short step do
+    tail = packed_prompt_tail(np.zeros(0, dtype=np.int64), starts, counts, list(range(seqs)), 8, per, n_tiles,
+                              rng.choice([1, 3]), sms)
     assert tail[:seqs].tolist() == list(range(seqs)) and not tail[seqs:8].any()  # rows, then row 0
-    tiles = tail[8:].reshape(n_tiles, 4)
+    tiles = tail[8:].reshape(n_tiles, 6)
     seen = []
-    for seq, row0, ntok, pos0 in tiles.tolist():
-        seen += [(seq, row0 + i, pos0 + i) for i in range(ntok)]
-        assert ntok or (seq, row0, pos0) == (0, 0, 0)
+    for seq, row0, ntok, pos0, split, splits in tiles.tolist():
+        if split == 0:  # a tile's splits follow each other, each the same rows
+            seen += [(seq, row0 + i, pos0 + i) for i in range(ntok)]
+        assert ntok or (seq, row0, pos0, split, splits) == (0, 0, 0, 0, 0)
+        assert ntok == 0 or 0 <= split < splits
     assert seen == [(s, sum(counts[:s]) + i, starts[s] + i) for s in range(seqs) for i in range(counts[s])]
 
 
 def test_prompt_tiles_cover_the_chunk_and_nothing_past_it():
     from streamsd.model.graph_layout import prompt_tiles
 
-    tiles = prompt_tiles(40, 50, 64, 4).reshape(4, 4)  # 16 rows a tile
+    tiles = prompt_tiles(40, 50, 64, 4).reshape(4, 6)  # 16 rows a tile
     assert tiles[:, 1].tolist() == [0, 16, 32, 48] and tiles[:, 2].tolist() == [16, 16, 16, 2]
     assert tiles[:, 3].tolist() == [40, 56, 72, 88]
-    empty = prompt_tiles(40, 10, 64, 4).reshape(4, 4)
+    assert tiles[:, 4].tolist() == [0] * 4 and tiles[:, 5].tolist() == [1] * 4  # unsplit
+    empty = prompt_tiles(40, 10, 64, 4).reshape(4, 6)
     assert empty[:, 2].tolist() == [10, 0, 0, 0] and empty[1:, 3].tolist() == [0, 0, 0]  # sees no keys

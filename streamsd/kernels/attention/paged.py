@@ -24,11 +24,19 @@ compare them (`decode_attention` is its decode/verify launch).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from streamsd.kernels.attention.prefill import prefill_attention, prefill_tiles, tiles_tensor, tokens_per_tile
+from streamsd.kernels.attention.prefill import (
+    prefill_attention,
+    prefill_tiles,
+    split_tiles,
+    tiles_tensor,
+    tokens_per_tile,
+)
 from streamsd.kernels.attention.tile import attend_tile
 from streamsd.model.kv_cache import BatchLayout
 
@@ -128,6 +136,12 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (4 for a CPU, where the interpreter runs the kernels in tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def pick_splits(num_seqs: int, kv_heads: int, max_blocks: int, page: int, sm_count: int) -> int:
     """Enough programs to cover the chip twice, no more splits than tiles, a power of two <= 16."""
     want = max(1, -(-2 * sm_count // max(num_seqs * kv_heads, 1)))
@@ -165,8 +179,7 @@ def decode_attention(
     block_m = max(16, triton.next_power_of_2(qmax * group))
     out = torch.empty_like(q) if out is None else out
     if splits is None:
-        sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits = pick_splits(num_seqs, kv_heads, block_table.shape[1], page, sm)
+        splits = pick_splits(num_seqs, kv_heads, block_table.shape[1], page, sm_count(q.device))
         if tree and block_m > 32:
             # A tree window's tile is up to 8x a decode token's: splitting a short context 16 ways left
             # most splits empty, and merging them cost more than the attention (an H200, batch 1).
@@ -221,9 +234,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         short = [n for n in layout.query_lens if 0 < n <= limit]
         tiles = None
         if len(short) < len(layout.query_lens):
-            tiles = tiles_tensor(prefill_tiles(layout.query_starts, layout.query_lens, layout.context_lens,
-                                               limit, tokens_per_tile(q.shape[1], k_cache.shape[2])),
-                                 q.device)
+            found = prefill_tiles(layout.query_starts, layout.query_lens, layout.context_lens, limit,
+                                  tokens_per_tile(q.shape[1], k_cache.shape[2]))
+            tiles = tiles_tensor(split_tiles(found, k_cache.shape[2], sm_count(q.device)), q.device)
         route = layout.derived[key] = (max(short, default=0), tiles)
     longest_short, tiles = route
     if longest_short:

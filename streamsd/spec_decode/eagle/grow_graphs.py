@@ -23,6 +23,7 @@ import torch
 from streamsd.config import TreeShape
 from streamsd.model.capture import capture
 from streamsd.model.graph_layout import (
+    TILE_INTS,
     pack_step,
     packed_size,
     prompt_tile_count,
@@ -52,7 +53,7 @@ class _Grow:
     # A catch-up graph's W slots: ids | positions | slots | context | query starts | the row to grow
     # from | its tiles (model/graphs.py's prompt graph layout)
     packed: torch.Tensor | None = None
-    tiles: torch.Tensor | None = None  # [n_tiles * 4] int32, copied from `packed` inside the graph
+    tiles: torch.Tensor | None = None  # [n_tiles * TILE_INTS] int32, copied from `packed` inside the graph
     out: torch.Tensor | None = None  # [B, 2N] tokens | parents, written by each replay
 
 
@@ -96,7 +97,7 @@ class GrowGraphs:
         g = self.graphs.get(key) or self._capture(*key)
         assert g.packed is not None and g.tiles is not None
         host, _ = pack_step(ids, [start], [count], [table], 1, key[2], self.scratch, self.block_size)
-        host = with_prompt_tail(host, start, count, key[2], g.tiles.numel() // 4, count - 1)
+        host = with_prompt_tail(host, start, count, key[2], g.tiles.numel() // TILE_INTS, count - 1)
         g.packed.copy_(torch.from_numpy(host), non_blocking=True)
         return self._replay(g, key, [start + count], [table], [req])
 
@@ -157,8 +158,8 @@ class GrowGraphs:
             a = self.head.spec.args
             n_tiles = prompt_tile_count(width, a.num_heads, a.num_kv_heads)
             empty = pack_step([], [], [], [], 1, width, self.scratch, self.block_size)[0]  # all padding
-            g.packed = torch.from_numpy(np.concatenate([empty, np.zeros(1 + 4 * n_tiles, dtype=np.int64)])).to(dev)
-            g.tiles = torch.zeros(4 * n_tiles, dtype=torch.int32, device=dev)
+            g.packed = torch.from_numpy(np.concatenate([empty, np.zeros(1 + TILE_INTS * n_tiles, dtype=np.int64)])).to(dev)
+            g.tiles = torch.zeros(TILE_INTS * n_tiles, dtype=torch.int32, device=dev)
         key = (bucket, sampled, width)
         self.graphs[key] = g
         if g.graph is None:
