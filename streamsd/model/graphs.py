@@ -98,8 +98,8 @@ class GraphRunner:
         # A runner with hidden_layers: its graphs that capture no streams (plain steps keeping none).
         self.streamless: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        from streamsd.kernels.attention.paged import sm_count  # CUDA only, as this class
-        from streamsd.kernels.attention.prefill import tokens_per_tile
+        from streamsd.kernels.attention.prefill import tokens_per_tile  # CUDA only, as this class
+        from streamsd.kernels.device import sm_count
 
         self.per_tile = tokens_per_tile(model.args.num_heads, model.args.num_kv_heads)  # a prompt graph's tile rows
         self.kv_heads, self.sms = model.args.num_kv_heads, sm_count(device)  # how its tiles' keys split

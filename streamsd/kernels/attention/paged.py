@@ -24,8 +24,6 @@ compare them (`decode_attention` is its decode/verify launch).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -38,6 +36,7 @@ from streamsd.kernels.attention.prefill import (
     tokens_per_tile,
 )
 from streamsd.kernels.attention.tile import attend_tile
+from streamsd.kernels.device import sm_count
 from streamsd.model.kv_cache import BatchLayout
 
 KERNEL_MAX_QUERY = 16  # longest query (1 + k) the kernel takes; longer ones are prefill_attention's
@@ -134,12 +133,6 @@ def _merge_splits_kernel(
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + (q0 + tok)[:, None] * so_t + head[:, None] * so_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    """The device's multiprocessors (4 for a CPU, where the interpreter runs the kernels in tests)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def pick_splits(num_seqs: int, kv_heads: int, max_blocks: int, page: int, sm_count: int) -> int:

@@ -46,13 +46,13 @@ the same sums loaded by TMA, in 5-42 % less time from 160 rows on an H100. `stre
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from streamsd.kernels.device import sm_count
 from streamsd.kernels.exact.tma import fits, ordered_linear, persistent_linear, takes_tma
 
 BLOCK_M = 64
@@ -179,14 +179,9 @@ def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, size, n, HAS_BIAS: tl.constexpr, 
     tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@functools.cache  # an eager step asks once per linear: the answer depends on N and the device alone
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def block_n(n: int, device: torch.device) -> int:
     """The N tile of an unsplit [N, K] weight on `device`: the widest whose grid gives every SM a program."""
-    return next((b for b in N_TILES if triton.cdiv(n, b) >= _sms(device)), N_TILES[-1])
+    return next((b for b in N_TILES if triton.cdiv(n, b) >= sm_count(device)), N_TILES[-1])
 
 
 def split_k(n: int, k: int) -> int:
@@ -207,7 +202,7 @@ def group_tiles(m: int, n: int, tile: int, splits: int, device: torch.device) ->
     if m <= BLOCK_M:
         return 1
     tiles = triton.cdiv(m, block_m(m, tile)) * splits
-    return next((g for g in GROUPS if g * tile <= GROUP_WIDTH and tiles * triton.cdiv(n, g * tile) >= _sms(device)), 1)
+    return next((g for g in GROUPS if g * tile <= GROUP_WIDTH and tiles * triton.cdiv(n, g * tile) >= sm_count(device)), 1)
 
 
 def k_plan(dtype: torch.dtype, splits: int, group: int = 1, rows: int = BLOCK_M) -> tuple[int, int]:
@@ -245,7 +240,7 @@ def wide_plan(m: int, n: int, device: torch.device, splits: int = 1, dtype: torc
     at 320 rows the 8B q/k/v (48 column tiles) took 64 rows, its gate/up (224) 128. A split weight's
     program sums its K ranges in order itself (`ordered`): its K blocks are the split's 64 deep already.
     float32 operands take 3 stages (a stage of 128 rows holds 64 KB of them)."""
-    rows = BLOCK_M if triton.cdiv(m, BLOCK_M) * triton.cdiv(n, tile) <= 2 * _sms(device) else WIDE_M
+    rows = BLOCK_M if triton.cdiv(m, BLOCK_M) * triton.cdiv(n, tile) <= 2 * sm_count(device) else WIDE_M
     stages = 4 if rows == BLOCK_M and dtype != torch.float32 else 3
     return Plan(rows, tile, 1, splits, WIDE_BLOCK_K, stages, ordered=splits > 1)
 
@@ -259,7 +254,7 @@ def tma_plan(m: int, n: int, device: torch.device, splits: int = 1) -> Plan:
     447 -> 335), o 30 -> 25, q/k/v 34 -> 31; the split down projection at 320 / 1,000 / 2,048 rows
     116 -> 96, 275 -> 159, 548 -> 319 (cuBLAS 58, 152, 343)."""
     wide = triton.cdiv(m, 2 * BLOCK_M) * triton.cdiv(n, 2 * WIDE_TILE)
-    if wide >= (2 * _sms(device) if splits == 1 else _sms(device) * 15 // 16):
+    if wide >= (2 * sm_count(device) if splits == 1 else sm_count(device) * 15 // 16):
         return Plan(2 * BLOCK_M, 2 * WIDE_TILE, 1, splits, WIDE_BLOCK_K, 3, ordered=splits > 1, tma=True)
     if splits == 1:
         return Plan(BLOCK_M, 2 * WIDE_TILE, 1, 1, WIDE_BLOCK_K, 4, tma=True)
@@ -277,13 +272,13 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, tile_
     if dtype != torch.float32 and tile_n is None and group is None and tma and takes_tma(device):
         if splits == 1 and m > 2 * BLOCK_M:
             return tma_plan(m, n, device)
-        if splits > 1 and m > BLOCK_M and triton.cdiv(m, BLOCK_M) * triton.cdiv(n, WIDE_TILE) >= _sms(device):
+        if splits > 1 and m > BLOCK_M and triton.cdiv(m, BLOCK_M) * triton.cdiv(n, WIDE_TILE) >= sm_count(device):
             return tma_plan(m, n, device, splits)
     if m > BLOCK_M and (dtype != torch.float32 or splits > 1) and group is None:
         wide = wide_plan(m, n, device, splits, dtype, tile_n or WIDE_TILE)
         # Ranges summed in one program leave SMs idle where its tiles are fewer than the SMs: an 8B down
         # projection at 80 rows (64 tiles) took 102 us so against 66 split over K, on an H100.
-        if not wide.ordered or triton.cdiv(m, wide.rows) * triton.cdiv(n, wide.tile) >= _sms(device):
+        if not wide.ordered or triton.cdiv(m, wide.rows) * triton.cdiv(n, wide.tile) >= sm_count(device):
             return wide
     tile = tile_n or (SPLIT_TILE if splits > 1 else block_n(n, device))
     group = group or group_tiles(m, n, tile, splits, device)
@@ -321,7 +316,7 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return y
     if p.tma:
         count = triton.cdiv(m, p.rows) * triton.cdiv(n, p.tile)
-        persistent_linear(x, weight, bias, y, p.rows, p.tile, p.warps, p.stages, min(_sms(x.device), count))
+        persistent_linear(x, weight, bias, y, p.rows, p.tile, p.warps, p.stages, min(sm_count(x.device), count))
         return y
     if p.ordered:
         _ordered_splits_kernel[(triton.cdiv(m, p.rows), triton.cdiv(n, p.tile))](
