@@ -222,19 +222,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     route = layout.derived.get(key)
     limit = TREE_MAX_QUERY if layout.has_trees else KERNEL_MAX_QUERY
     if route is None and layout.prompt_tiles is not None:
-        route = layout.derived[key] = (0, layout.prompt_tiles)
+        route = layout.derived[key] = (0, layout.prompt_tiles, None)
     if route is None:
         short = [n for n in layout.query_lens if 0 < n <= limit]
-        tiles = None
+        tiles, split = None, False
         if len(short) < len(layout.query_lens):
-            found = prefill_tiles(layout.query_starts, layout.query_lens, layout.context_lens, limit,
-                                  tokens_per_tile(q.shape[1], k_cache.shape[2]))
-            tiles = tiles_tensor(split_tiles(found, k_cache.shape[2], sm_count(q.device)), q.device)
-        route = layout.derived[key] = (max(short, default=0), tiles)
-    longest_short, tiles = route
+            found = split_tiles(prefill_tiles(layout.query_starts, layout.query_lens, layout.context_lens, limit,
+                                              tokens_per_tile(q.shape[1], k_cache.shape[2])),
+                                k_cache.shape[2], sm_count(q.device))
+            tiles, split = tiles_tensor(found, q.device), any(t[5] > 1 for t in found)
+        route = layout.derived[key] = (max(short, default=0), tiles, split)
+    longest_short, tiles, split = route
     if longest_short:
         decode_attention(q, k_cache, v_cache, layout.block_table, layout.context_lens_t, layout.query_starts_t,
                         scale, longest_short, out=out, tree_bits=layout.tree_bits, tree_start=layout.tree_start)
     if tiles is not None:
-        prefill_attention(q, k_cache, v_cache, layout.block_table, tiles, scale, out)
+        prefill_attention(q, k_cache, v_cache, layout.block_table, tiles, scale, out, split)
     return out

@@ -52,18 +52,18 @@ def _prefill_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, tiles_ptr, scale_log2,
     sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, s_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    TILE_N: tl.constexpr, IEEE: tl.constexpr,
+    TILE_N: tl.constexpr, IEEE: tl.constexpr, INTS: tl.constexpr,
 ):
     """Program (tile, kv head): its tile's rows against its split's share of the key tiles; the whole
     attention where the tile is not split, else fp32 partials (acc, max, sum) for _merge_tiles_kernel."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq = tl.load(tiles_ptr + tile * 6)  # 6: TILE_INTS
-    row0 = tl.load(tiles_ptr + tile * 6 + 1)  # first query row (token index into q)
-    ntok = tl.load(tiles_ptr + tile * 6 + 2)  # tokens in this tile
-    pos0 = tl.load(tiles_ptr + tile * 6 + 3)  # position of its first token
-    split = tl.load(tiles_ptr + tile * 6 + 4)
-    splits = tl.load(tiles_ptr + tile * 6 + 5)
+    seq = tl.load(tiles_ptr + tile * INTS)
+    row0 = tl.load(tiles_ptr + tile * INTS + 1)  # first query row (token index into q)
+    ntok = tl.load(tiles_ptr + tile * INTS + 2)  # tokens in this tile
+    pos0 = tl.load(tiles_ptr + tile * INTS + 3)  # position of its first token
+    split = tl.load(tiles_ptr + tile * INTS + 4)
+    splits = tl.load(tiles_ptr + tile * INTS + 5)
     rows = tl.arange(0, BLOCK_M)
     tok = rows // GROUP
     head = kvh * GROUP + rows % GROUP
@@ -96,15 +96,15 @@ def _prefill_attn_kernel(
 @triton.jit
 def _merge_tiles_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, tiles_ptr, so_t, so_h,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, INTS: tl.constexpr,
 ):
     """Program (tile, kv head): where the tile is the first of several splits, its rows from their partials."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    row0 = tl.load(tiles_ptr + tile * 6 + 1)
-    ntok = tl.load(tiles_ptr + tile * 6 + 2)
-    split = tl.load(tiles_ptr + tile * 6 + 4)
-    splits = tl.load(tiles_ptr + tile * 6 + 5)
+    row0 = tl.load(tiles_ptr + tile * INTS + 1)
+    ntok = tl.load(tiles_ptr + tile * INTS + 2)
+    split = tl.load(tiles_ptr + tile * INTS + 4)
+    splits = tl.load(tiles_ptr + tile * INTS + 5)
     if split == 0 and splits > 1:
         rows = tl.arange(0, BLOCK_M)
         tok = rows // GROUP
@@ -166,6 +166,7 @@ def prefill_attention(
     tiles: list[Tile] | torch.Tensor,  # from prefill_tiles (split_tiles), or tiles_tensor of them
     scale: float,
     out: torch.Tensor,  # [T, H, D]; rows of the tiles' tokens are written
+    split: bool | None = None,  # whether any tile is split; None: a list says, a tensor (a prompt graph's) may be
 ) -> torch.Tensor:
     tiles_t = tiles if isinstance(tiles, torch.Tensor) else tiles_tensor(tiles, q.device)  # [n_tiles * TILE_INTS]
     n_tiles = tiles_t.numel() // TILE_INTS
@@ -175,19 +176,19 @@ def prefill_attention(
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     # A prompt graph's tiles change per step on the device: room for partials, and the merge, always.
-    # An eager step's list says whether any tile is split.
-    merge = isinstance(tiles, torch.Tensor) or any(t[5] > 1 for t in tiles)
-    parts = n_tiles * kv_heads if merge else 0
+    if split is None:
+        split = isinstance(tiles, torch.Tensor) or any(t[5] > 1 for t in tiles)
+    parts = n_tiles * kv_heads if split else 0
     part_acc = torch.empty(parts * BLOCK_M * dim, dtype=torch.float32, device=q.device)  # [parts, BLOCK_M, D]
     part_ml = torch.empty(parts * 2 * BLOCK_M, dtype=torch.float32, device=q.device)  # [parts, 2, BLOCK_M]
-    meta = dict(GROUP=group, BLOCK_M=BLOCK_M, HEAD_DIM=dim)
+    meta = dict(GROUP=group, BLOCK_M=BLOCK_M, HEAD_DIM=dim, INTS=TILE_INTS)
     _prefill_attn_kernel[(n_tiles, kv_heads)](
         q, k_cache, v_cache, out, part_acc, part_ml, block_table, tiles_t, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
         PAGE=page, TILE_N=TILE_N, IEEE=q.dtype == torch.float32, **meta, num_warps=4, num_stages=2,
     )
-    if merge:
+    if split:
         _merge_tiles_kernel[(n_tiles, kv_heads)](part_acc, part_ml, out, tiles_t, out.stride(0), out.stride(1),
                                                 **meta, num_warps=4)
     return out
