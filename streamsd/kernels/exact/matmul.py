@@ -32,9 +32,10 @@ Past one M tile (a verify of a large batch, a prompt chunk) the GEMM computes mo
   the 8 K ranges itself, one after the other, each from zero and added to the total in range order
   (`ordered`): the bits of the partials summed by the second kernel, without writing them (8 x M x N
   fp32) and reading them back. On an H100 the 8B down projection at 320 / 1,000 / 2,048 rows: 130 ->
-  120, 395 -> 276, 819 -> 550 us (cuBLAS 63, 149, 299). Its 96 tiles at 320 rows leave a third of the
-  SMs idle, but a program for each range of a tile (TMA loads, the last of a tile's programs adding the
-  partials in order) took 105-135 us against the in-program sum's 97: the partials' traffic costs more;
+  120, 395 -> 276, 819 -> 550 us (cuBLAS 63, 149, 299). Its 96 tiles at 320 rows leave 36 of an H100's
+  132 SMs idle, yet a program for each range of a tile (TMA loads, the last of a tile's programs adding
+  the partials in order) took 122-161 us there against the in-program sum's 97 (with 4 ranges, 104-144
+  against 91): writing and reading the partials costs more than the idle SMs;
 - an unsplit float32 weight keeps its N tile, and a program takes a group of up to four adjacent
   tiles (at most 128 columns), each with its own accumulator and its own dot per K block, so the group
   shares x's loads; a 64-wide tile there also takes 128 rows of x (`block_m`). So does a split weight
