@@ -32,6 +32,7 @@ from streamsd.kernels.attention.prefill import (
     prefill_attention,
     prefill_tiles,
     split_tiles,
+    tile_partials,
     tiles_tensor,
     tokens_per_tile,
 )
@@ -225,17 +226,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         route = layout.derived[key] = (0, layout.prompt_tiles, None)
     if route is None:
         short = [n for n in layout.query_lens if 0 < n <= limit]
-        tiles, split = None, False
+        tiles, partials = None, None
         if len(short) < len(layout.query_lens):
+            kv_heads = k_cache.shape[2]
             found = split_tiles(prefill_tiles(layout.query_starts, layout.query_lens, layout.context_lens, limit,
-                                              tokens_per_tile(q.shape[1], k_cache.shape[2])),
-                                k_cache.shape[2], sm_count(q.device))
-            tiles, split = tiles_tensor(found, q.device), any(t[5] > 1 for t in found)
-        route = layout.derived[key] = (max(short, default=0), tiles, split)
-    longest_short, tiles, split = route
+                                              tokens_per_tile(q.shape[1], kv_heads)),
+                                kv_heads, sm_count(q.device))
+            tiles = tiles_tensor(found, q.device)
+            split = any(t[5] > 1 for t in found)
+            partials = tile_partials(len(found) if split else 0, kv_heads, q.shape[2], q.device)
+        route = layout.derived[key] = (max(short, default=0), tiles, partials)
+    longest_short, tiles, partials = route
     if longest_short:
         decode_attention(q, k_cache, v_cache, layout.block_table, layout.context_lens_t, layout.query_starts_t,
                         scale, longest_short, out=out, tree_bits=layout.tree_bits, tree_start=layout.tree_start)
     if tiles is not None:
-        prefill_attention(q, k_cache, v_cache, layout.block_table, tiles, scale, out, split)
+        prefill_attention(q, k_cache, v_cache, layout.block_table, tiles, scale, out, partials)
     return out

@@ -158,6 +158,15 @@ def split_tiles(tiles: list[Tile], kv_heads: int, sms: int, capacity: int | None
     return out
 
 
+def tile_partials(n_tiles: int, kv_heads: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for the fp32 partials of `n_tiles` split tiles: acc [n_tiles * kv_heads, BLOCK_M, D] and
+    (max, sum) [n_tiles * kv_heads, 2, BLOCK_M]. Made once per step and reused by every layer (they run in
+    turn on one stream); `n_tiles` 0 for a step with no split tile, which launches no merge."""
+    parts = n_tiles * kv_heads
+    return (torch.empty(parts * BLOCK_M * dim, dtype=torch.float32, device=device),
+            torch.empty(parts * 2 * BLOCK_M, dtype=torch.float32, device=device))
+
+
 def prefill_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [NB, BS, KVH, D]
@@ -166,7 +175,7 @@ def prefill_attention(
     tiles: list[Tile] | torch.Tensor,  # from prefill_tiles (split_tiles), or tiles_tensor of them
     scale: float,
     out: torch.Tensor,  # [T, H, D]; rows of the tiles' tokens are written
-    split: bool | None = None,  # whether any tile is split; None: a list says, a tensor (a prompt graph's) may be
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,  # tile_partials' room; empty: no tile is split
 ) -> torch.Tensor:
     tiles_t = tiles if isinstance(tiles, torch.Tensor) else tiles_tensor(tiles, q.device)  # [n_tiles * TILE_INTS]
     n_tiles = tiles_t.numel() // TILE_INTS
@@ -175,12 +184,10 @@ def prefill_attention(
     heads, dim = q.shape[1], q.shape[2]
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    # A prompt graph's tiles change per step on the device: room for partials, and the merge, always.
-    if split is None:
+    if partials is None:  # a prompt graph's tiles change per step on the device: room, and the merge, always
         split = isinstance(tiles, torch.Tensor) or any(t[5] > 1 for t in tiles)
-    parts = n_tiles * kv_heads if split else 0
-    part_acc = torch.empty(parts * BLOCK_M * dim, dtype=torch.float32, device=q.device)  # [parts, BLOCK_M, D]
-    part_ml = torch.empty(parts * 2 * BLOCK_M, dtype=torch.float32, device=q.device)  # [parts, 2, BLOCK_M]
+        partials = tile_partials(n_tiles if split else 0, kv_heads, dim, q.device)
+    part_acc, part_ml = partials
     meta = dict(GROUP=group, BLOCK_M=BLOCK_M, HEAD_DIM=dim, INTS=TILE_INTS)
     _prefill_attn_kernel[(n_tiles, kv_heads)](
         q, k_cache, v_cache, out, part_acc, part_ml, block_table, tiles_t, scale * LOG2E,
@@ -188,7 +195,7 @@ def prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
         PAGE=page, TILE_N=TILE_N, IEEE=q.dtype == torch.float32, **meta, num_warps=4, num_stages=2,
     )
-    if split:
+    if part_ml.numel():
         _merge_tiles_kernel[(n_tiles, kv_heads)](part_acc, part_ml, out, tiles_t, out.stride(0), out.stride(1),
                                                 **meta, num_warps=4)
     return out
