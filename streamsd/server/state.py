@@ -128,7 +128,7 @@ def sampling_params(f: SamplingFields, defaults: GenerationDefaults = Generation
             constraint=constraint_of(f.response_format, f.guided_regex),
         )
     except ValueError as exc:
-        raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from exc
+        raise ApiError(400, str(exc), param=exc.param if isinstance(exc, ParamError) else None) from exc
 
 
 async def compile_constraint(engine: AsyncEngine, params: SamplingParams) -> None:
@@ -151,7 +151,7 @@ def admit(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, re
     except QueueFullError as exc:
         raise ApiError.overloaded(str(exc)) from exc
     except ValueError as exc:
-        raise ApiError(400, str(exc), param=getattr(exc, "param", None) or param,
+        raise ApiError(400, str(exc), param=exc.param if isinstance(exc, ParamError) else param,
                        code="context_length_exceeded" if "context window" in str(exc) else None) from exc
 
 
