@@ -233,8 +233,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                               tokens_per_tile(q.shape[1], kv_heads)),
                                 kv_heads, sm_count(q.device))
             tiles = tiles_tensor(found, q.device)
-            split = any(t[5] > 1 for t in found)
-            partials = tile_partials(len(found) if split else 0, kv_heads, q.shape[2], q.device)
+            partials = tile_partials(found, kv_heads, q.shape[2], q.device)
         route = layout.derived[key] = (max(short, default=0), tiles, partials)
     longest_short, tiles, partials = route
     if longest_short:

@@ -158,10 +158,16 @@ def split_tiles(tiles: list[Tile], kv_heads: int, sms: int, capacity: int | None
     return out
 
 
-def tile_partials(n_tiles: int, kv_heads: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Room for the fp32 partials of `n_tiles` split tiles: acc [n_tiles * kv_heads, BLOCK_M, D] and
-    (max, sum) [n_tiles * kv_heads, 2, BLOCK_M]. Made once per step and reused by every layer (they run in
-    turn on one stream); `n_tiles` 0 for a step with no split tile, which launches no merge."""
+def tile_partials(tiles: list[Tile] | torch.Tensor, kv_heads: int, dim: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for the tiles' fp32 partials: acc [parts, BLOCK_M, D] and (max, sum) [parts, 2, BLOCK_M], a part per
+    tile and kv head. A list's tiles get room only where one of them is split; none is empty, and a step given
+    empty room launches no merge. A prompt graph's tile tensor changes on the device, so all of its tiles get
+    room. Made once per step and reused by every layer (they run in turn on one stream)."""
+    if isinstance(tiles, torch.Tensor):
+        n_tiles = tiles.numel() // TILE_INTS
+    else:
+        n_tiles = len(tiles) if any(t[5] > 1 for t in tiles) else 0
     parts = n_tiles * kv_heads
     return (torch.empty(parts * BLOCK_M * dim, dtype=torch.float32, device=device),
             torch.empty(parts * 2 * BLOCK_M, dtype=torch.float32, device=device))
@@ -184,10 +190,7 @@ def prefill_attention(
     heads, dim = q.shape[1], q.shape[2]
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    if partials is None:  # a prompt graph's tiles change per step on the device: room, and the merge, always
-        split = isinstance(tiles, torch.Tensor) or any(t[5] > 1 for t in tiles)
-        partials = tile_partials(n_tiles if split else 0, kv_heads, dim, q.device)
-    part_acc, part_ml = partials
+    part_acc, part_ml = partials if partials is not None else tile_partials(tiles, kv_heads, dim, q.device)
     meta = dict(GROUP=group, BLOCK_M=BLOCK_M, HEAD_DIM=dim, INTS=TILE_INTS)
     _prefill_attn_kernel[(n_tiles, kv_heads)](
         q, k_cache, v_cache, out, part_acc, part_ml, block_table, tiles_t, scale * LOG2E,
