@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,8 +60,7 @@ def _model_tag(a: argparse.Namespace) -> argparse.Namespace:
 def cmd_serve(a: argparse.Namespace) -> int:
     a = _model_tag(a)
     keys, origins, tls = _security(a)
-    from streamsd.engine.builder import build_runtime
-    from streamsd.engine.core import EngineCore
+    from streamsd.engine.core import build_engine_core
     from streamsd.server.serve import serve
     from streamsd.server.state import ServerState
 
@@ -69,16 +69,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     state = ServerState(served_model_name=name, api_keys=keys, max_queue=a.max_queue, drain_timeout=a.drain_timeout,
                         stream_interval=a.stream_interval)
     web = Path(a.web_dir) if a.web_dir else default_web_dir()
-    return serve(state, lambda: EngineCore(build_runtime(cfg), cfg.spec), a.host, a.port, web, a.log_level,
+    return serve(state, partial(build_engine_core, cfg), a.host, a.port, web, a.log_level,
                  access_log_enabled=a.access_log, origins=origins, tls=tls)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from streamsd.engine.builder import build_runtime
-    from streamsd.engine.core import EngineCore
+    from streamsd.engine.core import build_engine_core
 
     cfg = engine_config(a)
-    core = EngineCore(build_runtime(cfg), cfg.spec)
+    core = build_engine_core(cfg)
     try:
         return _generate(core, a, cfg)
     finally:
@@ -90,7 +89,7 @@ def _generate(core: EngineCore, a: argparse.Namespace, cfg: EngineConfig) -> int
     params = core.rt.generation_defaults.sampling_params(temperature=a.temperature, top_p=a.top_p,
                                                         fallback_temperature=0.0, max_tokens=a.max_tokens,
                                                         seed=a.seed)
-    ids = core.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat else core.encode_prompt(a.prompt)
+    ids = core.text.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat else core.text.encode_prompt(a.prompt)
     core.add_request("cli", ids, params)
     t0, first, n, stats = time.perf_counter(), None, 0, None
     for turn in core.run():  # pipelined as a server's steps are: each step's text while the next one runs

@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     worker = plain.rt.worker
     dtype = worker.target.model.embed_tokens.weight.dtype
     hf = None if args.no_hf else hf_model(plain.rt.model_dir, worker.target, worker.device, dtype)
-    convs = [plain.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    warm = plain.encode_chat(WARM_UP)
+    convs = [plain.text.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    warm = plain.text.encode_chat(WARM_UP)
     for t in temperatures:
         params = SamplingParams(temperature=t, max_tokens=32, seed=0)
         for m, core in engines.items():

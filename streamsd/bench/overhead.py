@@ -120,7 +120,7 @@ async def _build_engine(ns: argparse.Namespace) -> AsyncEngine:
 async def _engine_one(engine: AsyncEngine, prompt: str, max_tokens: int) -> Timing:
     from streamsd.request import SamplingParams
 
-    ids = engine.core.encode_chat([{"role": "user", "content": prompt}])
+    ids = engine.core.text.encode_chat([{"role": "user", "content": prompt}])
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     first = last = 0.0

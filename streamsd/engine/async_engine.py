@@ -16,16 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from streamsd.config import STREAMS_PER_STEP, StreamInterval
-from streamsd.engine.core import Emission, EngineCore, RequestOutput, joined
-from streamsd.request import SamplingParams
+from streamsd.engine.client import EngineClient, OnLost
+from streamsd.engine.core import Emission, EngineCore, EngineFactory, RequestOutput, joined
+from streamsd.engine.info import EngineInfo, EngineLoad, PolicyStats, StepReport
+from streamsd.request import Constraint, SamplingParams
 from streamsd.sched.plan import StepPlan
-
-OutputObserver = Callable[[RequestOutput], None]
-StepObserver = Callable[[StepPlan, float], None]  # a step, and its seconds (EngineCore.last_step_seconds)
 
 
 def worker_thread() -> ThreadPoolExecutor:
@@ -35,7 +34,7 @@ def worker_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamsd-worker")
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(self, core: EngineCore, executor: ThreadPoolExecutor | None = None,
                  stream_interval: StreamInterval = 1):
         """`executor`: the `worker_thread` the core was built on (the engine shuts it down on close).
@@ -43,18 +42,30 @@ class AsyncEngine:
         and last go at once), or "auto" (by the streams open)."""
         if stream_interval != "auto" and stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1 or 'auto', not {stream_interval}")
+        super().__init__(EngineInfo.of(core), core.text)
         self.core = core
         self.stream_interval = stream_interval
         self._held: dict[str, list[RequestOutput]] = {}  # request id -> its deltas not handed over yet
         self._executor = executor or worker_thread()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
-        self.observers: list[OutputObserver] = []
-        # Told of each executed step (its tokens, the requests it preempted) while the next one runs.
-        self.step_observers: list[StepObserver] = []
         self.steps = 0
+
+    @classmethod
+    async def launch(cls, factory: EngineFactory, stream_interval: StreamInterval,
+                     on_lost: OnLost) -> AsyncEngine:
+        """Builds the core on a new worker thread, off the event loop; `on_lost` is told if a tensor-parallel
+        rank of the engine is lost."""
+        worker = worker_thread()
+        try:
+            core = await asyncio.get_running_loop().run_in_executor(worker, factory)
+        except BaseException:
+            worker.shutdown(wait=False)
+            raise
+        if core.rt.group is not None:
+            core.rt.group.on_lost.append(on_lost)
+        return cls(core, worker, stream_interval)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="streamsd-engine")
@@ -67,46 +78,23 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
         self.core.close()
 
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                queue: asyncio.Queue[RequestOutput] | None = None) -> tuple[str, asyncio.Queue[RequestOutput]]:
-        """Admit a request (raises ValueError-family errors on bad input); returns its output queue,
-        `queue` when given (several requests answered together share one)."""
         rid = request_id or f"req-{next(self._ids)}"
         self.core.add_request(rid, prompt_ids, params)
-        queue = queue if queue is not None else asyncio.Queue()
-        self._streams[rid] = queue
+        queue = self._open(rid, queue)
         self._wake.set()
         return rid, queue
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Deltas until the request finishes; leaving the loop early aborts the request."""
-        rid, queue = self.submit(prompt_ids, params, request_id)
-        async for out in self.stream(rid, queue):
-            yield out
-
-    async def stream(self, rid: str, queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
         self._wake.set()
 
-    def abort_all(self) -> None:
-        for rid in list(self._streams):
-            self.abort(rid)
+    def load(self) -> EngineLoad:
+        return EngineLoad.of(self.core, PolicyStats.of(self.core.scheduler.policy))
+
+    def compile_grammar(self, constraint: Constraint) -> Any:
+        return self.core.rt.grammars.compile(constraint)
 
     async def _run(self) -> None:
         """One step per turn: the worker thread runs step N+1 while this loop detokenises and
@@ -143,9 +131,10 @@ class AsyncEngine:
                 await asyncio.sleep(0.001)  # only aborts were processed; let the loop breathe
 
     def _observe_step(self, done: tuple[StepPlan, float] | None) -> None:
-        if done is not None:
+        if done is not None and self.step_observers:
+            report = StepReport.of(*done)
             for observe in self.step_observers:
-                observe(*done)
+                observe(report)
 
     def _dispatch(self, out: RequestOutput) -> None:
         for observe in self.observers:
@@ -155,11 +144,7 @@ class AsyncEngine:
             if gathered is None:
                 return
             out = gathered
-        queue = self._streams.get(out.request_id)
-        if queue is not None:
-            queue.put_nowait(out)
-            if out.finished:
-                del self._streams[out.request_id]
+        self._deliver(out)
 
     def _interval(self) -> int:
         if self.stream_interval == "auto":

@@ -9,17 +9,24 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-from streamsd.config import SpecConfig
-from streamsd.engine.builder import Runtime
+from streamsd.config import EngineConfig, SpecConfig
+from streamsd.engine.builder import Runtime, build_runtime
 from streamsd.engine.detokenizer import Detokenizer, TokenInfo
-from streamsd.engine.pieces import PieceCache
+from streamsd.engine.text import ChatText
 from streamsd.model.parallel import RankLost
-from streamsd.request import FinishReason, ParamError, Request, SamplingParams, SpecStats, Status
+from streamsd.request import (
+    FinishReason,
+    ParamError,
+    Request,
+    SamplingParams,
+    SpecStats,
+    Status,
+    check_token_ids,
+)
 from streamsd.sched.plan import EntryResult, StepPlan
 from streamsd.sched.scheduler import Scheduler
 
@@ -112,7 +119,7 @@ class EngineCore:
         self.rt = runtime
         self.spec = spec
         self.tokenizer = runtime.tokenizer
-        self.pieces = PieceCache.build(runtime.tokenizer)  # a chat's repeated messages tokenised once
+        self.text = ChatText(runtime.tokenizer, runtime.chat_template)
         self.scheduler = Scheduler(runtime.scheduler_config, dense_q_slots=runtime.q_slots, policy=runtime.policy)
         self.last_step_seconds = 0.0
         self.last_step_end = -1.0  # perf_counter at the end of the last step
@@ -127,14 +134,7 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         if request_id in self.trackers:
             raise ParamError("id", f"request id {request_id!r} is already running")
-        vocab = self.rt.args.vocab_size
-        # min/max run in C: on the event loop, a generator over a long prompt cost it twice as long.
-        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
-            raise ParamError("prompt", f"token ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids or ()):
-            raise ParamError("stop_token_ids", f"must be token ids in [0, {vocab})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ParamError("logit_bias", f"token ids must be in [0, {vocab})")
+        check_token_ids(prompt_ids, params, self.rt.args.vocab_size)
         r = Request(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -370,23 +370,10 @@ class EngineCore:
                                      timeline[-1] if timeline else None, r.params.max_tokens)
         assert r.status is Status.FINISHED and not r.blocks, "finished requests hold no KV"
 
-    # -- text -------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode_rendered_chat(self.render_chat(messages))
+EngineFactory = Callable[[], EngineCore]
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        template = self.rt.chat_template  # None: the tokenizer's own
-        if template is None and not self.tokenizer.chat_template:
-            raise ParamError("messages", "this model has no chat template; use the completions API or --chat-template")
-        return self.tokenizer.apply_chat_template(messages, chat_template=template,
-                                                  add_generation_prompt=add_generation_prompt)
 
-    def encode_rendered_chat(self, text: str) -> list[int]:
-        return self.pieces.encode(text)
-
-    def encode_rendered_chat_within(self, text: str, new_chars: int) -> list[int] | None:
-        """The ids where at most `new_chars` of the text need tokenising (the rest remembered), else None."""
-        return self.pieces.encode_within(text, new_chars)
+def build_engine_core(cfg: EngineConfig) -> EngineCore:
+    """The engine `cfg` describes (as a factory: `functools.partial(build_engine_core, cfg)`, which pickles)."""
+    return EngineCore(build_runtime(cfg), cfg.spec)

@@ -111,7 +111,7 @@ class LLM:
     ) -> list[GenerationResult]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = [self.core.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [self.core.text.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         return self._run(ids, texts, sampling_params)
 
@@ -121,7 +121,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
-        ids = [self.core.encode_chat(c) for c in convs]  # type: ignore[arg-type]
+        ids = [self.core.text.encode_chat(c) for c in convs]  # type: ignore[arg-type]
         return self._run(ids, [None] * len(ids), sampling_params)
 
     def _run(self, ids: list[list[int]], texts: list[str | None],

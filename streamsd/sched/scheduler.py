@@ -38,6 +38,16 @@ class QueueFullError(RuntimeError):
     pass
 
 
+def check_fits(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """A request's prompt is not empty, and it and max_tokens fit the context window."""
+    if prompt_tokens == 0:
+        raise AdmissionError("the prompt is empty")
+    need = prompt_tokens + max_tokens
+    if need > max_model_len:
+        raise AdmissionError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {need} exceeds "
+                             f"the context window of {max_model_len} tokens")
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, *, dense_q_slots: int = 0, policy: SpeculationPolicy | None = None):
         self.cfg = cfg
@@ -54,14 +64,8 @@ class Scheduler:
 
     # -- admission ---------------------------------------------------------------------------
     def add(self, r: Request) -> None:
+        check_fits(len(r.prompt_ids), r.params.max_tokens, self.cfg.max_model_len)
         need = len(r.prompt_ids) + r.params.max_tokens
-        if len(r.prompt_ids) == 0:
-            raise AdmissionError("the prompt is empty")
-        if need > self.cfg.max_model_len:
-            raise AdmissionError(
-                f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) = {need} exceeds "
-                f"the context window of {self.cfg.max_model_len} tokens"
-            )
         past_end = r.spec_k if self.cfg.drafts_past_max_tokens else 0  # drafts verified past max_tokens
         if self._blocks_for(need + max(r.spec_k, self.cfg.draft_window) + 1 + self.cfg.drafting_reserve + past_end) \
                 > self.blocks.total:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -19,8 +19,8 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from streamsd.engine.async_engine import AsyncEngine, worker_thread
-from streamsd.engine.core import EngineCore
+from streamsd.engine.async_engine import AsyncEngine
+from streamsd.engine.core import EngineFactory
 from streamsd.server.auth import ApiKeys
 from streamsd.server.fingerprint import system_fingerprint
 from streamsd.server.metrics import Metrics
@@ -32,7 +32,6 @@ from streamsd.server.tokenize_routes import detokenize, tokenize, version
 from streamsd.server.ws import websocket_endpoint
 
 log = logging.getLogger("streamsd")
-EngineFactory = Callable[[], EngineCore]
 
 
 async def health(request: Request) -> Response:
@@ -140,27 +139,22 @@ def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path 
 
 
 async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) -> None:
-    worker = worker_thread()
     try:
-        core = await asyncio.get_running_loop().run_in_executor(worker, factory)
+        # A follower rank that exits ends the server (serve.py exits on load_error).
+        engine = await AsyncEngine.launch(factory, state.stream_interval, state.fail)
     except Exception as exc:
-        worker.shutdown(wait=False)
         log.error("loading the model failed: %s", exc)
         state.fail(f"loading the model failed: {exc}")
         return
-    group = core.rt.group
-    if group is not None:  # a follower rank that exits ends the server (serve.py exits on load_error)
-        group.on_lost.append(state.fail)
-    engine = AsyncEngine(core, worker, stream_interval=state.stream_interval)
-    metrics.engine_loaded(core)
+    metrics.engine_loaded(engine.info)
     engine.observers.append(metrics.observe)
     engine.step_observers.append(metrics.observe_step)
     await engine.start()
     # anyio imports its event-loop backend when it is first asked for one, which a streamed answer's
     # task group is: ~20 ms of imports that would otherwise land in the first user's time to first token.
     await anyio.sleep(0)
-    state.prompts = PromptEncoder(core, metrics.tokenize.observe)
+    state.prompts = PromptEncoder(engine.text, engine.info, metrics.tokenize.observe)
     await state.prompts.warm()
-    state.system_fingerprint = system_fingerprint(core, state.served_model_name)
+    state.system_fingerprint = system_fingerprint(engine.info, state.served_model_name)
     state.engine = engine
     log.info("ready: serving %s", state.served_model_name)

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from streamsd.engine.async_engine import AsyncEngine
+from streamsd.engine.client import EngineClient
 from streamsd.engine.core import RequestOutput
 from streamsd.request import SamplingParams, SpecStats
 from streamsd.server.protocol import MAX_N
@@ -36,7 +36,7 @@ class Fanout:
     def index(self) -> dict[str, int]:
         return {rid: i for i, rid in enumerate(self.rids)}
 
-    async def outputs(self, engine: AsyncEngine) -> AsyncGenerator[RequestOutput]:
+    async def outputs(self, engine: EngineClient) -> AsyncGenerator[RequestOutput]:
         """Every answer's deltas as they come, until all have finished; leaving early aborts
         those still running."""
         running = set(self.rids)
@@ -69,7 +69,7 @@ def sample_params(params: SamplingParams, j: int) -> SamplingParams:
     return dataclasses.replace(params, seed=(params.seed + j) % SEED_SPACE)
 
 
-async def admit_all(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, n: int,
+async def admit_all(engine: EngineClient, prompts: list[list[int]], params: SamplingParams, n: int,
                     param: str) -> Fanout:
     """Admits every prompt's n samples, or none: a refusal (or the client leaving meanwhile) aborts
     those already admitted. A prompt with full blocks to share is prefilled once: its sample 0 runs
@@ -78,8 +78,8 @@ async def admit_all(engine: AsyncEngine, prompts: list[list[int]], params: Sampl
     rids: list[str | None] = [None] * (len(prompts) * n)
     early: list[RequestOutput] = []
     # A sample scoring its prompt computes it whole (no prefix-cache hits): nothing to wait for.
-    shares = engine.core.scheduler.cfg.enable_prefix_caching and n > 1 and params.prompt_logprobs is None
-    block = engine.core.scheduler.cfg.block_size
+    shares = engine.info.enable_prefix_caching and n > 1 and params.prompt_logprobs is None
+    block = engine.info.block_size
 
     def admit_sample(i: int, j: int) -> None:
         rids[i * n + j] = admit(engine, prompts[i], sample_params(params, j), param=param, queue=queue)[0]

@@ -4,7 +4,7 @@ A non-streaming answer is computed while nobody reads the socket; without watchi
 that timed out or closed would leave its request generating to the end, holding KV blocks and
 batch slots. uvicorn reports the hang-up as `http.disconnect` on the receive channel once the body
 is read; the work is cancelled then, and cancelling an engine stream aborts its request at the next
-step (AsyncEngine.stream). Streaming responses need none of this: Starlette's StreamingResponse
+step (EngineClient.stream). Streaming responses need none of this: Starlette's StreamingResponse
 watches the channel itself.
 """
 

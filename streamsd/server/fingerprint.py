@@ -11,12 +11,11 @@ from __future__ import annotations
 import hashlib
 
 from streamsd import __version__
-from streamsd.engine.core import EngineCore
+from streamsd.engine.info import EngineInfo
 
 
-def system_fingerprint(core: EngineCore, served_model_name: str) -> str:
-    model = core.rt.args  # its repr leaves the raw config out
-    parts = [__version__, served_model_name, str(core.rt.model_dir), repr(model), repr(core.spec),
-             core.rt.worker.device.type, str(core.rt.worker.cache.data.dtype), repr(core.rt.generation_defaults)]
+def system_fingerprint(info: EngineInfo, served_model_name: str) -> str:
+    parts = [__version__, served_model_name, str(info.model_dir), info.model, repr(info.spec), info.device_type,
+             f"torch.{info.cache_dtype}", repr(info.generation_defaults)]
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:10]
     return f"fp_streamsd-{__version__}-{digest}"

@@ -11,10 +11,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamsd.engine.core import EngineCore, RequestMetrics, RequestOutput
-from streamsd.policy.chooser import TreeChooser
-from streamsd.policy.policy import AdaptivePolicy
-from streamsd.sched.plan import STEP_KINDS, StepPlan
+from streamsd.engine.core import RequestMetrics, RequestOutput
+from streamsd.engine.info import EngineInfo, EngineLoad, StepReport
+from streamsd.sched.plan import STEP_KINDS
 from streamsd.server.state import ServerState, finish_reason
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -32,16 +31,16 @@ class Metrics:
         self.state = state
         self.registry = r = CollectorRegistry()
         Gauge("streamsd:num_requests_running", "Requests in the running batch", registry=r).set_function(
-            lambda: len(state.engine.core.scheduler.running) if state.engine else 0)
+            lambda: state.engine.load().running if state.engine else 0)
         Gauge("streamsd:num_requests_waiting", "Requests waiting to be scheduled", registry=r).set_function(
-            lambda: len(state.engine.core.scheduler.waiting) if state.engine else 0)
+            lambda: state.engine.load().waiting if state.engine else 0)
         Gauge("streamsd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)", registry=r).set_function(
-            lambda: state.engine.core.scheduler.kv_usage if state.engine else 0.0)
+            lambda: state.engine.load().kv_usage if state.engine else 0.0)
         # Steps queued one ahead (worker/lookahead.py): served as queued, or dropped because the plan changed.
         Gauge("streamsd:pipelined_steps_taken", "Steps served by the step queued ahead of them",
-              registry=r).set_function(lambda: state.engine.core.rt.worker.lookahead.taken if state.engine else 0)
+              registry=r).set_function(lambda: state.engine.load().pipelined_taken if state.engine else 0)
         Gauge("streamsd:pipelined_steps_dropped", "Steps queued ahead and dropped (the plan changed)",
-              registry=r).set_function(lambda: state.engine.core.rt.worker.lookahead.dropped if state.engine else 0)
+              registry=r).set_function(lambda: state.engine.load().pipelined_dropped if state.engine else 0)
         self.drafts = Counter("streamsd:spec_decode_num_drafts", "Verify steps with drafts", registry=r)
         self.draft_tokens = Counter("streamsd:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
         self.accepted = Counter("streamsd:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
@@ -78,7 +77,7 @@ class Metrics:
                                         registry=r, buckets=COUNT_BUCKETS)
         self.req_max_tokens = Histogram("streamsd:request_params_max_tokens", "max_tokens per request", registry=r,
                                         buckets=COUNT_BUCKETS)
-        # Per step, as the engine reports each executed one (AsyncEngine.step_observers).
+        # Per step, as the engine reports each executed one (EngineClient.step_observers).
         self.preemptions = Counter("streamsd:num_preemptions", "Requests preempted (their KV recomputed later)",
                                    registry=r)
         self.step_tokens = Histogram("streamsd:iteration_tokens_total",
@@ -102,20 +101,19 @@ class Metrics:
         r.register(_AdaptiveCollector(state))
         r.register(_PrefixCacheCollector(state))
 
-    def engine_loaded(self, core: EngineCore) -> None:
-        cfg = core.scheduler.cfg
-        self.cache_config.info({"block_size": str(cfg.block_size), "num_gpu_blocks": str(cfg.num_blocks),
-                                "cache_dtype": str(core.rt.worker.cache.data.dtype).removeprefix("torch."),
-                                "device": core.rt.worker.device.type, "max_model_len": str(cfg.max_model_len)})
-        for pos in range(core.spec.num_tokens if core.spec.enabled else 0):
+    def engine_loaded(self, info: EngineInfo) -> None:
+        self.cache_config.info({"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks),
+                                "cache_dtype": info.cache_dtype, "device": info.device_type,
+                                "max_model_len": str(info.max_model_len)})
+        for pos in range(info.spec.num_tokens if info.spec.enabled else 0):
             self.accepted_pos.labels(position=str(pos))  # every position exported from the start, at 0
 
-    def observe_step(self, plan: StepPlan, seconds: float) -> None:
-        if plan.entries:
-            self.step_tokens.observe(plan.num_tokens)
-            self.step_time.labels(kind=plan.kind).observe(seconds)
-        if plan.preempted:
-            self.preemptions.inc(len(plan.preempted))
+    def observe_step(self, step: StepReport) -> None:
+        if step.kind:
+            self.step_tokens.observe(step.num_tokens)
+            self.step_time.labels(kind=step.kind).observe(step.seconds)
+        if step.preempted:
+            self.preemptions.inc(step.preempted)
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -170,47 +168,42 @@ class _PrefixCacheCollector:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.state.engine
-        pool = engine.core.scheduler.blocks if engine else None
+        load = self.state.engine.load() if self.state.engine else EngineLoad()
         yield CounterMetricFamily("streamsd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  value=pool.queries if pool else 0)
+                                  value=load.prefix_queries)
         yield CounterMetricFamily("streamsd:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                  value=pool.hits if pool else 0)
+                                  value=load.prefix_hits)
 
 
 class _AdaptiveCollector:
-    """The adaptive policy's decisions, read from it at scrape time (on the event loop, the thread
-    that plans; a scrape only reads, the policy learns at its next choice): the k it chose per request
-    and step, its share of plain steps, and how well it predicted step times. Absent under a fixed k."""
+    """The speculation policy's decisions, as the engine's load last reported them: the k it chose per
+    request and step, its share of plain steps, and how well it predicted step times. Absent under a
+    fixed k; a tree chooser reports its share of plain steps only."""
 
     def __init__(self, state: ServerState):
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.state.engine
-        policy = engine.core.scheduler.policy if engine else None
-        if isinstance(policy, TreeChooser):
-            yield GaugeMetricFamily("streamsd:spec_decode_plain_step_share", "Share of steps in which nobody drafted",
-                                    value=policy.plain_step_share)
+        stats = self.state.engine.load().policy if self.state.engine else None
+        if stats is None:
             return
-        if not isinstance(policy, AdaptivePolicy):
+        yield GaugeMetricFamily("streamsd:spec_decode_plain_step_share", "Share of steps in which nobody drafted",
+                                value=stats.plain_step_share)
+        if stats.max_k is None or stats.chosen_k is None:
             return
-        rec = policy.record
-        chosen = rec.chosen_k
+        chosen = dict(stats.chosen_k)
         buckets, running = [], 0
-        for k in range(policy.max_k + 1):
+        for k in range(stats.max_k + 1):
             running += chosen.get(k, 0)
             buckets.append((str(k), running))
         buckets.append(("+Inf", running))
         yield HistogramMetricFamily("streamsd:spec_decode_chosen_k", "Drafts chosen per request and step",
                                     buckets=buckets, sum_value=sum(k * n for k, n in chosen.items()))
-        yield GaugeMetricFamily("streamsd:spec_decode_plain_step_share", "Share of steps in which nobody drafted",
-                                value=rec.plain_step_share)
         yield GaugeMetricFamily("streamsd:spec_decode_step_predicted_seconds", "The last observed step's predicted time",
-                                value=rec.last_predicted)
+                                value=stats.last_predicted or 0.0)
         yield GaugeMetricFamily("streamsd:spec_decode_step_measured_seconds", "The last observed step's measured time",
-                                value=rec.last_measured)
-        err = rec.mean_abs_prediction_error
+                                value=stats.last_measured or 0.0)
+        err = stats.prediction_error
         yield GaugeMetricFamily("streamsd:spec_decode_step_prediction_error",
                                 "Mean |predicted / measured - 1| of the step times observed",
                                 value=err if err is not None else 0.0)

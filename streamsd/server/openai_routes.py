@@ -12,7 +12,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from streamsd.engine.async_engine import AsyncEngine
+from streamsd.engine.client import EngineClient
 from streamsd.engine.core import RequestOutput, joined
 from streamsd.request import SamplingParams
 from streamsd.server.best_of import check_best_of, pick_best, ranked_params
@@ -61,8 +61,8 @@ def _param_of(message: str) -> str | None:
     return None
 
 
-def _logprob_entry(engine: AsyncEngine, tok: Any) -> dict[str, Any]:
-    decode = engine.core.tokenizer.decode
+def _logprob_entry(engine: EngineClient, tok: Any) -> dict[str, Any]:
+    decode = engine.text.tokenizer.decode
     return {
         "token": tok.text,
         "logprob": tok.logprob,
@@ -75,7 +75,7 @@ def _logprob_entry(engine: AsyncEngine, tok: Any) -> dict[str, Any]:
 class _Completion:
     """Turns engine deltas into one of the two OpenAI object shapes, a choice per engine request."""
 
-    def __init__(self, state: ServerState, engine: AsyncEngine, chat: bool, include_usage: bool, logprobs: bool,
+    def __init__(self, state: ServerState, engine: EngineClient, chat: bool, include_usage: bool, logprobs: bool,
                  fanout: Fanout, echoes: list[str] | None = None, prompt_ids: list[list[int]] | None = None):
         self.state, self.engine, self.chat = state, engine, chat
         self.include_usage, self.logprobs = include_usage, logprobs
@@ -106,12 +106,12 @@ class _Completion:
         done: dict[str, list[Any]] = {
             "tokens": [t.text for t in out.tokens],
             "token_logprobs": [t.logprob for t in out.tokens],
-            "top_logprobs": [by_text(self.engine.core.tokenizer.decode, t.top_logprobs or []) for t in out.tokens],
+            "top_logprobs": [by_text(self.engine.text.tokenizer.decode, t.top_logprobs or []) for t in out.tokens],
             "text_offset": offsets,
         }
         if self.prompt_ids is None or out.prompt_logprobs is None:
             return done
-        prompt = prompt_logprobs(self.engine.core.tokenizer.decode, self.prompt_ids[index // self.fanout.n],
+        prompt = prompt_logprobs(self.engine.text.tokenizer.decode, self.prompt_ids[index // self.fanout.n],
                                  out.prompt_logprobs)
         return {key: prompt[key] + done[key] for key in done}
 
@@ -217,7 +217,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     state.check_model(body.model)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    params = sampling_params(body, engine.core.rt.generation_defaults)
+    params = sampling_params(body, engine.info.generation_defaults)
     await compile_constraint(engine, params)
     return await unless_disconnected(request.receive, _answer(state, engine, prompts, body, params, chat))
 
@@ -235,7 +235,7 @@ def _prompt_list(prompt: str | list[int | str | list[int]]) -> list[str | list[i
     return [x for x in prompt if not isinstance(x, int)]
 
 
-async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncoder,
+async def _answer(state: ServerState, engine: EngineClient, prompts: PromptEncoder,
                   body: ChatCompletionRequest | CompletionRequest, params: SamplingParams, chat: bool) -> Response:
     echoes: list[str] | None = None
     scored: list[list[int]] | None = None
@@ -249,7 +249,7 @@ async def _answer(state: ServerState, engine: AsyncEngine, prompts: PromptEncode
         check_choices(body.n, candidates, len(listed))
         prompt_ids = [await prompts.text(p, params.max_tokens) if isinstance(p, str) else p for p in listed]
         if body.echo:  # a token-id prompt echoes as its decoded text
-            echoes = [p if isinstance(p, str) else engine.core.tokenizer.decode(p) for p in listed]
+            echoes = [p if isinstance(p, str) else engine.text.tokenizer.decode(p) for p in listed]
         if params.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens 0 generates nothing: it is only accepted with echo (the prompt, and with "
                                 "logprobs its scores)", param="max_tokens")
@@ -299,9 +299,9 @@ async def completions(request: Request) -> Response:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     engine = state.engine
-    max_len = engine.core.scheduler.cfg.max_model_len if engine else None
+    max_len = engine.info.max_model_len if engine else None
     return {"id": state.served_model_name, "object": "model", "created": int(state.started), "owned_by": "streamsd",
-            "max_model_len": max_len, "speculation": speculation(engine.core.spec, engine.core.rt.exact) if engine else None}
+            "max_model_len": max_len, "speculation": speculation(engine.info.spec, engine.info.exact) if engine else None}
 
 
 async def models(request: Request) -> Response:

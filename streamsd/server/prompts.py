@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from streamsd.config import helper_threads
-from streamsd.engine.core import EngineCore
+from streamsd.engine.info import EngineInfo
+from streamsd.engine.text import ChatText
 from streamsd.engine.warm_up import CHAT_MESSAGE
 from streamsd.request import ParamError
 from streamsd.server.protocol import ChatMessage
@@ -49,13 +50,13 @@ def tokenizer_threads(cores: int | None) -> int:
 
 
 class PromptEncoder:
-    def __init__(self, core: EngineCore, observe: Observe | None = None):
+    def __init__(self, text: ChatText, info: EngineInfo, observe: Observe | None = None):
         """`observe`: called with the seconds each prompt took from its request to its token ids (waiting
         for a thread, rendering, tokenising), for the server's metrics."""
-        self.core = core
-        self.max_len = core.scheduler.cfg.max_model_len
-        tok = core.tokenizer
-        self.chars_per_token = max_chars_per_token(tok.backend_tokenizer)
+        self.chat_text = text
+        self.max_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.chars_per_token = max_chars_per_token(text.tokenizer.backend_tokenizer)
         self.observe = observe
         # The first render of a chat template compiles it (4 ms on a CPU core), once per process: the
         # engine's warm-up has rendered this one (engine/warm_up.py, warm_up_chat_prompt).
@@ -77,17 +78,17 @@ class PromptEncoder:
         with contextlib.suppress(threading.BrokenBarrierError):
             barrier.wait(timeout=10)  # holds each thread until all are started: every thread takes one
         try:
-            self.core.encode_chat([{"role": "user", "content": CHAT_MESSAGE}])
+            self.chat_text.encode_chat([{"role": "user", "content": CHAT_MESSAGE}])
         except ParamError:  # a model without a chat template: the completions routes' encoding only
-            self.core.encode_prompt(CHAT_MESSAGE)
+            self.chat_text.encode_prompt(CHAT_MESSAGE)
 
     async def text(self, prompt: str, max_tokens: int) -> list[int]:
         self._check_length(len(prompt), max_tokens, "prompt")
         start = time.monotonic()
         if len(prompt) <= INLINE_NEW_CHARS:  # tokenised here, as a chat's few new characters are
-            ids = self.core.encode_prompt(prompt)
+            ids = self.chat_text.encode_prompt(prompt)
         else:
-            ids = await self._run(self.core.encode_prompt, prompt)
+            ids = await self._run(self.chat_text.encode_prompt, prompt)
         return self._observed(start, ids)
 
     async def chat(self, messages: list[ChatMessage], max_tokens: int) -> list[int]:
@@ -99,14 +100,14 @@ class PromptEncoder:
         # rendered and its few new characters tokenised right here: the hop to a thread and back cost
         # ~5 ms of waiting at 32 concurrent requests, for ~0.1 ms of work.
         text = self._rendered(dicts, max_tokens)
-        ids = self.core.encode_rendered_chat_within(text, INLINE_NEW_CHARS)
+        ids = self.chat_text.encode_rendered_chat_within(text, INLINE_NEW_CHARS)
         if ids is None:
-            ids = await self._run(self.core.encode_rendered_chat, text)
+            ids = await self._run(self.chat_text.encode_rendered_chat, text)
         return self._observed(start, ids)
 
     def _chat(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
         """On the pool: render, refuse what cannot fit, tokenise."""
-        return self.core.encode_rendered_chat(self._rendered(messages, max_tokens))
+        return self.chat_text.encode_rendered_chat(self._rendered(messages, max_tokens))
 
     def _rendered(self, messages: list[dict[str, Any]], max_tokens: int) -> str:
         """The chat rendered for a reply, refused when its characters prove it cannot fit."""
@@ -116,7 +117,7 @@ class PromptEncoder:
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
-            return self.core.render_chat(messages, add_generation_prompt)
+            return self.chat_text.render_chat(messages, add_generation_prompt)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
         except Exception as exc:  # chat templates raise their own errors for unsupported role orders
@@ -135,7 +136,7 @@ class PromptEncoder:
         return await self._run(run)
 
     def _tokenize(self, text: str, add_special_tokens: bool, with_strs: bool) -> Tokenized:
-        tok = self.core.tokenizer
+        tok = self.chat_text.tokenizer
         ids = list(tok.encode(text, add_special_tokens=add_special_tokens))
         return ids, (list(tok.convert_ids_to_tokens(ids)) if with_strs else None)
 
@@ -143,10 +144,10 @@ class PromptEncoder:
         return await self._run(self._decode, ids)
 
     def _decode(self, ids: list[int]) -> str:
-        vocab = self.core.rt.args.vocab_size
+        vocab = self.vocab_size
         if any(t >= vocab for t in ids):  # negative ids are refused by the wire type
             raise ApiError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
-        return self.core.tokenizer.decode(ids)
+        return self.chat_text.tokenizer.decode(ids)
 
     def _check_length(self, chars: int, max_tokens: int, param: str) -> None:
         if self.chars_per_token is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamsd.config import SpecConfig, StreamInterval
-from streamsd.engine.async_engine import AsyncEngine
+from streamsd.engine.client import EngineClient
 from streamsd.engine.core import RequestOutput
 from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.request import ParamError, SamplingParams, SpecStats
@@ -58,7 +58,7 @@ class ServerState:
     max_queue: int = 1024
     drain_timeout: float = 30.0
     stream_interval: StreamInterval = 1  # tokens a streamed answer's chunks gather (engine/async_engine.py)
-    engine: AsyncEngine | None = None
+    engine: EngineClient | None = None
     prompts: PromptEncoder | None = None
     load_error: str | None = None
     system_fingerprint: str | None = None  # set with the engine (fingerprint.py)
@@ -70,14 +70,14 @@ class ServerState:
         why, and the server exits."""
         self.load_error = message
 
-    def ready_engine(self) -> AsyncEngine:
+    def ready_engine(self) -> EngineClient:
         if self.draining:
             raise ApiError(503, "the server is shutting down")
         if self.engine is None:
             raise ApiError(503, self.load_error or "the model is still loading")
         return self.engine
 
-    def ready(self) -> tuple[AsyncEngine, PromptEncoder]:
+    def ready(self) -> tuple[EngineClient, PromptEncoder]:
         engine = self.ready_engine()
         assert self.prompts is not None, "set with the engine"
         return engine, self.prompts
@@ -91,8 +91,8 @@ class ServerState:
         return ApiError(404, f"the model '{name}' does not exist; this server serves '{self.served_model_name}'",
                         param="model", code="model_not_found")
 
-    def check_queue(self, engine: AsyncEngine) -> None:
-        if len(engine.core.scheduler.waiting) >= self.max_queue:
+    def check_queue(self, engine: EngineClient) -> None:
+        if engine.load().waiting >= self.max_queue:
             raise ApiError.overloaded("too many requests are waiting; retry later")
 
 
@@ -131,18 +131,18 @@ def sampling_params(f: SamplingFields, defaults: GenerationDefaults = Generation
         raise ApiError(400, str(exc), param=exc.param if isinstance(exc, ParamError) else None) from exc
 
 
-async def compile_constraint(engine: AsyncEngine, params: SamplingParams) -> None:
+async def compile_constraint(engine: EngineClient, params: SamplingParams) -> None:
     """Compiles the request's grammar on a thread (the engine's compiler caches it for the worker), so
     that one that cannot be compiled is refused before the request is admitted."""
     if params.constraint is None:
         return
     try:
-        await asyncio.to_thread(engine.core.rt.grammars.compile, params.constraint)
+        await asyncio.to_thread(engine.compile_grammar, params.constraint)
     except ParamError as exc:
         raise ApiError(400, str(exc), param=exc.param) from exc
 
 
-def admit(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+def admit(engine: EngineClient, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
           param: str = "prompt", queue: asyncio.Queue[RequestOutput] | None = None):
     from streamsd.sched.scheduler import QueueFullError
 

@@ -35,7 +35,7 @@ async def tokenize(request: Request) -> Response:
         special = bool(body.add_special_tokens)
         generation = True if body.add_generation_prompt is None else body.add_generation_prompt
         ids, strs = await prompts.tokenize_chat(body.messages, generation, special, body.return_token_strs)
-    return Response(encoder.encode({"count": len(ids), "max_model_len": engine.core.scheduler.cfg.max_model_len,
+    return Response(encoder.encode({"count": len(ids), "max_model_len": engine.info.max_model_len,
                                     "tokens": ids, "token_strs": strs}), media_type="application/json")
 
 

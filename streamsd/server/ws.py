@@ -64,7 +64,7 @@ class Session:
         try:
             engine, prompts = self.state.ready()
             self.state.check_model(msg.model)
-            params = sampling_params(msg, engine.core.rt.generation_defaults)
+            params = sampling_params(msg, engine.info.generation_defaults)
             await compile_constraint(engine, params)
             if (msg.messages is None) == (msg.prompt is None):
                 raise ApiError(400, "give exactly one of messages or prompt", param="messages")

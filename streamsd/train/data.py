@@ -116,7 +116,7 @@ def answer(llm: Any, prompts: list[str], max_new_tokens: int, seed: int, tempera
     t0 = last_log = time.monotonic()
     requests = []
     for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):
-        prompt_ids[rid] = core.encode_chat([{"role": "user", "content": p}])
+        prompt_ids[rid] = core.text.encode_chat([{"role": "user", "content": p}])
         requests.append((rid, prompt_ids[rid], SamplingParams(
             temperature=temperatures[i % len(temperatures)], max_tokens=max_new_tokens, seed=seed + i)))
 

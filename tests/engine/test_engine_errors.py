@@ -16,7 +16,7 @@ def test_abort_and_finish_mix_frees_every_block(tiny_model_dir, close_draft_dir)
     llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), kv_cache_tokens=256)
     core = llm.core
     for i, prompt in enumerate(PROMPTS * 2):
-        core.add_request(f"r{i}", core.encode_prompt(prompt), SamplingParams(temperature=1.0, max_tokens=40, seed=i))
+        core.add_request(f"r{i}", core.text.encode_prompt(prompt), SamplingParams(temperature=1.0, max_tokens=40, seed=i))
     finished: dict[str, str] = {}
     steps = 0
     while core.has_work:
@@ -43,7 +43,7 @@ def test_a_crashing_step_fails_only_its_requests(tiny_model_dir, close_draft_dir
         return real(plan)
 
     core.rt.worker.step = flaky
-    core.add_request("bad", core.encode_prompt(PROMPTS[0]), SamplingParams(temperature=0, max_tokens=5))
+    core.add_request("bad", core.text.encode_prompt(PROMPTS[0]), SamplingParams(temperature=0, max_tokens=5))
     outs = core.step()
     assert outs and outs[0].error and "injected fault" in outs[0].error and outs[0].finish_reason == "error"
     res = llm.generate(PROMPTS, greedy_params())

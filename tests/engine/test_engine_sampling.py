@@ -46,7 +46,7 @@ def test_end_to_end_sampling_matches_target_distribution(tiny_model_dir, close_d
     n = 3000
     llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3,
               max_num_seqs=n, kv_cache_tokens=n * 48, max_num_batched_tokens=16384)
-    prompt = llm.core.encode_prompt("Once upon a time")
+    prompt = llm.core.text.encode_prompt("Once upon a time")
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_tokens=4,
                              seed=s, ignore_eos=True) for s in range(n)]
     res = llm.generate([prompt] * n, params)

@@ -64,7 +64,7 @@ def test_pipelined_steps_match_sequential_steps_with_stop_strings(tiny_model_dir
 
     def submit(tag: str) -> None:
         for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
-            llm.core.add_request(f"{tag}{i}", llm.core.encode_prompt(prompt), p)
+            llm.core.add_request(f"{tag}{i}", llm.core.text.encode_prompt(prompt), p)
 
     submit("s")
     sequential = []
@@ -113,9 +113,9 @@ def test_a_step_failing_under_a_deferred_stop_ends_each_request_once(tiny_model_
         return res
 
     core.rt.worker.step = failing_after_a_stop
-    core.add_request("stopper", core.encode_prompt(PROMPTS[1]),
+    core.add_request("stopper", core.text.encode_prompt(PROMPTS[1]),
                      SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))
-    core.add_request("bystander", core.encode_prompt(PROMPTS[0]),
+    core.add_request("bystander", core.text.encode_prompt(PROMPTS[0]),
                      SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     finals: dict[str, list[str]] = {}
     for turn in core.run():

@@ -102,7 +102,7 @@ def test_end_to_end_penalised_sampling_matches_the_penalised_target(tiny_model_d
     n = 3000
     llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3,
               max_num_seqs=n, kv_cache_tokens=n * 48, max_num_batched_tokens=16384)
-    prompt = llm.core.encode_prompt(text)
+    prompt = llm.core.text.encode_prompt(text)
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=4, seed=s, ignore_eos=True,
                              **penalties) for s in range(n)]
     res = llm.generate([prompt] * n, params)

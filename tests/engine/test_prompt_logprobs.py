@@ -76,7 +76,7 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing(tiny_model_dir, cl
     no token, finished by length, its blocks released. Where the drafter keeps no KV of its own (n-gram),
     they are cached for later requests too."""
     llm = LLM(str(tiny_model_dir), draft_model=str(close_draft_dir), num_speculative_tokens=3)
-    ids = llm.core.encode_prompt(PROMPT)
+    ids = llm.core.text.encode_prompt(PROMPT)
     only, other = llm.generate([PROMPT, "Once upon a time"],
                                [SamplingParams(max_tokens=0, prompt_logprobs=2, temperature=0),
                                 SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])

@@ -14,7 +14,7 @@ def test_queue_time_ends_when_a_step_takes_the_request_and_that_step_is_its_pref
     counts as prefill (request_prefill_time_seconds), never as queueing (request_queue_time_seconds)."""
     llm = LLM(str(tiny_model_dir))
     core = llm.core
-    prompt = core.encode_prompt("The quick brown fox jumps over the lazy dog")
+    prompt = core.text.encode_prompt("The quick brown fox jumps over the lazy dog")
     core.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     turns = list(core.run())
     m = next(out.metrics for t in turns for out in t.outputs if out.finished)
@@ -31,9 +31,9 @@ def test_a_step_after_the_engine_waited_for_work_is_timed_from_its_own_start(tin
         llm = LLM(str(tiny_model_dir))
         engine = AsyncEngine(llm.core)
         seen: list[tuple[float, float]] = []  # (step seconds, when observed)
-        engine.step_observers.append(lambda plan, seconds: seen.append((seconds, time.perf_counter())))
+        engine.step_observers.append(lambda step: seen.append((step.seconds, time.perf_counter())))
         await engine.start()
-        prompt = llm.core.encode_prompt("The quick brown fox")
+        prompt = llm.core.text.encode_prompt("The quick brown fox")
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         async for _ in engine.generate(prompt, params):
             pass

@@ -76,16 +76,16 @@ TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endf
 def test_a_chat_template_given_replaces_the_tokenizers_inline_or_from_a_file(tiny_model_dir, tmp_path):
     convo = [{"role": "user", "content": "Hello"}]
     inline = LLM(str(tiny_model_dir), chat_template=TEMPLATE)
-    assert inline.core.render_chat(convo) == "[user] Hello\n[assistant]"
+    assert inline.core.text.render_chat(convo) == "[user] Hello\n[assistant]"
     path = tmp_path / "template.jinja"
     path.write_text(TEMPLATE)
     from_file = LLM(str(tiny_model_dir), chat_template=str(path))
-    assert from_file.core.render_chat(convo) == "[user] Hello\n[assistant]"
+    assert from_file.core.text.render_chat(convo) == "[user] Hello\n[assistant]"
     out = from_file.chat([convo], SamplingParams(max_tokens=3, temperature=0))
-    assert out[0].prompt_token_ids == from_file.core.encode_rendered_chat("[user] Hello\n[assistant]")
+    assert out[0].prompt_token_ids == from_file.core.text.encode_rendered_chat("[user] Hello\n[assistant]")
     # a one-line template longer than any file name is taken as the template, not refused as a path
     long_line = TEMPLATE.replace("\n", " ").replace("[assistant]", "[assistant]" + "{# " + "x" * 300 + " #}")
-    assert LLM(str(tiny_model_dir), chat_template=long_line).core.render_chat(convo) == "[user] Hello [assistant]"
+    assert LLM(str(tiny_model_dir), chat_template=long_line).core.text.render_chat(convo) == "[user] Hello [assistant]"
     with pytest.raises(ValueError, match="--chat-template does not render a conversation"):
         LLM(str(tiny_model_dir), chat_template="{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}")
 

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from streamsd.engine.info import EngineInfo
 from streamsd.server.prompts import tokenizer_threads
 
 
@@ -22,7 +23,8 @@ def test_warm_runs_a_chat_prompt_on_every_thread_of_the_pool(tiny_model_dir):
     from streamsd.engine.llm import LLM
     from streamsd.server.prompts import PromptEncoder
 
-    encoder = PromptEncoder(LLM(str(tiny_model_dir), device="cpu").core)
+    core = LLM(str(tiny_model_dir), device="cpu").core
+    encoder = PromptEncoder(core.text, EngineInfo.of(core))
     before = set(threading.enumerate())
     try:
         asyncio.run(encoder.warm())
@@ -42,7 +44,7 @@ def test_a_chat_of_seen_messages_is_tokenised_without_the_pool(tiny_model_dir):
 
     core = LLM(str(tiny_model_dir), device="cpu").core
     timed: list[float] = []
-    encoder = PromptEncoder(core, observe=timed.append)
+    encoder = PromptEncoder(core.text, EngineInfo.of(core), observe=timed.append)
     system = "You answer in one short sentence, and only about the weather. " * 40
     first = [ChatMessage(role="system", content=system), ChatMessage(role="user", content="Is it raining?")]
     second = [first[0], ChatMessage(role="user", content="And tomorrow?")]
@@ -51,7 +53,7 @@ def test_a_chat_of_seen_messages_is_tokenised_without_the_pool(tiny_model_dir):
     assert len(system) > INLINE_NEW_CHARS
 
     def want(chat: list[ChatMessage]) -> list[int]:
-        return core.encode_chat([{"role": m.role, "content": m.text()} for m in chat])
+        return core.text.encode_chat([{"role": m.role, "content": m.text()} for m in chat])
 
     async def main() -> None:
         assert await encoder.chat(first, 8) == want(first)  # on the pool
@@ -70,12 +72,12 @@ def test_a_short_text_prompt_is_tokenised_without_the_pool(tiny_model_dir):
     from streamsd.server.prompts import INLINE_NEW_CHARS, PromptEncoder
 
     core = LLM(str(tiny_model_dir), device="cpu").core
-    encoder = PromptEncoder(core)
+    encoder = PromptEncoder(core.text, EngineInfo.of(core))
     encoder.close()
     short, long = "Once upon a time", "Once upon a time " * (INLINE_NEW_CHARS // 10)
 
     async def main() -> None:
-        assert await encoder.text(short, 8) == core.encode_prompt(short)
+        assert await encoder.text(short, 8) == core.text.encode_prompt(short)
         with pytest.raises(RuntimeError, match="shutdown"):
             await encoder.text(long, 8)
 

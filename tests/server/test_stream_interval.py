@@ -99,7 +99,7 @@ def test_auto_hands_every_token_over_alone_below_its_streams_and_gathers_above(t
     from streamsd.engine.async_engine import AsyncEngine
 
     llm = LLM(str(tiny_model_dir), max_num_seqs=64)
-    prompt = llm.core.encode_prompt("Once upon a time")
+    prompt = llm.core.text.encode_prompt("Once upon a time")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     async def answers(n: int) -> list[list[list[int]]]:

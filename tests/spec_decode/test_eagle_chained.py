@@ -134,10 +134,10 @@ def test_dropped_queued_chains_leave_the_next_verify_intact(tiny_model_dir, head
 
     def drive(llm: LLM) -> tuple[dict, int]:
         core, got = llm.core, {}
-        core.add_request("a", core.encode_prompt(PROMPTS[0]), SamplingParams(temperature=1.0, max_tokens=80, seed=3))
+        core.add_request("a", core.text.encode_prompt(PROMPTS[0]), SamplingParams(temperature=1.0, max_tokens=80, seed=3))
         for n, turn in enumerate(core.run()):
             if n in (6, 12, 20):
-                core.add_request(f"j{n}", core.encode_prompt(PROMPTS[n % 6]),
+                core.add_request(f"j{n}", core.text.encode_prompt(PROMPTS[n % 6]),
                                  SamplingParams(temperature=1.0, max_tokens=30, seed=n))
             for o in turn.outputs:
                 got.setdefault(o.request_id, []).extend(o.token_ids)
@@ -150,7 +150,7 @@ def test_dropped_queued_chains_leave_the_next_verify_intact(tiny_model_dir, head
     assert la.dropped >= 3 and la.taken >= 5, (la.taken, la.dropped)
     # Directly: the replacing verify reads the q rows the queued one read (the last read step's).
     core, worker = ahead.core, ahead.core.rt.worker
-    a = core.add_request("q", core.encode_prompt(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=60, seed=9))
+    a = core.add_request("q", core.text.encode_prompt(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=60, seed=9))
     seen: list[tuple[bool, torch.Tensor]] = []
     launch = worker.verifier.launch
 
@@ -162,7 +162,7 @@ def test_dropped_queued_chains_leave_the_next_verify_intact(tiny_model_dir, head
     worker.verifier.launch = spy
     while la.queued is None:
         core.step()
-    core.add_request("late", core.encode_prompt(PROMPTS[2]), SamplingParams(temperature=1.0, max_tokens=5, seed=1))
+    core.add_request("late", core.text.encode_prompt(PROMPTS[2]), SamplingParams(temperature=1.0, max_tokens=5, seed=1))
     core.step()  # a prompt chunk joins: the queued verify is dropped, the real one launches
     worker.verifier.launch = launch
     assert la.queued is None and seen[-2][0] and not seen[-1][0]

@@ -136,7 +136,7 @@ def test_end_to_end_eagle_sampling_matches_target_distribution(tiny_model_dir, h
     n = 3000
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(heads["eagle3"]),
               num_speculative_tokens=3, max_num_seqs=n, kv_cache_tokens=n * 48, max_num_batched_tokens=16384)
-    prompt = llm.core.encode_prompt("Once upon a time")
+    prompt = llm.core.text.encode_prompt("Once upon a time")
     params = [SamplingParams(temperature=temperature, max_tokens=4, seed=s, ignore_eos=True) for s in range(n)]
     res = llm.generate([prompt] * n, params)
     assert sum(r.spec_stats.accepted for r in res) > 0 and sum(r.spec_stats.drafted for r in res) > 0

@@ -89,13 +89,13 @@ def test_streams_skipped_by_plain_steps_are_recomputed_exactly_when_the_head_res
         got_b: dict[str, list[int]] = {rid: [] for rid in ids}
         for llm in (kept, skipping):
             for i in range(3):
-                llm.core.add_request(ids[i], llm.core.encode_prompt(PROMPTS[i]), params[i])
+                llm.core.add_request(ids[i], llm.core.text.encode_prompt(PROMPTS[i]), params[i])
         steps = compared = missing_seen = 0
         while kept.core.has_work or skipping.core.has_work:
             steps += 1
             if steps == 6:  # a plain stretch that writes no streams: the prompt's are skipped too
                 for llm in (kept, skipping):
-                    llm.core.add_request(ids[3], llm.core.encode_prompt(PROMPTS[3]), params[3])
+                    llm.core.add_request(ids[3], llm.core.text.encode_prompt(PROMPTS[3]), params[3])
             for llm, got in ((kept, got_a), (skipping, got_b)):
                 for out in llm.core.step():
                     got[out.request_id].extend(out.token_ids)
@@ -129,7 +129,7 @@ def test_recomputed_streams_are_the_kept_ones_and_leave_the_target_cache_alone(t
     cache outside the scratch block changes."""
     llm = _engine(tiny_model_dir, head, tree=False, pipeline=False, keep=None)
     core, worker = llm.core, llm.core.rt.worker
-    core.add_request("a", core.encode_prompt(PROMPTS[1]), SamplingParams(temperature=0.0, max_tokens=30,
+    core.add_request("a", core.text.encode_prompt(PROMPTS[1]), SamplingParams(temperature=0.0, max_tokens=30,
                                                                           ignore_eos=True))
     for _ in range(12):
         core.step()
@@ -208,7 +208,7 @@ def test_a_head_catches_up_only_requests_with_their_streams_kept_when_another_dr
     worker.restore_streams = recording_restore
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i in range(3):
-        llm.core.add_request(f"r{i}", llm.core.encode_prompt(PROMPTS[i]), params)
+        llm.core.add_request(f"r{i}", llm.core.text.encode_prompt(PROMPTS[i]), params)
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
     lone_steps = 0
     while llm.core.has_work:

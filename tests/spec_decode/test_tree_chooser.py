@@ -68,12 +68,12 @@ def test_trees_chosen_by_cost_switch_with_plain_steps_mid_request_exactly(tiny_m
         got: dict[str, list[int]] = {rid: [] for rid in ids}
         steps = unkept = 0
         for i in range(2):
-            core.add_request(ids[i], core.encode_prompt(PROMPTS[i]), params[i])
+            core.add_request(ids[i], core.text.encode_prompt(PROMPTS[i]), params[i])
         while core.has_work:
             steps += 1
             if steps == 6:
                 for i in range(2, 6):
-                    core.add_request(ids[i], core.encode_prompt(PROMPTS[i]), params[i])
+                    core.add_request(ids[i], core.text.encode_prompt(PROMPTS[i]), params[i])
             for out in core.step():
                 got[out.request_id].extend(out.token_ids)
             unkept += any(r.streams_missing_from is not None for r in core.scheduler.running)

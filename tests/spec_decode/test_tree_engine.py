@@ -136,7 +136,7 @@ def test_end_to_end_tree_sampling_matches_target_distribution(tiny_model_dir, he
     n, temperature = 2000, 1.0
     llm = LLM(str(tiny_model_dir), speculative_method="eagle", draft_model=str(head), speculative_tree="3,3,3,8",
               max_num_seqs=n, kv_cache_tokens=n * 48, max_num_batched_tokens=16384)
-    prompt = llm.core.encode_prompt("Once upon a time")
+    prompt = llm.core.text.encode_prompt("Once upon a time")
     params = [SamplingParams(temperature=temperature, max_tokens=3, seed=s + 10_000, ignore_eos=True) for s in range(n)]
     res = llm.generate([prompt] * n, params)
     assert sum(r.spec_stats.accepted for r in res) > 0
@@ -222,7 +222,7 @@ def test_gated_trees_under_aborts_free_everything(tiny_model_dir, head):
     core, ids = llm.core, [f"r{i}" for i in range(12)]
     params = [SamplingParams(temperature=1.0, max_tokens=40, seed=i, ignore_eos=True) for i in range(12)]
     for rid, prompt, sp in zip(ids, PROMPTS * 2, params, strict=True):
-        core.add_request(rid, core.encode_prompt(prompt), sp)
+        core.add_request(rid, core.text.encode_prompt(prompt), sp)
     aborts = {3: ids[:4], 10: ids[4:10], 16: ids[10:11]}
     finished: dict[str, str] = {}
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}

@@ -53,7 +53,7 @@ def _staggered(llm: LLM, temperature: float) -> tuple[list[list[int]], list[Samp
     core = llm.core
     params = [SamplingParams(temperature=temperature, max_tokens=30, seed=s, ignore_eos=True) for s in range(5)]
     params[3] = SamplingParams(temperature=temperature, max_tokens=30, seed=3, ignore_eos=True, speculative=False)
-    prompts = [core.encode_prompt(p) for p in PROMPTS[:5]]
+    prompts = [core.text.encode_prompt(p) for p in PROMPTS[:5]]
     reqs = {}
     joins = {0: [0, 1], 4: [2], 6: [3], 9: [4]}  # step -> requests added before it
     step = 0

@@ -69,13 +69,13 @@ def test_arrivals_aborts_and_stop_strings_under_the_engine_loop(tiny_model_dir):
         core = llm.core
         got: dict[str, tuple[list[int], str | None]] = {}
         params = _mixed_params()
-        core.add_request("a0", core.encode_prompt(PROMPTS[0]), params[0])
-        core.add_request("a1", core.encode_prompt(PROMPTS[1]), SamplingParams(temperature=0, max_tokens=30,
+        core.add_request("a0", core.text.encode_prompt(PROMPTS[0]), params[0])
+        core.add_request("a1", core.text.encode_prompt(PROMPTS[1]), SamplingParams(temperature=0, max_tokens=30,
                                                                               stop=[" t"], ignore_eos=True))
         for n, turn in enumerate(core.run()):
             if n in (5, 9, 14):  # joins while steps are queued ahead
                 i = n % len(PROMPTS)
-                core.add_request(f"j{n}", core.encode_prompt(PROMPTS[i]), params[i + 1])
+                core.add_request(f"j{n}", core.text.encode_prompt(PROMPTS[i]), params[i + 1])
             if n == 11:
                 core.abort("j5")
             for o in turn.outputs:
@@ -125,13 +125,13 @@ def test_tiny_pool_preempts_and_stays_exact(tiny_model_dir, reference):
 def test_a_failing_step_drops_the_queued_one(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), pipeline=True)
     core, worker = llm.core, llm.core.rt.worker
-    core.add_request("x", core.encode_prompt(PROMPTS[0]), SamplingParams(temperature=0, max_tokens=20))
+    core.add_request("x", core.text.encode_prompt(PROMPTS[0]), SamplingParams(temperature=0, max_tokens=20))
     core.step()  # prompt
     core.step()  # plain: the next one is queued
     assert worker.lookahead.queued is not None
     real = worker.verifier._race
     worker.verifier._race = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
-    core.add_request("y", core.encode_prompt(PROMPTS[1]), SamplingParams(temperature=0, max_tokens=5))
+    core.add_request("y", core.text.encode_prompt(PROMPTS[1]), SamplingParams(temperature=0, max_tokens=5))
     outs = core.step()  # a prompt chunk joins: the queued step is dropped, the step fails
     worker.verifier._race = real
     assert worker.lookahead.queued is None

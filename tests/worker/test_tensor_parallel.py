@@ -130,7 +130,7 @@ def preempt_then_abort(llm: LLM, expected: list[list[int]]) -> None:
     """Four greedy requests through a pool too small for them all (preemption by recompute) decode
     `expected`, then a request aborted mid-answer: every rank's blocks are free after each."""
     preempted = []
-    ids = [llm.core.encode_prompt(p) for p in PROMPTS]
+    ids = [llm.core.text.encode_prompt(p) for p in PROMPTS]
     for i, (prompt, p) in enumerate(zip(ids, greedy(), strict=True)):
         llm.core.add_request(f"r{i}", prompt, p)
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ids))}
@@ -162,7 +162,7 @@ def test_a_follower_killed_mid_generation_ends_the_engine_with_an_error_naming_i
     llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2)
     try:
         follower = llm.core.rt.group.procs[0]
-        llm.core.add_request("r", llm.core.encode_prompt(PROMPTS[0]),
+        llm.core.add_request("r", llm.core.text.encode_prompt(PROMPTS[0]),
                              SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
         llm.core.step()
         os.kill(follower.pid, signal.SIGKILL)
