@@ -70,7 +70,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                         stream_interval=a.stream_interval)
     web = Path(a.web_dir) if a.web_dir else default_web_dir()
     return serve(state, partial(build_engine_core, cfg), a.host, a.port, web, a.log_level,
-                 access_log_enabled=a.access_log, origins=origins, tls=tls)
+                 access_log_enabled=a.access_log, origins=origins, tls=tls, engine_process=a.engine_process)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "left): fewer, larger chunks cost the server less at high concurrency; auto: 1 while at most "
                         f"{STREAMS_PER_STEP} answers stream, one more for each further {STREAMS_PER_STEP} "
                         "(default: 1, every step)")
+    s.add_argument("--engine-process", action="store_true",
+                   help="run the engine (scheduling, detokenising, the model's steps) in a process of its own, "
+                        "beside the one that serves HTTP and WebSockets: at high concurrency neither waits for "
+                        "the other's Python work (default: one process)")
     s.add_argument("--api-key", action="append", default=None, metavar="[NAME:]KEY",
                    help="require this bearer token on the API (default: no authentication); repeat it for "
                         "several keys; /metrics counts each key's requests under NAME, else key-N (its position)")

@@ -10,6 +10,12 @@ BLOCK_SIZE = 16
 MAX_TREE_NODES = 62  # a tree's window (its root and nodes) fits one int64 bitmask per row
 StreamInterval = int | Literal["auto"]  # tokens a streamed answer's deltas gather (engine/async_engine.py)
 STREAMS_PER_STEP = 16  # "auto": about this many streams handed a delta per step
+# The engine's worker thread and the event loop share one interpreter lock. At Python's default switch
+# interval (5 ms) a loop busy with arriving requests and streamed chunks keeps the worker, and with it
+# the GPU, waiting up to 5 ms whenever the worker needs the interpreter between its launches and reads;
+# 0.5 ms bounds that wait (measured in docs/benchmarks.md, prefix caching). A server sets it while it
+# runs, and so does an engine process (engine/core_process.py): its loop and worker share a lock too.
+SWITCH_INTERVAL_S = 0.0005
 
 
 def helper_threads(cores: int | None) -> int:

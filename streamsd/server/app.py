@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import EngineFactory
+from streamsd.engine.process import ProcessEngine
 from streamsd.server.auth import ApiKeys
 from streamsd.server.fingerprint import system_fingerprint
 from streamsd.server.metrics import Metrics
@@ -94,12 +95,14 @@ class ApiKeyMiddleware:
 
 
 def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path | None = None,
-               origins: OriginPolicy = OriginPolicy()) -> Starlette:
+               origins: OriginPolicy = OriginPolicy(), engine_process: bool = False) -> Starlette:
+    """`engine_process`: the engine runs in a process of its own (engine/process.py); `engine_factory`
+    must then pickle (a module-level function, or a functools.partial of one)."""
     metrics = Metrics(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        loader = asyncio.create_task(_load(state, engine_factory, metrics))
+        loader = asyncio.create_task(_load(state, engine_factory, metrics, engine_process))
         try:
             yield
         finally:
@@ -138,10 +141,11 @@ def create_app(state: ServerState, engine_factory: EngineFactory, web_dir: Path 
     return app
 
 
-async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics) -> None:
+async def _load(state: ServerState, factory: EngineFactory, metrics: Metrics, engine_process: bool) -> None:
+    launch = ProcessEngine.launch if engine_process else AsyncEngine.launch
     try:
-        # A follower rank that exits ends the server (serve.py exits on load_error).
-        engine = await AsyncEngine.launch(factory, state.stream_interval, state.fail)
+        # A follower rank that exits, or the engine process, ends the server (serve.py exits on load_error).
+        engine = await launch(factory, state.stream_interval, state.fail)
     except Exception as exc:
         log.error("loading the model failed: %s", exc)
         state.fail(f"loading the model failed: {exc}")

@@ -26,6 +26,7 @@ from typing import Any
 
 import uvicorn
 
+from streamsd.config import SWITCH_INTERVAL_S
 from streamsd.server import access_log
 from streamsd.server.app import EngineFactory, create_app
 from streamsd.server.origins import OriginPolicy
@@ -33,11 +34,6 @@ from streamsd.server.state import ServerState
 
 log = logging.getLogger("streamsd")
 WS_MAX_FRAME = 1 << 20
-# The engine's worker thread and the event loop share one interpreter lock. At Python's default switch
-# interval (5 ms) a loop busy with arriving requests and streamed chunks keeps the worker, and with it
-# the GPU, waiting up to 5 ms whenever the worker needs the interpreter between its launches and reads;
-# 0.5 ms bounds that wait (measured in docs/benchmarks.md, prefix caching).
-SWITCH_INTERVAL_S = 0.0005
 
 
 @contextmanager
@@ -103,8 +99,8 @@ class DrainingServer(uvicorn.Server):
 
 def serve(state: ServerState, factory: EngineFactory, host: str, port: int, web_dir: Path | None,
           log_level: str = "info", access_log_enabled: bool = True, origins: OriginPolicy = OriginPolicy(),
-          tls: Tls | None = None) -> int:
-    app = create_app(state, factory, web_dir, origins)
+          tls: Tls | None = None, engine_process: bool = False) -> int:
+    app = create_app(state, factory, web_dir, origins, engine_process)
     config = uvicorn.Config(
         app, host=host, port=port, loop="uvloop", http="httptools", ws="websockets-sansio",
         ws_max_size=WS_MAX_FRAME, log_level=log_level, timeout_graceful_shutdown=5,

@@ -1,0 +1,175 @@
+"""`streamsd serve --engine-process`: the engine in a process of its own, beside the one that serves
+HTTP and WebSockets. The same answers as one process, bad input refused before the engine sees it,
+hang-ups that free what they held, and a server that ends when its engine process does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import websockets
+
+from tests.server_util import Server, free_port, metric, start_server
+
+PROMPTS = ["Once upon a time", "The capital of France is", "def fib(n):", "In the beginning"]
+FLAGS = ("--num-speculative-tokens", "3", "--speculation-policy", "fixed", "--max-num-seqs", "4")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, close_draft_dir, tmp_path_factory):
+    s = start_server(tiny_model_dir, tmp_path_factory.mktemp("logs"), "--engine-process",
+                     "--draft-model", str(close_draft_dir), *FLAGS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _engine_processes(pid: int) -> list[int]:
+    """The engine processes `pid` started (from /proc: its children that multiprocessing spawned, but
+    not multiprocessing's resource tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def _wait_metric(url: str, name: str, want: float, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    value = metric(url, name)
+    while value != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+        value = metric(url, name)
+    return value
+
+
+def test_answers_equal_those_of_one_process(server, client, tiny_model_dir, close_draft_dir, tmp_path):
+    """Greedy answers, speculating with a draft model, token for token as the engine in the server's own
+    process gives them."""
+    one = start_server(tiny_model_dir, tmp_path, "--draft-model", str(close_draft_dir), *FLAGS)
+    try:
+        alone = openai.OpenAI(base_url=f"{one.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for prompt in PROMPTS:
+            kw = {"model": "target0", "prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 0,
+                  "extra_body": {"ignore_eos": True}}
+            ours, theirs = client.completions.create(**kw), alone.completions.create(**kw)
+            assert ours.choices[0].logprobs.tokens == theirs.choices[0].logprobs.tokens
+            assert ours.choices[0].text == theirs.choices[0].text
+            assert ours.usage.completion_tokens == theirs.usage.completion_tokens == 24
+    finally:
+        one.stop()
+
+
+def test_streamed_chat_reads_as_the_whole_answer_and_reports_its_speculation(client):
+    kw = {"model": "target0", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32,
+          "temperature": 0, "seed": 1}
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.completion_tokens_details.accepted_prediction_tokens > 0  # the draft model's tokens, verified
+
+
+def test_bad_input_is_refused_with_its_field_and_the_engine_keeps_serving(client):
+    cases = [({"prompt": [[10**6]]}, "prompt"), ({"prompt": "hi", "max_tokens": 10**6}, "prompt"),
+             ({"prompt": "hi", "extra_body": {"guided_regex": "[a-"}}, "guided_regex"),
+             ({"prompt": "hi", "extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids")]
+    for fields, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="target0", **{"max_tokens": 4, **fields})
+        assert err.value.body["param"] == param, err.value.body
+    ok = client.completions.create(model="target0", prompt="hi", max_tokens=6, temperature=0,
+                                   extra_body={"guided_regex": "[ab]+"})
+    assert ok.choices[0].text and set(ok.choices[0].text) <= {"a", "b"}
+
+
+def test_hung_up_streams_are_aborted_and_free_their_kv(server, client):
+    before = metric(server.url, "streamsd:generation_tokens_total")
+    streams = [client.completions.create(model="target0", prompt=p, max_tokens=3000, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True}) for p in PROMPTS]
+    for s in streams:
+        next(iter(s))  # the first chunk: it runs
+    assert _wait_metric(server.url, "streamsd:num_requests_running", len(PROMPTS), 10) == len(PROMPTS)
+    for s in streams:
+        s.close()
+    assert _wait_metric(server.url, "streamsd:num_requests_running", 0, 5) == 0
+    assert _wait_metric(server.url, "streamsd:kv_cache_usage_perc", 0, 2) == 0
+    assert metric(server.url, "streamsd:generation_tokens_total") - before < 2 * 3000
+    assert metric(server.url, "streamsd:spec_decode_num_drafts_total") > 0
+    assert metric(server.url, "streamsd:iteration_tokens_total_count") > 0
+
+
+def test_websocket_generation_streams_tokens_and_ends_with_done(server):
+    async def main() -> list[dict]:
+        async with websockets.connect(server.ws_url) as ws:
+            await ws.send(json.dumps({"type": "generate", "id": "a", "messages": [{"role": "user", "content": "hello"}],
+                                      "max_tokens": 12, "temperature": 0}))
+            events = []
+            while not events or events[-1].get("type") not in ("done", "error"):
+                events.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+            return events
+
+    events = asyncio.run(main())
+    assert events[-1]["type"] == "done", events[-1]
+    assert sum(len(e.get("tokens", [])) for e in events if e.get("type") == "delta") == 12
+
+
+def test_sigterm_ends_the_engine_process_with_the_server(tiny_model_dir, tmp_path):
+    s = start_server(tiny_model_dir, tmp_path, "--engine-process")
+    children = _engine_processes(s.proc.pid)
+    assert len(children) == 1, children
+    assert s.stop() == 0
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{children[0]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{children[0]}").exists(), "the engine process outlived its server"
+
+
+def test_server_exits_non_zero_when_its_engine_process_dies(tiny_model_dir, tmp_path):
+    s: Server = start_server(tiny_model_dir, tmp_path, "--engine-process")
+    try:
+        [child] = _engine_processes(s.proc.pid)
+        os.kill(child, signal.SIGKILL)
+        rc = s.proc.wait(30)
+    finally:
+        s.stop(signal.SIGKILL)
+    assert rc == 1
+    assert "the engine process exited" in s.log.read_text()
+
+
+def test_model_that_cannot_load_in_the_engine_process_exits_non_zero_with_one_error_line(tmp_path):
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "streamsd.cli", "serve", "--port", str(free_port()), "--device", "cpu",
+           "--engine-process", "--model", "/no/such/path"]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        rc = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the server kept running without a model:\n{log.read_text()}")
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if "ERROR" in line or line.startswith("error:")]
+    assert rc != 0
+    assert len(errors) == 1 and "/no/such/path" in errors[0], text
+    assert "Traceback" not in text
