@@ -262,13 +262,15 @@ def test_entering_trees_pays_for_the_heads_catch_up_within_the_batchs_remaining_
 def test_metrics_export_the_choosers_share_of_plain_steps():
     from types import SimpleNamespace
 
+    from streamsd.engine.info import EngineLoad, PolicyStats
     from streamsd.server.metrics import _AdaptiveCollector
 
     chooser = TreeChooser(_cost({1: 1.5, 2: 1.6, 4: 1.8, 8: 2.2, 16: 4.0}), DEPTH)
     for n in (16, 16, 16, 8):  # three plain steps, then a tree step
         _trees(chooser, _batch(n))
     assert chooser.summary()["plain_steps"] == 3 and chooser.summary()["tree_steps"] == 1
-    state = SimpleNamespace(engine=SimpleNamespace(core=SimpleNamespace(scheduler=SimpleNamespace(policy=chooser))))
+    load = EngineLoad(policy=PolicyStats.of(chooser))
+    state = SimpleNamespace(engine=SimpleNamespace(load=lambda: load))
     families = list(_AdaptiveCollector(state).collect())  # type: ignore[arg-type]
     assert [(f.name, f.samples[0].value) for f in families] == [("streamsd:spec_decode_plain_step_share", 0.75)]
 
