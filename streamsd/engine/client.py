@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from streamsd.engine.core import RequestOutput
+from streamsd.engine.core import RequestOutput, joined
 from streamsd.engine.info import EngineInfo, EngineLoad, StepReport
 from streamsd.engine.text import ChatText
 from streamsd.request import Constraint, SamplingParams
@@ -20,6 +20,19 @@ from streamsd.request import Constraint, SamplingParams
 OutputObserver = Callable[[RequestOutput], None]
 StepObserver = Callable[[StepReport], None]
 OnLost = Callable[[str], None]  # told why an engine can no longer run
+
+
+def gathered(first: RequestOutput, queue: asyncio.Queue[RequestOutput]) -> list[RequestOutput]:
+    """`first` and the deltas already waiting behind it in `queue`, each request's joined into one (in
+    the order the requests first appear): a stream that fell behind its engine catches up in one
+    chunk per request, not one per step it missed."""
+    if queue.empty():
+        return [first]
+    by_request: dict[str, list[RequestOutput]] = {first.request_id: [first]}
+    while not queue.empty():
+        out = queue.get_nowait()
+        by_request.setdefault(out.request_id, []).append(out)
+    return [joined(outs) for outs in by_request.values()]
 
 
 class EngineClient(ABC):
@@ -69,9 +82,9 @@ class EngineClient(ABC):
         finished = False
         try:
             while not finished:
-                out = await queue.get()
-                finished = out.finished
-                yield out
+                for out in gathered(await queue.get(), queue):
+                    finished = out.finished
+                    yield out
         finally:
             if not finished:
                 self.abort(rid)

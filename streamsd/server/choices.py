@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from streamsd.engine.client import EngineClient
+from streamsd.engine.client import EngineClient, gathered
 from streamsd.engine.core import RequestOutput
 from streamsd.request import SamplingParams, SpecStats
 from streamsd.server.protocol import MAX_N
@@ -46,10 +46,10 @@ class Fanout:
                     running.discard(out.request_id)
                 yield out
             while running:
-                out = await self.queue.get()
-                if out.finished:
-                    running.discard(out.request_id)
-                yield out
+                for out in gathered(await self.queue.get(), self.queue):
+                    if out.finished:
+                        running.discard(out.request_id)
+                    yield out
         finally:
             for rid in running:
                 engine.abort(rid)
