@@ -81,3 +81,13 @@ def metric(base_url: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+def wait_metric(base_url: str, name: str, want: float, timeout: float) -> float:
+    """The metric's value once it reads `want`, or its last value when `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    value = metric(base_url, name)
+    while value != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+        value = metric(base_url, name)
+    return value

@@ -23,10 +23,11 @@ from streamsd.model.loader import ModelLoadError, check_readable, load_state_dic
 from tests.server_util import free_port, start_server
 
 
-def test_server_whose_model_cannot_load_exits_non_zero_with_one_error_line(tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+def test_server_whose_model_cannot_load_exits_non_zero_with_one_error_line(tmp_path, flags):
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "streamsd.cli", "serve", "--port", str(free_port()), "--device", "cpu",
-           "--model", "/no/such/path"]
+           "--model", "/no/such/path", *flags]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         rc = proc.wait(60)
@@ -88,10 +89,11 @@ def test_unreadable_weights_are_reported_as_permission_denied_for_the_user(tiny_
     check_readable(tiny_model_dir / "model.safetensors")  # readable: no error
 
 
-def test_sigterm_ends_cut_streams_with_abort_and_refuses_queued_requests(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+def test_sigterm_ends_cut_streams_with_abort_and_refuses_queued_requests(tiny_model_dir, tmp_path, flags):
     """Streams cut by the drain end with finish_reason "abort"; requests still queued when it ends
     get 503, streaming or not. Streams that finish within the drain end normally."""
-    s = start_server(tiny_model_dir, tmp_path, "--drain-timeout", "1.5", "--max-num-seqs", "2")
+    s = start_server(tiny_model_dir, tmp_path, "--drain-timeout", "1.5", "--max-num-seqs", "2", *flags)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=s.url, timeout=60) as ac:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.server_util import metric, start_server
+from tests.server_util import metric, start_server, wait_metric
 
 CHAT = [{"role": "user", "content": "Tell me about Paris."}]
 
@@ -54,15 +54,6 @@ def _read_status(sock: socket.socket, timeout: float) -> tuple[int, str]:
     return int(head.split(" ", 2)[1]), head
 
 
-def _wait_metric(url: str, name: str, want: float, timeout: float) -> float:
-    deadline = time.monotonic() + timeout
-    value = metric(url, name)
-    while value != want and time.monotonic() < deadline:
-        time.sleep(0.02)
-        value = metric(url, name)
-    return value
-
-
 def test_non_streaming_request_is_aborted_when_its_client_disconnects(server):
     before = metric(server.url, "streamsd:generation_tokens_total")
     body = json.dumps({"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "temperature": 1.0}).encode()
@@ -71,10 +62,10 @@ def test_non_streaming_request_is_aborted_when_its_client_disconnects(server):
         s = _connect(server.port)
         s.sendall(_head("/v1/completions", len(body)) + body)
         socks.append(s)
-        assert _wait_metric(server.url, "streamsd:num_requests_running", running, 10) == running
+        assert wait_metric(server.url, "streamsd:num_requests_running", running, 10) == running
     for s in socks:
         s.close()
-    assert _wait_metric(server.url, "streamsd:num_requests_running", 0, 3) == 0
+    assert wait_metric(server.url, "streamsd:num_requests_running", 0, 3) == 0
     assert metric(server.url, "streamsd:kv_cache_usage_perc") == 0
     generated = metric(server.url, "streamsd:generation_tokens_total") - before
     assert generated < 2 * 4000, "the requests ran to the end after their clients left"
