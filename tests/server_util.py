@@ -91,3 +91,18 @@ def wait_metric(base_url: str, name: str, want: float, timeout: float) -> float:
         time.sleep(0.02)
         value = metric(base_url, name)
     return value
+
+
+def spawned(pid: int) -> list[int]:
+    """The live processes `pid` started through multiprocessing's spawn (an engine process, tensor-parallel
+    ranks), not its resource tracker; from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmdline:
+            out.append(int(stat.parent.name))
+    return out

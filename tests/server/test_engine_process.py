@@ -15,7 +15,7 @@ import openai
 import pytest
 import websockets
 
-from tests.server_util import Server, metric, start_server, wait_metric
+from tests.server_util import Server, metric, spawned, start_server, wait_metric
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fib(n):", "In the beginning"]
 FLAGS = ("--num-speculative-tokens", "3", "--speculation-policy", "fixed", "--max-num-seqs", "4")
@@ -32,21 +32,6 @@ def server(tiny_model_dir, close_draft_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def _engine_processes(pid: int) -> list[int]:
-    """The engine processes `pid` started (from /proc: its children that multiprocessing spawned, but
-    not multiprocessing's resource tracker)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
-                found.append(int(entry.name))
-    return found
 
 
 def test_answers_equal_those_of_one_process(server, client, tiny_model_dir, close_draft_dir, tmp_path):
@@ -124,7 +109,7 @@ def test_websocket_generation_streams_tokens_and_ends_with_done(server):
 
 def test_sigterm_ends_the_engine_process_with_the_server(tiny_model_dir, tmp_path):
     s = start_server(tiny_model_dir, tmp_path, "--engine-process")
-    children = _engine_processes(s.proc.pid)
+    children = spawned(s.proc.pid)
     assert len(children) == 1, children
     assert s.stop() == 0
     deadline = time.monotonic() + 10
@@ -136,7 +121,7 @@ def test_sigterm_ends_the_engine_process_with_the_server(tiny_model_dir, tmp_pat
 def test_server_exits_non_zero_when_its_engine_process_dies(tiny_model_dir, tmp_path):
     s: Server = start_server(tiny_model_dir, tmp_path, "--engine-process")
     try:
-        [child] = _engine_processes(s.proc.pid)
+        [child] = spawned(s.proc.pid)
         os.kill(child, signal.SIGKILL)
         rc = s.proc.wait(30)
     finally:

@@ -10,21 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.server_util import Server, metric, start_server
-
-
-def followers(pid: int) -> list[int]:
-    """The live processes `pid` spawned to run ranks (not multiprocessing's resource tracker)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmdline:
-            out.append(int(stat.parent.name))
-    return out
+from tests.server_util import Server, metric, spawned, start_server
 
 
 def alive(pid: int) -> bool:
@@ -44,7 +30,7 @@ def server(tiny_model_dir, tmp_path):
 
 
 def test_a_two_rank_server_answers_a_chat_request_and_stops_its_follower_on_sigterm(server: Server):
-    ranks = followers(server.proc.pid)
+    ranks = spawned(server.proc.pid)
     assert len(ranks) == 1, ranks
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
@@ -64,8 +50,27 @@ def test_a_two_rank_server_answers_a_chat_request_and_stops_its_follower_on_sigt
 
 
 def test_a_follower_rank_that_dies_ends_the_server_with_an_error_naming_it(server: Server):
-    (follower,) = followers(server.proc.pid)
+    (follower,) = spawned(server.proc.pid)
     os.kill(follower, signal.SIGKILL)
+    _ends_naming_rank_1(server)
+
+
+def test_a_follower_rank_of_an_engine_process_that_dies_ends_the_server(tiny_model_dir, tmp_path):
+    s = start_server(tiny_model_dir, tmp_path, "--tensor-parallel-size", "2", "--speculative-method", "ngram",
+                     "--kv-cache-tokens", "1024", "--dtype", "float32", "--engine-process")
+    try:
+        (engine,) = spawned(s.proc.pid)
+        (follower,) = spawned(engine)
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.completions.create(model=client.models.list().data[0].id, prompt="Hello", max_tokens=4)
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+        os.kill(follower, signal.SIGKILL)
+        _ends_naming_rank_1(s)
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def _ends_naming_rank_1(server: Server) -> None:
     try:
         code = server.proc.wait(60)
     except subprocess.TimeoutExpired:
