@@ -9,6 +9,9 @@ first at once, its last whatever it holds): each delta a stream receives costs t
 an event to encode and a socket write, which at high concurrency compete with scheduling the next
 step. "auto" sets N by the streams open: one for every STREAMS_PER_STEP of them (1 up to that many),
 so the loop hands over about that many deltas a step at any load.
+
+It runs on the server's own event loop, or on the loop of an engine process serving the server over
+a pipe (engine/core_process.py).
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ class AsyncEngine(EngineClient):
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
-        self.steps = 0
 
     @classmethod
     async def launch(cls, factory: EngineFactory, stream_interval: StreamInterval,
@@ -126,7 +128,6 @@ class AsyncEngine(EngineClient):
                 self._dispatch(out)
             em = core.finish_step(plan, results, aborted)
             done = (plan, seconds) if plan.entries or plan.preempted else None
-            self.steps += 1
             if running is None and em is None:
                 await asyncio.sleep(0.001)  # only aborts were processed; let the loop breathe
 
