@@ -11,10 +11,11 @@ replaces the last.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import queue
+import threading
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -24,7 +25,7 @@ from streamsd.engine.client import EngineClient, OnLost
 from streamsd.engine.core import EngineFactory, RequestOutput
 from streamsd.engine.core_process import run_core_process
 from streamsd.engine.info import EngineInfo, EngineLoad
-from streamsd.engine.process_messages import Abort, Add, Failed, FromEngine, Ready, Report, Shutdown
+from streamsd.engine.process_messages import Abort, Add, Failed, FromEngine, Ready, Report, Shutdown, ToEngine
 from streamsd.engine.text import ChatText
 from streamsd.request import Constraint, FinishReason, ParamError, SamplingParams, check_token_ids
 from streamsd.sample.grammar import Grammars
@@ -50,6 +51,11 @@ class ProcessEngine(EngineClient):
         self._ids = itertools.count()
         self._gone: str | None = None
         self._on_lost = on_lost
+        # Requests and aborts are sent from a thread of their own: a send blocks while the pipe is full,
+        # and the loop blocked in one would stop reading the engine's reports, which the engine may
+        # itself be blocked writing (each side waiting for the other to read). None ends the thread.
+        self._outbox: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="streamsd-engine-pipe", daemon=True)
 
     @classmethod
     async def launch(cls, factory: EngineFactory, stream_interval: StreamInterval, on_lost: OnLost) -> ProcessEngine:
@@ -75,15 +81,18 @@ class ProcessEngine(EngineClient):
         return cls(process, ours, first.info, text, on_lost)
 
     async def start(self) -> None:
+        self._writer.start()
         asyncio.get_running_loop().add_reader(self._conn.fileno(), self._read)
 
     async def close(self) -> None:
         if self._gone is None:
             self._gone = "the server is closing"
             asyncio.get_running_loop().remove_reader(self._conn.fileno())
-            with contextlib.suppress(OSError):
-                self._conn.send(Shutdown())
+            self._outbox.put(Shutdown())
+        self._outbox.put(None)
         await asyncio.to_thread(_stop, self._process)
+        if self._writer.is_alive():
+            await asyncio.to_thread(self._writer.join)
         self._conn.close()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -95,18 +104,25 @@ class ProcessEngine(EngineClient):
         check_fits(len(prompt_ids), params.max_tokens, self.info.max_model_len)
         if self._gone is not None:
             raise EngineProcessError(self._gone)
-        self._conn.send(Add(rid, list(prompt_ids), params))
+        self._outbox.put(Add(rid, list(prompt_ids), params))
         return rid, self._open(rid, queue)
 
     def abort(self, request_id: str) -> None:
         if request_id in self._streams and self._gone is None:
-            self._conn.send(Abort(request_id))
+            self._outbox.put(Abort(request_id))
 
     def load(self) -> EngineLoad:
         return self._load
 
     def compile_grammar(self, constraint: Constraint) -> Any:
         return self._grammars.compile(constraint)
+
+    def _write(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except OSError:  # the engine process is gone: `_read` reports it
+                return
 
     def _read(self) -> None:
         try:

@@ -128,3 +128,31 @@ def test_server_exits_non_zero_when_its_engine_process_dies(tiny_model_dir, tmp_
         s.stop(signal.SIGKILL)
     assert rc == 1
     assert "the engine process exited" in s.log.read_text()
+
+
+def test_a_burst_of_long_prompts_beside_running_streams_is_answered_whole(server):
+    """Sixteen prompts of 3,000 token ids (hundreds of kilobytes through the pipe at once, more than it
+    buffers) while four answers stream: every request is answered and every stream ends."""
+    async def main() -> tuple[list[int], list[str]]:
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def streamed(prompt: str) -> str:
+            last = ""
+            async for chunk in await aclient.completions.create(model="target0", prompt=prompt, max_tokens=200,
+                                                                 stream=True, extra_body={"ignore_eos": True}):
+                last = chunk.choices[0].finish_reason or last
+            return last
+
+        async def long(i: int) -> int:
+            ids = [(7 * i + j) % 300 + 3 for j in range(3000)]
+            reply = await aclient.completions.create(model="target0", prompt=ids, max_tokens=4, temperature=0)
+            assert reply.usage is not None
+            return reply.usage.prompt_tokens
+
+        streams = [asyncio.create_task(streamed(p)) for p in PROMPTS]
+        counts = await asyncio.gather(*(long(i) for i in range(16)))
+        return counts, await asyncio.gather(*streams)
+
+    counts, ends = asyncio.run(main())
+    assert counts == [3000] * 16
+    assert ends == ["length"] * len(PROMPTS)
