@@ -95,6 +95,10 @@ class AsyncEngine(EngineClient):
     def load(self) -> EngineLoad:
         return EngineLoad.of(self.core, PolicyStats.of(self.core.scheduler.policy))
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.core.scheduler.waiting)
+
     def compile_grammar(self, constraint: Constraint) -> Any:
         return self.core.rt.grammars.compile(constraint)
 

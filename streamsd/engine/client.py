@@ -63,6 +63,12 @@ class EngineClient(ABC):
     def load(self) -> EngineLoad:
         """The engine's live counts (from its last report, where it runs elsewhere)."""
 
+    @property
+    @abstractmethod
+    def num_waiting(self) -> int:
+        """Requests waiting to be scheduled (as last reported, where the engine runs elsewhere); read for
+        every request a server admits, so cheaper than `load`."""
+
     @abstractmethod
     def compile_grammar(self, constraint: Constraint) -> Any:
         """Compiles (and caches) a request's grammar; a ParamError if it cannot. Blocking: call it on a thread."""

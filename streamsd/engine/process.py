@@ -114,6 +114,10 @@ class ProcessEngine(EngineClient):
     def load(self) -> EngineLoad:
         return self._load
 
+    @property
+    def num_waiting(self) -> int:
+        return self._load.waiting
+
     def compile_grammar(self, constraint: Constraint) -> Any:
         return self._grammars.compile(constraint)
 

@@ -92,7 +92,7 @@ class ServerState:
                         param="model", code="model_not_found")
 
     def check_queue(self, engine: EngineClient) -> None:
-        if engine.load().waiting >= self.max_queue:
+        if engine.num_waiting >= self.max_queue:
             raise ApiError.overloaded("too many requests are waiting; retry later")
 
 
