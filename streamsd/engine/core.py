@@ -47,6 +47,15 @@ class RequestMetrics:
     max_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why an engine refused a request it was sent: a check only the engine could make (an engine in
+    another process: its KV pool's size, its queue at that moment)."""
+
+    message: str
+    param: str | None  # the request field at fault; None: the engine is overloaded, worth a retry
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One step's worth of a request: new tokens and text, and at the end why it stopped."""
@@ -58,6 +67,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    refusal: Refusal | None = None  # with `error`: the request was refused, never ran
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt tokens, those whose KV came from the prefix cache
     completion_tokens: int = 0

@@ -20,10 +20,11 @@ from multiprocessing.connection import Connection
 
 from streamsd.config import SWITCH_INTERVAL_S, StreamInterval
 from streamsd.engine.async_engine import AsyncEngine, worker_thread
-from streamsd.engine.core import EngineFactory, RequestOutput
+from streamsd.engine.core import EngineFactory, Refusal, RequestOutput
 from streamsd.engine.info import EngineInfo, EngineLoad, PolicyStats, StepReport
 from streamsd.engine.process_messages import Abort, Add, Failed, Ready, Report
-from streamsd.request import FinishReason
+from streamsd.request import FinishReason, ParamError
+from streamsd.sched.scheduler import QueueFullError
 
 log = logging.getLogger("streamsd")
 IDLE_REPORT_S = 0.25  # how stale the server's view of an idle engine's load may get
@@ -120,7 +121,8 @@ class _Server:
             await asyncio.to_thread(self.engine.compile_grammar, msg.params.constraint)
         except ValueError as exc:
             del self.compiling[msg.request_id]
-            self.sink.put_nowait(_ended(msg.request_id, FinishReason.ERROR, str(exc)))
+            param = exc.param if isinstance(exc, ParamError) else msg.params.constraint.param
+            self.sink.put_nowait(_refused(msg.request_id, Refusal(str(exc), param)))
             return
         if self.compiling.pop(msg.request_id):
             self.sink.put_nowait(_ended(msg.request_id, FinishReason.ABORT))
@@ -130,8 +132,11 @@ class _Server:
     def submit(self, msg: Add) -> None:
         try:
             self.engine.submit(msg.prompt_ids, msg.params, msg.request_id, self.sink)
-        except (ValueError, RuntimeError) as exc:  # what the server could not check: the KV pool's size, a full queue
-            self.sink.put_nowait(_ended(msg.request_id, FinishReason.ERROR, str(exc)))
+        except QueueFullError as exc:
+            self.sink.put_nowait(_refused(msg.request_id, Refusal(str(exc), None)))
+        except ValueError as exc:  # what the server could not check: the KV pool's size
+            self.sink.put_nowait(_refused(msg.request_id, Refusal(str(exc), exc.param if isinstance(exc, ParamError)
+                                                                  else "prompt")))
 
     def abort(self, request_id: str) -> None:
         if request_id in self.compiling:
@@ -169,5 +174,10 @@ class _Server:
         self.steps.clear()
 
 
-def _ended(request_id: str, reason: FinishReason, error: str | None = None) -> RequestOutput:
-    return RequestOutput(request_id, [], "", [], finished=True, finish_reason=str(reason), error=error)
+def _ended(request_id: str, reason: FinishReason) -> RequestOutput:
+    return RequestOutput(request_id, [], "", [], finished=True, finish_reason=str(reason))
+
+
+def _refused(request_id: str, refusal: Refusal) -> RequestOutput:
+    return RequestOutput(request_id, [], "", [], finished=True, finish_reason=str(FinishReason.ERROR),
+                         error=refusal.message, refusal=refusal)

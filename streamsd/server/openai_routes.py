@@ -32,6 +32,7 @@ from streamsd.server.state import (
     ApiError,
     ServerState,
     compile_constraint,
+    failed,
     finish_reason,
     sampling_params,
     speculation,
@@ -163,7 +164,7 @@ class _Completion:
         tail = b""
         async for out in _chain(head, rest):
             if out.error:
-                tail = _event(ApiError(500, out.error).body())
+                tail = _event(failed(out).body())
                 break
             index = self.index[out.request_id]
             first = index not in started
@@ -266,7 +267,7 @@ async def _answer(state: ServerState, engine: EngineClient, prompts: PromptEncod
         head = await anext(outputs)
         if head.error:
             await outputs.aclose()
-            raise ApiError(500, head.error)
+            raise failed(head)
         if _never_ran(head):
             await outputs.aclose()
             raise ApiError(503, NEVER_RAN)
@@ -277,7 +278,7 @@ async def _answer(state: ServerState, engine: EngineClient, prompts: PromptEncod
     finals = [o for o in outs if o.finished]
     for f in finals:
         if f.error:
-            raise ApiError(500, f.error)
+            raise failed(f)
     if any(_never_ran(f) for f in finals):
         raise ApiError(503, NEVER_RAN)
     every: list[RequestOutput] | None = None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from streamsd.config import SpecConfig, StreamInterval
 from streamsd.engine.client import EngineClient
-from streamsd.engine.core import RequestOutput
+from streamsd.engine.core import Refusal, RequestOutput
 from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.request import ParamError, SamplingParams, SpecStats
 from streamsd.server.protocol import SamplingFields
@@ -149,10 +149,22 @@ def admit(engine: EngineClient, prompt_ids: list[int], params: SamplingParams, r
     try:
         return engine.submit(prompt_ids, params, request_id, queue)
     except QueueFullError as exc:
-        raise ApiError.overloaded(str(exc)) from exc
+        raise refused(Refusal(str(exc), None)) from exc
     except ValueError as exc:
-        raise ApiError(400, str(exc), param=exc.param if isinstance(exc, ParamError) else param,
-                       code="context_length_exceeded" if "context window" in str(exc) else None) from exc
+        raise refused(Refusal(str(exc), exc.param if isinstance(exc, ParamError) else param)) from exc
+
+
+def refused(r: Refusal) -> ApiError:
+    """The error a refused request answers with: 429 when the engine is overloaded, else a 400 naming the field."""
+    if r.param is None:
+        return ApiError.overloaded(r.message)
+    return ApiError(400, r.message, param=r.param,
+                    code="context_length_exceeded" if "context window" in r.message else None)
+
+
+def failed(out: RequestOutput) -> ApiError:
+    """The error of a request that ended with one (`out.error`): refused, or failed while it ran."""
+    return refused(out.refusal) if out.refusal is not None else ApiError(500, out.error or "internal error")
 
 
 def finish_reason(out: RequestOutput) -> str:

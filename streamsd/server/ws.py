@@ -17,6 +17,7 @@ from streamsd.server.state import (
     ServerState,
     admit,
     compile_constraint,
+    failed,
     finish_reason,
     sampling_params,
     token_entries,
@@ -86,7 +87,7 @@ class Session:
         try:
             async for out in engine.stream(rid, queue):
                 if out.error:
-                    await self.error(cid, out.error, "internal_error")
+                    await self.error(cid, out.error, failed(out).code)
                     return
                 steps += 1
                 emitted += len(out.tokens)

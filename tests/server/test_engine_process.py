@@ -156,3 +156,29 @@ def test_a_burst_of_long_prompts_beside_running_streams_is_answered_whole(server
     counts, ends = asyncio.run(main())
     assert counts == [3000] * 16
     assert ends == ["length"] * len(PROMPTS)
+
+
+@pytest.mark.parametrize("flags", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+def test_a_request_only_the_engine_can_refuse_gets_the_same_400(tiny_model_dir, close_draft_dir, tmp_path, flags):
+    """Within the context window but, with its drafts' KV, more than the pool holds: a check the engine
+    makes. Streamed or not, over HTTP or WebSocket, the answer is a 400 naming the prompt, and the
+    engine goes on serving."""
+    s = start_server(tiny_model_dir, tmp_path, "--kv-cache-tokens", "256", "--max-model-len", "256",
+                     "--draft-model", str(close_draft_dir), "--num-speculative-tokens", "3", *flags)
+    try:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(model="target0", prompt=[5] * 200, max_tokens=56, stream=stream)
+            assert err.value.body["param"] == "prompt" and "KV cache" in err.value.body["message"]
+
+        async def over_websocket() -> dict:
+            async with websockets.connect(s.ws_url) as ws:
+                await ws.send(json.dumps({"type": "generate", "id": "a", "prompt": "x" * 200, "max_tokens": 56}))
+                return json.loads(await asyncio.wait_for(ws.recv(), 30))
+
+        event = asyncio.run(over_websocket())
+        assert event["type"] == "error" and event["error"]["code"] == "invalid_request", event
+        assert client.completions.create(model="target0", prompt=[5] * 100, max_tokens=5).usage.completion_tokens == 5
+    finally:
+        s.stop()
