@@ -3,7 +3,7 @@
 Requests are checked here against what the engine said of itself when it was ready (`EngineInfo`:
 the vocabulary, the context window), so that bad input is refused before anything is sent; the few
 things only the engine can know (its KV pool, its queue at that moment) come back as the request's
-end, with the engine's message. Each report the engine sends is read once, when the pipe becomes
+only output, carrying a `Refusal` the server answers as it answers a refused admission. Each report the engine sends is read once, when the pipe becomes
 readable: its deltas go to their streams and observers, its steps to the step observers, its load
 replaces the last.
 """
