@@ -138,7 +138,7 @@ class ProcessEngine(EngineClient):
                     self._lose(msg.message)
                     return
         except (EOFError, OSError):
-            self._lose(f"the engine process exited (status {self._process.exitcode})")
+            self._lose(f"the engine process exited{_status(self._process)}")
 
     def _report(self, report: Report) -> None:
         self._load = report.load
@@ -163,13 +163,21 @@ class ProcessEngine(EngineClient):
         self._on_lost(message)
 
 
+def _status(process: BaseProcess) -> str:
+    """How the process ended, once it is reaped: its exit status or the signal that killed it."""
+    code = process.exitcode
+    if code is None:
+        return ""
+    return f" (killed by signal {-code})" if code < 0 else f" (status {code})"
+
+
 def _first_message(conn: Connection, process: BaseProcess) -> Ready | Failed:
     """The engine's first word: Ready, or Failed (also when the process died before saying either)."""
     try:
         msg: FromEngine = conn.recv()
     except (EOFError, OSError):
         process.join(CLOSE_TIMEOUT_S)
-        return Failed(f"the engine process exited while loading (status {process.exitcode})")
+        return Failed(f"the engine process exited while loading{_status(process)}")
     assert isinstance(msg, Ready | Failed), f"an engine's first message is Ready or Failed, not {msg!r}"
     return msg
 
