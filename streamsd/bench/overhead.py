@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per pass, from the dataset's start")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="measured passes over the prompt set (after one warm-up)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the server runs its engine in a process of its own (serve --engine-process): what the "
+                        "hop between the two processes adds")
     p.add_argument("--port", type=int, default=8787, help="port of the server it starts")
     p.add_argument("--output-json", default=None, help="write the figures as JSON here")
 
@@ -104,15 +107,16 @@ def _start_server(flags: list[str], port: int, log: Path) -> subprocess.Popen[by
 
 async def _build_engine(ns: argparse.Namespace) -> AsyncEngine:
     """The engine as the server builds it: on the worker thread its steps then run on."""
-    from streamsd.engine.args import engine_config
-    from streamsd.engine.async_engine import AsyncEngine, worker_thread
-    from streamsd.engine.builder import build_runtime
-    from streamsd.engine.core import EngineCore
+    from functools import partial
 
-    cfg = engine_config(ns)
-    worker = worker_thread()
-    core = await asyncio.get_running_loop().run_in_executor(worker, lambda: EngineCore(build_runtime(cfg), cfg.spec))
-    engine = AsyncEngine(core, worker)
+    from streamsd.engine.args import engine_config
+    from streamsd.engine.async_engine import AsyncEngine
+    from streamsd.engine.core import build_engine_core
+
+    def lost(message: str) -> None:  # a rank lost: the next step raises it, failing the benchmark's request
+        pass
+
+    engine = await AsyncEngine.launch(partial(build_engine_core, engine_config(ns)), 1, lost)
     await engine.start()
     return engine
 
@@ -196,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = [p.text for p in load_dataset(args.dataset, args.num_prompts)]
     with tempfile.TemporaryDirectory(prefix="streamsd-overhead-") as tmp:
         try:
-            proc = _start_server(flags, args.port, Path(tmp) / "serve.log")
+            served_flags = [*flags, "--engine-process"] if args.engine_process else flags
+            proc = _start_server(served_flags, args.port, Path(tmp) / "serve.log")
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -206,12 +211,13 @@ def run(args: argparse.Namespace) -> int:
             proc.terminate()
             proc.wait(60)
     doc = summarize(offline, served)
-    print(f"{'':14}{'TTFT ms':>10}{'TPOT ms':>10}   (serve {' '.join(flags) or '(defaults)'}; batch 1, "
+    process = " --engine-process" if args.engine_process else ""
+    print(f"{'':14}{'TTFT ms':>10}{'TPOT ms':>10}   (serve {' '.join(flags) or '(defaults)'}{process}; batch 1, "
           f"{args.max_tokens} tokens, median of {doc['requests']})")
     for name, r in doc["rows"].items():
         print(f"{name:14}{r['ttft_ms']:10.2f}{r['tpot_ms']:10.3f}")
     print(f"identical answers: {doc['identical']} of {doc['requests']}")
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({"serve_args": flags, "max_tokens": args.max_tokens, **doc},
-                                                     indent=2))
+        Path(args.output_json).write_text(json.dumps({"serve_args": flags, "engine_process": args.engine_process,
+                                                      "max_tokens": args.max_tokens, **doc}, indent=2))
     return 0

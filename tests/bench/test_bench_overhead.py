@@ -14,16 +14,18 @@ from tests.bench.bench_helpers import MT_BENCH
 from tests.server_util import free_port
 
 
-def test_both_sides_answer_alike_and_each_is_timed(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("process", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+def test_both_sides_answer_alike_and_each_is_timed(tiny_model_dir: Path, tmp_path: Path, capsys, process) -> None:
     out = tmp_path / "overhead.json"
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("the cat sat", "a dog ran", "we sang")))
     flags = f"--model {tiny_model_dir} --device cpu --dtype float32 --speculative-method ngram"
     rc = main(["bench", "overhead", "--serve-args", flags, "--dataset", str(dataset), "--num-prompts", "3",
-               "--max-tokens", "12", "--repeats", "2", "--port", str(free_port()), "--output-json", str(out)])
+               "--max-tokens", "12", "--repeats", "2", "--port", str(free_port()), "--output-json", str(out), *process])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["serve_args"] == flags.split() and doc["max_tokens"] == 12
+    assert doc["engine_process"] is bool(process)
     # float32 on a CPU: the server's engine and this process's one decode the same greedy tokens
     assert doc["requests"] == 6 and doc["identical"] == 6
     rows = doc["rows"]
