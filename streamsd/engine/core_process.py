@@ -92,12 +92,14 @@ class _Server:
         self.sent: EngineLoad | None = None
         self.policy: PolicyStats | None = None
         self.policy_read = 0.0
+        self.requests_read = 0
 
     def read(self) -> None:
         try:
             while self.conn.poll():
                 msg = self.conn.recv()
                 if isinstance(msg, Add):
+                    self.requests_read += 1
                     self.add(msg)
                 elif isinstance(msg, Abort):
                     self.abort(msg.request_id)
@@ -168,7 +170,7 @@ class _Server:
     def send(self, outputs: list[RequestOutput]) -> None:
         self.sent = self.load()
         try:
-            self.conn.send(Report(outputs, self.steps[:], self.sent))
+            self.conn.send(Report(outputs, self.steps[:], self.sent, self.requests_read))
         except OSError:  # the server is gone
             self.ended.set()
         self.steps.clear()

@@ -48,6 +48,8 @@ class ProcessEngine(EngineClient):
         self._conn = conn
         self._grammars = Grammars(text.tokenizer, info.vocab_size)  # to refuse a bad grammar here
         self._load = EngineLoad()
+        self._sent = 0  # Add messages sent, and of them read by the engine as of its last report
+        self._read_by_engine = 0
         self._ids = itertools.count()
         self._gone: str | None = None
         self._on_lost = on_lost
@@ -105,6 +107,7 @@ class ProcessEngine(EngineClient):
         if self._gone is not None:
             raise EngineProcessError(self._gone)
         self._outbox.put(Add(rid, list(prompt_ids), params))
+        self._sent += 1
         return rid, self._open(rid, queue)
 
     def abort(self, request_id: str) -> None:
@@ -116,7 +119,8 @@ class ProcessEngine(EngineClient):
 
     @property
     def num_waiting(self) -> int:
-        return self._load.waiting
+        """The engine's waiting requests as last reported, and those sent that it had not read then."""
+        return self._load.waiting + self._sent - self._read_by_engine
 
     def compile_grammar(self, constraint: Constraint) -> Any:
         return self._grammars.compile(constraint)
@@ -141,7 +145,7 @@ class ProcessEngine(EngineClient):
             self._lose(f"the engine process exited{_status(self._process)}")
 
     def _report(self, report: Report) -> None:
-        self._load = report.load
+        self._load, self._read_by_engine = report.load, report.requests_read
         for step in report.steps:
             for observe_step in self.step_observers:
                 observe_step(step)

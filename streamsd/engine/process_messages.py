@@ -46,6 +46,7 @@ class Report:
     outputs: list[RequestOutput]
     steps: list[StepReport]
     load: EngineLoad
+    requests_read: int  # Add messages the engine has read in all: the server counts those still in the pipe
 
 
 ToEngine = Add | Abort | Shutdown

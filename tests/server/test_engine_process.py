@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import websockets
@@ -182,3 +183,24 @@ def test_a_request_only_the_engine_can_refuse_gets_the_same_400(tiny_model_dir, 
         assert client.completions.create(model="target0", prompt=[5] * 100, max_tokens=5).usage.completion_tokens == 5
     finally:
         s.stop()
+
+
+def test_a_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
+    """A queue of one: of a burst of eight, those past it are refused as overloaded, whether the server's
+    count (requests still in the pipe included) or the engine's queue turns them away; none fails."""
+    s = start_server(tiny_model_dir, tmp_path, "--engine-process", "--max-queue", "1", "--max-num-seqs", "2")
+    try:
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as ac:
+                long = {"prompt": "hi", "max_tokens": 300, "ignore_eos": True}
+                return await asyncio.gather(*[ac.post("/v1/completions", json=long) for _ in range(8)])
+
+        answers = asyncio.run(flood())
+    finally:
+        s.stop()
+    codes = sorted(r.status_code for r in answers)
+    assert set(codes) == {200, 429}, codes
+    for r in answers:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "server_overloaded"
