@@ -80,6 +80,12 @@ class RequestOutput:
     # With prompt_logprobs asked for, on the first output: prompt token i + 1's (logprob, top alternatives).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
+    @classmethod
+    def ended(cls, request_id: str, reason: FinishReason, error: str | None = None,
+              refusal: Refusal | None = None) -> RequestOutput:
+        """A request's last output with nothing in it: it was aborted before it ran, refused, or failed."""
+        return cls(request_id, [], "", [], finished=True, finish_reason=str(reason), error=error, refusal=refusal)
+
 
 def joined(outs: Sequence[RequestOutput]) -> RequestOutput:
     """Consecutive deltas of one request as one: the tokens and text of all, the per-step counts summed,

@@ -19,9 +19,9 @@ import time
 from multiprocessing.connection import Connection
 
 from streamsd.config import SWITCH_INTERVAL_S, StreamInterval
-from streamsd.engine.async_engine import AsyncEngine, worker_thread
+from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import EngineFactory, Refusal, RequestOutput
-from streamsd.engine.info import EngineInfo, EngineLoad, PolicyStats, StepReport
+from streamsd.engine.info import EngineLoad, PolicyStats, StepReport
 from streamsd.engine.process_messages import Abort, Add, Failed, Ready, Report
 from streamsd.request import FinishReason, ParamError
 from streamsd.sched.scheduler import QueueFullError
@@ -38,28 +38,24 @@ def run_core_process(conn: Connection, factory: EngineFactory, stream_interval: 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server decides
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    executor = worker_thread()
-    try:
-        core = executor.submit(factory).result()
-    except Exception as exc:
-        executor.shutdown(wait=False)
-        conn.send(Failed(str(exc)))
-        return
-    conn.send(Ready(EngineInfo.of(core)))
     import uvloop
 
-    uvloop.run(_serve(conn, AsyncEngine(core, executor, stream_interval)))
+    uvloop.run(_serve(conn, factory, stream_interval))
 
 
-async def _serve(conn: Connection, engine: AsyncEngine) -> None:
+async def _serve(conn: Connection, factory: EngineFactory, stream_interval: StreamInterval) -> None:
     loop = asyncio.get_running_loop()
     ended = asyncio.Event()
-    group = engine.core.rt.group
-    if group is not None:  # a rank lost: no step can run again; the server hears it and exits
-        def lost(message: str) -> None:  # on the group's monitor thread
-            loop.call_soon_threadsafe(_fail, conn, message, ended)
 
-        group.on_lost.append(lost)
+    def lost(message: str) -> None:  # a rank lost, on the group's monitor thread: the server hears it and exits
+        loop.call_soon_threadsafe(_fail, conn, message, ended)
+
+    try:
+        engine = await AsyncEngine.launch(factory, stream_interval, lost)
+    except Exception as exc:
+        conn.send(Failed(str(exc)))
+        return
+    conn.send(Ready(engine.info))
     server = _Server(conn, engine, ended)
     loop.add_reader(conn.fileno(), server.read)
     await engine.start()
@@ -127,7 +123,7 @@ class _Server:
             self.sink.put_nowait(_refused(msg.request_id, Refusal(str(exc), param)))
             return
         if self.compiling.pop(msg.request_id):
-            self.sink.put_nowait(_ended(msg.request_id, FinishReason.ABORT))
+            self.sink.put_nowait(RequestOutput.ended(msg.request_id, FinishReason.ABORT))
             return
         self.submit(msg)
 
@@ -176,10 +172,5 @@ class _Server:
         self.steps.clear()
 
 
-def _ended(request_id: str, reason: FinishReason) -> RequestOutput:
-    return RequestOutput(request_id, [], "", [], finished=True, finish_reason=str(reason))
-
-
 def _refused(request_id: str, refusal: Refusal) -> RequestOutput:
-    return RequestOutput(request_id, [], "", [], finished=True, finish_reason=str(FinishReason.ERROR),
-                         error=refusal.message, refusal=refusal)
+    return RequestOutput.ended(request_id, FinishReason.ERROR, refusal.message, refusal)

@@ -162,8 +162,7 @@ class ProcessEngine(EngineClient):
         log.error("%s", message)
         asyncio.get_running_loop().remove_reader(self._conn.fileno())
         for rid in list(self._streams):
-            self._deliver(RequestOutput(rid, [], "", [], finished=True, finish_reason=str(FinishReason.ERROR),
-                                        error=message))
+            self._deliver(RequestOutput.ended(rid, FinishReason.ERROR, message))
         self._on_lost(message)
 
 
