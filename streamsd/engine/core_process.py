@@ -22,7 +22,7 @@ from streamsd.config import SWITCH_INTERVAL_S, StreamInterval
 from streamsd.engine.async_engine import AsyncEngine
 from streamsd.engine.core import EngineFactory, Refusal, RequestOutput
 from streamsd.engine.info import EngineLoad, PolicyStats, StepReport
-from streamsd.engine.process_messages import Abort, Add, Failed, Ready, Report
+from streamsd.engine.process_messages import Abort, Add, Failed, Ready, Report, watch
 from streamsd.request import FinishReason, ParamError
 from streamsd.sched.scheduler import QueueFullError
 
@@ -57,7 +57,7 @@ async def _serve(conn: Connection, factory: EngineFactory, stream_interval: Stre
         return
     conn.send(Ready(engine.info))
     server = _Server(conn, engine, ended)
-    loop.add_reader(conn.fileno(), server.read)
+    watch(conn, server.read)
     await engine.start()
     tasks = [asyncio.create_task(server.forward()), asyncio.create_task(server.heartbeat())]
     try:

@@ -21,11 +21,21 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from streamsd.config import StreamInterval
-from streamsd.engine.client import EngineClient, OnLost
+from streamsd.engine.client import EngineClient, EngineLost, OnLost
 from streamsd.engine.core import EngineFactory, RequestOutput
 from streamsd.engine.core_process import run_core_process
 from streamsd.engine.info import EngineInfo, EngineLoad
-from streamsd.engine.process_messages import Abort, Add, Failed, FromEngine, Ready, Report, Shutdown, ToEngine
+from streamsd.engine.process_messages import (
+    Abort,
+    Add,
+    Failed,
+    FromEngine,
+    Ready,
+    Report,
+    Shutdown,
+    ToEngine,
+    watch,
+)
 from streamsd.engine.text import ChatText
 from streamsd.request import Constraint, FinishReason, ParamError, SamplingParams, check_token_ids
 from streamsd.sample.grammar import Grammars
@@ -36,7 +46,7 @@ CLOSE_TIMEOUT_S = 10.0
 
 
 class EngineProcessError(RuntimeError):
-    """The engine process could not start its engine, or exited."""
+    """The engine process could not start its engine."""
 
 
 class ProcessEngine(EngineClient):
@@ -84,7 +94,7 @@ class ProcessEngine(EngineClient):
 
     async def start(self) -> None:
         self._writer.start()
-        asyncio.get_running_loop().add_reader(self._conn.fileno(), self._read)
+        watch(self._conn, self._read)
 
     async def close(self) -> None:
         if self._gone is None:
@@ -105,7 +115,7 @@ class ProcessEngine(EngineClient):
         check_token_ids(prompt_ids, params, self.info.vocab_size)
         check_fits(len(prompt_ids), params.max_tokens, self.info.max_model_len)
         if self._gone is not None:
-            raise EngineProcessError(self._gone)
+            raise EngineLost(self._gone)
         self._outbox.put(Add(rid, list(prompt_ids), params))
         self._sent += 1
         return rid, self._open(rid, queue)

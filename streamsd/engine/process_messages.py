@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from streamsd.engine.core import RequestOutput
 from streamsd.engine.info import EngineInfo, EngineLoad, StepReport
@@ -51,3 +55,16 @@ class Report:
 
 ToEngine = Add | Abort | Shutdown
 FromEngine = Ready | Failed | Report
+
+
+def watch(conn: Connection, read: Callable[[], None]) -> None:
+    """Calls `read` on the running loop whenever `conn` has data to read.
+
+    uvloop (libuv) makes a descriptor it watches non-blocking, and a non-blocking pipe breaks
+    Connection's whole messages: `send` of a report larger than the room left, or `recv` of one only
+    partly written yet, fails halfway with BlockingIOError, which reads as a lost peer. Both sides of
+    this pipe want each message whole (the server's sends come from a thread of their own; a report
+    being read is being written at that moment), so the descriptor is made blocking again."""
+    fd = conn.fileno()
+    asyncio.get_running_loop().add_reader(fd, read)
+    os.set_blocking(fd, True)
