@@ -22,6 +22,10 @@ StepObserver = Callable[[StepReport], None]
 OnLost = Callable[[str], None]  # told why an engine can no longer run
 
 
+class EngineLost(RuntimeError):
+    """Raised by `submit` once the engine can no longer run (its process exited): the message says why."""
+
+
 def gathered(first: RequestOutput, queue: asyncio.Queue[RequestOutput]) -> list[RequestOutput]:
     """`first` and the deltas already waiting behind it in `queue`, each request's joined into one (in
     the order the requests first appear): a stream that fell behind its engine catches up in one

@@ -39,7 +39,7 @@ async def health(request: Request) -> Response:
     state: ServerState = request.app.state.streamsd
     if state.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
-    if state.engine is None:
+    if state.load_error is not None or state.engine is None:
         status = "failed" if state.load_error else "loading"
         return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
     return JSONResponse({"status": "ok", "model": state.served_model_name})

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamsd.config import SpecConfig, StreamInterval
-from streamsd.engine.client import EngineClient
+from streamsd.engine.client import EngineClient, EngineLost
 from streamsd.engine.core import Refusal, RequestOutput
 from streamsd.engine.generation_defaults import GenerationDefaults
 from streamsd.request import ParamError, SamplingParams, SpecStats
@@ -73,7 +73,7 @@ class ServerState:
     def ready_engine(self) -> EngineClient:
         if self.draining:
             raise ApiError(503, "the server is shutting down")
-        if self.engine is None:
+        if self.load_error is not None or self.engine is None:  # an engine lost while serving: the server is exiting
             raise ApiError(503, self.load_error or "the model is still loading")
         return self.engine
 
@@ -148,6 +148,8 @@ def admit(engine: EngineClient, prompt_ids: list[int], params: SamplingParams, r
 
     try:
         return engine.submit(prompt_ids, params, request_id, queue)
+    except EngineLost as exc:
+        raise ApiError(503, str(exc)) from exc
     except QueueFullError as exc:
         raise refused(Refusal(str(exc), None)) from exc
     except ValueError as exc:

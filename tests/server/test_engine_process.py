@@ -5,7 +5,9 @@ hang-ups that free what they held, and a server that ends when its engine proces
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import multiprocessing as mp
 import os
 import signal
 import time
@@ -15,7 +17,12 @@ import httpx
 import openai
 import pytest
 import websockets
+from starlette.testclient import TestClient
 
+from streamsd.config import EngineConfig
+from streamsd.engine.core import build_engine_core
+from streamsd.server.app import create_app
+from streamsd.server.state import ServerState
 from tests.server_util import Server, metric, spawned, start_server, wait_metric
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fib(n):", "In the beginning"]
@@ -129,6 +136,26 @@ def test_server_exits_non_zero_when_its_engine_process_dies(tiny_model_dir, tmp_
         s.stop(signal.SIGKILL)
     assert rc == 1
     assert "the engine process exited" in s.log.read_text()
+
+
+def test_until_the_server_has_exited_requests_after_its_engine_process_died_get_503(tiny_model_dir):
+    """Between the engine process's end and the server's own, /health says why and a request gets a
+    503 naming it, not a 500 (the app alone: nothing here exits)."""
+    state = ServerState(served_model_name="tiny")
+    factory = functools.partial(build_engine_core, EngineConfig(model=str(tiny_model_dir), device="cpu"))
+    with TestClient(create_app(state, factory, engine_process=True)) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [child] = mp.active_children()
+        os.kill(child.pid, signal.SIGKILL)
+        while client.get("/health").json()["status"] != "failed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = client.get("/health")
+        r = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 4})
+    assert health.status_code == 503 and "the engine process exited" in health.json()["error"]
+    assert r.status_code == 503, r.text
+    assert "the engine process exited" in r.json()["error"]["message"]
 
 
 def test_a_burst_of_long_prompts_beside_running_streams_is_answered_whole(server):
