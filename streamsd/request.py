@@ -244,9 +244,6 @@ class Request:
     prefix_parent: int = 0
     prefix_ready: int = 0
     cached_tokens: int = 0
-    # Its full blocks' cache keys (tokens, extra) as far as a lookup has reached: a block's tokens never
-    # change, so each key is made once, not at every step a waiting request is peeked at.
-    block_keys: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)
     # A draft tree's shape (spec_decode/tree.py): each draft's parent index, ROOT (-1) under the pending
     # token; empty for a chain.

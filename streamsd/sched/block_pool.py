@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import count
+from operator import attrgetter
 
 ROOT = 0  # the entry "before" a prompt's first block
 
@@ -48,6 +49,7 @@ class BlockPool:
         self._entry_of: dict[int, Entry] = {}  # block -> its cache entry
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, LRU first
         self._uids = count(1)
+        self.evictions = 0  # entries dropped from the cache so far: unchanged, every entry seen is still cached
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of them, found cached
 
@@ -93,6 +95,7 @@ class BlockPool:
             block, _ = self._evictable.popitem(last=False)
             entry = self._entry_of.pop(block)
             del self._table[entry.key]
+            self.evictions += 1
             taken.append(block)
         for b in taken:
             self._refs[b] = 1
@@ -114,10 +117,10 @@ class BlockPool:
     def key(self, parent: int, tokens: Sequence[int], extra: tuple[int, ...] = ()) -> Key:
         return (parent, tuple(tokens), extra)
 
-    def lookup(self, keys_of: Iterable[tuple[Sequence[int], tuple[int, ...]]]) -> list[Entry]:
-        """The cached entries of the longest prefix of these blocks ((tokens, extra) each), in order."""
+    def lookup(self, keys_of: Iterable[tuple[Sequence[int], tuple[int, ...]]], parent: int = ROOT) -> list[Entry]:
+        """The cached entries of the longest prefix of these blocks ((tokens, extra) each), in order;
+        `parent`: the entry of the block before the first (ROOT: they start a prompt)."""
         found: list[Entry] = []
-        parent = ROOT
         table = self._table
         for tokens, extra in keys_of:
             entry = table.get((parent, tuple(tokens), extra))
@@ -129,12 +132,12 @@ class BlockPool:
 
     def acquire(self, entries: Sequence[Entry]) -> list[int]:
         """Holds the cached blocks of `entries` (one more reference each); their block ids."""
-        blocks = []
-        for e in entries:
-            if self._refs[e.block] == 0:
-                del self._evictable[e.block]
-            self._refs[e.block] += 1
-            blocks.append(e.block)
+        blocks = list(map(attrgetter("block"), entries))
+        refs = self._refs
+        for b in blocks:
+            if not refs[b]:
+                del self._evictable[b]
+            refs[b] += 1
         return blocks
 
     def register(self, parent: int, block: int, tokens: Sequence[int], extra: tuple[int, ...] = (), *,
@@ -157,5 +160,6 @@ class BlockPool:
         for b in self._evictable:
             self._free.append(b)
         self._evictable.clear()
+        self.evictions += len(self._table)
         self._table.clear()
         self._entry_of.clear()

@@ -27,10 +27,11 @@ one written next), so a prompt whose every full block is cached recomputes its l
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterator, Sequence
+from operator import attrgetter
 
 from streamsd.request import Request
-from streamsd.sched.block_pool import ROOT, BlockPool
+from streamsd.sched.block_pool import ROOT, BlockPool, Entry
 
 
 class PrefixCache:
@@ -43,39 +44,83 @@ class PrefixCache:
         self.streams = streams
         self.next_tokens = next_tokens
         self.salt = salt  # whatever else changes every block's KV (e.g. an adapter's id)
+        # The entries found last (`_find`), the token ids they cover, and the pool's evictions then.
+        self._memo: list[Entry] = []
+        self._memo_ids: list[int] = []
+        self._memo_evictions = 0
 
     def _max_blocks(self, r: Request) -> int:
         n = r.num_tokens
         return max(min((n - 1) // self.bs, (n - self.next_tokens) // self.bs), 0)
 
-    def _keys(self, r: Request, start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Blocks start..stop-1's keys of `r`, kept in `r.block_keys`: each block's key is built once per
-        request, in one pass over its tokens (a waiting request is peeked at every step)."""
-        made = r.block_keys
-        if len(made) < stop:
-            bs, nt, salt = self.bs, self.next_tokens, self.salt
-            ids = tuple(r.all_ids)  # a tuple's slices are the keys' tuples: one copy each
-            made.extend([(ids[a : a + bs], salt + ids[a + bs : a + bs + nt]) for a in range(len(made) * bs, stop * bs, bs)])
-        return made[start:stop]
+    def _keys(self, ids: Sequence[int], start: int, stop: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Blocks start..stop-1's keys (tokens, extra) over the token ids `ids`, made as they are read: a
+        lookup stops at its first miss."""
+        bs, nt, salt = self.bs, self.next_tokens, self.salt
+        for a in range(start * bs, stop * bs, bs):
+            yield tuple(ids[a : a + bs]), salt + tuple(ids[a + bs : a + bs + nt])
+
+    def _find(self, r: Request) -> list[Entry]:
+        """The cached entries of the longest cached prefix of `r`'s full blocks.
+
+        Requests in a row often share a long prefix (a system prompt, a chat's earlier turns). The
+        entries found last, with the tokens they cover, are kept: the blocks of `r` whose tokens (and
+        next tokens) equal those are the same keys, so the same entries, as long as no entry has been
+        evicted since. One comparison of the token lists (a few bisections where they part) replaces
+        a dictionary lookup per block; the walk goes on block by block only past them."""
+        m = self._max_blocks(r)
+        ids = r.all_ids
+        found = self._recent(ids, m)
+        if len(found) < m:
+            parent = found[-1].uid if found else ROOT
+            found = found + self.pool.lookup(self._keys(ids, len(found), m), parent)
+        if found:
+            end = len(found) * self.bs + self.next_tokens
+            self._memo, self._memo_ids, self._memo_evictions = found, ids[:end], self.pool.evictions
+        return found
+
+    def _recent(self, ids: list[int], m: int) -> list[Entry]:
+        """Of the entries found last, those of the leading blocks (at most m) whose tokens `ids` repeat."""
+        if not self._memo or self._memo_evictions != self.pool.evictions:
+            return []
+        bs, nt, memo = self.bs, self.next_tokens, self._memo_ids
+
+        def same(blocks: int) -> bool:
+            return ids[: blocks * bs + nt] == memo[: blocks * bs + nt]
+
+        n = min(len(self._memo), m)
+        if not same(n):
+            # Where they part is usually near the end (the requests' own last blocks): step down from
+            # there in growing strides, then bisect.
+            high, stride = n, 1  # the first `high` blocks do not all match
+            low = max(high - stride, 0)
+            while low > 0 and not same(low):
+                high, stride = low, stride * 2
+                low = max(high - stride, 0)
+            while high - low > 1:  # the first `low` blocks match (none at 0)
+                mid = (low + high) // 2
+                low, high = (mid, high) if same(mid) else (low, mid)
+            n = low
+        return self._memo[:n]
 
     def peek(self, r: Request) -> int:
         """Tokens of `r` a claim would find cached now (nothing is held)."""
         if not self.enabled or r.blocks or r.scores_prompt:
             return r.computed
-        return len(self.pool.lookup(self._keys(r, 0, self._max_blocks(r)))) * self.bs
+        return len(self._find(r)) * self.bs
 
     def claim(self, r: Request) -> int:
         """At admission of a request that holds no KV: takes the cached blocks of its longest cached
         prefix and counts them computed, for the target and the drafter. Returns the tokens taken."""
         if not self.enabled or r.blocks or r.scores_prompt:
             return 0
-        entries = self.pool.lookup(self._keys(r, 0, self._max_blocks(r)))
+        entries = self._find(r)
         if not entries:
             return 0
         r.blocks = self.pool.acquire(entries)
-        ready = _leading(e.draft_kv for e in entries)
+        ready = _leading(entries, "draft_kv")
         r.computed, r.draft_computed = len(entries) * self.bs, ready * self.bs
-        with_streams = _leading(e.streams for e in entries)
+        with_streams = _leading(entries, "streams")
         if self.streams and with_streams < len(entries):
             missing = with_streams * self.bs
             r.streams_missing_from = missing if r.streams_missing_from is None else min(r.streams_missing_from, missing)
@@ -102,7 +147,7 @@ class PrefixCache:
             # some position on, and any block the head has caught up over (it read them there).
             missing = r.streams_missing_from
             streamed = stop if not self.streams or missing is None else max(drafted, missing // self.bs)
-            for b, (tokens, extra) in enumerate(self._keys(r, r.prefix_blocks, stop), start=r.prefix_blocks):
+            for b, (tokens, extra) in enumerate(self._keys(r.all_ids, r.prefix_blocks, stop), start=r.prefix_blocks):
                 parent = self.pool.register(parent, r.blocks[b], tokens, extra, draft_kv=b < drafted,
                                             streams=b < streamed)
             r.prefix_blocks, r.prefix_parent = stop, parent
@@ -123,11 +168,7 @@ class PrefixCache:
         r.prefix_blocks, r.prefix_parent, r.prefix_ready = 0, ROOT, 0
 
 
-def _leading(flags: Iterable[bool]) -> int:
-    """How many of `flags` are true before the first false one."""
-    n = 0
-    for flag in flags:
-        if not flag:
-            break
-        n += 1
-    return n
+def _leading(entries: list[Entry], flag: str) -> int:
+    """How many of `entries` have `flag` set before the first that has not."""
+    flags = list(map(attrgetter(flag), entries))
+    return flags.index(False) if False in flags else len(flags)

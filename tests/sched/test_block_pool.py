@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
+
+import pytest
 
 from streamsd.config import SchedulerConfig
 from streamsd.request import FinishReason, Request, SamplingParams
@@ -90,3 +93,37 @@ def test_with_the_cache_off_every_block_comes_back_free() -> None:
     for r in list(s.running):
         s.finish(r, FinishReason.ABORT)
     assert s.blocks.num_unused == s.blocks.total and s.blocks.num_cached == 0
+
+
+@pytest.mark.parametrize("next_tokens", [0, 1])
+def test_a_lookup_through_the_prefix_found_last_finds_what_a_walk_from_the_root_finds(next_tokens: int) -> None:
+    """Requests share stems and part anywhere (mid-block, in a block's next token), and a small pool
+    evicts: every peek and claim finds exactly the blocks a lookup of every key from the root finds."""
+    rng = random.Random(next_tokens)
+    bs, salt = 4, (5,)
+    pool = BlockPool(24, block_size=bs, caching=True)
+    cache = PrefixCache(pool, enabled=True, next_tokens=next_tokens, salt=salt)
+    stems = [[rng.randrange(3) for _ in range(40)] for _ in range(3)]  # three token values: near-copies
+    held: list[Request] = []
+    for i in range(400):
+        stem = rng.choice(stems)
+        ids = stem[: rng.randrange(len(stem) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        r = Request(str(i), ids, SamplingParams(max_tokens=1), 0, 0.0)
+        n = len(ids)
+        full = max(min((n - 1) // bs, (n - next_tokens) // bs), 0)
+        keys = [(ids[a : a + bs], salt + tuple(ids[a + bs : a + bs + next_tokens])) for a in range(0, full * bs, bs)]
+        expected = [e.block for e in pool.lookup(keys)]
+        assert cache.peek(r) == len(expected) * bs, i
+        assert cache.claim(r) == len(expected) * bs and r.blocks == expected, i
+        need = -(-n // bs) - len(r.blocks)
+        while need > pool.num_free:
+            gone = held.pop(0)
+            pool.give(gone.blocks)
+        r.blocks += pool.take(need)
+        r.computed = n
+        cache.register(r)
+        held.append(r)
+        if rng.random() < 0.5:
+            gone = held.pop(rng.randrange(len(held)))
+            pool.give(gone.blocks)
+    assert pool.evictions > 0
