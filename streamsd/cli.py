@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamsd.config import STREAMS_PER_STEP, StreamInterval
-from streamsd.engine.args import DEFAULT_MODEL, add_engine_args, engine_config
+from streamsd.engine.args import DEFAULT_MODEL, add_engine_args, engine_config, engine_process
 
 if TYPE_CHECKING:
     from streamsd.config import EngineConfig
@@ -70,7 +70,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                         stream_interval=a.stream_interval)
     web = Path(a.web_dir) if a.web_dir else default_web_dir()
     return serve(state, partial(build_engine_core, cfg), a.host, a.port, web, a.log_level,
-                 access_log_enabled=a.access_log, origins=origins, tls=tls, engine_process=a.engine_process)
+                 access_log_enabled=a.access_log, origins=origins, tls=tls,
+                 engine_process=engine_process(a.engine_process, a.device))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -167,10 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "left): fewer, larger chunks cost the server less at high concurrency; auto: 1 while at most "
                         f"{STREAMS_PER_STEP} answers stream, one more for each further {STREAMS_PER_STEP} "
                         "(default: 1, every step)")
-    s.add_argument("--engine-process", action="store_true",
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine (scheduling, detokenising, the model's steps) in a process of its own, "
                         "beside the one that serves HTTP and WebSockets: at high concurrency neither waits for "
-                        "the other's Python work (default: one process)")
+                        "the other's Python work (default: on with a GPU, off on the CPU)")
     s.add_argument("--api-key", action="append", default=None, metavar="[NAME:]KEY",
                    help="require this bearer token on the API (default: no authentication); repeat it for "
                         "several keys; /metrics counts each key's requests under NAME, else key-N (its position)")

@@ -63,6 +63,17 @@ def test_exact_mode_on_cuda_drafts_chains_by_default_and_takes_a_tree_asked_for(
     assert cfg.exact and str(cfg.spec.tree) == "3,4,4,12"
 
 
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--device", "cuda"], True), (["--device", "cpu"], False),
+    (["--device", "cuda", "--no-engine-process"], False), (["--device", "cpu", "--engine-process"], True),
+])
+def test_the_engine_runs_in_its_own_process_by_default_on_a_gpu_only(argv, expected):
+    from streamsd.engine.args import engine_process
+
+    a = build_parser().parse_args(["serve", *argv])
+    assert engine_process(a.engine_process, a.device) is expected
+
+
 def _config(*argv: str):
     from streamsd.engine.args import engine_config
 

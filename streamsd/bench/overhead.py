@@ -50,9 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per pass, from the dataset's start")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="measured passes over the prompt set (after one warm-up)")
-    p.add_argument("--engine-process", action="store_true",
-                   help="the server runs its engine in a process of its own (serve --engine-process): what the "
-                        "hop between the two processes adds")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="the server runs its engine in a process of its own, or not (serve --[no-]engine-process; "
+                        "default: as serve, on with a GPU): with it, the hop between the two processes is counted")
     p.add_argument("--port", type=int, default=8787, help="port of the server it starts")
     p.add_argument("--output-json", default=None, help="write the figures as JSON here")
 
@@ -198,9 +198,12 @@ def summarize(offline: list[Timing], served: list[Timing]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     flags, ns = engine_flags(args.serve_args)
     prompts = [p.text for p in load_dataset(args.dataset, args.num_prompts)]
+    from streamsd.engine.args import engine_process
+
+    process = engine_process(args.engine_process, ns.device)
+    served_flags = [*flags, "--engine-process" if process else "--no-engine-process"]
     with tempfile.TemporaryDirectory(prefix="streamsd-overhead-") as tmp:
         try:
-            served_flags = [*flags, "--engine-process"] if args.engine_process else flags
             proc = _start_server(served_flags, args.port, Path(tmp) / "serve.log")
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -211,13 +214,12 @@ def run(args: argparse.Namespace) -> int:
             proc.terminate()
             proc.wait(60)
     doc = summarize(offline, served)
-    process = " --engine-process" if args.engine_process else ""
-    print(f"{'':14}{'TTFT ms':>10}{'TPOT ms':>10}   (serve {' '.join(flags) or '(defaults)'}{process}; batch 1, "
+    print(f"{'':14}{'TTFT ms':>10}{'TPOT ms':>10}   (serve {' '.join(served_flags)}; batch 1, "
           f"{args.max_tokens} tokens, median of {doc['requests']})")
     for name, r in doc["rows"].items():
         print(f"{name:14}{r['ttft_ms']:10.2f}{r['tpot_ms']:10.3f}")
     print(f"identical answers: {doc['identical']} of {doc['requests']}")
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({"serve_args": flags, "engine_process": args.engine_process,
+        Path(args.output_json).write_text(json.dumps({"serve_args": flags, "engine_process": process,
                                                       "max_tokens": args.max_tokens, **doc}, indent=2))
     return 0

@@ -85,6 +85,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_default: str | None) ->
                         "one; auto: on CUDA, where the GPU runs ahead of the host")
 
 
+def engine_process(flag: bool | None, device: str | None) -> bool:
+    """`serve --[no-]engine-process`, else the default: on a GPU the server's event loop and the
+    engine's each get an interpreter of their own (many concurrent streams are host-bound there); on
+    the CPU the model's compute sets the pace, and a second process only takes cores from it."""
+    from streamsd.engine.builder import pick_device
+
+    return flag if flag is not None else pick_device(device).type == "cuda"
+
+
 def default_speculation(model: str, draft_model: str | None, device: str | None) -> SpecMethod | Literal["none"]:
     """--speculative-method when none is given. For the embedded default model: its shipped EAGLE head
     on CUDA (batch 1 on an H200, 16 held-out prompts, against pipelined plain steps: 1.46x plain at
