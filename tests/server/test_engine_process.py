@@ -147,7 +147,7 @@ def test_until_the_server_has_exited_requests_after_its_engine_process_died_get_
         deadline = time.monotonic() + 60
         while client.get("/health").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.05)
-        [child] = mp.active_children()
+        [child] = [p for p in mp.active_children() if p.name == "streamsd-engine"]
         os.kill(child.pid, signal.SIGKILL)
         while client.get("/health").json()["status"] != "failed" and time.monotonic() < deadline:
             time.sleep(0.05)
