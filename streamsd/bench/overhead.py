@@ -196,10 +196,10 @@ def summarize(offline: list[Timing], served: list[Timing]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    flags, ns = engine_flags(args.serve_args)
-    prompts = [p.text for p in load_dataset(args.dataset, args.num_prompts)]
     from streamsd.engine.args import engine_process
 
+    flags, ns = engine_flags(args.serve_args)
+    prompts = [p.text for p in load_dataset(args.dataset, args.num_prompts)]
     process = engine_process(args.engine_process, ns.device)
     served_flags = [*flags, "--engine-process" if process else "--no-engine-process"]
     with tempfile.TemporaryDirectory(prefix="streamsd-overhead-") as tmp:

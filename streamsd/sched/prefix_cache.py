@@ -28,7 +28,6 @@ one written next), so a prompt whose every full block is cached recomputes its l
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from operator import attrgetter
 
 from streamsd.request import Request
 from streamsd.sched.block_pool import ROOT, BlockPool, Entry
@@ -118,9 +117,9 @@ class PrefixCache:
         if not entries:
             return 0
         r.blocks = self.pool.acquire(entries)
-        ready = _leading(entries, "draft_kv")
+        ready = _leading([e.draft_kv for e in entries])
         r.computed, r.draft_computed = len(entries) * self.bs, ready * self.bs
-        with_streams = _leading(entries, "streams")
+        with_streams = _leading([e.streams for e in entries])
         if self.streams and with_streams < len(entries):
             missing = with_streams * self.bs
             r.streams_missing_from = missing if r.streams_missing_from is None else min(r.streams_missing_from, missing)
@@ -168,7 +167,6 @@ class PrefixCache:
         r.prefix_blocks, r.prefix_parent, r.prefix_ready = 0, ROOT, 0
 
 
-def _leading(entries: list[Entry], flag: str) -> int:
-    """How many of `entries` have `flag` set before the first that has not."""
-    flags = list(map(attrgetter(flag), entries))
+def _leading(flags: list[bool]) -> int:
+    """How many of `flags` are true before the first false one."""
     return flags.index(False) if False in flags else len(flags)
